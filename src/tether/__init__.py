@@ -1,0 +1,67 @@
+"""Tether: an actor-model runtime for agents that spawn subagents.
+
+Layering (imports only ever point down):
+
+    tether.runtime   processes and the outside world: the Runtime facade, worker pool,
+        |            worker turn loop, SQLite store, drivers, RPC server, CLI
+        v
+    tether.actors    pykka actors: the supervisor (registry, lineage, authority) and one
+        |            agent per live session (inbox, state, turn, interrupts); they reach
+        |            the pool and the store only through the Protocols in actors.ports
+        v
+    tether.wire      msgspec Structs and codecs; depends on nothing of ours
+"""
+
+from tether.actors.authority import Ancestor, User
+from tether.runtime import tools
+from tether.runtime.runtime import OneShot, Runtime
+from tether.runtime.scripted import Scripted
+from tether.runtime.worker import CommandResult, TurnContext
+from tether.wire.errors import (
+    DriverNotFound,
+    InvalidParams,
+    NotFound,
+    ParentOffline,
+    Preempted,
+    TetherError,
+    TurnFailed,
+    Unauthorized,
+)
+from tether.wire.frames import Cancel, Steer
+from tether.wire.records import (
+    AgentInfo,
+    AgentRef,
+    ChildTurnEnded,
+    Entry,
+    Event,
+    Message,
+    TurnRecord,
+)
+
+__all__ = [
+    "AgentInfo",
+    "AgentRef",
+    "Ancestor",
+    "Cancel",
+    "ChildTurnEnded",
+    "CommandResult",
+    "DriverNotFound",
+    "Entry",
+    "Event",
+    "InvalidParams",
+    "Message",
+    "NotFound",
+    "OneShot",
+    "ParentOffline",
+    "Preempted",
+    "Runtime",
+    "Scripted",
+    "Steer",
+    "TetherError",
+    "TurnContext",
+    "TurnFailed",
+    "TurnRecord",
+    "Unauthorized",
+    "User",
+    "tools",
+]

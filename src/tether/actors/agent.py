@@ -1,0 +1,502 @@
+"""One live session: its inbox, its state, its current turn and pending interrupts.
+
+The actor never blocks: a turn runs in a worker, so each message here is short
+bookkeeping (a store write, a frame handed to the executor, a timer armed). It never
+asks another actor; it only tells the supervisor, so no cycle of waits can form.
+
+Requested is kept apart from took-effect: ``_Turn.stop`` records the issued stop (the
+first one stands; an abort overrides a cancel), ``delivered`` records that the driver
+saw the cancel at a boundary, and the outcome is decided only when the turn has ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import pykka
+import structlog
+
+from tether.actors._ids import new_id
+from tether.actors.ports import AgentStore, EventSink, Executor, TurnJob
+from tether.actors.states import AgentState, check_transition
+from tether.wire.errors import InvalidParams
+from tether.wire.frames import Cancel, CancelFrame, Delivered, Preempt, Steer, SteerFrame, ToolKilled, TurnEnd
+from tether.wire.records import ChildTurnEnded, Message, SessionHeader
+from tether.wire.text import marker_text
+
+__all__ = [
+    "AgentActor",
+    "AgentStatus",
+    "Dispose",
+    "Enqueue",
+    "Interrupt",
+    "Release",
+    "Settled",
+    "StatusCell",
+    "TurnNotice",
+]
+
+log = structlog.get_logger("tether.agent")
+
+Wake = Literal["yes", "no", "if-idle"]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    """An immutable snapshot, swapped in whole so readers on other threads see one state."""
+
+    state: AgentState
+    pending: int = 0
+    stopping: str | None = None
+    turn: str | None = None
+
+
+class StatusCell:
+    """Where the agent publishes its status for the supervisor's discovery walk."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, status: AgentStatus) -> None:
+        self.status = status
+
+
+# ---- messages the agent receives ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    """``count`` messages were durably appended to the inbox."""
+
+    wake: Wake
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Interrupt:
+    kind: str
+    origin: str
+    by: str
+    reason: str
+    grace: float
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dispose:
+    origin: str
+    by: str
+    grace: float
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Asked by the supervisor: stop this activation unless a turn is running."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivered:
+    frame: Delivered
+
+
+@dataclass(frozen=True, slots=True)
+class _ToolKilled:
+    frame: ToolKilled
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    turn: str
+    end: TurnEnd | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Timer:
+    turn: str
+    which: Literal["grace", "deadline"]
+
+
+# ---- messages the agent tells the supervisor -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TurnNotice:
+    parent: str
+    notice: ChildTurnEnded
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    session: str
+
+
+class _Sink:
+    """The executor's view of one turn: every report becomes a message to the actor."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, ref: pykka.ActorRef[Any]) -> None:
+        self._ref = ref
+
+    def delivered(self, frame: Delivered) -> None:
+        self._ref.tell(_Delivered(frame))
+
+    def tool_killed(self, frame: ToolKilled) -> None:
+        self._ref.tell(_ToolKilled(frame))
+
+    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
+        self._ref.tell(_Ended(turn, end, error))
+
+
+@dataclass(slots=True)
+class _Stop:
+    kind: Literal["cancel", "abort"]
+    origin: str
+    by: str
+    reason: str
+    grace: float
+
+
+@dataclass(slots=True)
+class _Turn:
+    id: str
+    message: Message
+    stop: _Stop | None = None
+    delivered: bool = False
+    forced: bool = False
+    escalated: bool = False
+    wake_latch: bool = False
+    timers: list[threading.Timer] = field(default_factory=list)
+
+
+class AgentActor(pykka.ThreadingActor):
+    """The actor of one live session (one activation)."""
+
+    def __init__(
+        self,
+        *,
+        header: SessionHeader,
+        lineage: tuple[str, ...],
+        cell: StatusCell,
+        pending: int,
+        hold: bool,
+        store: AgentStore,
+        executor: Executor,
+        events: EventSink,
+        supervisor: pykka.ActorRef[Any],
+    ) -> None:
+        super().__init__()
+        self._header = header
+        self._lineage = lineage
+        self._cell = cell
+        self._pending = pending
+        self._hold = hold
+        self._store = store
+        self._executor = executor
+        self._events = events
+        self._supervisor = supervisor
+        self._turn: _Turn | None = None
+        self._disposing = False
+        self._settled = False
+        self._sink: _Sink | None = None
+
+    def on_start(self) -> None:
+        self._sink = _Sink(self.actor_ref)
+        self._start_next()
+        self._publish()
+
+    def on_stop(self) -> None:
+        if self._turn is not None:
+            self._cancel_timers(self._turn)
+
+    def on_receive(self, message: Any) -> Any:
+        if isinstance(message, Release):
+            if self._turn is not None:
+                raise InvalidParams(
+                    f"session {self._header.id} is running a turn; interrupt it before release"
+                )
+            self.stop()
+            return None
+        try:
+            self._handle(message)
+        except Exception:  # one bad message must not stop the session's actor
+            log.exception("agent.error", session=self._header.id, message=type(message).__name__)
+        self._publish()
+        return None
+
+    def _handle(self, message: Any) -> None:
+        match message:
+            case Enqueue():
+                self._enqueue(message)
+            case Interrupt():
+                self._interrupt(message)
+            case _Delivered(frame):
+                self._delivered(frame)
+            case _ToolKilled(frame):
+                t = self._turn
+                if t is not None and t.id == frame.turn:
+                    self._marker(t, "preempted", frame.origin, frame.by, frame.reason)
+            case _Ended():
+                self._ended(message)
+            case _Timer():
+                self._timer(message)
+            case Dispose():
+                self._dispose(message)
+
+    # ---- inbox --------------------------------------------------------------------
+
+    def _enqueue(self, msg: Enqueue) -> None:
+        if self._settled:
+            return
+        self._pending += msg.count
+        t = self._turn
+        if msg.wake == "yes":
+            if t is not None:
+                if t.stop is not None:
+                    t.wake_latch = True  # resume the queue when the stopping turn ends
+            else:
+                self._hold = False
+                self._start_next()
+        elif msg.wake == "if-idle":
+            if t is None and not self._hold:
+                self._start_next()
+        elif t is None:
+            self._hold = True
+
+    def _start_next(self) -> None:
+        if self._turn is not None or self._disposing or self._settled or self._hold:
+            return
+        if self._pending <= 0:
+            return
+        h = self._header
+        turn_id = new_id("t_")
+        message = self._store.claim_next(h.id, turn_id)
+        if message is None:
+            self._pending = 0
+            return
+        self._pending -= 1
+        self._turn = _Turn(turn_id, message)
+        assert self._sink is not None
+        self._executor.submit(
+            TurnJob(
+                turn=turn_id,
+                session=h.id,
+                driver=h.driver,
+                message=message,
+                config=h.config,
+                permissions=h.permissions,
+                sink=self._sink,
+            )
+        )
+        log.debug("turn.started", session=h.id, turn=turn_id, message=message.id)
+        self._emit("turn.started", {"turn": turn_id, "message": message.id})
+
+    # ---- interrupts ---------------------------------------------------------------
+
+    def _interrupt(self, i: Interrupt) -> None:
+        sid = self._header.id
+        t = self._turn
+        if self._disposing or self._settled or t is None:
+            if i.kind == "steer":
+                log.info("interrupt.dropped", session=sid, kind=i.kind, why="no running turn")
+            return
+        log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
+        match i.kind:
+            case "steer":
+                if t.stop is not None:
+                    log.info("interrupt.dropped", session=sid, kind="steer", why="turn is stopping")
+                    return
+                self._executor.signal(t.id, SteerFrame(t.id, Steer(i.reason, i.origin, i.by)))
+            case "preempt":
+                self._executor.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
+            case "cancel":
+                if t.stop is not None:
+                    return  # one pending stop per turn: the first one stands
+                t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace)
+                self._marker(t, "cancelled", i.origin, i.by, i.reason)
+                self._executor.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
+                if i.deadline is not None:
+                    self._arm(t, i.deadline, "deadline")
+            case "abort":
+                if t.stop is not None and t.stop.kind == "abort":
+                    return
+                t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace)
+                self._marker(t, "aborted", i.origin, i.by, i.reason)
+                self._executor.kill(t.id)
+
+    def _delivered(self, frame: Delivered) -> None:
+        t = self._turn
+        if t is None or t.id != frame.turn:
+            return
+        for steer in frame.steers:
+            self._marker(t, "steered", steer.origin, steer.by, steer.text)
+        if frame.cancel and not t.delivered and t.stop is not None:
+            t.delivered = True
+            self._cancel_timers(t)  # a boundary was reached: no escalation
+            self._arm(t, t.stop.grace, "grace")
+
+    def _timer(self, tm: _Timer) -> None:
+        t = self._turn
+        if t is None or t.id != tm.turn or t.stop is None or t.stop.kind != "cancel":
+            return
+        if tm.which == "grace":
+            t.forced = True
+            self._marker(t, "forced", "system", "system", f"no end {t.stop.grace:g}s after the cancel")
+        else:
+            if t.delivered:
+                return
+            t.escalated = True
+            self._marker(t, "escalated", "system", "system", "no boundary before the deadline")
+        self._executor.kill(t.id)
+
+    def _arm(self, t: _Turn, delay: float, which: Literal["grace", "deadline"]) -> None:
+        timer = threading.Timer(max(delay, 0.0), self.actor_ref.tell, args=(_Timer(t.id, which),))
+        timer.daemon = True
+        t.timers.append(timer)
+        timer.start()
+
+    def _cancel_timers(self, t: _Turn) -> None:
+        for timer in t.timers:
+            timer.cancel()
+        t.timers.clear()
+
+    def _marker(self, t: _Turn, action: str, origin: str, by: str, reason: str) -> None:
+        if action in ("forced", "escalated"):
+            text = f"⊘ {action.capitalize()}: {reason}"
+        else:
+            text = marker_text(action, origin, by, reason)
+        entry = self._store.append_entry(
+            self._header.id,
+            "marker",
+            text,
+            turn=t.id,
+            action=action,
+            origin=origin,
+            by=by,
+            reason=reason,
+        )
+        self._emit("marker", {"entry": msgspec.to_builtins(entry)})
+
+    # ---- turn end -----------------------------------------------------------------
+
+    def _ended(self, e: _Ended) -> None:
+        t = self._turn
+        if t is None or t.id != e.turn:
+            return
+        self._cancel_timers(t)
+        h = self._header
+        stop = t.stop
+        error = e.end.error if e.end is not None else e.error
+        if stop is not None:
+            outcome = "aborted" if stop.kind == "abort" or t.escalated else "cancelled"
+            cause, by, reason = stop.origin, stop.by, stop.reason
+            if e.end is None:
+                error = None  # killed on purpose: the stop says why
+        elif e.end is None:
+            outcome, cause, by, reason = "crashed", "system", None, None
+        else:
+            outcome = "failed" if e.end.outcome == "failed" else "completed"
+            cause = by = reason = None
+        if e.end is not None and e.end.final is not None:
+            self._store.append_entry(h.id, "assistant", e.end.final, turn=t.id)
+        self._store.end_turn(
+            t.id,
+            outcome=outcome,
+            cause=cause,
+            by=by,
+            forced=t.forced,
+            escalated=t.escalated,
+            reason=reason,
+            error=error,
+        )
+        self._turn = None
+        record = {
+            "turn": t.id,
+            "outcome": outcome,
+            "cause": cause,
+            "by": by,
+            "forced": t.forced,
+            "escalated": t.escalated,
+            "reason": reason,
+            "error": error,
+        }
+        (log.debug if outcome == "completed" else log.info)("turn.ended", session=h.id, **record)
+        self._emit("turn.ended", record)
+        if h.parent is not None:
+            notice = ChildTurnEnded(
+                child=h.id,
+                slug=h.slug,
+                turn=t.id,
+                outcome=outcome,
+                cause=cause,
+                partial=self._store.last_assistant_text(t.id),
+            )
+            self._supervisor.tell(TurnNotice(h.parent, notice))
+        if h.mode == "one-shot" or self._disposing:
+            self._settle()
+            return
+        if outcome != "completed":
+            self._hold = not t.wake_latch  # park the inbox unless a waking send latched
+        self._start_next()
+
+    # ---- disposal -----------------------------------------------------------------
+
+    def _dispose(self, d: Dispose) -> None:
+        if self._disposing or self._settled:
+            return
+        self._disposing = True
+        t = self._turn
+        if t is None:
+            self._settle()
+            return
+        if t.stop is None:
+            self._interrupt(Interrupt("cancel", d.origin, d.by, "disposed", d.grace, d.grace))
+        elif not t.delivered and t.stop.kind == "cancel":
+            self._arm(t, d.grace, "deadline")
+
+    def _settle(self) -> None:
+        self._settled = True
+        self._store.settle(self._header.id)
+        self._publish()
+        self._supervisor.tell(Settled(self._header.id))
+        self.stop()
+
+    # ---- status -------------------------------------------------------------------
+
+    def _derive(self) -> AgentStatus:
+        t = self._turn
+        if self._settled:
+            state = AgentState.SETTLED
+        elif self._disposing:
+            state = AgentState.DISPOSING
+        elif t is not None:
+            state = AgentState.RUNNING
+        elif self._pending == 0 and not self._hold:
+            state = AgentState.IDLE
+        else:
+            state = AgentState.PARKED
+        stopping = t.stop.kind if t is not None and t.stop is not None else None
+        return AgentStatus(state, max(self._pending, 0), stopping, t.id if t else None)
+
+    def _publish(self) -> None:
+        new = self._derive()
+        old = self._cell.status
+        if new == old:
+            return
+        check_transition(old.state, new.state)
+        self._cell.status = new
+        self._emit(
+            "state",
+            {
+                "state": str(new.state),
+                "pending": new.pending,
+                "stopping": new.stopping,
+                "turn": new.turn,
+            },
+        )
+
+    def _emit(self, name: str, data: dict[str, Any]) -> None:
+        self._events.emit(name, self._header.id, self._lineage, data)

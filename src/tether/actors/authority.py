@@ -1,0 +1,65 @@
+"""Who may do what to whom (SPEC §6).
+
+Two kinds of caller: a person presenting a session's durable parent address (``User``),
+or a live agent presenting its activation (``Ancestor``). The checks read only the
+supervisor's in-memory registry: no catalog walk, no store access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.wire.errors import Unauthorized
+from tether.wire.records import AgentRef
+
+__all__ = ["MAX_DEPTH", "Ancestor", "Authority", "Host", "User", "check_ancestor_ref"]
+
+MAX_DEPTH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class User:
+    """A person holding the target's parent address. ``name`` is shown in markers."""
+
+    parent: str
+    name: str | None = None
+
+    @property
+    def origin(self) -> str:
+        return "user"
+
+    @property
+    def by(self) -> str:
+        return self.name or self.parent
+
+
+@dataclass(frozen=True, slots=True)
+class Ancestor:
+    """A live agent acting on a session below it."""
+
+    agent: AgentRef
+
+    @property
+    def origin(self) -> str:
+        return "parent"
+
+    @property
+    def by(self) -> str:
+        return self.agent.id
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """The embedding host itself (a one-shot's holder, the runtime's drain): trusted."""
+
+    origin: str = "system"
+    by: str = "host"
+
+
+Authority = User | Ancestor
+
+
+def check_ancestor_ref(agent: AgentRef, current_epoch: int | None) -> None:
+    """The caller's ref must be its id's current activation: stale refs are refused."""
+    if current_epoch is None or current_epoch != agent.epoch:
+        raise Unauthorized(f"{agent.id} (epoch {agent.epoch}) is not a live activation")

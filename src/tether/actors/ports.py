@@ -1,0 +1,90 @@
+"""What the actors need from the outside world, as Protocols.
+
+``runtime`` implements these and passes them in, so no import runs from ``actors`` up
+into ``runtime``: the actors stay short state bookkeeping, testable on their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tether.wire.frames import Delivered, HostFrame, ToolKilled, TurnEnd
+from tether.wire.records import Message
+
+__all__ = ["AgentStore", "EventSink", "Executor", "TurnJob", "TurnSink"]
+
+
+class TurnSink(Protocol):
+    """Where the executor reports what happened to a turn (called from its threads)."""
+
+    def delivered(self, frame: Delivered) -> None: ...
+    def tool_killed(self, frame: ToolKilled) -> None: ...
+    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
+        """``end`` is None when the worker died (killed, or crashed: ``error`` says)."""
+
+
+@dataclass(eq=False)
+class TurnJob:
+    """One claimed turn, handed to the executor."""
+
+    turn: str
+    session: str
+    driver: str
+    message: Message
+    config: dict[str, Any] | None
+    permissions: dict[str, Any] | None
+    sink: TurnSink
+    pending: list[HostFrame] = field(default_factory=list)
+
+
+class Executor(Protocol):
+    """Runs turns in worker processes. Every method returns at once."""
+
+    def submit(self, job: TurnJob) -> None: ...
+    def signal(self, turn: str, frame: HostFrame) -> None:
+        """Send a frame to the worker running ``turn`` (held until it is dispatched)."""
+
+    def kill(self, turn: str) -> None:
+        """Kill the whole process tree running ``turn`` now; report through the sink."""
+
+
+class AgentStore(Protocol):
+    """The durable operations an agent performs."""
+
+    def claim_next(self, session: str, turn: str) -> Message | None: ...
+    def end_turn(
+        self,
+        turn: str,
+        *,
+        outcome: str,
+        cause: str | None = None,
+        by: str | None = None,
+        forced: bool = False,
+        escalated: bool = False,
+        reason: str | None = None,
+        error: str | None = None,
+    ) -> None: ...
+    def append_entry(
+        self,
+        session: str,
+        kind: str,
+        text: str,
+        *,
+        turn: str | None = None,
+        action: str | None = None,
+        origin: str | None = None,
+        by: str | None = None,
+        reason: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> Any: ...
+    def last_assistant_text(self, turn: str) -> str | None: ...
+    def settle(self, session: str) -> None: ...
+
+
+class EventSink(Protocol):
+    """Observers of what agents do: events for /events, and status for waiters."""
+
+    def emit(
+        self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]
+    ) -> None: ...

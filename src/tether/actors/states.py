@@ -1,0 +1,37 @@
+"""An agent's lifecycle as an explicit enum with a transition table (SPEC §3)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["TRANSITIONS", "AgentState", "IllegalTransition", "check_transition"]
+
+
+class AgentState(enum.StrEnum):
+    RUNNING = "running"  # a turn is claimed (dispatched or waiting for a free worker)
+    IDLE = "idle"  # no turn, empty inbox
+    PARKED = "parked"  # no turn; nothing starts until a waking send
+    DISPOSING = "disposing"  # a disposal is under way
+    DORMANT = "dormant"  # in the catalog, not materialized
+    SETTLED = "settled"  # disposed or finished (one-shot); only records remain
+
+
+_S = AgentState
+
+TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    _S.DORMANT: frozenset({_S.IDLE, _S.PARKED, _S.RUNNING, _S.SETTLED}),
+    _S.IDLE: frozenset({_S.RUNNING, _S.PARKED, _S.DISPOSING, _S.DORMANT, _S.SETTLED}),
+    _S.PARKED: frozenset({_S.RUNNING, _S.DISPOSING, _S.DORMANT, _S.SETTLED}),
+    _S.RUNNING: frozenset({_S.RUNNING, _S.IDLE, _S.PARKED, _S.DISPOSING, _S.SETTLED}),
+    _S.DISPOSING: frozenset({_S.SETTLED}),
+    _S.SETTLED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A bug: the agent tried a transition the table does not allow."""
+
+
+def check_transition(old: AgentState, new: AgentState) -> None:
+    if old != new and new not in TRANSITIONS[old]:
+        raise IllegalTransition(f"{old} -> {new}")

@@ -1,0 +1,484 @@
+"""The supervisor actor: registry, lineage, epochs, authority, discovery, lifecycle.
+
+It owns every map that authority and discovery read: the catalog (every session ever
+created, with its children in creation order) and the registry (id -> current
+activation). Lookups are dict reads, never scans, so an interrupt costs the same with
+ten sessions or ten thousand. It asks agents only to release them (agents never ask
+back), and never waits on a worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import pykka
+import structlog
+
+from tether.actors.agent import (
+    AgentActor,
+    AgentStatus,
+    Dispose,
+    Enqueue,
+    Interrupt,
+    Release,
+    Settled,
+    StatusCell,
+    TurnNotice,
+)
+from tether.actors.authority import MAX_DEPTH, Ancestor, Authority, Host, User, check_ancestor_ref
+from tether.actors.ports import AgentStore, EventSink, Executor
+from tether.actors.states import AgentState
+from tether.wire.errors import InvalidParams, NotFound, ParentOffline, Unauthorized
+from tether.wire.records import AgentInfo, AgentRef, ChildTurnEnded, Message, SessionHeader
+
+__all__ = [
+    "Activation",
+    "Catalog",
+    "Create",
+    "DisposeReq",
+    "InterruptReq",
+    "ListReq",
+    "Recover",
+    "RefReq",
+    "ReleaseReq",
+    "Resolve",
+    "Running",
+    "Send",
+    "StatusReq",
+    "SupervisorActor",
+    "SupervisorStore",
+]
+
+log = structlog.get_logger("tether.supervisor")
+
+_EPOCHS = itertools.count(1)
+
+
+class SupervisorStore(AgentStore, Protocol):
+    """The durable operations the supervisor performs, beyond an agent's."""
+
+    def create_session(self, row: SessionHeader) -> None: ...
+    def append_message(
+        self,
+        session: str,
+        content: str,
+        *,
+        data: dict[str, Any] | None = None,
+        kind: str = "user",
+        sender: str | None = None,
+    ) -> Message: ...
+    def pending_count(self, session: str) -> int: ...
+
+
+@dataclass(slots=True)
+class _Node:
+    header: SessionHeader
+    depth: int  # 0 for a root
+    settled: bool = False
+    children: list[str] = field(default_factory=list)
+    slugs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    ref: pykka.ActorRef[Any]
+    epoch: int
+    ancestry: frozenset[str]  # fixed at materialization
+    lineage: tuple[str, ...]  # the same ids, root first
+    cell: StatusCell
+
+
+class Catalog:
+    """The in-memory image of the store's session catalog."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, _Node] = {}
+        self.roots: list[str] = []
+
+    def add(self, header: SessionHeader) -> _Node:
+        parent = self.nodes.get(header.parent) if header.parent is not None else None
+        node = _Node(header, 0 if parent is None else parent.depth + 1, header.settled)
+        self.nodes[header.id] = node
+        if parent is None:
+            self.roots.append(header.id)
+        else:
+            parent.children.append(header.id)
+            if header.slug is not None:
+                parent.slugs[header.slug] = header.id
+        return node
+
+    def get(self, session: str) -> _Node:
+        node = self.nodes.get(session)
+        if node is None:
+            raise NotFound(f"no session {session!r}")
+        return node
+
+    def lineage(self, session: str) -> tuple[str, ...]:
+        """Ancestor ids, root first; a bounded walk that fails closed past MAX_DEPTH."""
+        out: list[str] = []
+        parent = self.nodes[session].header.parent
+        while parent is not None:
+            if len(out) >= MAX_DEPTH:
+                raise InvalidParams(f"ancestry deeper than {MAX_DEPTH}")
+            out.append(parent)
+            parent = self.nodes[parent].header.parent
+        return tuple(reversed(out))
+
+    def walk(self, root: str, max_depth: int | None) -> Iterator[tuple[str, int]]:
+        """Pre-order, siblings in creation order; depth 1 = child of ``root``."""
+        stack = [(c, 1) for c in reversed(self.nodes[root].children)]
+        while stack:
+            sid, depth = stack.pop()
+            yield sid, depth
+            if max_depth is None or depth < max_depth:
+                stack.extend((c, depth + 1) for c in reversed(self.nodes[sid].children))
+
+
+# ---- messages (asked unless noted) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Create:
+    header: SessionHeader
+    prompt: str | None = None
+    data: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    target: str
+    content: str
+    authority: Authority | None  # None: the host itself (a root's owner prompting it)
+    data: dict[str, Any] | None = None
+    wake: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptReq:
+    target: str
+    authority: Authority | Host
+    kind: str
+    reason: str
+    grace: float
+    deadline: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ListReq:
+    root: str
+    scope: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReq:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class RefReq:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """An id or a slug, resolved inside ``caller``'s own subtree."""
+
+    caller: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReq:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class DisposeReq:
+    session: str
+    authority: Authority | Host
+    grace: float
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """Ids of sessions with a turn claimed (for the runtime's drain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recover:
+    """Load the catalog; materialize root sessions with their inboxes parked."""
+
+    rows: list[SessionHeader]
+
+
+class SupervisorActor(pykka.ThreadingActor):
+    def __init__(self, *, store: SupervisorStore, executor: Executor, events: EventSink) -> None:
+        super().__init__()
+        self._store = store
+        self._executor = executor
+        self._events = events
+        self._catalog = Catalog()
+        self._registry: dict[str, Activation] = {}
+
+    def on_stop(self) -> None:
+        for act in list(self._registry.values()):
+            act.ref.stop(block=False)
+        for act in self._registry.values():
+            try:
+                act.ref.actor_stopped.wait(5.0)
+            except Exception:  # noqa: BLE001 - stopping is best effort at shutdown
+                pass
+        self._registry.clear()
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case Create():
+                return self._create(message)
+            case Send():
+                return self._send(message)
+            case InterruptReq():
+                return self._interrupt(message)
+            case ListReq(root=root, scope=scope):
+                return self._list(root, scope)
+            case StatusReq(session=sid):
+                return self._status(sid)
+            case RefReq(session=sid):
+                act = self._registry.get(sid)
+                if act is None:
+                    self._catalog.get(sid)
+                    raise NotFound(f"session {sid!r} is not live")
+                return AgentRef(sid, act.epoch)
+            case Resolve():
+                return self._resolve(message)
+            case ReleaseReq(session=sid):
+                return self._release(sid)
+            case DisposeReq():
+                return self._dispose(message)
+            case Running():
+                return [sid for sid, a in self._registry.items() if a.cell.status.turn is not None]
+            case Recover(rows=rows):
+                return self._recover(rows)
+            case TurnNotice():
+                self._notice(message.parent, message.notice)
+            case Settled(session=sid):
+                self._registry.pop(sid, None)
+                node = self._catalog.nodes.get(sid)
+                if node is not None:
+                    node.settled = True
+        return None
+
+    # ---- materialization ----------------------------------------------------------
+
+    def _materialize(self, sid: str, *, pending: int, hold: bool) -> Activation:
+        node = self._catalog.nodes[sid]
+        lineage = self._catalog.lineage(sid)
+        status = AgentStatus(
+            AgentState.IDLE if pending == 0 and not hold else AgentState.PARKED, pending
+        )
+        cell = StatusCell(status)
+        ref = AgentActor.start(
+            header=node.header,
+            lineage=lineage,
+            cell=cell,
+            pending=pending,
+            hold=hold,
+            store=self._store,
+            executor=self._executor,
+            events=self._events,
+            supervisor=self.actor_ref,
+        )
+        act = Activation(ref, next(_EPOCHS), frozenset(lineage), lineage, cell)
+        self._registry[sid] = act
+        log.debug("agent.materialized", session=sid, epoch=act.epoch)
+        return act
+
+    def _recover(self, rows: list[Any]) -> list[str]:
+        for row in rows:
+            self._catalog.add(row)
+        roots = [
+            sid for sid in self._catalog.roots if not self._catalog.nodes[sid].settled
+        ]
+        for sid in roots:
+            self._materialize(sid, pending=self._store.pending_count(sid), hold=True)
+        return roots
+
+    # ---- create / send --------------------------------------------------------------
+
+    def _create(self, c: Create) -> str:
+        h = c.header
+        if h.parent is not None:
+            parent = self._catalog.get(h.parent)
+            if parent.settled:
+                raise InvalidParams(f"session {h.parent} is settled")
+            if parent.depth + 1 > MAX_DEPTH:
+                raise InvalidParams(f"a session tree is at most {MAX_DEPTH} levels deep")
+            if h.slug is not None and h.slug in parent.slugs:
+                raise InvalidParams(f"slug {h.slug!r} is taken among {h.parent}'s children")
+        self._store.create_session(h)
+        self._catalog.add(h)
+        act = self._materialize(h.id, pending=0, hold=False)
+        if c.prompt is not None:
+            self._store.append_message(h.id, c.prompt, data=c.data, sender=h.parent)
+            act.ref.tell(Enqueue("yes"))
+        return h.id
+
+    def _send(self, s: Send) -> Message:
+        node = self._catalog.get(s.target)
+        if node.settled:
+            raise InvalidParams(f"session {s.target} is settled: its inbox is closed")
+        h = node.header
+        auth = s.authority
+        if auth is None:
+            if h.parent is not None:
+                raise InvalidParams("prompt is for root sessions; use send for a subagent")
+        else:
+            if h.mode == "one-shot":
+                raise InvalidParams("a one-shot subagent takes no messages after its task")
+            if isinstance(auth, Ancestor):
+                self._check_ref(auth)
+                if auth.agent.id != h.parent:
+                    raise Unauthorized(f"only the direct parent of {s.target} may send to it")
+            else:
+                if h.parent is None or auth.parent != h.parent:
+                    raise Unauthorized(f"{auth.parent!r} is not the parent of {s.target}")
+                if h.parent not in self._registry:
+                    raise ParentOffline(f"the parent {h.parent} of {s.target} is not live")
+        sender = None if auth is None else (auth.by if isinstance(auth, Ancestor) else "user")
+        msg = self._store.append_message(s.target, s.content, data=s.data, sender=sender)
+        act = self._registry.get(s.target)
+        if act is None and s.wake:
+            act = self._materialize(s.target, pending=self._store.pending_count(s.target) - 1, hold=False)
+        if act is not None:
+            act.ref.tell(Enqueue("yes" if s.wake else "no"))
+        return msg
+
+    def _notice(self, parent: str, notice: ChildTurnEnded) -> None:
+        node = self._catalog.nodes.get(parent)
+        if node is None or node.settled:
+            return
+        who = notice.slug or notice.child
+        text = f"[{who}] turn {notice.outcome}"
+        if notice.partial:
+            text += f": {notice.partial}"
+        self._store.append_message(
+            parent, text, data={"notice": msgspec.to_builtins(notice)}, kind="notice",
+            sender=notice.child,
+        )
+        act = self._registry.get(parent)
+        if act is not None:
+            act.ref.tell(Enqueue("if-idle"))  # never wakes a parked or dormant parent
+
+    # ---- authority ------------------------------------------------------------------
+
+    def _check_ref(self, auth: Ancestor) -> None:
+        act = self._registry.get(auth.agent.id)
+        check_ancestor_ref(auth.agent, None if act is None else act.epoch)
+
+    def _interrupt(self, r: InterruptReq) -> None:
+        auth = r.authority
+        if isinstance(auth, Ancestor):
+            self._check_ref(auth)  # stale refs are refused even for an absent target
+        act = self._registry.get(r.target)
+        if act is None:
+            return  # absent (unknown, dormant, settled): an accepted no-op
+        node = self._catalog.nodes[r.target]
+        if not isinstance(auth, Host):
+            if node.header.mode == "one-shot":
+                return  # the continuable path treats a one-shot as absent
+            if isinstance(auth, User):
+                if node.header.parent != auth.parent:
+                    raise Unauthorized(f"{auth.parent!r} is not the parent of {r.target}")
+            else:
+                if auth.agent.id == r.target:
+                    raise Unauthorized("a session cannot interrupt itself")
+                if auth.agent.id not in act.ancestry:
+                    raise Unauthorized(f"{auth.agent.id} is not an ancestor of {r.target}")
+        act.ref.tell(Interrupt(r.kind, auth.origin, auth.by, r.reason, r.grace, r.deadline))
+
+    # ---- discovery ------------------------------------------------------------------
+
+    def _info(self, sid: str, depth: int) -> AgentInfo:
+        node = self._catalog.nodes[sid]
+        h = node.header
+        act = self._registry.get(sid)
+        if act is not None:
+            st = act.cell.status
+            return AgentInfo(
+                id=sid, slug=h.slug, parent=h.parent, depth=depth, mode=h.mode,
+                state=str(st.state), pending=st.pending, stopping=st.stopping, turn=st.turn,
+            )
+        state = AgentState.SETTLED if node.settled else AgentState.DORMANT
+        pending = 0 if node.settled else self._store.pending_count(sid)
+        return AgentInfo(
+            id=sid, slug=h.slug, parent=h.parent, depth=depth, mode=h.mode,
+            state=str(state), pending=pending,
+        )
+
+    def _list(self, root: str, scope: str) -> list[AgentInfo]:
+        self._catalog.get(root)
+        if scope not in ("children", "descendants"):
+            raise InvalidParams(f"scope must be 'children' or 'descendants', not {scope!r}")
+        max_depth = 1 if scope == "children" else None
+        return [self._info(sid, d) for sid, d in self._catalog.walk(root, max_depth)]
+
+    def _status(self, sid: str) -> AgentInfo:
+        node = self._catalog.get(sid)
+        return self._info(sid, node.depth)
+
+    def _resolve(self, r: Resolve) -> str:
+        if r.name in self._catalog.nodes:
+            return r.name
+        self._catalog.get(r.caller)
+        found = [
+            sid
+            for sid, _ in self._catalog.walk(r.caller, None)
+            if self._catalog.nodes[sid].header.slug == r.name
+        ]
+        if not found:
+            raise NotFound(f"no session with id or slug {r.name!r} below {r.caller}")
+        if len(found) > 1:
+            raise InvalidParams(f"slug {r.name!r} is ambiguous below {r.caller}; use an id")
+        return found[0]
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def _release(self, sid: str) -> None:
+        node = self._catalog.get(sid)
+        if node.settled:
+            raise InvalidParams(f"session {sid} is settled")
+        act = self._registry.get(sid)
+        if act is None:
+            return
+        act.ref.ask(Release())
+        del self._registry[sid]
+        self._events.emit("state", sid, act.lineage, {"state": "dormant", "pending": 0,
+                                                       "stopping": None, "turn": None})
+
+    def _dispose(self, d: DisposeReq) -> list[str]:
+        node = self._catalog.get(d.session)
+        h = node.header
+        auth = d.authority
+        if isinstance(auth, Ancestor):
+            self._check_ref(auth)
+            if auth.agent.id != h.parent:
+                raise Unauthorized(f"only the direct parent of {d.session} may dispose it")
+        elif isinstance(auth, User) and (h.parent is None or auth.parent != h.parent):
+            raise Unauthorized(f"{auth.parent!r} is not the parent of {d.session}")
+        subtree = [sid for sid, _ in self._catalog.walk(d.session, None)]
+        order = [*reversed(subtree), d.session]  # deepest first
+        for sid in order:
+            n = self._catalog.nodes[sid]
+            if n.settled:
+                continue
+            act = self._registry.get(sid)
+            if act is not None:
+                act.ref.tell(Dispose(auth.origin, auth.by, d.grace))
+            else:
+                self._store.settle(sid)
+                n.settled = True
+        return order
+

@@ -1,0 +1,404 @@
+"""The worker process: a turn loop that runs one driver turn at a time.
+
+::
+
+    host (pool reader thread)                worker process (own session + group)
+    ─────────────────────────                ───────────────────────────────────────
+    RunTurn ───────────────────────────────► main thread: driver.run(ctx)
+    SteerFrame / CancelFrame / Preempt ────► reader thread: queue for the next boundary,
+                                               set cancel_requested, kill the tool tree
+    ◄──────────────────── Say / Delivered     ctx.say(), ctx.checkpoint()
+    ◄──────────────────── ToolCall            ctx.spawn_agent() & co block on ...
+    ToolReply ─────────────────────────────►   ... the reply, matched by call number
+    ◄──────────────────── ToolKilled          a preempt killed run_command's tree
+    ◄──────────────────── TurnEnd             driver returned or raised
+
+The reader thread never runs driver code; the main thread never reads the socket. A
+frame for another turn than the current one is stale and dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+from typing import Any
+
+import msgspec
+import psutil
+
+from tether.wire.codec import Channel
+from tether.wire.errors import DriverNotFound, Preempted, TetherError, error_from_code
+from tether.wire.frames import (
+    Cancel,
+    CancelFrame,
+    Delivered,
+    HostFrame,
+    Preempt,
+    Probe,
+    ProbeReply,
+    Ready,
+    RunTurn,
+    Say,
+    Shutdown,
+    Steer,
+    SteerFrame,
+    ToolCall,
+    ToolKilled,
+    ToolReply,
+    TurnEnd,
+)
+from tether.wire.records import AgentInfo, Entry, Message
+
+__all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_subreaper() -> bool:
+    """Make this process a child subreaper (Linux); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+_drivers: dict[str, type[Any]] = {}
+
+
+def load_driver(spec: str) -> type[Any]:
+    """Load ``"package.module:Class"``; DriverNotFound with the reason otherwise."""
+    cls = _drivers.get(spec)
+    if cls is not None:
+        return cls
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise DriverNotFound(f"driver {spec!r} is not of the form 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DriverNotFound(f"driver {spec!r}: cannot import {module_name!r}: {exc}") from None
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "run", None)):
+        raise DriverNotFound(f"driver {spec!r}: {attr!r} is not a class with a run(ctx) method")
+    _drivers[spec] = cls
+    return cls
+
+
+class CommandResult(msgspec.Struct, frozen=True):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class _TurnState:
+    """What the reader thread shares with the main thread for the current turn."""
+
+    def __init__(self, turn: str) -> None:
+        self.turn = turn
+        self.lock = threading.Lock()
+        self.steers: list[Steer] = []
+        self.cancel: Cancel | None = None
+        self.cancel_delivered = False
+        self.cancel_event = threading.Event()
+        self.replies: dict[int, ToolReply] = {}
+        self.reply_ready = threading.Condition(self.lock)
+        self.tool: subprocess.Popen[bytes] | None = None
+        self.preempt: Preempt | None = None
+
+
+class TurnContext:
+    """What a driver's ``run(ctx)`` gets. Tool calls go to the host, bound to this session."""
+
+    def __init__(self, worker: _Worker, run: RunTurn, state: _TurnState) -> None:
+        self._worker = worker
+        self._state = state
+        self._history: list[Entry] | None = None
+        self._next_call = 0
+        self.session = run.session
+        self.turn = run.turn
+        self.message: Message = run.message
+        self.config: dict[str, Any] = dict(run.config or {})
+        self.permissions: dict[str, str] = dict(run.permissions or {})
+
+    # ---- boundaries -----------------------------------------------------------------
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True as soon as a cancel for this turn reached the worker (before any boundary)."""
+        return self._state.cancel_event.is_set()
+
+    def checkpoint(self) -> list[Steer | Cancel]:
+        """The frames delivered at this boundary: pending steers in order, then a cancel."""
+        st = self._state
+        with st.lock:
+            if st.cancel is not None:
+                if st.cancel_delivered:
+                    return [st.cancel]
+                st.cancel_delivered = True
+                frames: list[Steer | Cancel] = [st.cancel]
+                self._worker.send(Delivered(turn=self.turn, steers=[], cancel=True))
+                return frames
+            steers, st.steers = st.steers, []
+        if steers:
+            self._worker.send(Delivered(turn=self.turn, steers=steers))
+        return list(steers)
+
+    def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
+        """Append an assistant entry to the transcript."""
+        self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
+
+    def record_tool(self, text: str, *, data: dict[str, Any] | None = None) -> None:
+        """Append a ``tool`` entry (a tool call's visible result) to the transcript."""
+        self._worker.send(Say(turn=self.turn, kind="tool", text=text, data=data))
+
+    @property
+    def history(self) -> list[Entry]:
+        """The session's transcript before this turn's own entries; fetched on first use."""
+        if self._history is None:
+            raw = self._host_call("history", {})
+            self._history = msgspec.convert(raw, list[Entry])
+        return self._history
+
+    # ---- tools ----------------------------------------------------------------------
+
+    def _host_call(self, name: str, args: dict[str, Any]) -> Any:
+        self._next_call += 1
+        call = self._next_call
+        st = self._state
+        self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
+        with st.lock:
+            while call not in st.replies:
+                st.reply_ready.wait()
+            reply = st.replies.pop(call)
+        if reply.code is not None:
+            raise error_from_code(reply.code, reply.message or reply.code)
+        return reply.result
+
+    def spawn_agent(
+        self,
+        *,
+        slug: str | None = None,
+        driver: str | None = None,
+        mode: str = "continuable",
+        prompt: str | None = None,
+        data: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
+        permissions: dict[str, str] | None = None,
+    ) -> str:
+        args = {
+            "slug": slug,
+            "driver": driver,
+            "mode": mode,
+            "prompt": prompt,
+            "data": data,
+            "config": config,
+            "permissions": permissions,
+        }
+        return str(self._host_call("spawn_agent", args))
+
+    def send_message(
+        self, to: str, text: str, *, data: dict[str, Any] | None = None, wake: bool = True
+    ) -> None:
+        self._host_call("send_message", {"to": to, "text": text, "data": data, "wake": wake})
+
+    def list_agents(self, *, scope: str = "children") -> list[AgentInfo]:
+        raw = self._host_call("list_agents", {"scope": scope})
+        return msgspec.convert(raw, list[AgentInfo])
+
+    def interrupt_agent(self, agent_id: str, *, kind: str = "cancel", reason: str = "") -> None:
+        self._host_call("interrupt_agent", {"agent_id": agent_id, "kind": kind, "reason": reason})
+
+    def run_command(
+        self, argv: list[str], *, timeout: float | None = None, cwd: str | None = None
+    ) -> CommandResult:
+        """Run a subprocess in this worker's process group; preemptable and abortable.
+
+        Whatever the command leaves running when it returns is killed with it.
+        """
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
+        st = self._state
+        proc = subprocess.Popen(
+            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        with st.lock:
+            st.tool = proc
+        try:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                out, err = proc.communicate()
+        finally:
+            with st.lock:
+                st.tool = None
+                preempt, st.preempt = st.preempt, None
+            _kill_leftovers()
+        if preempt is not None:
+            self._worker.send(
+                ToolKilled(
+                    turn=self.turn, reason=preempt.reason, origin=preempt.origin, by=preempt.by
+                )
+            )
+            raise Preempted(preempt.reason or "the command was preempted")
+        return CommandResult(
+            returncode=proc.returncode,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+        )
+
+    def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
+        """Validate a model's tool call and run it; errors come back as ``{"error": ...}``."""
+        from tether.runtime import tools
+
+        return tools.call_tool(self, name, arguments)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants, deepest first, tolerating the already-gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*reversed(root.children(recursive=True)), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+def _kill_leftovers() -> None:
+    """Kill and reap what a finished command left behind (re-parented to us, the subreaper)."""
+    me = psutil.Process()
+    for child in me.children(recursive=False):
+        _kill_tree(child.pid)
+    for child in me.children(recursive=False):
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(child.pid, 0)
+
+
+class _Worker:
+    def __init__(self, channel: Channel[HostFrame]) -> None:
+        self.channel = channel
+        self.current: _TurnState | None = None
+        self.lock = threading.Lock()
+        self.runs: list[RunTurn | Probe | None] = []
+        self.runs_ready = threading.Condition(self.lock)
+
+    def send(self, frame: msgspec.Struct) -> None:
+        self.channel.send(frame)
+
+    def _state_for(self, turn: str) -> _TurnState | None:
+        st = self.current
+        return st if st is not None and st.turn == turn else None
+
+    def read_loop(self) -> None:
+        """The reader thread: route frames; never runs driver code."""
+        while True:
+            try:
+                frame = self.channel.recv()
+            except (EOFError, OSError):
+                break
+            match frame:
+                case RunTurn() | Probe():
+                    with self.lock:
+                        if isinstance(frame, RunTurn):
+                            self.current = _TurnState(frame.turn)
+                        self.runs.append(frame)
+                        self.runs_ready.notify()
+                case SteerFrame(turn=turn, steer=steer):
+                    st = self._state_for(turn)
+                    if st is not None:
+                        with st.lock:
+                            if st.cancel is None:
+                                st.steers.append(steer)
+                case CancelFrame(turn=turn, cancel=cancel):
+                    st = self._state_for(turn)
+                    if st is not None:
+                        with st.lock:
+                            if st.cancel is None:
+                                st.cancel = cancel
+                                st.steers.clear()  # a stop discards pending steers
+                        st.cancel_event.set()
+                case Preempt(turn=turn):
+                    st = self._state_for(turn)
+                    if st is not None:
+                        with st.lock:
+                            tool = st.tool
+                            if tool is not None and st.preempt is None:
+                                st.preempt = frame
+                        if tool is not None:
+                            _kill_tree(tool.pid)
+                case ToolReply(turn=turn, call=call):
+                    st = self._state_for(turn)
+                    if st is not None:
+                        with st.lock:
+                            st.replies[call] = frame
+                            st.reply_ready.notify_all()
+                case Shutdown():
+                    break
+        with self.lock:
+            self.runs.append(None)
+            self.runs_ready.notify()
+
+    def main_loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.runs:
+                    self.runs_ready.wait()
+                item = self.runs.pop(0)
+            match item:
+                case None:
+                    return
+                case Probe(driver=driver):
+                    try:
+                        load_driver(driver)
+                        self.send(ProbeReply(driver=driver))
+                    except DriverNotFound as exc:
+                        self.send(ProbeReply(driver=driver, error=exc.message))
+                case RunTurn():
+                    with self.lock:
+                        state = self.current
+                    assert state is not None and state.turn == item.turn
+                    self.send(self._run(item, state))
+
+    def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
+        ctx = TurnContext(self, run, state)
+        try:
+            driver = load_driver(run.driver)()
+            final = driver.run(ctx)
+        except Exception as exc:  # a driver's failure ends its turn, never the worker
+            outcome = "cancelled" if state.cancel_delivered else "failed"
+            return TurnEnd(turn=run.turn, outcome=outcome, error=_describe(exc))
+        if final is not None and not isinstance(final, str):
+            final = str(final)
+        return TurnEnd(
+            turn=run.turn,
+            outcome="cancelled" if state.cancel_event.is_set() else "completed",
+            final=final,
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TetherError):
+        return f"{type(exc).__name__} ({exc.code}): {exc.message}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def worker_main(sock: socket.socket) -> None:
+    """Entry point of a worker process (started by the pool through the forkserver)."""
+    os.setsid()  # own session and process group: abort is one killpg
+    set_subreaper()  # orphaned tool grandchildren come back to us, not to PID 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
+    channel: Channel[HostFrame] = Channel(sock, HostFrame)
+    worker = _Worker(channel)
+    reader = threading.Thread(target=worker.read_loop, name="tether-worker-reader", daemon=True)
+    reader.start()
+    channel.send(Ready(pid=os.getpid()))
+    worker.main_loop()

@@ -1,0 +1,98 @@
+"""The error hierarchy: one root, a stable ``.code`` per subclass.
+
+The code is what crosses the wire (RPC ``error.data.code``, tool results), so it never
+changes once published; the message is for people.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DriverNotFound",
+    "FrameError",
+    "InvalidParams",
+    "NotFound",
+    "ParentOffline",
+    "Preempted",
+    "TetherError",
+    "TurnFailed",
+    "Unauthorized",
+    "error_from_code",
+]
+
+
+class TetherError(Exception):
+    """Root of every error Tether raises on purpose."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+
+
+class Unauthorized(TetherError):
+    """The caller has no authority over the target (SPEC §6). Nothing was changed."""
+
+    code = "subagent-unauthorized"
+
+
+class ParentOffline(TetherError):
+    """A ``User`` send whose durable parent is not live."""
+
+    code = "parent-offline"
+
+
+class NotFound(TetherError):
+    """No session (or other record) with that id."""
+
+    code = "not-found"
+
+
+class DriverNotFound(TetherError):
+    """The driver import string does not name a loadable class."""
+
+    code = "driver-not-found"
+
+
+class InvalidParams(TetherError):
+    """Bad input: unknown kind, oversized content, empty steer, closed inbox, ..."""
+
+    code = "invalid-params"
+
+
+class TurnFailed(TetherError):
+    """A one-shot's turn ended with an outcome other than ``completed``."""
+
+    code = "turn-failed"
+
+
+class FrameError(TetherError):
+    """A frame that could not be decoded, or one over the size cap."""
+
+    code = "frame-error"
+
+
+class Preempted(TetherError):
+    """Raised by ``ctx.run_command`` when the running tool was preempted."""
+
+    code = "preempted"
+
+
+_BY_CODE: dict[str, type[TetherError]] = {
+    cls.code: cls
+    for cls in (
+        Unauthorized,
+        ParentOffline,
+        NotFound,
+        DriverNotFound,
+        InvalidParams,
+        TurnFailed,
+        FrameError,
+        Preempted,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> TetherError:
+    """Rebuild a typed error on the far side of a channel; unknown codes stay generic."""
+    return _BY_CODE.get(code, TetherError)(message)

@@ -1,0 +1,158 @@
+"""Host <-> worker frames: one tagged union per direction, one typed decoder each.
+
+Every frame names the turn it belongs to, so a frame that arrives after its turn ended
+(a late steer, a late tool reply) is recognised and dropped rather than misapplied.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tether.wire.records import Message
+from tether.wire.text import render_frame
+
+__all__ = [
+    "Cancel",
+    "CancelFrame",
+    "Delivered",
+    "HostFrame",
+    "Preempt",
+    "Probe",
+    "ProbeReply",
+    "Ready",
+    "RunTurn",
+    "Say",
+    "Shutdown",
+    "Steer",
+    "SteerFrame",
+    "ToolCall",
+    "ToolKilled",
+    "ToolReply",
+    "TurnEnd",
+    "WorkerFrame",
+]
+
+
+class Steer(msgspec.Struct, frozen=True):
+    """A correction delivered at a boundary; the driver continues."""
+
+    text: str
+    origin: str
+    by: str
+
+    def render(self) -> str:
+        return render_frame("steer", self.origin, self.by, self.text)
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    """A stop delivered at a boundary; the driver must wrap up and return."""
+
+    reason: str
+    origin: str
+    by: str
+
+    def render(self) -> str:
+        return render_frame("cancel", self.origin, self.by, self.reason)
+
+
+# ---- host -> worker -----------------------------------------------------------------
+
+
+class RunTurn(msgspec.Struct, frozen=True, tag="run"):
+    turn: str
+    session: str
+    driver: str
+    message: Message
+    config: dict[str, Any] | None = None
+    permissions: dict[str, str] | None = None
+
+
+class SteerFrame(msgspec.Struct, frozen=True, tag="steer"):
+    turn: str
+    steer: Steer
+
+
+class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
+    turn: str
+    cancel: Cancel
+
+
+class Preempt(msgspec.Struct, frozen=True, tag="preempt"):
+    turn: str
+    reason: str
+    origin: str
+    by: str
+
+
+class ToolReply(msgspec.Struct, frozen=True, tag="reply"):
+    turn: str
+    call: int
+    result: Any = None
+    code: str | None = None
+    message: str | None = None
+
+
+class Probe(msgspec.Struct, frozen=True, tag="probe"):
+    driver: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+HostFrame = RunTurn | SteerFrame | CancelFrame | Preempt | ToolReply | Probe | Shutdown
+
+
+# ---- worker -> host -----------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    pid: int
+
+
+class Say(msgspec.Struct, frozen=True, tag="say"):
+    turn: str
+    kind: Literal["assistant", "tool"]
+    text: str
+    data: dict[str, Any] | None = None
+
+
+class ToolCall(msgspec.Struct, frozen=True, tag="call"):
+    turn: str
+    call: int
+    name: str
+    args: dict[str, Any]
+
+
+class Delivered(msgspec.Struct, frozen=True, tag="delivered"):
+    """Frames handed to the driver at a boundary: the host writes their markers."""
+
+    turn: str
+    steers: list[Steer]
+    cancel: bool = False
+
+
+class ToolKilled(msgspec.Struct, frozen=True, tag="tool_killed"):
+    """A preempt took effect: the running command's tree is dead."""
+
+    turn: str
+    reason: str
+    origin: str
+    by: str
+
+
+class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
+    turn: str
+    outcome: Literal["completed", "cancelled", "failed"]
+    final: str | None = None
+    error: str | None = None
+
+
+class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
+    driver: str
+    error: str | None = None
+
+
+WorkerFrame = Ready | Say | ToolCall | Delivered | ToolKilled | TurnEnd | ProbeReply

@@ -1,0 +1,154 @@
+"""Durable records and the values the public API returns.
+
+All are frozen msgspec Structs, so the same types are stored, sent to workers, returned
+to Python callers and encoded as JSON for RPC. New fields always get defaults so that an
+older peer still decodes a newer record.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "MARKER_ACTIONS",
+    "OUTCOMES",
+    "STATES",
+    "AgentInfo",
+    "AgentRef",
+    "ChildTurnEnded",
+    "Entry",
+    "EntryKind",
+    "Event",
+    "Message",
+    "Mode",
+    "Origin",
+    "Outcome",
+    "SessionHeader",
+    "TurnRecord",
+]
+
+Mode = Literal["continuable", "one-shot"]
+Outcome = Literal["completed", "cancelled", "aborted", "failed", "crashed"]
+Origin = Literal["user", "parent", "system"]
+EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
+
+OUTCOMES: tuple[str, ...] = ("completed", "cancelled", "aborted", "failed", "crashed")
+STATES: tuple[str, ...] = ("running", "idle", "parked", "disposing", "dormant", "settled")
+MARKER_ACTIONS: tuple[str, ...] = (
+    "steered",
+    "cancelled",
+    "aborted",
+    "preempted",
+    "forced",
+    "escalated",
+)
+
+
+class AgentRef(msgspec.Struct, frozen=True):
+    """One activation of a session: its id and the epoch it was materialized in.
+
+    A ref from an earlier epoch is stale: authority checks refuse it.
+    """
+
+    id: str
+    epoch: int
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One inbox message. ``kind="notice"`` for a ``ChildTurnEnded`` notice."""
+
+    id: int
+    session: str
+    content: str
+    data: dict[str, Any] | None = None
+    kind: Literal["user", "notice"] = "user"
+    sender: str | None = None
+    created_at: float = 0.0
+
+
+class ChildTurnEnded(msgspec.Struct, frozen=True, kw_only=True):
+    """What a parent's inbox receives when one of its subagents' turns ends."""
+
+    child: str
+    slug: str | None = None
+    turn: str
+    outcome: str
+    cause: str | None = None
+    partial: str | None = None
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True):
+    """One transcript entry. Markers also carry ``action``, ``origin``, ``by``, ``reason``."""
+
+    seq: int
+    session: str
+    kind: EntryKind
+    text: str
+    turn: str | None = None
+    action: str | None = None
+    origin: str | None = None
+    by: str | None = None
+    reason: str | None = None
+    data: dict[str, Any] | None = None
+    created_at: float = 0.0
+
+
+class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn's start and (once ended) end record. ``outcome`` is None while it runs."""
+
+    id: str
+    session: str
+    message_id: int
+    outcome: str | None = None
+    cause: str | None = None
+    by: str | None = None
+    forced: bool = False
+    escalated: bool = False
+    reason: str | None = None
+    error: str | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+
+
+class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A session as discovery sees it (SPEC §7). A hint, never authority."""
+
+    id: str
+    slug: str | None
+    parent: str | None
+    depth: int
+    mode: str
+    state: str
+    pending: int = 0
+    stopping: str | None = None
+    turn: str | None = None
+
+
+class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's durable header (SPEC §1)."""
+
+    id: str
+    parent: str | None
+    mode: str
+    slug: str | None
+    driver: str
+    config: dict[str, Any] | None = None
+    permissions: dict[str, Any] | None = None
+    created_at: float = 0.0
+    settled: bool = False
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """Something an agent did, for observers (``Runtime.subscribe``, ``GET /events``).
+
+    ``lineage`` holds the session's ancestor ids, root first, so "this session and its
+    subtree" is ``q == ev.session or q in ev.lineage``.
+    """
+
+    name: str
+    session: str
+    lineage: tuple[str, ...] = ()
+    data: dict[str, Any] = {}
+    ts: float = 0.0

@@ -1,0 +1,215 @@
+"""JSON-RPC 2.0 params, results and envelopes of ``tether serve`` (SPEC §10).
+
+Every method's params are one msgspec Struct, decoded strictly (no type coercion,
+unknown fields refused), so the schema is the validation: a one-shot address, a
+misspelt field or a string where a number belongs is ``invalid-params`` before any
+runtime call is made. Results are Structs too and encode straight to JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from tether.wire.records import AgentInfo, Entry, TurnRecord
+
+__all__ = [
+    "APPLICATION_ERROR",
+    "INVALID_PARAMS",
+    "INVALID_REQUEST",
+    "METHODS",
+    "METHOD_NOT_FOUND",
+    "PARSE_ERROR",
+    "RPC_ERROR_CODES",
+    "Accepted",
+    "Address",
+    "AgentList",
+    "DisposeParams",
+    "ErrorData",
+    "ErrorObject",
+    "FailParams",
+    "InterruptKind",
+    "InterruptParams",
+    "ListParams",
+    "OpenParams",
+    "PromptParams",
+    "ReleaseParams",
+    "Response",
+    "SendParams",
+    "SessionResult",
+    "SpawnParams",
+    "StatusParams",
+    "Transcript",
+    "TranscriptParams",
+    "Turns",
+    "TurnsParams",
+]
+
+# JSON-RPC 2.0 error codes; the Tether code (``error.data.code``) says which refusal.
+PARSE_ERROR: Final = -32700
+INVALID_REQUEST: Final = -32600
+METHOD_NOT_FOUND: Final = -32601
+INVALID_PARAMS: Final = -32602
+APPLICATION_ERROR: Final = -32000
+
+# The only values ``error.data.code`` takes on the wire.
+RPC_ERROR_CODES: Final = (
+    "subagent-unauthorized",
+    "parent-offline",
+    "not-found",
+    "invalid-params",
+    "internal",
+)
+
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+InterruptKind = Literal["steer", "cancel", "abort", "preempt"]
+JsonObject = dict[str, Any]
+
+
+class _Params(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every params Struct: strict, immutable, keyword-only."""
+
+
+class Address(_Params):
+    """A continuable subagent as the RPC caller names it.
+
+    The caller acts as ``User(parent=parent)``; the runtime compares ``parent`` with the
+    target's durable parent. A one-shot is owned by its handle's holder and has no
+    address, so ``mode`` admits only ``"continuable"``.
+    """
+
+    session: SessionId
+    parent: SessionId
+    mode: Literal["continuable"] = "continuable"
+
+
+class OpenParams(_Params):
+    driver: Annotated[str, msgspec.Meta(min_length=1)]
+    config: JsonObject | None = None
+    slug: str | None = None
+    permissions: dict[str, str] | None = None
+
+
+class PromptParams(_Params):
+    session: SessionId
+    content: str
+    data: JsonObject | None = None
+
+
+class ReleaseParams(_Params):
+    session: SessionId
+
+
+class SpawnParams(_Params):
+    """A continuable child of ``parent``; the server is trusted like the host itself."""
+
+    parent: SessionId
+    driver: Annotated[str, msgspec.Meta(min_length=1)]
+    mode: Literal["continuable"] = "continuable"
+    prompt: str | None = None
+    data: JsonObject | None = None
+    slug: str | None = None
+    config: JsonObject | None = None
+    permissions: dict[str, str] | None = None
+
+
+class SendParams(_Params):
+    address: Address
+    content: str
+    data: JsonObject | None = None
+    wake: bool = True
+
+
+class InterruptParams(_Params):
+    address: Address
+    kind: InterruptKind = "cancel"
+    reason: str = ""
+    grace: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    deadline: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+
+class ListParams(_Params):
+    root: SessionId
+    scope: Literal["children", "descendants"] = "children"
+
+
+class StatusParams(_Params):
+    session: SessionId
+
+
+class TranscriptParams(_Params):
+    """Entries with ``seq > after``, at most ``limit`` of them (``more`` says if cut)."""
+
+    session: SessionId
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 500
+
+
+class TurnsParams(_Params):
+    session: SessionId
+
+
+class DisposeParams(_Params):
+    address: Address
+
+
+class FailParams(_Params):
+    """``debug.fail`` takes nothing; it exists only with fault injection enabled."""
+
+
+class SessionResult(msgspec.Struct, frozen=True):
+    session: str
+
+
+class Accepted(msgspec.Struct, frozen=True):
+    accepted: bool = True
+
+
+class AgentList(msgspec.Struct, frozen=True):
+    agents: list[AgentInfo]
+
+
+class Transcript(msgspec.Struct, frozen=True):
+    entries: list[Entry]
+    more: bool = False
+
+
+class Turns(msgspec.Struct, frozen=True):
+    turns: list[TurnRecord]
+
+
+class ErrorData(msgspec.Struct, frozen=True, omit_defaults=True):
+    code: str
+    error_id: str | None = None
+
+
+class ErrorObject(msgspec.Struct, frozen=True):
+    code: int
+    message: str
+    data: ErrorData
+
+
+class Response(msgspec.Struct, frozen=True):
+    """One JSON-RPC response: exactly one of ``result`` and ``error`` is set."""
+
+    id: str | int | float | None
+    result: Any = msgspec.UNSET
+    error: ErrorObject | msgspec.UnsetType = msgspec.UNSET
+    jsonrpc: Literal["2.0"] = "2.0"
+
+
+# Method name -> params type. ``subagent.status`` returns an ``AgentInfo``.
+METHODS: Final[dict[str, type[_Params]]] = {
+    "session.open": OpenParams,
+    "session.prompt": PromptParams,
+    "session.release": ReleaseParams,
+    "subagent.spawn": SpawnParams,
+    "subagent.send": SendParams,
+    "subagent.interrupt": InterruptParams,
+    "subagent.list": ListParams,
+    "subagent.status": StatusParams,
+    "subagent.transcript": TranscriptParams,
+    "subagent.turns": TurnsParams,
+    "subagent.dispose": DisposeParams,
+}
