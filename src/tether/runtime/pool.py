@@ -23,9 +23,14 @@ process group, each a subreaper for its tools.
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing
+import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
 import multiprocessing.resource_tracker
+import multiprocessing.spawn
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -64,6 +69,7 @@ log = structlog.get_logger("tether.pool")
 _PRELOAD = ["tether.runtime.worker", "tether.runtime.scripted", "tether"]
 _START_TIMEOUT = 30.0
 _DEATH_TIMEOUT = 5.0
+_MAX_START_FAILURES = 3
 
 _fs_lock = threading.Lock()
 _fs_users = 0
@@ -86,7 +92,45 @@ def _forkserver_release() -> None:
         _fs_users -= 1
         if _fs_users == 0:
             multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-            multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+            tracker = multiprocessing.resource_tracker._resource_tracker  # type: ignore[attr-defined]
+            if tracker._pid is not None:
+                tracker._stop()
+
+
+class _WorkerPopen(multiprocessing.popen_forkserver.Popen):
+    """Launch through the forkserver without re-importing the host's ``__main__``.
+
+    Workers load drivers by import string, so they never need the host's main module;
+    running it again in each worker is the classic multiprocessing trap (an unguarded
+    script would start a second runtime inside every worker). This is CPython's
+    ``_launch`` with the main-module keys left out of the preparation data.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        prep = multiprocessing.spawn.get_preparation_data(process_obj._name)
+        prep.pop("init_main_from_path", None)
+        prep.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            multiprocessing.context.reduction.dump(prep, buf)  # type: ignore[attr-defined]
+            multiprocessing.context.reduction.dump(process_obj, buf)  # type: ignore[attr-defined]
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(self._fds)
+        parent_w = os.dup(w)
+        self.finalizer = multiprocessing.util.Finalize(
+            self, multiprocessing.util.close_fds, (parent_w, self.sentinel)
+        )
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+
+
+class _WorkerProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _WorkerPopen(process_obj)
 
 
 def wait_dead(procs: list[psutil.Process], timeout: float = _DEATH_TIMEOUT) -> bool:
@@ -135,7 +179,7 @@ class _Worker:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         host_sock, child_sock = socket.socketpair()
-        self.process: Any = pool.ctx.Process(  # type: ignore[attr-defined]
+        self.process = _WorkerProcess(
             target=worker_main, args=(child_sock,), daemon=True, name="tether-worker"
         )
         self.process.start()
@@ -175,6 +219,7 @@ class Pool:
         self._probed: set[str] = set()
         self._all: set[_Worker] = set()
         self._changed = threading.Condition(self._lock)
+        self._start_failures = 0  # consecutive deaths before Ready: stop respawning at 3
         try:
             for _ in range(size + 1):
                 self._spawn()
@@ -182,6 +227,8 @@ class Pool:
             with self._lock:
                 while len(self._active) < size or self._spare is None:
                     left = deadline - time.monotonic()
+                    if self._start_failures >= _MAX_START_FAILURES:
+                        raise TetherError("worker processes fail to start (see their stderr)")
                     if left <= 0:
                         raise TetherError("worker processes did not start in time")
                     self._changed.wait(left)
@@ -316,7 +363,7 @@ class Pool:
 
     def _replenish_locked(self) -> None:
         """Start workers until ``size`` active plus a spare are running or starting."""
-        if self._closed:
+        if self._closed or self._start_failures >= _MAX_START_FAILURES:
             return
         missing = self.size + 1 - len(self._active) - (self._spare is not None) - self._starting
         for _ in range(missing):
@@ -350,6 +397,7 @@ class Pool:
     def _on_ready(self, w: _Worker) -> None:
         with self._lock:
             self._starting -= 1
+            self._start_failures = 0
             if self._closed:
                 surplus = True
             elif len(self._active) < self.size:
@@ -453,6 +501,9 @@ class Pool:
             self._all.discard(w)
             if not w.ready.is_set():
                 self._starting -= 1
+                self._start_failures += 1
+                if self._start_failures == _MAX_START_FAILURES:
+                    log.error("worker.start_failed", failures=self._start_failures)
             was_spare = self._spare is w
             if was_spare:
                 self._spare = None
