@@ -23,7 +23,16 @@ from tether.actors._ids import new_id
 from tether.actors.ports import AgentStore, EventSink, Executor, TurnJob
 from tether.actors.states import AgentState, check_transition
 from tether.wire.errors import InvalidParams
-from tether.wire.frames import Cancel, CancelFrame, Delivered, Preempt, Steer, SteerFrame, ToolKilled, TurnEnd
+from tether.wire.frames import (
+    Cancel,
+    CancelFrame,
+    Delivered,
+    Preempt,
+    Steer,
+    SteerFrame,
+    ToolKilled,
+    TurnEnd,
+)
 from tether.wire.records import ChildTurnEnded, Message, SessionHeader
 from tether.wire.text import marker_text
 
@@ -344,7 +353,9 @@ class AgentActor(pykka.ThreadingActor):
             return
         if tm.which == "grace":
             t.forced = True
-            self._marker(t, "forced", "system", "system", f"no end {t.stop.grace:g}s after the cancel")
+            self._marker(
+                t, "forced", "system", "system", f"no end {t.stop.grace:g}s after the cancel"
+            )
         else:
             if t.delivered:
                 return
@@ -364,10 +375,7 @@ class AgentActor(pykka.ThreadingActor):
         t.timers.clear()
 
     def _marker(self, t: _Turn, action: str, origin: str, by: str, reason: str) -> None:
-        if action in ("forced", "escalated"):
-            text = f"⊘ {action.capitalize()}: {reason}"
-        else:
-            text = marker_text(action, origin, by, reason)
+        text = marker_text(action, origin, by, reason)
         entry = self._store.append_entry(
             self._header.id,
             "marker",
@@ -389,6 +397,9 @@ class AgentActor(pykka.ThreadingActor):
         self._cancel_timers(t)
         h = self._header
         stop = t.stop
+        cause: str | None
+        by: str | None
+        reason: str | None
         error = e.end.error if e.end is not None else e.error
         if stop is not None:
             outcome = "aborted" if stop.kind == "abort" or t.escalated else "cancelled"

@@ -9,6 +9,7 @@ back), and never waits on a worker.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -228,10 +229,8 @@ class SupervisorActor(pykka.ThreadingActor):
         for act in list(self._registry.values()):
             act.ref.stop(block=False)
         for act in self._registry.values():
-            try:
+            with contextlib.suppress(Exception):
                 act.ref.actor_stopped.wait(5.0)
-            except Exception:  # noqa: BLE001 - stopping is best effort at shutdown
-                pass
         self._registry.clear()
 
     def on_receive(self, message: Any) -> Any:
@@ -299,9 +298,7 @@ class SupervisorActor(pykka.ThreadingActor):
     def _recover(self, rows: list[Any]) -> list[str]:
         for row in rows:
             self._catalog.add(row)
-        roots = [
-            sid for sid in self._catalog.roots if not self._catalog.nodes[sid].settled
-        ]
+        roots = [sid for sid in self._catalog.roots if not self._catalog.nodes[sid].settled]
         for sid in roots:
             self._materialize(sid, pending=self._store.pending_count(sid), hold=True)
         return roots
@@ -351,7 +348,9 @@ class SupervisorActor(pykka.ThreadingActor):
         msg = self._store.append_message(s.target, s.content, data=s.data, sender=sender)
         act = self._registry.get(s.target)
         if act is None and s.wake:
-            act = self._materialize(s.target, pending=self._store.pending_count(s.target) - 1, hold=False)
+            act = self._materialize(
+                s.target, pending=self._store.pending_count(s.target) - 1, hold=False
+            )
         if act is not None:
             act.ref.tell(Enqueue("yes" if s.wake else "no"))
         return msg
@@ -365,7 +364,10 @@ class SupervisorActor(pykka.ThreadingActor):
         if notice.partial:
             text += f": {notice.partial}"
         self._store.append_message(
-            parent, text, data={"notice": msgspec.to_builtins(notice)}, kind="notice",
+            parent,
+            text,
+            data={"notice": msgspec.to_builtins(notice)},
+            kind="notice",
             sender=notice.child,
         )
         act = self._registry.get(parent)
@@ -408,14 +410,26 @@ class SupervisorActor(pykka.ThreadingActor):
         if act is not None:
             st = act.cell.status
             return AgentInfo(
-                id=sid, slug=h.slug, parent=h.parent, depth=depth, mode=h.mode,
-                state=str(st.state), pending=st.pending, stopping=st.stopping, turn=st.turn,
+                id=sid,
+                slug=h.slug,
+                parent=h.parent,
+                depth=depth,
+                mode=h.mode,
+                state=str(st.state),
+                pending=st.pending,
+                stopping=st.stopping,
+                turn=st.turn,
             )
         state = AgentState.SETTLED if node.settled else AgentState.DORMANT
         pending = 0 if node.settled else self._store.pending_count(sid)
         return AgentInfo(
-            id=sid, slug=h.slug, parent=h.parent, depth=depth, mode=h.mode,
-            state=str(state), pending=pending,
+            id=sid,
+            slug=h.slug,
+            parent=h.parent,
+            depth=depth,
+            mode=h.mode,
+            state=str(state),
+            pending=pending,
         )
 
     def _list(self, root: str, scope: str) -> list[AgentInfo]:
@@ -455,8 +469,12 @@ class SupervisorActor(pykka.ThreadingActor):
             return
         act.ref.ask(Release())
         del self._registry[sid]
-        self._events.emit("state", sid, act.lineage, {"state": "dormant", "pending": 0,
-                                                       "stopping": None, "turn": None})
+        self._events.emit(
+            "state",
+            sid,
+            act.lineage,
+            {"state": "dormant", "pending": 0, "stopping": None, "turn": None},
+        )
 
     def _dispose(self, d: DisposeReq) -> list[str]:
         node = self._catalog.get(d.session)
@@ -481,4 +499,3 @@ class SupervisorActor(pykka.ThreadingActor):
                 self._store.settle(sid)
                 n.settled = True
         return order
-

@@ -92,7 +92,7 @@ def _forkserver_release() -> None:
         _fs_users -= 1
         if _fs_users == 0:
             multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-            tracker = multiprocessing.resource_tracker._resource_tracker  # type: ignore[attr-defined]
+            tracker: Any = multiprocessing.resource_tracker._resource_tracker
             if tracker._pid is not None:
                 tracker._stop()
 
@@ -117,11 +117,11 @@ class _WorkerPopen(multiprocessing.popen_forkserver.Popen):
             multiprocessing.context.reduction.dump(process_obj, buf)  # type: ignore[attr-defined]
         finally:
             multiprocessing.context.set_spawning_popen(None)
-        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(self._fds)
+        this: Any = self
+        util: Any = multiprocessing.util
+        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(this._fds)
         parent_w = os.dup(w)
-        self.finalizer = multiprocessing.util.Finalize(
-            self, multiprocessing.util.close_fds, (parent_w, self.sentinel)
-        )
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
@@ -129,7 +129,7 @@ class _WorkerPopen(multiprocessing.popen_forkserver.Popen):
 
 class _WorkerProcess(multiprocessing.context.ForkServerProcess):
     @staticmethod
-    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+    def _Popen(process_obj: Any) -> Any:
         return _WorkerPopen(process_obj)
 
 
@@ -184,7 +184,7 @@ class _Worker:
         )
         self.process.start()
         child_sock.close()
-        self.pid: int = self.process.pid
+        self.pid: int = self.process.pid or 0
         self.channel: Channel[WorkerFrame] = Channel(host_sock, WorkerFrame)
         self.ready = threading.Event()
         self.job: TurnJob | None = None
@@ -530,4 +530,3 @@ class Pool:
             else:
                 log.warning("worker.crashed", pid=w.pid, turn=job.turn, exitcode=code)
             job.sink.ended(job.turn, None, error)
-

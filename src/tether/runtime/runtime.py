@@ -77,13 +77,17 @@ class OneShot:
             raise TurnFailed(f"one-shot {self.id} was disposed before it ran")
         last = turns[-1]
         if last.outcome != "completed":
-            raise TurnFailed(f"one-shot {self.id} ended {last.outcome}: {last.error or last.reason or ''}")
+            raise TurnFailed(
+                f"one-shot {self.id} ended {last.outcome}: {last.error or last.reason or ''}"
+            )
         return self._rt._store.last_assistant_text(last.id)
 
     def kill(self) -> None:
         """Hard stop, holder-owned: the turn's whole process tree is killed now."""
         self._rt._ask(
-            InterruptReq(self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0, None)
+            InterruptReq(
+                self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0, None
+            )
         )
 
     def dispose(self) -> None:
@@ -114,7 +118,10 @@ class _Host(PoolHost):
             error_id = uuid.uuid4().hex[:12]
             log.exception("tool.internal_error", error_id=error_id, tool=frame.name)
             return ToolReply(
-                turn=frame.turn, call=frame.call, code="internal", message=f"internal error {error_id}"
+                turn=frame.turn,
+                call=frame.call,
+                code="internal",
+                message=f"internal error {error_id}",
             )
 
 
@@ -324,13 +331,18 @@ class Runtime:
             running: list[str] = self._ask(Running())
             for sid in running:
                 self._ask(
-                    InterruptReq(sid, Host(), "cancel", "the runtime is closing", self.grace, self.grace)
+                    InterruptReq(
+                        sid, Host(), "cancel", "the runtime is closing", self.grace, self.grace
+                    )
                 )
             deadline = time.monotonic() + 2 * self.grace + 5.0
             for sid in running:
                 try:
-                    self.wait(sid, until=("idle", "parked", "settled", "dormant"),
-                              timeout=max(deadline - time.monotonic(), 0.01))
+                    self.wait(
+                        sid,
+                        until=("idle", "parked", "settled", "dormant"),
+                        timeout=max(deadline - time.monotonic(), 0.01),
+                    )
                 except TimeoutError:
                     log.error("close.turn_survived", session=sid)
         finally:
@@ -386,7 +398,9 @@ class Runtime:
         for name, value in (("config", config), ("permissions", permissions)):
             if value is not None and not isinstance(value, dict):
                 raise InvalidParams(f"{name} must be a dict")
-        if permissions is not None and any(v not in ("allow", "deny") for v in permissions.values()):
+        if permissions is not None and any(
+            v not in ("allow", "deny") for v in permissions.values()
+        ):
             raise InvalidParams("permissions values must be 'allow' or 'deny'")
         self._check_data(config)
         self._pool.probe(driver)

@@ -73,32 +73,36 @@ class Scripted:
             case "spawn":
                 self._tool(
                     "spawn_agent",
-                    lambda: "spawned "
-                    + ctx.spawn_agent(
-                        slug=step.get("slug"),
-                        driver=step.get("driver"),
-                        mode=step.get("mode", "continuable"),
-                        prompt=step.get("prompt", step.get("text")),
-                        data=step.get("data"),
+                    lambda: (
+                        "spawned "
+                        + ctx.spawn_agent(
+                            slug=step.get("slug"),
+                            driver=step.get("driver"),
+                            mode=step.get("mode", "continuable"),
+                            prompt=step.get("prompt", step.get("text")),
+                            data=step.get("data"),
+                        )
                     ),
                 )
             case "send":
                 self._tool(
                     "send_message",
-                    lambda: ctx.send_message(
-                        step["to"], step.get("text", ""), data=step.get("data")
-                    )
-                    or f"sent to {step['to']}",
+                    lambda: (
+                        ctx.send_message(step["to"], step.get("text", ""), data=step.get("data"))
+                        or f"sent to {step['to']}"
+                    ),
                 )
             case "interrupt":
                 self._tool(
                     "interrupt_agent",
-                    lambda: ctx.interrupt_agent(
-                        step["target"],
-                        kind=step.get("kind", "cancel"),
-                        reason=step.get("reason", ""),
-                    )
-                    or f"{step.get('kind', 'cancel')} issued to {step['target']}",
+                    lambda: (
+                        ctx.interrupt_agent(
+                            step["target"],
+                            kind=step.get("kind", "cancel"),
+                            reason=step.get("reason", ""),
+                        )
+                        or f"{step.get('kind', 'cancel')} issued to {step['target']}"
+                    ),
                 )
             case "ignore_cancel":
                 self._ignore_cancel = True

@@ -374,8 +374,11 @@ class _Worker:
             driver = load_driver(run.driver)()
             final = driver.run(ctx)
         except Exception as exc:  # a driver's failure ends its turn, never the worker
-            outcome = "cancelled" if state.cancel_delivered else "failed"
-            return TurnEnd(turn=run.turn, outcome=outcome, error=_describe(exc))
+            return TurnEnd(
+                turn=run.turn,
+                outcome="cancelled" if state.cancel_delivered else "failed",
+                error=_describe(exc),
+            )
         if final is not None and not isinstance(final, str):
             final = str(final)
         return TurnEnd(

@@ -7,6 +7,7 @@ on; a length over the cap means the peer is broken, and the channel must be clos
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -39,7 +40,7 @@ class Channel(Generic[In]):
     ) -> None:
         self.sock = sock
         self._reader = sock.makefile("rb")
-        self._decoder: msgspec.msgpack.Decoder[In] = msgspec.msgpack.Decoder(incoming)  # type: ignore[arg-type]
+        self._decoder: msgspec.msgpack.Decoder[In] = msgspec.msgpack.Decoder(incoming)
         self._encoder = msgspec.msgpack.Encoder()
         self._max = max_frame
         self._send_lock = threading.Lock()
@@ -71,8 +72,6 @@ class Channel(Generic[In]):
 
     def close(self) -> None:
         self._reader.close()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()

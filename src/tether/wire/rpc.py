@@ -67,8 +67,8 @@ InterruptKind = Literal["steer", "cancel", "abort", "preempt"]
 JsonObject = dict[str, Any]
 
 
-class _Params(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of every params Struct: strict, immutable, keyword-only."""
+class _Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every params Struct: strict and keyword-only."""
 
 
 class Address(_Params):

@@ -33,12 +33,12 @@ def escape(text: str) -> str:
 
 
 def marker_text(action: str, origin: str, by: str, reason: str) -> str:
-    """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason."""
+    """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason.
+
+    The system's own follow-up markers (``forced``, ``escalated``) read ``⊘ Forced: ...``.
+    """
     verb = _VERBS.get(action)
-    if verb is None:
-        head = f"⊘ {action.capitalize()}"
-    else:
-        head = f"⊘ {verb} by {origin} ({escape(by)})"
+    head = f"⊘ {action.capitalize()}" if verb is None else f"⊘ {verb} by {origin} ({escape(by)})"
     return f"{head}: {escape(reason)}" if reason else head
 
 
