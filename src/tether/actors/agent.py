@@ -45,6 +45,7 @@ __all__ = [
     "Release",
     "Settled",
     "StatusCell",
+    "Sync",
     "TurnNotice",
 ]
 
@@ -98,6 +99,11 @@ class Dispose:
     origin: str
     by: str
     grace: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """Asked: answered once every message told before it has been handled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +228,8 @@ class AgentActor(pykka.ThreadingActor):
             self._cancel_timers(self._turn)
 
     def on_receive(self, message: Any) -> Any:
+        if isinstance(message, Sync):
+            return None
         if isinstance(message, Release):
             if self._turn is not None:
                 raise InvalidParams(

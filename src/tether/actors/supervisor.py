@@ -28,6 +28,7 @@ from tether.actors.agent import (
     Release,
     Settled,
     StatusCell,
+    Sync,
     TurnNotice,
 )
 from tether.actors.authority import MAX_DEPTH, Ancestor, Authority, Host, User, check_ancestor_ref
@@ -440,7 +441,11 @@ class SupervisorActor(pykka.ThreadingActor):
         return [self._info(sid, d) for sid, d in self._catalog.walk(root, max_depth)]
 
     def _status(self, sid: str) -> AgentInfo:
+        """Exact as of the call: the agent first handles what was told to it before."""
         node = self._catalog.get(sid)
+        act = self._registry.get(sid)
+        if act is not None:
+            act.ref.ask(Sync())
         return self._info(sid, node.depth)
 
     def _resolve(self, r: Resolve) -> str:

@@ -79,7 +79,7 @@ class Scripted:
                             slug=step.get("slug"),
                             driver=step.get("driver"),
                             mode=step.get("mode", "continuable"),
-                            prompt=step.get("prompt", step.get("text")),
+                            prompt=_spawn_prompt(step),
                             data=step.get("data"),
                         )
                     ),
@@ -130,3 +130,11 @@ def _fmt_command(result: Any) -> str:
     text = f"exit {result.returncode}"
     out = (result.stdout or "").strip()
     return f"{text}: {out[-500:]}" if out else text
+
+
+def _spawn_prompt(step: dict[str, Any]) -> str | None:
+    """A spawn step with ``data`` (or a text) gives the child its first message."""
+    prompt = step.get("prompt", step.get("text"))
+    if prompt is None and step.get("data") is not None:
+        return str(step.get("slug") or "task")
+    return None if prompt is None else str(prompt)
