@@ -20,7 +20,6 @@ from rich.tree import Tree
 
 from tether.actors.authority import User
 from tether.runtime.runtime import Runtime
-from tether.wire.records import AgentInfo
 
 __all__ = ["main"]
 
