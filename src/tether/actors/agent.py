@@ -333,16 +333,17 @@ class AgentActor(pykka.ThreadingActor):
                 if t.stop is not None:
                     return  # one pending stop per turn: the first one stands
                 t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace)
-                self._marker(t, "cancelled", i.origin, i.by, i.reason)
+                # the signal first, the bookkeeping after: the worker must not wait on SQLite
                 self._executor.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
+                self._marker(t, "cancelled", i.origin, i.by, i.reason)
                 if i.deadline is not None:
                     self._arm(t, i.deadline, "deadline")
             case "abort":
                 if t.stop is not None and t.stop.kind == "abort":
                     return
                 t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace)
-                self._marker(t, "aborted", i.origin, i.by, i.reason)
                 self._executor.kill(t.id)
+                self._marker(t, "aborted", i.origin, i.by, i.reason)
 
     def _delivered(self, frame: Delivered) -> None:
         t = self._turn
