@@ -6,6 +6,7 @@ and then checks with psutil that no process the test started is left running.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -37,10 +38,8 @@ def no_leaked_processes() -> Iterator[None]:
     if leaked:
         procs = []
         for pid in leaked:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
         _, alive = psutil.wait_procs(procs, timeout=_LEAK_TIMEOUT)
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         if alive:
