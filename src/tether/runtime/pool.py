@@ -293,13 +293,17 @@ class Pool:
         with self._probe_lock:
             for _ in range(3):
                 with self._lock:
-                    target = self._spare or next(iter(self._active), None)
-                    if target is None:
-                        raise TetherError("no worker to check the driver")
+                    deadline = time.monotonic() + 10.0
+                    # only the spare: an active worker may be deep in a long turn
+                    while self._spare is None:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self._closed:
+                            raise TetherError("no spare worker to check the driver")
+                        self._changed.wait(left)
+                    target = self._spare
                     self._probe_replies.pop(driver, None)
                     with contextlib.suppress(OSError):
                         target.channel.send(Probe(driver=driver))
-                    deadline = time.monotonic() + 10.0
                     while driver not in self._probe_replies and target in self._all:
                         left = deadline - time.monotonic()
                         if left <= 0:

@@ -222,6 +222,10 @@ class TurnContext:
 
         Whatever the command leaves running when it returns is killed with it.
         """
+        if self.permissions.get("run_command", "allow") == "deny":
+            raise error_from_code(
+                "subagent-unauthorized", "run_command is denied by this session's permissions"
+            )
         if not argv or not all(isinstance(a, str) for a in argv):
             raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
         st = self._state
