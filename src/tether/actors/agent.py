@@ -11,6 +11,7 @@ saw the cancel at a boundary, and the outcome is decided only when the turn has 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -148,6 +149,12 @@ class Settled:
     session: str
 
 
+def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
+    """Tell from a pool or timer thread; an actor already stopped (at close) is fine."""
+    with contextlib.suppress(pykka.ActorDeadError):
+        ref.tell(message)
+
+
 class _Sink:
     """The executor's view of one turn: every report becomes a message to the actor."""
 
@@ -157,13 +164,13 @@ class _Sink:
         self._ref = ref
 
     def delivered(self, frame: Delivered) -> None:
-        self._ref.tell(_Delivered(frame))
+        _tell(self._ref, _Delivered(frame))
 
     def tool_killed(self, frame: ToolKilled) -> None:
-        self._ref.tell(_ToolKilled(frame))
+        _tell(self._ref, _ToolKilled(frame))
 
     def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
-        self._ref.tell(_Ended(turn, end, error))
+        _tell(self._ref, _Ended(turn, end, error))
 
 
 @dataclass(slots=True)
@@ -373,7 +380,7 @@ class AgentActor(pykka.ThreadingActor):
         self._executor.kill(t.id)
 
     def _arm(self, t: _Turn, delay: float, which: Literal["grace", "deadline"]) -> None:
-        timer = threading.Timer(max(delay, 0.0), self.actor_ref.tell, args=(_Timer(t.id, which),))
+        timer = threading.Timer(max(delay, 0.0), _tell, args=(self.actor_ref, _Timer(t.id, which)))
         timer.daemon = True
         t.timers.append(timer)
         timer.start()

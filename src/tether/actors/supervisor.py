@@ -225,6 +225,7 @@ class SupervisorActor(pykka.ThreadingActor):
         self._events = events
         self._catalog = Catalog()
         self._registry: dict[str, Activation] = {}
+        self._disposing: set[str] = set()
 
     def on_stop(self) -> None:
         for act in list(self._registry.values()):
@@ -262,14 +263,23 @@ class SupervisorActor(pykka.ThreadingActor):
                 return [sid for sid, a in self._registry.items() if a.cell.status.turn is not None]
             case Recover(rows=rows):
                 return self._recover(rows)
-            case TurnNotice():
-                self._notice(message.parent, message.notice)
+            case TurnNotice() | Settled():
+                try:
+                    self._told(message)
+                except Exception:  # a tell that fails must not stop the supervisor
+                    log.exception("supervisor.error", message=type(message).__name__)
+        return None
+
+    def _told(self, message: TurnNotice | Settled) -> None:
+        match message:
+            case TurnNotice(parent=parent, notice=notice):
+                self._notice(parent, notice)
             case Settled(session=sid):
                 self._registry.pop(sid, None)
+                self._disposing.discard(sid)
                 node = self._catalog.nodes.get(sid)
                 if node is not None:
                     node.settled = True
-        return None
 
     # ---- materialization ----------------------------------------------------------
 
@@ -326,7 +336,7 @@ class SupervisorActor(pykka.ThreadingActor):
 
     def _send(self, s: Send) -> Message:
         node = self._catalog.get(s.target)
-        if node.settled:
+        if node.settled or s.target in self._disposing:
             raise InvalidParams(f"session {s.target} is settled: its inbox is closed")
         h = node.header
         auth = s.authority
@@ -499,6 +509,7 @@ class SupervisorActor(pykka.ThreadingActor):
                 continue
             act = self._registry.get(sid)
             if act is not None:
+                self._disposing.add(sid)
                 act.ref.tell(Dispose(auth.origin, auth.by, d.grace))
             else:
                 self._store.settle(sid)

@@ -457,8 +457,8 @@ class Pool:
                 job = self._job_of(w, frame.turn)
                 if job is not None:
                     reply = self.host.on_tool_call(job, frame)
-                    with contextlib.suppress(OSError):
-                        w.channel.send(reply)
+                    with contextlib.suppress(OSError):  # a dead worker needs no answer
+                        self._reply(w, reply)
             case Delivered():
                 job = self._job_of(w, frame.turn)
                 if job is not None:
@@ -481,6 +481,19 @@ class Pool:
                 with self._lock:
                     self._probe_replies[frame.driver] = frame.error
                     self._probe_done.notify_all()
+
+    def _reply(self, w: _Worker, reply: ToolReply) -> None:
+        try:
+            w.channel.send(reply)
+        except FrameError as exc:  # the driver waits for an answer: give it one it can read
+            w.channel.send(
+                ToolReply(
+                    turn=reply.turn,
+                    call=reply.call,
+                    code="invalid-params",
+                    message=f"the result is too large to return: {exc.message}",
+                )
+            )
 
     def _job_of(self, w: _Worker, turn: str) -> TurnJob | None:
         job = w.job
