@@ -41,8 +41,10 @@ __all__ = [
     "Activation",
     "Catalog",
     "Create",
+    "Directory",
     "DisposeReq",
     "InterruptReq",
+    "Kick",
     "ListReq",
     "Recover",
     "RefReq",
@@ -140,6 +142,70 @@ class Catalog:
                 stack.extend((c, depth + 1) for c in reversed(self.nodes[sid].children))
 
 
+class Directory:
+    """The supervisor's maps, with the authority checks of SPEC §6 that read them.
+
+    Only the supervisor's thread writes here. Other threads may call the ``authorize_*``
+    methods: each reads single dict entries holding immutable values (an ``Activation``,
+    a ``SessionHeader``), so a reader never sees a half-made entry, and the hot paths
+    (send, interrupt) need no round trip through the supervisor's mailbox.
+    """
+
+    def __init__(self) -> None:
+        self.catalog = Catalog()
+        self.registry: dict[str, Activation] = {}
+        self.disposing: set[str] = set()
+
+    def check_ref(self, auth: Ancestor) -> None:
+        act = self.registry.get(auth.agent.id)
+        check_ancestor_ref(auth.agent, None if act is None else act.epoch)
+
+    def authorize_send(self, target: str, auth: Authority | None) -> SessionHeader:
+        """Who may put work in ``target``'s inbox; ``None`` is a root's owner (the host)."""
+        node = self.catalog.get(target)
+        if node.settled or target in self.disposing:
+            raise InvalidParams(f"session {target} is settled: its inbox is closed")
+        h = node.header
+        if auth is None:
+            if h.parent is not None:
+                raise InvalidParams("prompt is for root sessions; use send for a subagent")
+            return h
+        if h.mode == "one-shot":
+            raise InvalidParams("a one-shot subagent takes no messages after its task")
+        if isinstance(auth, Ancestor):
+            self.check_ref(auth)
+            if auth.agent.id != h.parent:
+                raise Unauthorized(f"only the direct parent of {target} may send to it")
+        else:
+            if h.parent is None or auth.parent != h.parent:
+                raise Unauthorized(f"{auth.parent!r} is not the parent of {target}")
+            if h.parent not in self.registry:
+                raise ParentOffline(f"the parent {h.parent} of {target} is not live")
+        return h
+
+    def authorize_interrupt(self, target: str, auth: Authority | Host) -> Activation | None:
+        """The activation to signal, or None for an accepted no-op; Unauthorized if refused."""
+        if isinstance(auth, Ancestor):
+            self.check_ref(auth)  # stale refs are refused even for an absent target
+        act = self.registry.get(target)
+        if act is None:
+            return None  # absent (unknown, dormant, settled): an accepted no-op
+        if isinstance(auth, Host):
+            return act
+        header = self.catalog.nodes[target].header
+        if header.mode == "one-shot":
+            return None  # the continuable path treats a one-shot as absent
+        if isinstance(auth, User):
+            if header.parent != auth.parent:
+                raise Unauthorized(f"{auth.parent!r} is not the parent of {target}")
+        else:
+            if auth.agent.id == target:
+                raise Unauthorized("a session cannot interrupt itself")
+            if auth.agent.id not in act.ancestry:
+                raise Unauthorized(f"{auth.agent.id} is not an ancestor of {target}")
+        return act
+
+
 # ---- messages (asked unless noted) -------------------------------------------------
 
 
@@ -157,6 +223,14 @@ class Send:
     authority: Authority | None  # None: the host itself (a root's owner prompting it)
     data: dict[str, Any] | None = None
     wake: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Kick:
+    """Already appended by a fast-path send whose activation went away: hand it on."""
+
+    target: str
+    wake: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +292,22 @@ class Recover:
 
 
 class SupervisorActor(pykka.ThreadingActor):
-    def __init__(self, *, store: SupervisorStore, executor: Executor, events: EventSink) -> None:
+    def __init__(
+        self,
+        *,
+        store: SupervisorStore,
+        executor: Executor,
+        events: EventSink,
+        directory: Directory,
+    ) -> None:
         super().__init__()
         self._store = store
         self._executor = executor
         self._events = events
-        self._catalog = Catalog()
-        self._registry: dict[str, Activation] = {}
-        self._disposing: set[str] = set()
+        self._dir = directory
+        self._catalog = directory.catalog
+        self._registry = directory.registry
+        self._disposing = directory.disposing
 
     def on_stop(self) -> None:
         for act in list(self._registry.values()):
@@ -241,6 +323,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._create(message)
             case Send():
                 return self._send(message)
+            case Kick(target=target, wake=wake):
+                return self._kick(target, wake)
             case InterruptReq():
                 return self._interrupt(message)
             case ListReq(root=root, scope=scope):
@@ -335,26 +419,8 @@ class SupervisorActor(pykka.ThreadingActor):
         return h.id
 
     def _send(self, s: Send) -> Message:
-        node = self._catalog.get(s.target)
-        if node.settled or s.target in self._disposing:
-            raise InvalidParams(f"session {s.target} is settled: its inbox is closed")
-        h = node.header
+        self._dir.authorize_send(s.target, s.authority)
         auth = s.authority
-        if auth is None:
-            if h.parent is not None:
-                raise InvalidParams("prompt is for root sessions; use send for a subagent")
-        else:
-            if h.mode == "one-shot":
-                raise InvalidParams("a one-shot subagent takes no messages after its task")
-            if isinstance(auth, Ancestor):
-                self._check_ref(auth)
-                if auth.agent.id != h.parent:
-                    raise Unauthorized(f"only the direct parent of {s.target} may send to it")
-            else:
-                if h.parent is None or auth.parent != h.parent:
-                    raise Unauthorized(f"{auth.parent!r} is not the parent of {s.target}")
-                if h.parent not in self._registry:
-                    raise ParentOffline(f"the parent {h.parent} of {s.target} is not live")
         sender = None if auth is None else (auth.by if isinstance(auth, Ancestor) else "user")
         msg = self._store.append_message(s.target, s.content, data=s.data, sender=sender)
         act = self._registry.get(s.target)
@@ -365,6 +431,15 @@ class SupervisorActor(pykka.ThreadingActor):
         if act is not None:
             act.ref.tell(Enqueue("yes" if s.wake else "no"))
         return msg
+
+    def _kick(self, target: str, wake: bool) -> None:
+        act = self._registry.get(target)
+        if act is None and wake:
+            pending = self._store.pending_count(target)
+            self._materialize(target, pending=pending, hold=False)
+            self._registry[target].ref.tell(Enqueue("yes", 0))
+        elif act is not None:
+            act.ref.tell(Enqueue("yes" if wake else "no"))
 
     def _notice(self, parent: str, notice: ChildTurnEnded) -> None:
         node = self._catalog.nodes.get(parent)
@@ -387,30 +462,11 @@ class SupervisorActor(pykka.ThreadingActor):
 
     # ---- authority ------------------------------------------------------------------
 
-    def _check_ref(self, auth: Ancestor) -> None:
-        act = self._registry.get(auth.agent.id)
-        check_ancestor_ref(auth.agent, None if act is None else act.epoch)
-
     def _interrupt(self, r: InterruptReq) -> None:
         auth = r.authority
-        if isinstance(auth, Ancestor):
-            self._check_ref(auth)  # stale refs are refused even for an absent target
-        act = self._registry.get(r.target)
-        if act is None:
-            return  # absent (unknown, dormant, settled): an accepted no-op
-        node = self._catalog.nodes[r.target]
-        if not isinstance(auth, Host):
-            if node.header.mode == "one-shot":
-                return  # the continuable path treats a one-shot as absent
-            if isinstance(auth, User):
-                if node.header.parent != auth.parent:
-                    raise Unauthorized(f"{auth.parent!r} is not the parent of {r.target}")
-            else:
-                if auth.agent.id == r.target:
-                    raise Unauthorized("a session cannot interrupt itself")
-                if auth.agent.id not in act.ancestry:
-                    raise Unauthorized(f"{auth.agent.id} is not an ancestor of {r.target}")
-        act.ref.tell(Interrupt(r.kind, auth.origin, auth.by, r.reason, r.grace, r.deadline))
+        act = self._dir.authorize_interrupt(r.target, auth)
+        if act is not None:
+            act.ref.tell(Interrupt(r.kind, auth.origin, auth.by, r.reason, r.grace, r.deadline))
 
     # ---- discovery ------------------------------------------------------------------
 
@@ -496,7 +552,7 @@ class SupervisorActor(pykka.ThreadingActor):
         h = node.header
         auth = d.authority
         if isinstance(auth, Ancestor):
-            self._check_ref(auth)
+            self._dir.check_ref(auth)
             if auth.agent.id != h.parent:
                 raise Unauthorized(f"only the direct parent of {d.session} may dispose it")
         elif isinstance(auth, User) and (h.parent is None or auth.parent != h.parent):

@@ -7,6 +7,7 @@ supervisor, which serializes every decision about sessions.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -15,15 +16,19 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import pykka
 import structlog
 
 from tether.actors._ids import new_id
+from tether.actors.agent import Enqueue, Interrupt
 from tether.actors.authority import Ancestor, Authority, Host, User
 from tether.actors.ports import TurnJob
 from tether.actors.supervisor import (
     Create,
+    Directory,
     DisposeReq,
     InterruptReq,
+    Kick,
     ListReq,
     Recover,
     RefReq,
@@ -84,7 +89,7 @@ class OneShot:
 
     def kill(self) -> None:
         """Hard stop, holder-owned: the turn's whole process tree is killed now."""
-        self._rt._ask(
+        self._rt._interrupt(
             InterruptReq(
                 self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0, None
             )
@@ -155,7 +160,10 @@ class Runtime:
             log.warning("recovery.crashed_turns", sessions=len(crashed))
         self._pool = Pool(workers, _Host(self))
         try:
-            self._sup = SupervisorActor.start(store=self._store, executor=self._pool, events=self)
+            self._dir = Directory()
+            self._sup = SupervisorActor.start(
+                store=self._store, executor=self._pool, events=self, directory=self._dir
+            )
             self._ask(Recover(self._store.sessions()))
         except BaseException:
             self._pool.close()
@@ -184,7 +192,7 @@ class Runtime:
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> None:
         """The owner's message to a root session (waking)."""
         self._check_message(content, data)
-        self._ask(Send(session_id, content, None, data, True))
+        self._send(session_id, content, None, data, True)
 
     def spawn(
         self,
@@ -223,7 +231,7 @@ class Runtime:
         """Append to a subagent's inbox (durable before this returns); ``wake`` starts it."""
         self._check_authority(authority)
         self._check_message(content, data)
-        self._ask(Send(target, content, authority, data, bool(wake)))
+        self._send(target, content, authority, data, bool(wake))
 
     def interrupt(
         self,
@@ -247,7 +255,7 @@ class Runtime:
             if value is not None and (not isinstance(value, int | float) or value < 0):
                 raise InvalidParams(f"{name} must be a non-negative number of seconds")
         g = self.grace if grace is None else float(grace)
-        self._ask(InterruptReq(target, authority, kind, cap(reason), g, deadline))
+        self._interrupt(InterruptReq(target, authority, kind, cap(reason), g, deadline))
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:
         """One consistent pre-order walk below ``root`` (SPEC §7)."""
@@ -330,7 +338,7 @@ class Runtime:
         try:
             running: list[str] = self._ask(Running())
             for sid in running:
-                self._ask(
+                self._interrupt(
                     InterruptReq(
                         sid, Host(), "cancel", "the runtime is closing", self.grace, self.grace
                     )
@@ -375,6 +383,45 @@ class Runtime:
         if self._closed and not isinstance(message, Running | InterruptReq | StatusReq):
             raise TetherError("the runtime is closed")
         return self._sup.ask(message)
+
+    def _send(
+        self,
+        target: str,
+        content: str,
+        authority: Authority | None,
+        data: dict[str, Any] | None,
+        wake: bool,
+    ) -> None:
+        """The hot path: a live target is authorized here, without the supervisor's mailbox.
+
+        A dormant target goes through the supervisor, which materializes it.
+        """
+        if self._closed:
+            raise TetherError("the runtime is closed")
+        act = self._dir.registry.get(target)
+        if act is None:
+            self._ask(Send(target, content, authority, data, wake))
+            return
+        self._dir.authorize_send(target, authority)
+        sender = None
+        if authority is not None:
+            sender = authority.by if isinstance(authority, Ancestor) else "user"
+        msg = self._store.append_message(target, content, data=data, sender=sender)
+        try:
+            act.ref.tell(Enqueue("yes" if wake else "no"))
+        except pykka.ActorDeadError:  # released meanwhile: the message is durable already
+            self._ask(Kick(target, wake))
+        self.emit("message.accepted", target, act.lineage, {"message": msg.id, "kind": msg.kind})
+
+    def _interrupt(self, req: InterruptReq) -> None:
+        """Authorize here (SPEC §6 reads only the directory), then signal the agent."""
+        auth = req.authority
+        act = self._dir.authorize_interrupt(req.target, auth)
+        if act is None:
+            return
+        signal = Interrupt(req.kind, auth.origin, auth.by, req.reason, req.grace, req.deadline)
+        with contextlib.suppress(pykka.ActorDeadError):  # gone meanwhile: absent, a no-op
+            act.ref.tell(signal)
 
     def _dispose(self, session_id: str, authority: Authority | Host) -> None:
         order: list[str] = self._ask(DisposeReq(session_id, authority, self.grace))
