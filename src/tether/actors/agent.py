@@ -12,6 +12,7 @@ saw the cancel at a boundary, and the outcome is decided only when the turn has 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,6 +52,13 @@ __all__ = [
 ]
 
 log = structlog.get_logger("tether.agent")
+_stdlib_log = logging.getLogger("tether.agent")
+
+
+def _debug() -> bool:
+    """Per-turn debug events are skipped cheaply unless debug logging is on."""
+    return _stdlib_log.isEnabledFor(logging.DEBUG)
+
 
 Wake = Literal["yes", "no", "if-idle"]
 
@@ -221,6 +229,7 @@ class AgentActor(pykka.ThreadingActor):
         self._events = events
         self._supervisor = supervisor
         self._turn: _Turn | None = None
+        self._started = 0
         self._disposing = False
         self._settled = False
         self._sink: _Sink | None = None
@@ -290,18 +299,31 @@ class AgentActor(pykka.ThreadingActor):
         elif t is None:
             self._hold = True
 
+    def _can_start(self) -> bool:
+        return (
+            self._turn is None
+            and not self._disposing
+            and not self._settled
+            and not self._hold
+            and self._pending > 0
+            and (self._header.mode != "one-shot" or self._started == 0)
+        )
+
     def _start_next(self) -> None:
-        if self._turn is not None or self._disposing or self._settled or self._hold:
+        if not self._can_start():
             return
-        if self._pending <= 0:
+        turn_id = new_id("t_")
+        message = self._store.claim_next(self._header.id, turn_id)
+        self._begin(turn_id, message)
+
+    def _begin(self, turn_id: str, message: Message | None) -> None:
+        """Hand a claimed message to the executor as a new turn."""
+        if message is None:
+            self._pending = 0  # the store had less than we counted: it is the truth
             return
         h = self._header
-        turn_id = new_id("t_")
-        message = self._store.claim_next(h.id, turn_id)
-        if message is None:
-            self._pending = 0
-            return
         self._pending -= 1
+        self._started += 1
         self._turn = _Turn(turn_id, message)
         assert self._sink is not None
         self._executor.submit(
@@ -315,7 +337,8 @@ class AgentActor(pykka.ThreadingActor):
                 sink=self._sink,
             )
         )
-        log.debug("turn.started", session=h.id, turn=turn_id, message=message.id)
+        if _debug():
+            log.debug("turn.started", session=h.id, turn=turn_id, message=message.id)
         self._emit("turn.started", {"turn": turn_id, "message": message.id})
 
     # ---- interrupts ---------------------------------------------------------------
@@ -427,9 +450,12 @@ class AgentActor(pykka.ThreadingActor):
         else:
             outcome = "failed" if e.end.outcome == "failed" else "completed"
             cause = by = reason = None
-        if e.end is not None and e.end.final is not None:
-            self._store.append_entry(h.id, "assistant", e.end.final, turn=t.id)
-        self._store.end_turn(
+        final = e.end.final if e.end is not None else None
+        self._turn = None
+        if outcome != "completed":
+            self._hold = not t.wake_latch  # park the inbox unless a waking send latched
+        next_turn = new_id("t_") if self._can_start() else None
+        message = self._store.end_turn(
             t.id,
             outcome=outcome,
             cause=cause,
@@ -438,8 +464,9 @@ class AgentActor(pykka.ThreadingActor):
             escalated=t.escalated,
             reason=reason,
             error=error,
+            final=final,
+            next_turn=next_turn,
         )
-        self._turn = None
         record = {
             "turn": t.id,
             "outcome": outcome,
@@ -450,7 +477,10 @@ class AgentActor(pykka.ThreadingActor):
             "reason": reason,
             "error": error,
         }
-        (log.debug if outcome == "completed" else log.info)("turn.ended", session=h.id, **record)
+        if outcome != "completed":
+            log.info("turn.ended", session=h.id, **record)
+        elif _debug():
+            log.debug("turn.ended", session=h.id, **record)
         self._emit("turn.ended", record)
         if h.parent is not None:
             notice = ChildTurnEnded(
@@ -459,15 +489,13 @@ class AgentActor(pykka.ThreadingActor):
                 turn=t.id,
                 outcome=outcome,
                 cause=cause,
-                partial=self._store.last_assistant_text(t.id),
+                partial=final if final is not None else self._store.last_assistant_text(t.id),
             )
             self._supervisor.tell(TurnNotice(h.parent, notice))
         if h.mode == "one-shot" or self._disposing:
             self._settle()
-            return
-        if outcome != "completed":
-            self._hold = not t.wake_latch  # park the inbox unless a waking send latched
-        self._start_next()
+        elif next_turn is not None:
+            self._begin(next_turn, message)
 
     # ---- disposal -----------------------------------------------------------------
 

@@ -64,7 +64,11 @@ class AgentStore(Protocol):
         escalated: bool = False,
         reason: str | None = None,
         error: str | None = None,
-    ) -> None: ...
+        final: str | None = None,
+        next_turn: str | None = None,
+    ) -> Message | None:
+        """Record the end (and final text); claim the next message for ``next_turn``."""
+
     def append_entry(
         self,
         session: str,

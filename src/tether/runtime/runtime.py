@@ -152,6 +152,7 @@ class Runtime:
         self._sub_lock = threading.Lock()
         self._cond = threading.Condition()
         self._version = 0
+        self._waiters = 0  # emit() skips the condition while nobody waits
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._store = Store(None if path is None else os.fspath(path))
@@ -281,21 +282,27 @@ class Runtime:
         if bad:
             raise InvalidParams(f"unknown state(s) {bad}")
         deadline = time.monotonic() + timeout
-        while True:
+        with self._cond:
+            self._waiters += 1  # before the first look, so no state event can slip past
+        try:
+            while True:
+                with self._cond:
+                    seen = self._version
+                info = self.status(session_id)
+                if info.state in states:
+                    return info
+                with self._cond:
+                    while self._version == seen:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError(
+                                f"{session_id} is {info.state}, not {'/'.join(states)}, "
+                                f"after {timeout:g}s"
+                            )
+                        self._cond.wait(left)
+        finally:
             with self._cond:
-                seen = self._version
-            info = self.status(session_id)
-            if info.state in states:
-                return info
-            with self._cond:
-                while self._version == seen:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(
-                            f"{session_id} is {info.state}, not {'/'.join(states)}, "
-                            f"after {timeout:g}s"
-                        )
-                    self._cond.wait(left)
+                self._waiters -= 1
 
     def transcript(self, session_id: str, *, after: int = 0) -> list[Entry]:
         self.status(session_id)
@@ -372,7 +379,7 @@ class Runtime:
                 callback(event)
             except Exception:  # an observer's bug must not break the agent that emitted
                 log.exception("events.subscriber_failed", event=name)
-        if name == "state":
+        if name == "state" and self._waiters:
             with self._cond:
                 self._version += 1
                 self._cond.notify_all()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -92,6 +90,31 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
     return None if blob is None else _dec.decode(blob)
 
 
+class _Tx:
+    """``with store._tx() as db``: the lock, BEGIN IMMEDIATE, and COMMIT or ROLLBACK."""
+
+    __slots__ = ("_db", "_lock")
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
+        self._db = db
+        self._lock = lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._lock.acquire()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+        return self._db
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        finally:
+            self._lock.release()
+
+
 class Store:
     """Catalog, inboxes with claim state, turn records and transcripts."""
 
@@ -107,16 +130,8 @@ class Store:
         self._db.execute(f"PRAGMA synchronous={sync}")
         self._db.executescript(_SCHEMA)
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _tx(self) -> _Tx:
+        return _Tx(self._db, self._lock)
 
     def close(self) -> None:
         with self._lock:
@@ -219,27 +234,8 @@ class Store:
 
     def claim_next(self, session: str, turn: str) -> Message | None:
         """Claim the oldest pending message for a new turn and record the turn's start."""
-        now = time.time()
         with self._tx() as db:
-            row = db.execute(
-                "SELECT id, session, content, data, kind, sender, created_at FROM messages"
-                " WHERE session=? AND state='pending' ORDER BY id LIMIT 1",
-                (session,),
-            ).fetchone()
-            if row is None:
-                return None
-            db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, row[0]))
-            db.execute(
-                "INSERT INTO turns (id, session, message_id, started_at) VALUES (?,?,?,?)",
-                (turn, session, row[0], now),
-            )
-            msg = _message(row)
-            db.execute(
-                "INSERT INTO entries (session, turn, kind, text, data, created_at)"
-                " VALUES (?,?,?,?,?,?)",
-                (session, turn, msg.kind, msg.content, _dump(msg.data), now),
-            )
-        return msg
+            return _claim(db, session, turn)
 
     # ---- turns --------------------------------------------------------------------
 
@@ -254,13 +250,29 @@ class Store:
         escalated: bool = False,
         reason: str | None = None,
         error: str | None = None,
-    ) -> None:
+        final: str | None = None,
+        next_turn: str | None = None,
+    ) -> Message | None:
+        """Record a turn's end (and its final text), and claim the next message for
+        ``next_turn`` if given: one transaction, so a turn boundary costs one commit."""
+        now = time.time()
         with self._tx() as db:
+            row = db.execute("SELECT session FROM turns WHERE id=?", (turn,)).fetchone()
+            if row is None:
+                return None
+            session = row[0]
+            if final is not None:
+                db.execute(
+                    "INSERT INTO entries (session, turn, kind, text, created_at)"
+                    " VALUES (?,?,'assistant',?,?)",
+                    (session, turn, final, now),
+                )
             db.execute(
                 "UPDATE turns SET ended_at=?, outcome=?, cause=?, by=?, forced=?, escalated=?,"
                 " reason=?, error=? WHERE id=?",
-                (time.time(), outcome, cause, by, forced, escalated, reason, error, turn),
+                (now, outcome, cause, by, forced, escalated, reason, error, turn),
             )
+            return None if next_turn is None else _claim(db, session, next_turn)
 
     def turns(self, session: str) -> list[TurnRecord]:
         with self._lock:
@@ -367,6 +379,27 @@ class Store:
                 (turn,),
             ).fetchone()
         return None if row is None else str(row[0])
+
+
+def _claim(db: sqlite3.Connection, session: str, turn: str) -> Message | None:
+    now = time.time()
+    row = db.execute(
+        "SELECT id, session, content, data, kind, sender, created_at FROM messages"
+        " WHERE session=? AND state='pending' ORDER BY id LIMIT 1",
+        (session,),
+    ).fetchone()
+    if row is None:
+        return None
+    db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, row[0]))
+    db.execute(
+        "INSERT INTO turns (id, session, message_id, started_at) VALUES (?,?,?,?)",
+        (turn, session, row[0], now),
+    )
+    db.execute(
+        "INSERT INTO entries (session, turn, kind, text, data, created_at) VALUES (?,?,?,?,?,?)",
+        (session, turn, row[4], row[2], row[3], now),
+    )
+    return _message(row)
 
 
 def _message(r: tuple[Any, ...]) -> Message:
