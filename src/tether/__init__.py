@@ -12,8 +12,8 @@ Layering (imports only ever point down):
     tether.wire      msgspec Structs and codecs; depends on nothing of ours
 """
 
+from tether import tools
 from tether.actors.authority import Ancestor, User
-from tether.runtime import tools
 from tether.runtime.runtime import OneShot, Runtime
 from tether.runtime.scripted import Scripted
 from tether.runtime.worker import CommandResult, TurnContext

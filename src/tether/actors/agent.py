@@ -306,6 +306,7 @@ class AgentActor(pykka.ThreadingActor):
             and not self._settled
             and not self._hold
             and self._pending > 0
+            and self._executor.accepting()
             and (self._header.mode != "one-shot" or self._started == 0)
         )
 
@@ -502,15 +503,16 @@ class AgentActor(pykka.ThreadingActor):
     def _dispose(self, d: Dispose) -> None:
         if self._disposing or self._settled:
             return
-        self._disposing = True
         t = self._turn
         if t is None:
+            self._disposing = True
             self._settle()
             return
-        if t.stop is None:
+        if t.stop is None:  # cancel with grace; no boundary within grace escalates to abort
             self._interrupt(Interrupt("cancel", d.origin, d.by, "disposed", d.grace, d.grace))
         elif not t.delivered and t.stop.kind == "cancel":
             self._arm(t, d.grace, "deadline")
+        self._disposing = True  # after the cancel: interrupts to a disposing session are no-ops
 
     def _settle(self) -> None:
         self._settled = True

@@ -48,6 +48,9 @@ class Executor(Protocol):
     def kill(self, turn: str) -> None:
         """Kill the whole process tree running ``turn`` now; report through the sink."""
 
+    def accepting(self) -> bool:
+        """False once the runtime drains: no new turn may start."""
+
 
 class AgentStore(Protocol):
     """The durable operations an agent performs."""

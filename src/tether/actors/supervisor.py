@@ -177,7 +177,11 @@ class Directory:
             if auth.agent.id != h.parent:
                 raise Unauthorized(f"only the direct parent of {target} may send to it")
         else:
-            if h.parent is None or auth.parent != h.parent:
+            if h.parent is None:
+                if auth.parent == target:
+                    return h  # a root's owner holds the root's own address
+                raise Unauthorized(f"{auth.parent!r} is not the owner of root {target}")
+            if auth.parent != h.parent:
                 raise Unauthorized(f"{auth.parent!r} is not the parent of {target}")
             if h.parent not in self.registry:
                 raise ParentOffline(f"the parent {h.parent} of {target} is not live")
@@ -196,7 +200,7 @@ class Directory:
         if header.mode == "one-shot":
             return None  # the continuable path treats a one-shot as absent
         if isinstance(auth, User):
-            if header.parent != auth.parent:
+            if _owner_address(header) != auth.parent:
                 raise Unauthorized(f"{auth.parent!r} is not the parent of {target}")
         else:
             if auth.agent.id == target:
@@ -204,6 +208,12 @@ class Directory:
             if auth.agent.id not in act.ancestry:
                 raise Unauthorized(f"{auth.agent.id} is not an ancestor of {target}")
         return act
+
+
+def _owner_address(header: SessionHeader) -> str:
+    """The address a person presents as ``User(parent=...)``: the durable parent, or, for
+    a root session (which has none), the root's own id: its owner holds the root."""
+    return header.parent if header.parent is not None else header.id
 
 
 # ---- messages (asked unless noted) -------------------------------------------------
@@ -511,7 +521,8 @@ class SupervisorActor(pykka.ThreadingActor):
         node = self._catalog.get(sid)
         act = self._registry.get(sid)
         if act is not None:
-            act.ref.ask(Sync())
+            with contextlib.suppress(pykka.ActorDeadError):  # settled and stopped meanwhile
+                act.ref.ask(Sync())
         return self._info(sid, node.depth)
 
     def _resolve(self, r: Resolve) -> str:
@@ -538,7 +549,10 @@ class SupervisorActor(pykka.ThreadingActor):
         act = self._registry.get(sid)
         if act is None:
             return
-        act.ref.ask(Release())
+        try:
+            act.ref.ask(Release())
+        except pykka.ActorDeadError:  # it settled meanwhile
+            return
         del self._registry[sid]
         self._events.emit(
             "state",
@@ -555,7 +569,7 @@ class SupervisorActor(pykka.ThreadingActor):
             self._dir.check_ref(auth)
             if auth.agent.id != h.parent:
                 raise Unauthorized(f"only the direct parent of {d.session} may dispose it")
-        elif isinstance(auth, User) and (h.parent is None or auth.parent != h.parent):
+        elif isinstance(auth, User) and auth.parent != _owner_address(h):
             raise Unauthorized(f"{auth.parent!r} is not the parent of {d.session}")
         subtree = [sid for sid, _ in self._catalog.walk(d.session, None)]
         order = [*reversed(subtree), d.session]  # deepest first

@@ -8,6 +8,7 @@ tool call. Then the parked one is woken and finishes its queue, in order.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -76,6 +77,11 @@ def _until(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="tether demo",
+        description="Run the embedded demo: a lead and three subagents, steered, "
+        "cancelled and aborted while they work. Example: tether demo",
+    ).parse_args(argv)
     console = Console()
     console.rule("[bold]Tether demo: steer, cancel and abort running subagents")
     with Runtime(workers=3, grace=2.0) as rt:

@@ -213,6 +213,7 @@ class Pool:
         self._jobs: dict[str, TurnJob] = {}
         self._where: dict[str, _Worker] = {}
         self._closed = False
+        self._draining = False
         self._probe_lock = threading.Lock()
         self._probe_done = threading.Condition(self._lock)
         self._probe_replies: dict[str, str | None] = {}
@@ -245,6 +246,13 @@ class Pool:
             self._jobs[job.turn] = job
             self._queue.append(job)
             self._dispatch_locked()
+
+    def accepting(self) -> bool:
+        return not self._draining
+
+    def drain(self) -> None:
+        """Take no new turns (the runtime is closing); running ones go on."""
+        self._draining = True
 
     def signal(self, turn: str, frame: HostFrame) -> None:
         with self._lock:

@@ -109,9 +109,14 @@ class _Host(PoolHost):
         self._rt = runtime
 
     def on_say(self, job: TurnJob, frame: Say) -> None:
-        self._rt._store.append_entry(
+        rt = self._rt
+        entry = rt._store.append_entry(
             job.session, frame.kind, frame.text, turn=job.turn, data=frame.data
         )
+        if rt._subscribers:
+            act = rt._dir.registry.get(job.session)
+            lineage = act.lineage if act is not None else ()
+            rt.emit("entry", job.session, lineage, {"entry": msgspec.to_builtins(entry)})
 
     def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
         try:
@@ -342,6 +347,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        self._pool.drain()
         try:
             running: list[str] = self._ask(Running())
             for sid in running:

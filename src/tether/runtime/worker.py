@@ -308,6 +308,9 @@ class _Worker:
             try:
                 frame = self.channel.recv()
             except (EOFError, OSError):
+                # The host is gone (killed, or crashed): nobody will read this turn's
+                # result, so take the whole group down with us, tools included.
+                os.killpg(0, signal.SIGKILL)
                 break
             match frame:
                 case RunTurn() | Probe():
