@@ -1,0 +1,460 @@
+"""The ``tether`` command: drive a running ``tether serve`` from a terminal.
+
+Exit codes: 0 done, 1 refused (the error code goes to stderr), 2 usage.
+Every client command takes ``--url`` (``$TETHER_URL``), ``--token`` (``$TETHER_TOKEN``)
+and ``--json`` (machine-readable output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final, NoReturn
+
+from tether.runtime.client import DEFAULT_URL, Client, RpcError, in_background
+
+__all__ = ["main"]
+
+_POLL: Final = 1.0  # seconds between transcript --follow polls when no event arrives
+
+Command = Callable[[argparse.Namespace, Client], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: usage error: {message}\n")
+
+
+def _out(args: argparse.Namespace, value: Any, text: str | None = None) -> None:
+    """Print ``value`` as JSON with --json, else ``text`` (if any)."""
+    if args.json:
+        print(json.dumps(value, ensure_ascii=False))
+    elif text is not None:
+        print(text)
+
+
+def _json_arg(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+
+
+def _data(args: argparse.Namespace) -> dict[str, Any] | None:
+    data = dict(args.data) if args.data is not None else None
+    if args.steps is not None:
+        data = {**(data or {}), "steps": args.steps}
+    return data
+
+
+def _parent(args: argparse.Namespace, client: Client) -> str:
+    """The target's durable parent: --parent, else what subagent.status says."""
+    if args.parent:
+        return str(args.parent)
+    info = client.call("subagent.status", {"session": args.id})
+    if info.get("parent") is None:
+        raise RpcError("invalid-params", f"{args.id} is a root session: it has no parent address")
+    return str(info["parent"])
+
+
+def _address(args: argparse.Namespace, client: Client) -> dict[str, str]:
+    return {"session": args.id, "parent": _parent(args, client), "mode": "continuable"}
+
+
+# ---- commands --------------------------------------------------------------------------
+
+
+def _open(args: argparse.Namespace, client: Client) -> int:
+    params = {"driver": args.driver, "slug": args.slug, "config": args.config}
+    result = client.call("session.open", {**params, "permissions": args.permissions})
+    _out(args, result, result["session"])
+    return 0
+
+
+def _prompt(args: argparse.Namespace, client: Client) -> int:
+    params = {"session": args.id, "content": args.text, "data": _data(args)}
+    _out(args, client.call("session.prompt", params))
+    return 0
+
+
+def _spawn(args: argparse.Namespace, client: Client) -> int:
+    params = {
+        "parent": args.id,
+        "driver": args.driver,
+        "prompt": args.prompt,
+        "data": _data(args),
+        "slug": args.slug,
+        "config": args.config,
+        "permissions": args.permissions,
+    }
+    result = client.call("subagent.spawn", params)
+    _out(args, result, result["session"])
+    return 0
+
+
+def _send(args: argparse.Namespace, client: Client) -> int:
+    params = {
+        "address": _address(args, client),
+        "content": args.text,
+        "data": _data(args),
+        "wake": not args.no_wake,
+    }
+    _out(args, client.call("subagent.send", params))
+    return 0
+
+
+def _interrupt(kind: str) -> Command:
+    def run(args: argparse.Namespace, client: Client) -> int:
+        reason = args.reason if args.reason is not None else (getattr(args, "text", None) or "")
+        params: dict[str, Any] = {"address": _address(args, client), "kind": kind, "reason": reason}
+        if args.grace is not None:
+            params["grace"] = args.grace
+        if args.deadline is not None:
+            params["deadline"] = args.deadline
+        result = client.call("subagent.interrupt", params)
+        _out(args, result, f"{kind} accepted for {args.id}")
+        return 0
+
+    return run
+
+
+def _tree_lines(root: dict[str, Any], agents: list[dict[str, Any]]) -> Iterator[str]:
+    for info in [root, *agents]:
+        depth = 0 if info is root else int(info["depth"])
+        stopping = f"  stopping={info['stopping']}" if info.get("stopping") else ""
+        yield (
+            f"{'  ' * depth}{info['id']}  {info.get('slug') or '-'}  {info['state']}"
+            f"  pending={info.get('pending', 0)}{stopping}"
+        )
+
+
+def _tree(args: argparse.Namespace, client: Client) -> int:
+    root = client.call("subagent.status", {"session": args.id})
+    agents = client.call("subagent.list", {"root": args.id, "scope": "descendants"})["agents"]
+    if args.json:
+        _out(args, {"root": root, "agents": agents})
+    else:
+        print("\n".join(_tree_lines(root, agents)))
+    return 0
+
+
+def _status(args: argparse.Namespace, client: Client) -> int:
+    info = client.call("subagent.status", {"session": args.id})
+    _out(args, info, next(_tree_lines(info, [])))
+    return 0
+
+
+def _turns(args: argparse.Namespace, client: Client) -> int:
+    turns = client.call("subagent.turns", {"session": args.id})["turns"]
+    lines = [
+        f"{t['id']}  {t.get('outcome') or 'running'}"
+        + (f"  by {t['cause']} ({t['by']})" if t.get("cause") else "")
+        + (f"  {t['reason']}" if t.get("reason") else "")
+        for t in turns
+    ]
+    _out(args, {"turns": turns}, "\n".join(lines) if lines else None)
+    return 0
+
+
+def _dispose(args: argparse.Namespace, client: Client) -> int:
+    _out(args, client.call("subagent.dispose", {"address": _address(args, client)}))
+    return 0
+
+
+def _release(args: argparse.Namespace, client: Client) -> int:
+    _out(args, client.call("session.release", {"session": args.id}))
+    return 0
+
+
+def _print_entry(args: argparse.Namespace, entry: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(entry, ensure_ascii=False), flush=True)
+    else:
+        print(f"[{entry['seq']}] {entry['kind']}: {entry['text']}", flush=True)
+
+
+def _print_after(args: argparse.Namespace, client: Client, after: int) -> int:
+    """Print every entry with ``seq > after``, page by page; the last seq printed."""
+    while True:
+        page = client.call("subagent.transcript", {"session": args.id, "after": after})
+        for entry in page["entries"]:
+            _print_entry(args, entry)
+            after = int(entry["seq"])
+        if not page["more"]:
+            return after
+
+
+def _transcript(args: argparse.Namespace, client: Client) -> int:
+    # Subscribe before the first page, so nothing lands between the page and the stream.
+    events = client.events(session=args.id) if args.follow else None
+    after = _print_after(args, client, args.after)
+    if events is None:
+        return 0
+    pending = in_background(events)
+    while True:
+        try:
+            ev = pending.get(timeout=_POLL)
+        except queue.Empty:
+            pass  # poll anyway: entries written by say() raise no event
+        else:
+            if ev is None or ev.event == "closed":
+                print("tether: the server ended the event stream", file=sys.stderr)
+                return 0
+        after = _print_after(args, client, after)
+
+
+def _watch(args: argparse.Namespace, client: Client) -> int:
+    from tether.runtime.watch import watch
+
+    return watch(client, args.id, as_json=args.json)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tether.runtime.server import is_loopback, serve
+
+    if args.token is None and not is_loopback(args.host):
+        print(
+            f"tether serve: usage error: binding {args.host} (not loopback) requires --token "
+            "(or $TETHER_TOKEN)",
+            file=sys.stderr,
+        )
+        return 2
+    return serve(
+        path=args.path,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        workers=args.workers,
+        grace=args.grace,
+        max_body=args.max_body,
+    )
+
+
+# ---- the parser -------------------------------------------------------------------------
+
+
+def _common() -> _Parser:
+    common = _Parser(add_help=False)
+    group = common.add_argument_group("server")
+    group.add_argument(
+        "--url",
+        default=os.environ.get("TETHER_URL", DEFAULT_URL),
+        help=f"the server (default $TETHER_URL or {DEFAULT_URL})",
+    )
+    group.add_argument(
+        "--token",
+        default=os.environ.get("TETHER_TOKEN"),
+        help="bearer token (default $TETHER_TOKEN)",
+    )
+    group.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    return common
+
+
+def _add_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=_json_arg, help="a JSON object attached to the message")
+    p.add_argument(
+        "--steps",
+        type=_json_arg,
+        help="shorthand for --data '{\"steps\": STEPS}' (tether:Scripted)",
+    )
+
+
+def _add_session_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--driver", default="tether:Scripted", help="driver import string")
+    p.add_argument("--slug", help="a short name, unique among siblings")
+    p.add_argument("--config", type=_json_arg, help="driver config, a JSON object")
+    p.add_argument("--permissions", type=_json_arg, help='e.g. \'{"interrupt": "deny"}\'')
+
+
+_INTERRUPTS: Final = {
+    "steer": "redirect the running turn at its next boundary (the text is the guidance)",
+    "cancel": "ask the running turn to wrap up at its next boundary (killed after --grace)",
+    "abort": "kill the running turn's whole process tree now",
+    "preempt": "kill only the running command of the turn; the turn goes on",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tether",
+        description="Drive a Tether runtime: start it with `tether serve`, then open "
+        "sessions, spawn subagents and steer, cancel, abort or preempt them.",
+        epilog="Exit codes: 0 done, 1 refused (error code on stderr), 2 usage.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = _common()
+
+    def command(name: str, summary: str, example: str, run: Command) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=summary,
+            description=summary[0].upper() + summary[1:] + ".",
+            epilog=f"example:\n  {example}",
+            parents=[common],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(run=run)
+        return p
+
+    p = command("open", "open a root session", "tether open --slug main", _open)
+    _add_session_options(p)
+
+    p = command(
+        "prompt",
+        "send the owner's message to a root session",
+        "tether prompt s_01H… 'summarise the repo' --steps '[{\"op\":\"hang\"}]'",
+        _prompt,
+    )
+    p.add_argument("id", help="root session id")
+    p.add_argument("text", help="the message")
+    _add_data(p)
+
+    p = command(
+        "spawn",
+        "spawn a continuable subagent under a session",
+        "tether spawn s_01H… --slug researcher --prompt 'find the bug'",
+        _spawn,
+    )
+    p.add_argument("id", help="the parent session id")
+    p.add_argument("--prompt", help="its first (waking) message")
+    _add_session_options(p)
+    _add_data(p)
+
+    p = command(
+        "send",
+        "send a message to a subagent as its parent's user",
+        "tether send s_01J… 'also check the tests'",
+        _send,
+    )
+    p.add_argument("id", help="subagent id")
+    p.add_argument("text", help="the message")
+    p.add_argument("--parent", help="its parent id (looked up when left out)")
+    p.add_argument("--no-wake", action="store_true", help="queue it without starting a turn")
+    _add_data(p)
+
+    for kind, summary in _INTERRUPTS.items():
+        example = {
+            "steer": "tether steer s_01J… 'focus on the failing test'",
+            "cancel": "tether cancel s_01J… --reason 'wrong approach' --grace 3",
+        }.get(kind, f"tether {kind} s_01J… --reason 'stuck'")
+        p = command(kind, summary, example, _interrupt(kind))
+        p.add_argument("id", help="subagent id")
+        if kind == "steer":
+            p.add_argument("text", nargs="?", help="the guidance (or --reason)")
+        p.add_argument("--reason", help="why (shown in the marker; a steer's guidance)")
+        p.add_argument("--parent", help="its parent id (looked up when left out)")
+        p.add_argument("--grace", type=float, help="seconds a cancelled turn gets to wrap up")
+        p.add_argument("--deadline", type=float, help="abort a cancel not seen within this long")
+
+    p = command(
+        "tree",
+        "show a session and its descendants: id, slug, state, pending messages",
+        "tether tree s_01H…",
+        _tree,
+    )
+    p.add_argument("id", help="root of the tree")
+
+    p = command("status", "show one session's state", "tether status s_01J…", _status)
+    p.add_argument("id", help="session id")
+
+    p = command("turns", "list a session's turns and how they ended", "tether turns s_01J…", _turns)
+    p.add_argument("id", help="session id")
+
+    p = command(
+        "transcript",
+        "print a session's transcript (with --follow, keep printing new entries)",
+        "tether transcript s_01J… --follow",
+        _transcript,
+    )
+    p.add_argument("id", help="session id")
+    p.add_argument("--after", type=int, default=0, help="start after this entry seq")
+    p.add_argument("--follow", "-f", action="store_true", help="keep following until Ctrl-C")
+
+    p = command(
+        "watch",
+        "live tree of a session's subtree, with markers as they happen (Ctrl-C ends)",
+        "tether watch s_01H…",
+        _watch,
+    )
+    p.add_argument("id", help="root of the tree")
+
+    p = command(
+        "dispose",
+        "end a subagent and its subtree (records are kept)",
+        "tether dispose s_01J…",
+        _dispose,
+    )
+    p.add_argument("id", help="subagent id")
+    p.add_argument("--parent", help="its parent id (looked up when left out)")
+
+    p = command(
+        "release",
+        "take a session offline (dormant) until a waking send",
+        "tether release s_01H…",
+        _release,
+    )
+    p.add_argument("id", help="session id")
+
+    p = sub.add_parser(
+        "serve",
+        help="run the runtime as a server (JSON-RPC at /rpc, events at /events)",
+        description="Run a Tether runtime with a durable store behind JSON-RPC 2.0\n"
+        "(POST /rpc) and server-sent events (GET /events). SIGINT/SIGTERM drain it:\n"
+        "running turns are cancelled with grace, the rest aborted, no process left.",
+        epilog="example:\n  tether serve --path ./.tether/state.db --port 7777\n"
+        "  TETHER_TOKEN=secret tether serve --host 0.0.0.0",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--path",
+        type=Path,
+        default=Path(".tether") / "state.db",
+        help="the store (default ./.tether/state.db)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --token)")
+    p.add_argument("--port", type=int, default=7777, help="port (0 picks a free one)")
+    p.add_argument(
+        "--token", default=os.environ.get("TETHER_TOKEN"), help="require this bearer token"
+    )
+    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
+
+    sub.add_parser(
+        "demo",
+        help="run the scripted demonstration (see `tether demo --help`)",
+        add_help=False,
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:  # the demo owns its arguments and its --help
+        from tether.runtime.demo import main as demo_main
+
+        return int(demo_main(args_list[1:]))
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command == "steer" and not (args.text or args.reason):
+        parser.error("steer needs the guidance: TEXT or --reason")
+    if args.command == "serve":
+        return _serve(args)
+    client = Client(args.url, token=args.token)
+    try:
+        return int(args.run(args, client))
+    except RpcError as exc:
+        if args.json:
+            error = {"code": exc.code, "message": exc.message, "error_id": exc.error_id}
+            print(json.dumps({"error": error}), file=sys.stderr)
+        else:
+            print(f"tether: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # how --follow and watch are meant to end
+        return 0

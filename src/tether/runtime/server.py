@@ -1,0 +1,492 @@
+"""``tether serve``: the runtime behind JSON-RPC 2.0 (``POST /rpc``) and SSE (``GET /events``).
+
+::
+
+    client ──POST /rpc──► _Guard (token / loopback) ─► body cap ─► RpcDispatcher
+                                                                   │ params: msgspec Structs
+                                                                   ▼ (threadpool)
+    client ◄─GET /events── EventHub ◄─call_soon_threadsafe── rt.subscribe callback ◄─ Runtime
+
+The RPC caller is a person at the host: it acts as ``User(parent=address.parent)`` and
+the runtime alone decides authority. Runtime calls block (actor asks), so they run in
+the threadpool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import os
+import signal
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import msgspec
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tether import Event, Runtime, User
+from tether.runtime._log import configure_logging
+from tether.runtime.sse import EventHub
+from tether.wire.errors import NotFound, TetherError
+from tether.wire.rpc import (
+    APPLICATION_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    METHODS,
+    PARSE_ERROR,
+    RPC_ERROR_CODES,
+    Accepted,
+    AgentList,
+    DisposeParams,
+    ErrorData,
+    ErrorObject,
+    FailParams,
+    InterruptParams,
+    ListParams,
+    OpenParams,
+    PromptParams,
+    ReleaseParams,
+    SendParams,
+    SessionResult,
+    SpawnParams,
+    StatusParams,
+    Transcript,
+    TranscriptParams,
+    Turns,
+    TurnsParams,
+)
+from tether.wire.rpc import (
+    Response as RpcResponse,
+)
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_PATH",
+    "DEFAULT_PORT",
+    "FAULT_INJECTION_ENV",
+    "RpcDispatcher",
+    "build_app",
+    "is_loopback",
+    "serve",
+]
+
+DEFAULT_PATH: Final = Path(".tether") / "state.db"
+DEFAULT_PORT: Final = 7777
+DEFAULT_MAX_BODY: Final = 1 << 20
+MAX_BATCH: Final = 100
+# With this set to 1 the server also answers ``debug.fail``, which raises an unexpected
+# exception: the only way to exercise the ``internal`` error path from outside.
+FAULT_INJECTION_ENV: Final = "TETHER_RPC_FAULT_INJECTION"
+
+log = structlog.get_logger("tether.rpc")
+
+_Handler = Callable[[Any], msgspec.Struct]
+
+
+def _handlers(rt: Runtime) -> dict[str, _Handler]:
+    def open_(p: OpenParams) -> SessionResult:
+        sid = rt.open_session(p.driver, config=p.config, slug=p.slug, permissions=p.permissions)
+        return SessionResult(sid)
+
+    def prompt(p: PromptParams) -> Accepted:
+        rt.prompt(p.session, p.content, data=p.data)
+        return Accepted()
+
+    def release(p: ReleaseParams) -> Accepted:
+        rt.release(p.session)
+        return Accepted()
+
+    def spawn(p: SpawnParams) -> SessionResult:
+        child = rt.spawn(
+            p.parent,
+            p.driver,
+            mode=p.mode,
+            prompt=p.prompt,
+            data=p.data,
+            slug=p.slug,
+            config=p.config,
+            permissions=p.permissions,
+        )
+        return SessionResult(child if isinstance(child, str) else child.id)
+
+    def send(p: SendParams) -> Accepted:
+        a = p.address
+        rt.send(a.session, p.content, authority=User(parent=a.parent), data=p.data, wake=p.wake)
+        return Accepted()
+
+    def interrupt(p: InterruptParams) -> Accepted:
+        # The core primitive alone decides: User(parent) is compared with the target's
+        # durable parent, so nothing here looks anything up.
+        rt.interrupt(
+            p.address.session,
+            authority=User(parent=p.address.parent),
+            kind=p.kind,
+            reason=p.reason,
+            grace=p.grace,
+            deadline=p.deadline,
+        )
+        return Accepted()
+
+    def list_(p: ListParams) -> AgentList:
+        return AgentList(rt.list_agents(p.root, scope=p.scope))
+
+    def status(p: StatusParams) -> msgspec.Struct:
+        return rt.status(p.session)
+
+    def transcript(p: TranscriptParams) -> Transcript:
+        entries = rt.transcript(p.session, after=p.after)
+        return Transcript(entries[: p.limit], more=len(entries) > p.limit)
+
+    def turns(p: TurnsParams) -> Turns:
+        return Turns(rt.turns(p.session))
+
+    def dispose(p: DisposeParams) -> Accepted:
+        rt.dispose(p.address.session, authority=User(parent=p.address.parent))
+        return Accepted()
+
+    return {
+        "session.open": open_,
+        "session.prompt": prompt,
+        "session.release": release,
+        "subagent.spawn": spawn,
+        "subagent.send": send,
+        "subagent.interrupt": interrupt,
+        "subagent.list": list_,
+        "subagent.status": status,
+        "subagent.transcript": transcript,
+        "subagent.turns": turns,
+        "subagent.dispose": dispose,
+    }
+
+
+def _fail(_: FailParams) -> msgspec.Struct:
+    raise RuntimeError("debug.fail: injected fault (this text must never reach the wire)")
+
+
+def _error(
+    rid: Any, code: int, message: str, data_code: str, error_id: str | None = None
+) -> RpcResponse:
+    return RpcResponse(rid, error=ErrorObject(code, message, ErrorData(data_code, error_id)))
+
+
+def _refusal(rid: Any, exc: TetherError) -> RpcResponse | None:
+    """A TetherError as the wire shows it; None for codes the wire does not publish."""
+    code = "invalid-params" if exc.code == "driver-not-found" else exc.code
+    if code not in RPC_ERROR_CODES or code == "internal":
+        return None
+    number = INVALID_PARAMS if code == "invalid-params" else APPLICATION_ERROR
+    return _error(rid, number, exc.message, code)
+
+
+def _valid_id(value: Any) -> bool:
+    return value is None or (isinstance(value, str | int | float) and not isinstance(value, bool))
+
+
+class RpcDispatcher:
+    """Decodes one request body (a call or a batch), runs it, encodes the answer."""
+
+    def __init__(self, rt: Runtime, *, fault_injection: bool = False) -> None:
+        self._methods: dict[str, tuple[type[msgspec.Struct], _Handler]] = {
+            name: (METHODS[name], fn) for name, fn in _handlers(rt).items()
+        }
+        if fault_injection:
+            self._methods["debug.fail"] = (FailParams, _fail)
+
+    async def handle(self, body: bytes) -> bytes | None:
+        """The response body, or None when every call was a notification."""
+        try:
+            doc = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            return msgspec.json.encode(
+                _error(None, PARSE_ERROR, f"parse error: {exc}", "invalid-params")
+            )
+        if not isinstance(doc, list):
+            one = await self._call(doc)
+            return None if one is None else msgspec.json.encode(one)
+        if not doc or len(doc) > MAX_BATCH:
+            message = f"a batch holds 1 to {MAX_BATCH} requests"
+            return msgspec.json.encode(_error(None, INVALID_REQUEST, message, "invalid-params"))
+        # In order, one at a time: a batch reads like the script its client wrote.
+        answers = [a for a in [await self._call(req) for req in doc] if a is not None]
+        return msgspec.json.encode(answers) if answers else None
+
+    async def _call(self, req: Any) -> RpcResponse | None:
+        rid = req.get("id") if isinstance(req, dict) else None
+        if not isinstance(req, dict) or req.get("jsonrpc") != "2.0" or not _valid_id(rid):
+            bad = "not a JSON-RPC 2.0 request object"
+            return _error(rid if _valid_id(rid) else None, INVALID_REQUEST, bad, "invalid-params")
+        method = req.get("method")
+        if not isinstance(method, str):
+            return _error(rid, INVALID_REQUEST, "method must be a string", "invalid-params")
+        answer = await self._run(rid, method, req.get("params"))
+        return answer if "id" in req else None  # a notification gets no answer
+
+    async def _run(self, rid: Any, method: str, params: Any) -> RpcResponse:
+        entry = self._methods.get(method)
+        if entry is None:
+            return _error(rid, METHOD_NOT_FOUND, f"unknown method {method!r}", "not-found")
+        params_type, handler = entry
+        try:
+            parsed = msgspec.convert({} if params is None else params, params_type)
+        except msgspec.ValidationError as exc:
+            return _error(rid, INVALID_PARAMS, f"invalid params: {exc}", "invalid-params")
+        try:
+            return RpcResponse(rid, result=await run_in_threadpool(handler, parsed))
+        except TetherError as exc:
+            refusal = _refusal(rid, exc)
+            if refusal is not None:
+                return refusal
+            return self._internal(rid, method, exc)
+        except Exception as exc:
+            return self._internal(rid, method, exc)
+
+    @staticmethod
+    def _internal(rid: Any, method: str, exc: BaseException) -> RpcResponse:
+        # The exception text may hold paths or data: it goes to the log only, and the
+        # client gets the id that finds it there.
+        error_id = "err_" + uuid.uuid4().hex[:16]
+        log.error("rpc.internal_error", error_id=error_id, method=method, exc_info=exc)
+        return _error(
+            rid, APPLICATION_ERROR, f"internal error (id {error_id})", "internal", error_id
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost``: the only binds that need no token."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+class _Guard:
+    """Access control for every route.
+
+    With a token, a request needs ``Authorization: Bearer <token>`` (compared in constant
+    time). Without one the server is loopback-only, and it refuses what a web page in a
+    local browser could send: a foreign ``Host`` (DNS rebinding) or a foreign ``Origin``.
+    """
+
+    def __init__(self, app: ASGIApp, *, token: str | None) -> None:
+        self._app = app
+        self._token = None if token is None else _digest(token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            denied = self._check(Headers(scope=scope))
+            if denied is not None:
+                await denied(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+    def _check(self, headers: Headers) -> Response | None:
+        if self._token is not None:
+            scheme, _, credential = headers.get("authorization", "").partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                _digest(credential.strip()), self._token
+            ):
+                return None
+            return _http_error(401, "unauthorized", {"WWW-Authenticate": "Bearer"})
+        host = urlsplit("//" + headers.get("host", "")).hostname or ""
+        origin = headers.get("origin")
+        origin_host = urlsplit(origin).hostname or "" if origin is not None else "localhost"
+        if is_loopback(host) and is_loopback(origin_host):
+            return None
+        return _http_error(403, "forbidden: foreign Host or Origin on a loopback server")
+
+
+def _http_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    body = msgspec.json.encode({"error": message})
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+async def _read_capped(request: Request, cap: int) -> bytes | None:
+    """The body, or None if it exceeds ``cap``.
+
+    An oversized body is still read to its end (up to 16 times the cap, then the
+    connection is dropped) and discarded, so an ordinary client that writes its whole
+    body before reading gets the 413 instead of a reset connection.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > 16 * cap:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > 16 * cap:
+            return None
+        if size <= cap:
+            parts.append(chunk)
+    return b"".join(parts) if size <= cap else None
+
+
+def build_app(
+    rt: Runtime,
+    hub: EventHub,
+    *,
+    token: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    fault_injection: bool = False,
+) -> ASGIApp:
+    """The ASGI app over ``rt``: ``POST /rpc``, ``GET /events``, ``GET /health``."""
+    dispatcher = RpcDispatcher(rt, fault_injection=fault_injection)
+
+    async def rpc(request: Request) -> Response:
+        body = await _read_capped(request, max_body)
+        if body is None:
+            return _http_error(413, f"request body over {max_body} bytes")
+        answer = await dispatcher.handle(body)
+        if answer is None:
+            return Response(status_code=204)
+        return Response(answer, media_type="application/json")
+
+    async def events(request: Request) -> Response:
+        session = request.query_params.get("session") or None
+        raw_id = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+        try:
+            last_id = None if raw_id is None else int(raw_id)
+        except ValueError:
+            return _http_error(400, "Last-Event-ID must be an event id")
+        if session is not None:
+            try:
+                await run_in_threadpool(rt.status, session)
+            except NotFound:
+                return _http_error(404, f"no session {session!r}")
+        sub = hub.subscribe(session, last_id)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in sub.stream():
+                    yield chunk
+            finally:
+                hub.unsubscribe(sub)
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    async def health(_: Request) -> Response:
+        return Response(b'{"ok":true}', media_type="application/json")
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def publish(ev: Event) -> None:
+            hub.publish(ev.name, ev.session, ev.lineage, ev.data, ev.ts)
+
+        def deliver(ev: Event) -> None:
+            # Runs on a runtime thread: hand over, never wait.
+            with contextlib.suppress(RuntimeError):  # the loop is gone: so is every client
+                loop.call_soon_threadsafe(publish, ev)
+
+        unsubscribe = rt.subscribe(deliver)
+        try:
+            yield
+        finally:
+            unsubscribe()
+            hub.close()
+
+    routes = [
+        Route("/rpc", rpc, methods=["POST"]),
+        Route("/events", events, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    return _Guard(Starlette(routes=routes, lifespan=lifespan), token=token)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with the event streams ended at shutdown and signals left to us."""
+
+    def __init__(self, config: uvicorn.Config, hub: EventHub, announce: Callable[[int], None]):
+        super().__init__(config)
+        self._hub = hub
+        self._announce = announce
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the signal once it has stopped, which would kill the process
+        # before the runtime drains. These handlers stay installed during the drain, so a
+        # second Ctrl-C cannot cut it short either.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle_exit)
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._announce(self.servers[0].sockets[0].getsockname()[1])
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Event streams never end by themselves; uvicorn waits for open connections.
+        self._hub.close()
+        await super().shutdown(sockets)
+
+
+def serve(
+    *,
+    path: Path = DEFAULT_PATH,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+    workers: int = 2,
+    grace: float = 5.0,
+    max_body: int = DEFAULT_MAX_BODY,
+) -> int:
+    """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code."""
+    if token is None and not is_loopback(host):
+        raise ValueError(f"binding {host} (not loopback) requires a token")
+    # The host's log is for machines first: one JSON object a line, unless asked otherwise.
+    os.environ.setdefault("TETHER_LOG_FORMAT", "json")
+    configure_logging()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rt = Runtime(str(path), workers=workers, grace=grace, subreaper=True)
+    try:
+        hub = EventHub()
+        fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"
+        app = build_app(rt, hub, token=token, max_body=max_body, fault_injection=fault_injection)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="on",
+            log_level="warning",
+            access_log=False,
+            server_header=False,
+            timeout_graceful_shutdown=5,
+        )
+
+        def announce(bound: int) -> None:
+            where = f"[{host}]" if ":" in host else host
+            log.info("serve.listening", url=f"http://{where}:{bound}", store=str(path))
+            print(f"tether: serving http://{where}:{bound} (store {path})", flush=True)
+
+        _Server(config, hub, announce).run()
+    finally:
+        log.info("serve.draining")
+        rt.close()
+        log.info("serve.stopped")
+    return 0

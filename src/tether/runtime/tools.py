@@ -1,0 +1,274 @@
+"""The agent tools for model function calling: argument Structs, schemas, one dispatcher.
+
+Each tool's arguments are a msgspec Struct; its JSON Schema (what the model sees) is
+generated from that Struct, and the same Struct validates what the model sends back, so
+the two cannot drift. ``call_tool`` validates fully before it calls anything: malformed
+arguments never reach the runtime.
+
+A driver wrapping any model needs no glue of its own::
+
+    tools = schemas("anthropic")                   # pass to the model
+    result = call_tool(ctx, call.name, call.input)  # feed back as the tool result
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, Protocol
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from tether.wire.errors import TetherError
+
+__all__ = [
+    "TOOLS",
+    "InterruptAgentArgs",
+    "ListAgentsArgs",
+    "RunCommandArgs",
+    "SendMessageArgs",
+    "SpawnAgentArgs",
+    "ToolHost",
+    "call_tool",
+    "schemas",
+]
+
+
+class _CommandResult(Protocol):
+    @property
+    def returncode(self) -> int: ...
+    @property
+    def stdout(self) -> str: ...
+    @property
+    def stderr(self) -> str: ...
+
+
+class ToolHost(Protocol):
+    """What the tools need from a turn context (``TurnContext`` provides it)."""
+
+    def spawn_agent(
+        self,
+        *,
+        slug: str | None = ...,
+        mode: str = ...,
+        prompt: str | None = ...,
+        data: dict[str, Any] | None = ...,
+    ) -> str: ...
+
+    def send_message(
+        self, to: str, text: str, *, data: dict[str, Any] | None = ..., wake: bool = ...
+    ) -> None: ...
+
+    def list_agents(self, *, scope: str = ...) -> Sequence[Any]: ...
+
+    def interrupt_agent(self, agent_id: str, *, kind: str = ..., reason: str = ...) -> None: ...
+
+    def run_command(
+        self, argv: list[str], *, timeout: float | None = ..., cwd: str | None = ...
+    ) -> _CommandResult: ...
+
+
+class _Args(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of the argument Structs. Optional arguments are left out, never null."""
+
+
+AgentName = Annotated[
+    str, Meta(min_length=1, description="The agent's id, or its slug within your own subtree.")
+]
+
+
+class SpawnAgentArgs(_Args):
+    """Start a subagent (a child session running your own driver) and give it a task.
+
+    Returns its id. A continuable child lives on after its turn and can be messaged,
+    steered or stopped; a one-shot child does one task and ends.
+    """
+
+    slug: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1, max_length=64, description="A short name, unique among your children."
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
+    prompt: Annotated[str, Meta(description="The child's first message: its task.")] | UnsetType = (
+        UNSET
+    )
+    mode: Annotated[
+        Literal["continuable", "one-shot"],
+        Meta(description="continuable (default): lives on with an inbox; one-shot: one task."),
+    ] = "continuable"
+    data: (
+        Annotated[
+            dict[str, Any], Meta(description="Structured data attached to the first message.")
+        ]
+        | UnsetType
+    ) = UNSET
+
+
+class SendMessageArgs(_Args):
+    """Send a message to one of your direct children; it starts a turn unless wake is false."""
+
+    to: AgentName
+    text: Annotated[str, Meta(min_length=1, description="The message.")]
+    data: Annotated[dict[str, Any], Meta(description="Structured data to attach.")] | UnsetType = (
+        UNSET
+    )
+    wake: Annotated[
+        bool, Meta(description="Start a turn if the child is not running one (default true).")
+    ] = True
+
+
+class ListAgentsArgs(_Args):
+    """List the agents below you with their state (running, idle, parked, ...) and inbox size."""
+
+    scope: Annotated[
+        Literal["children", "descendants"],
+        Meta(description="children (default) or your whole subtree (descendants)."),
+    ] = "children"
+
+
+class InterruptAgentArgs(_Args):
+    """Interrupt an agent below you.
+
+    steer: redirect it at its next step with your text as guidance; cancel: ask it to
+    wrap up and stop (keeps partial work); abort: kill its turn now; preempt: kill only
+    its current command and let it go on. The agent is not destroyed: it can be
+    messaged again afterwards.
+    """
+
+    agent: AgentName
+    kind: Annotated[
+        Literal["steer", "cancel", "abort", "preempt"],
+        Meta(description="What to do (default cancel)."),
+    ] = "cancel"
+    reason: Annotated[
+        str, Meta(max_length=2000, description="Why; for a steer, the guidance itself.")
+    ] = ""
+
+
+class RunCommandArgs(_Args):
+    """Run a command (no shell) and return its exit code, stdout and stderr."""
+
+    argv: Annotated[
+        list[Annotated[str, Meta(min_length=1)]],
+        Meta(min_length=1, description='The program and its arguments, e.g. ["ls", "-l"].'),
+    ]
+    timeout: (
+        Annotated[float, Meta(gt=0, description="Seconds before it is killed.")] | UnsetType
+    ) = UNSET
+    cwd: Annotated[str, Meta(min_length=1, description="Working directory.")] | UnsetType = UNSET
+
+
+def _given(value: Any) -> Any:
+    """UNSET (an argument left out) becomes the tool's own default, None."""
+    return None if value is UNSET else value
+
+
+def _spawn(host: ToolHost, a: SpawnAgentArgs) -> dict[str, Any]:
+    agent = host.spawn_agent(
+        slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data)
+    )
+    return {"agent": agent}
+
+
+def _send(host: ToolHost, a: SendMessageArgs) -> dict[str, Any]:
+    host.send_message(a.to, a.text, data=_given(a.data), wake=a.wake)
+    return {"sent": True}
+
+
+def _list(host: ToolHost, a: ListAgentsArgs) -> dict[str, Any]:
+    return {"agents": msgspec.to_builtins(list(host.list_agents(scope=a.scope)))}
+
+
+def _interrupt(host: ToolHost, a: InterruptAgentArgs) -> dict[str, Any]:
+    host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason)
+    return {"accepted": True}
+
+
+def _run(host: ToolHost, a: RunCommandArgs) -> dict[str, Any]:
+    r = host.run_command(list(a.argv), timeout=_given(a.timeout), cwd=_given(a.cwd))
+    return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+
+
+_Impl = Callable[[ToolHost, Any], dict[str, Any]]
+
+# Tool name -> (argument Struct, implementation). The order is the order of schemas().
+TOOLS: dict[str, tuple[type[_Args], _Impl]] = {
+    "spawn_agent": (SpawnAgentArgs, _spawn),
+    "send_message": (SendMessageArgs, _send),
+    "list_agents": (ListAgentsArgs, _list),
+    "interrupt_agent": (InterruptAgentArgs, _interrupt),
+    "run_command": (RunCommandArgs, _run),
+}
+
+
+def _definition(name: str, args: type[_Args]) -> tuple[str, dict[str, Any]]:
+    (_,), components = msgspec.json.schema_components([args], ref_template="#/$defs/{name}")
+    params = dict(components.pop(args.__name__))
+    params.pop("title", None)
+    description = " ".join(str(params.pop("description", name)).split())
+    if components:  # nested Structs stay resolvable inside the parameters schema
+        params["$defs"] = components
+    return description, params
+
+
+def schemas(style: Literal["openai", "anthropic"] = "openai") -> list[dict[str, Any]]:
+    """The tool definitions in the shape the model API expects.
+
+    ``openai``: Chat Completions ``tools`` entries (``{"type": "function", "function":
+    {...}}``); ``anthropic``: Messages API ``tools`` entries (``input_schema``).
+    """
+    out: list[dict[str, Any]] = []
+    for name, (args, _) in TOOLS.items():
+        description, params = _definition(name, args)
+        if style == "openai":
+            fn = {"name": name, "description": description, "parameters": params}
+            out.append({"type": "function", "function": fn})
+        elif style == "anthropic":
+            out.append({"name": name, "description": description, "input_schema": params})
+        else:
+            raise ValueError(f"unknown schema style {style!r} (use 'openai' or 'anthropic')")
+    return out
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"error": code, "message": message}
+
+
+def _parse(arguments: str | bytes | Mapping[str, Any] | None) -> dict[str, Any]:
+    if arguments is None or (isinstance(arguments, str | bytes) and not arguments.strip()):
+        return {}  # models send "" (or nothing) for a call without arguments
+    raw = msgspec.json.decode(arguments) if isinstance(arguments, str | bytes) else arguments
+    if not isinstance(raw, Mapping):
+        raise msgspec.ValidationError(f"Expected `object`, got `{type(raw).__name__}`")
+    # Some models send null for an optional argument they mean to leave out.
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def call_tool(
+    host: ToolHost, name: str, arguments: str | bytes | Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Validate ``arguments`` for tool ``name`` and call it on ``host``.
+
+    Returns the JSON-ready result, or ``{"error": code, "message": ...}`` for an unknown
+    tool (``unknown-tool``), malformed JSON or arguments of the wrong shape
+    (``invalid-params``; nothing was called), or a refusal from the runtime (the
+    ``TetherError``'s code, e.g. ``subagent-unauthorized``). Other exceptions propagate.
+    """
+    tool = TOOLS.get(name)
+    if tool is None:
+        return _error("unknown-tool", f"no tool named {name!r}; tools: {', '.join(TOOLS)}")
+    args_type, impl = tool
+    try:
+        args = msgspec.convert(_parse(arguments), args_type)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
+        return _error("invalid-params", f"{name}: {exc}")
+    except msgspec.DecodeError as exc:
+        return _error("invalid-params", f"{name}: arguments are not valid JSON: {exc}")
+    try:
+        return impl(host, args)
+    except TetherError as exc:
+        return _error(exc.code, exc.message)

@@ -1,0 +1,255 @@
+"""The real ``tether`` command, in a subprocess, against a live ``tether serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tether_server import TETHER, LiveServer, running_server, wait_until
+
+HANG = json.dumps([{"op": "hang"}])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LiveServer]:
+    with running_server(tmp_path) as live:
+        yield live
+
+
+def tether(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [TETHER, *args, "--url", server.url], capture_output=True, text=True, timeout=30
+    )
+
+
+def ok(server: LiveServer, *args: str) -> str:
+    done = tether(server, *args)
+    assert done.returncode == 0, (args, done.stderr)
+    return done.stdout.strip()
+
+
+class Streaming:
+    """A long-running ``tether`` command whose output lines are read on a thread."""
+
+    def __init__(self, server: LiveServer, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [TETHER, *args, "--url", server.url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.stderr = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def expect(self, needle: str, timeout: float = 15.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.seen:
+                if needle in line:
+                    return line
+            try:
+                self.seen.append(self.lines.get(timeout=max(deadline - time.monotonic(), 0.0)))
+            except queue.Empty:
+                raise AssertionError(f"no {needle!r} in output; got {self.seen}") from None
+
+    def interrupt(self) -> int:
+        """Ctrl-C, as a person ends --follow or watch; the exit code."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=15)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self._reader.join(timeout=5)  # EOF once the process is gone
+            assert self.proc.stdout is not None and self.proc.stderr is not None
+            self.proc.stdout.close()
+            self.stderr = self.proc.stderr.read()
+            self.proc.stderr.close()
+
+
+def _tree(server: LiveServer) -> tuple[str, str, str, str]:
+    root = ok(server, "open", "--slug", "main")
+    a = ok(server, "spawn", root, "--slug", "worker-a", "--prompt", "dig", "--steps", HANG)
+    b = ok(server, "spawn", root, "--slug", "worker-b")
+    a1 = ok(server, "spawn", a, "--slug", "helper", "--prompt", "dig", "--steps", HANG)
+    ok(server, "send", b, "queued", "--no-wake")
+    server.wait_state(a, "running")
+    server.wait_state(a1, "running")
+    return root, a, b, a1
+
+
+def test_tree_is_indented_with_state_pending_and_slug(server: LiveServer) -> None:
+    root, a, b, a1 = _tree(server)
+    lines = ok(server, "tree", root).splitlines()
+    assert lines[0].startswith(f"{root}  main  idle")
+    assert lines[1] == f"  {a}  worker-a  running  pending=0"
+    assert lines[2] == f"    {a1}  helper  running  pending=0"
+    assert lines[3].startswith(f"  {b}  worker-b  ") and lines[3].endswith("pending=1")
+    as_json = json.loads(ok(server, "tree", root, "--json"))
+    assert as_json["root"]["id"] == root
+    assert [x["slug"] for x in as_json["agents"]] == ["worker-a", "helper", "worker-b"]
+
+
+def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
+    root, a, _, a1 = _tree(server)
+    # steer: the parent is looked up with subagent.status when --parent is left out.
+    assert ok(server, "steer", a1, "look at the tests") == f"steer accepted for {a1}"
+
+    def steered() -> bool:
+        entries = server.call("subagent.transcript", {"session": a1})["entries"]
+        return any(e["kind"] == "marker" and e["action"] == "steered" for e in entries)
+
+    wait_until(steered, what="the steer marker")
+    ok(server, "cancel", a, "--reason", "wrong approach", "--grace", "2", "--parent", root)
+    assert server.wait_state(a, "parked")["state"] == "parked"
+    assert server.call("subagent.turns", {"session": a})["turns"][-1]["outcome"] == "cancelled"
+    assert server.call("subagent.status", {"session": a1})["state"] == "running"  # no cascade
+
+    refused = tether(server, "abort", a1, "--parent", root)  # root is not a1's parent
+    assert refused.returncode == 1
+    assert "subagent-unauthorized" in refused.stderr
+    assert server.call("subagent.status", {"session": a1})["state"] == "running"
+
+    assert json.loads(ok(server, "abort", a1, "--json")) == {"accepted": True}
+    server.wait_state(a1, "parked")
+    assert server.call("subagent.turns", {"session": a1})["turns"][-1]["outcome"] == "aborted"
+
+    assert tether(server, "cancel").returncode == 2  # no target: usage
+    assert tether(server, "steer", a1).returncode == 2  # a steer without guidance
+    assert tether(server, "cancel", root).returncode == 1  # a root has no parent address
+    missing = tether(server, "tree", "s_nobody")
+    assert missing.returncode == 1 and "not-found" in missing.stderr
+
+
+def test_preempt_kills_the_command_and_the_turn_goes_on(server: LiveServer) -> None:
+    root = ok(server, "open")
+    steps = json.dumps([{"op": "tool", "argv": ["sleep", "60"]}, {"op": "say", "text": "after"}])
+    kid = ok(server, "spawn", root, "--prompt", "go", "--steps", steps)
+    assert server.proc is not None
+    host = psutil.Process(server.proc.pid)
+
+    def sleeping() -> bool:
+        return any(p.name() == "sleep" for p in host.children(recursive=True))
+
+    wait_until(sleeping, what="the tool subprocess")
+
+    def preempted() -> bool:
+        # Until the worker has registered the command, a preempt is an accepted no-op.
+        assert ok(server, "preempt", kid, "--reason", "stuck") == f"preempt accepted for {kid}"
+        entries = server.call("subagent.transcript", {"session": kid})["entries"]
+        return any(e["kind"] == "marker" and e["action"] == "preempted" for e in entries)
+
+    wait_until(preempted, what="the preempted marker")
+    server.wait_state(kid, "idle")
+    assert server.call("subagent.turns", {"session": kid})["turns"][-1]["outcome"] == "completed"
+    transcript = ok(server, "transcript", kid)
+    assert "marker: ⊘ Preempted by user" in transcript and "assistant: after" in transcript
+
+
+def test_transcript_prints_and_follows(server: LiveServer) -> None:
+    root = ok(server, "open")
+    steps = json.dumps([{"op": "say", "text": "hello"}, {"op": "hang"}])
+    child = ok(server, "spawn", root, "--prompt", "start", "--steps", steps)
+    server.wait_state(child, "running")
+    follow = Streaming(server, "transcript", child, "--follow")
+    try:
+        follow.expect("user: start")
+        follow.expect("assistant: hello")
+        ok(server, "cancel", child, "--reason", "enough")
+        follow.expect("⊘ Cancelled by user")
+        follow.expect("cancelled after")
+    finally:
+        assert follow.interrupt() == 0
+    lines = ok(server, "transcript", child).splitlines()
+    assert [line.split("]", 1)[1].split(":", 1)[0] for line in lines] == [
+        " user",
+        " assistant",
+        " marker",
+        " assistant",
+    ]
+    entries = [json.loads(x) for x in ok(server, "transcript", child, "--json").splitlines()]
+    marker = entries[2]
+    assert marker["action"] == "cancelled" and marker["reason"] == "enough"
+    after = ok(server, "transcript", child, "--after", str(marker["seq"]))
+    assert after.count("\n") == 0 and "cancelled after" in after
+
+
+def test_watch_redraws_and_prints_markers(server: LiveServer) -> None:
+    root, a, _, a1 = _tree(server)
+    watch = Streaming(server, "watch", root, "--json")
+    try:
+        snapshot = json.loads(watch.expect('"event": "snapshot"'))
+        assert [x["slug"] for x in snapshot["data"]["agents"]] == ["worker-a", "helper", "worker-b"]
+        ok(server, "cancel", a1, "--reason", "watched")
+        line = watch.expect('"event": "marker"')
+        assert json.loads(line)["data"]["session"] == a1
+    finally:
+        assert watch.interrupt() == 0
+    live = Streaming(server, "watch", root)
+    try:
+        live.expect("worker-a")  # the first snapshot
+        ok(server, "abort", a)
+        live.expect("⊘ Aborted by user")
+    finally:
+        assert live.interrupt() == 0
+
+
+def test_help_and_usage(server: LiveServer) -> None:
+    for command in ("open", "prompt", "spawn", "send", "tree", "steer", "cancel", "abort"):
+        done = subprocess.run(
+            [TETHER, command, "--help"], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0 and "example:" in done.stdout and "--url" in done.stdout
+    for command in ("preempt", "transcript", "watch", "serve"):
+        done = subprocess.run(
+            [TETHER, command, "--help"], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0 and "example:" in done.stdout
+    assert subprocess.run([TETHER], capture_output=True, timeout=30).returncode == 2
+    assert subprocess.run([TETHER, "explode"], capture_output=True, timeout=30).returncode == 2
+    bad_json = tether(server, "prompt", "s_x", "hi", "--data", "{nope")
+    assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
+
+
+def test_unreachable_server_is_a_refusal(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [TETHER, "tree", "s_x", "--url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1 and "unreachable" in done.stderr
+
+
+def test_token_from_flag_or_environment(tmp_path: Path) -> None:
+    with running_server(tmp_path, "--token", "t0ken") as server:
+        denied = tether(server, "open")
+        assert denied.returncode == 1 and "unauthorized" in denied.stderr
+        assert ok(server, "open", "--token", "t0ken").startswith("s_")
+        from_env = subprocess.run(
+            [TETHER, "open", "--url", server.url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "TETHER_TOKEN": "t0ken"},
+        )
+        assert from_env.returncode == 0 and from_env.stdout.startswith("s_")

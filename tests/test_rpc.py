@@ -1,0 +1,340 @@
+"""JSON-RPC and SSE against a real ``tether serve`` on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tether.runtime.sse import EventHub
+from tether_server import TETHER, EventReader, LiveServer, running_server, wait_until
+
+HANG = {"steps": [{"op": "hang"}]}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LiveServer]:
+    with running_server(tmp_path) as live:
+        yield live
+
+
+def _tree(server: LiveServer) -> dict[str, str]:
+    """root -> a (hangs) -> a1 (hangs); root -> b (idle)."""
+    root = server.call("session.open", {"driver": "tether:Scripted", "slug": "root"})["session"]
+    spawn = {"parent": root, "driver": "tether:Scripted"}
+    a = server.call("subagent.spawn", {**spawn, "slug": "a", "prompt": "work", "data": HANG})
+    b = server.call("subagent.spawn", {**spawn, "slug": "b"})
+    a1 = server.call(
+        "subagent.spawn",
+        {**spawn, "parent": a["session"], "slug": "a1", "prompt": "work", "data": HANG},
+    )
+    ids = {"root": root, "a": a["session"], "b": b["session"], "a1": a1["session"]}
+    server.wait_state(ids["a"], "running")
+    server.wait_state(ids["a1"], "running")
+    return ids
+
+
+def _error(answer: dict[str, Any]) -> tuple[int, str]:
+    assert "result" not in answer, answer
+    return answer["error"]["code"], answer["error"]["data"]["code"]
+
+
+def _address(session: str, parent: str, mode: str = "continuable") -> dict[str, str]:
+    return {"session": session, "parent": parent, "mode": mode}
+
+
+def test_interrupt_over_rpc_reaches_events(server: LiveServer) -> None:
+    ids = _tree(server)
+    agents = server.call("subagent.list", {"root": ids["root"], "scope": "descendants"})["agents"]
+    assert [(x["slug"], x["depth"]) for x in agents] == [("a", 1), ("a1", 2), ("b", 1)]
+    assert {"id", "slug", "parent", "depth", "mode", "state", "pending", "stopping", "turn"} <= set(
+        agents[0]
+    )
+    with EventReader(server, session=ids["root"]) as events:
+        assert events.status == 200
+        answer = server.call(
+            "subagent.interrupt",
+            {"address": _address(ids["a"], ids["root"]), "kind": "cancel", "reason": "stop <now>"},
+        )
+        assert answer == {"accepted": True}
+        marker = events.wait_for(
+            lambda e: e["event"] == "marker" and e["data"]["session"] == ids["a"], what="marker"
+        )
+        entry = marker["data"]["data"]["entry"]
+        assert entry["action"] == "cancelled" and entry["reason"] == "stop <now>"
+        assert entry["text"].startswith("⊘ Cancelled by user")
+        ended = events.wait_for(
+            lambda e: e["event"] == "turn.ended" and e["data"]["session"] == ids["a"],
+            what="turn.ended",
+        )
+        assert ended["data"]["data"]["outcome"] == "cancelled"
+        assert ended["data"]["data"]["cause"] == "user"
+        assert ended["id"] > marker["id"]
+    # No cascade: the grandchild keeps running, and the records say what happened.
+    assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
+    turns = server.call("subagent.turns", {"session": ids["a"]})["turns"]
+    assert turns[-1]["outcome"] == "cancelled" and turns[-1]["reason"] == "stop <now>"
+    entries = server.call("subagent.transcript", {"session": ids["a"]})["entries"]
+    assert [e["kind"] for e in entries][:2] == ["user", "marker"]
+
+
+def test_authority_and_schema_refusals(server: LiveServer) -> None:
+    ids = _tree(server)
+    interrupt = "subagent.interrupt"
+    # The grandchild's durable parent is a, not root: a User address must name a.
+    for parent in (ids["root"], "s_nobody"):
+        answer = server.rpc(interrupt, {"address": _address(ids["a1"], parent), "kind": "abort"})
+        assert _error(answer) == (-32000, "subagent-unauthorized")
+    one_shot = {"address": _address(ids["a"], ids["root"], "one-shot"), "kind": "cancel"}
+    assert _error(server.rpc(interrupt, one_shot)) == (-32602, "invalid-params")
+    bad_kind = {"address": _address(ids["a"], ids["root"]), "kind": "explode"}
+    assert _error(server.rpc(interrupt, bad_kind)) == (-32602, "invalid-params")
+    empty_steer = {"address": _address(ids["a"], ids["root"]), "kind": "steer", "reason": ""}
+    assert _error(server.rpc(interrupt, empty_steer)) == (-32602, "invalid-params")
+    typo = {"address": _address(ids["a"], ids["root"]), "knd": "cancel"}
+    assert _error(server.rpc(interrupt, typo)) == (-32602, "invalid-params")
+    assert _error(server.rpc("subagent.status", {"session": "s_nobody"})) == (-32000, "not-found")
+    # None of the refused calls touched the target.
+    assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
+    assert server.call("subagent.status", {"session": ids["a"]})["stopping"] is None
+
+
+def test_send_needs_a_live_parent(server: LiveServer) -> None:
+    ids = _tree(server)
+    address = _address(ids["b"], ids["root"])
+    assert server.call("subagent.send", {"address": address, "content": "hi", "wake": False}) == {
+        "accepted": True
+    }
+    assert server.call("subagent.status", {"session": ids["b"]})["pending"] == 1
+    server.call("session.release", {"session": ids["root"]})
+    answer = server.rpc("subagent.send", {"address": address, "content": "again"})
+    assert _error(answer) == (-32000, "parent-offline")
+
+
+def test_transcript_pages_with_after(server: LiveServer) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    says = [{"op": "say", "text": f"line {i}"} for i in range(5)]
+    server.call("session.prompt", {"session": root, "content": "go", "data": {"steps": says}})
+    server.wait_state(root, "idle")
+    everything = server.call("subagent.transcript", {"session": root})["entries"]
+    assert len(everything) == 6 and everything[0]["kind"] == "user"
+    seen: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = server.call("subagent.transcript", {"session": root, "after": after, "limit": 2})
+        seen += page["entries"]
+        after = page["entries"][-1]["seq"]
+        if not page["more"]:
+            break
+    assert seen == everything
+
+
+def test_protocol_errors(server: LiveServer) -> None:
+    unknown = server.rpc("subagent.explode", {})
+    assert _error(unknown) == (-32601, "not-found")
+    # debug.fail exists only with fault injection on.
+    assert _error(server.rpc("debug.fail")) == (-32601, "not-found")
+
+    status, body = server.request("POST", "/rpc", b'{"jsonrpc": "2.0", "method": ')
+    assert status == 200 and _error(json.loads(body)) == (-32700, "invalid-params")
+    assert _error(server.post({"id": 3, "method": "subagent.list"})) == (-32600, "invalid-params")
+    assert _error(server.post([])) == (-32600, "invalid-params")
+    params_array = {"jsonrpc": "2.0", "id": 4, "method": "subagent.status", "params": ["x"]}
+    assert _error(server.post(params_array)) == (-32602, "invalid-params")
+
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    batch = [
+        {"jsonrpc": "2.0", "id": "a", "method": "subagent.status", "params": {"session": root}},
+        {"jsonrpc": "2.0", "method": "subagent.status", "params": {"session": root}},
+        {"jsonrpc": "2.0", "id": "c", "method": "nope"},
+        7,
+    ]
+    answers = server.post(batch)
+    assert [a["id"] for a in answers] == ["a", "c", None]
+    assert answers[0]["result"]["id"] == root
+    assert _error(answers[1]) == (-32601, "not-found")
+    assert _error(answers[2]) == (-32600, "invalid-params")
+    only_notifications = [
+        {"jsonrpc": "2.0", "method": "subagent.status", "params": {"session": root}}
+    ]
+    assert server.post(only_notifications) is None  # 204, no body
+
+    status, body = server.request("POST", "/rpc", b"[" + b" " * (2 << 20) + b"]")
+    assert status == 413, body
+    assert server.call("subagent.status", {"session": root})["id"] == root  # still serving
+
+
+def test_internal_error_carries_an_id_and_no_text(tmp_path: Path) -> None:
+    with running_server(tmp_path, env={"TETHER_RPC_FAULT_INJECTION": "1"}) as server:
+        answer = server.rpc("debug.fail")
+        code, data_code = _error(answer)
+        assert (code, data_code) == (-32000, "internal")
+        error_id = answer["error"]["data"]["error_id"]
+        assert error_id.startswith("err_")
+        assert "injected" not in json.dumps(answer) and "Traceback" not in json.dumps(answer)
+
+        def logged() -> dict[str, Any] | None:
+            for line in server.log_text().splitlines():
+                if error_id in line:
+                    record: dict[str, Any] = json.loads(line)
+                    return record
+            return None
+
+        record = wait_until(logged, what="the error id in the host log")
+        assert record["event"] == "rpc.internal_error" and record["error_id"] == error_id
+        assert "injected" in json.dumps(record)  # the details live in the log, only there
+
+
+def test_non_loopback_bind_without_token_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [TETHER, "serve", "--host", "0.0.0.0", "--port", "0", "--path", str(tmp_path / "s.db")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "TETHER_TOKEN"},
+    )
+    assert done.returncode == 2
+    assert "--token" in done.stderr
+    assert not (tmp_path / "s.db").exists()
+
+
+def test_token_is_required_when_set(tmp_path: Path) -> None:
+    with running_server(tmp_path, "--token", "s3cret") as server:
+        doc = (
+            b'{"jsonrpc": "2.0", "id": 1, "method": "subagent.status", "params": {"session": "x"}}'
+        )
+        status, _ = server.request("POST", "/rpc", doc, auth=False)
+        assert status == 401
+        wrong = {"Authorization": "Bearer s3cres"}
+        assert server.request("POST", "/rpc", doc, wrong, auth=False)[0] == 401
+        assert server.request("GET", "/events", None, auth=False)[0] == 401
+        assert _error(server.rpc("subagent.status", {"session": "x"})) == (-32000, "not-found")
+
+
+def test_loopback_server_refuses_foreign_host_and_origin(server: LiveServer) -> None:
+    doc = b'{"jsonrpc": "2.0", "id": 1, "method": "subagent.status", "params": {"session": "x"}}'
+    assert server.request("POST", "/rpc", doc, {"Host": "evil.example:7777"})[0] == 403
+    assert server.request("POST", "/rpc", doc, {"Origin": "http://evil.example"})[0] == 403
+    assert server.request("POST", "/rpc", doc, {"Origin": "http://localhost:3000"})[0] == 200
+
+
+def test_event_stream_resumes_with_last_event_id(server: LiveServer) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    prompt = {"session": root, "content": "go", "data": {"steps": [{"op": "say", "text": "x"}]}}
+    with EventReader(server, session=root) as reference:
+        with EventReader(server, session=root) as first:
+            server.call("session.prompt", prompt)
+            first.nth("turn.ended", 1)
+        got = list(first.events)
+        # Two more turns while that client is away; then it resumes from its last id.
+        server.call("session.prompt", prompt)
+        server.call("session.prompt", prompt)
+        final = reference.nth("turn.ended", 3)
+        with EventReader(server, session=root, last_id=got[-1]["id"]) as resumed:
+            resumed.wait_for(lambda e: e["id"] >= final["id"], what="the replay")
+        got += resumed.events
+    expected = [e for e in reference.events if e["id"] <= final["id"]]
+    assert got[: len(expected)] == expected
+    assert all(b["id"] > a["id"] for a, b in itertools.pairwise(got))
+
+
+def test_event_filter_is_a_subtree(server: LiveServer) -> None:
+    ids = _tree(server)
+    with EventReader(server, session=ids["a"]) as sub:
+        for target, parent in ((ids["b"], ids["root"]), (ids["a1"], ids["a"])):
+            server.call(
+                "subagent.interrupt", {"address": _address(target, parent), "kind": "abort"}
+            )
+        sub.wait_for(
+            lambda e: e["event"] == "turn.ended" and e["data"]["session"] == ids["a1"],
+            what="a1's turn.ended",
+        )
+        sessions = {e["data"]["session"] for e in sub.events}
+        assert sessions <= {ids["a"], ids["a1"]}
+    status, _ = server.request("GET", "/events?session=s_nobody")
+    assert status == 404
+
+
+# ---- the event hub on its own: slow consumers and gaps ----------------------------------
+
+
+def _publish(hub: EventHub, n: int) -> None:
+    for i in range(n):
+        hub.publish("state", "s_1", (), {"n": i}, 0.0)
+
+
+def _frames(chunks: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for chunk in chunks:
+        fields = dict(
+            line.split(": ", 1) for line in chunk.decode().splitlines() if line and line[0] != ":"
+        )
+        if fields:
+            out.append(
+                {"event": fields["event"], "id": fields.get("id"), **json.loads(fields["data"])}
+            )
+    return out
+
+
+def test_slow_consumer_is_dropped_with_a_final_event() -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        hub = EventHub(history=100, client_limit=3)
+        sub = hub.subscribe(None, None)
+        stream = sub.stream()
+        chunks = [await anext(stream)]  # the preamble
+        _publish(hub, 1)
+        chunks.append(await anext(stream))
+        _publish(hub, 10)  # the client reads nothing meanwhile: over its limit of 3
+        chunks += [chunk async for chunk in stream]
+        _publish(hub, 1)  # a dropped client gets nothing more, and the hub goes on
+        return _frames(chunks)
+
+    frames = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert [f["event"] for f in frames] == ["state", "closed"]
+    assert frames[-1]["reason"] == "slow-consumer"
+    assert frames[-1]["last_id"] == int(frames[0]["id"])  # where to resume from
+
+
+def test_resume_from_an_evicted_id_reports_a_gap() -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        hub = EventHub(history=4, client_limit=100)
+        _publish(hub, 10)
+        sub = hub.subscribe(None, hub.last_id - 8)  # 3 of the events it needs are gone
+        hub.close()
+        return _frames([chunk async for chunk in sub.stream()])
+
+    frames = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert [f["event"] for f in frames] == ["gap", "state", "state", "state", "state", "closed"]
+    assert [f["data"]["n"] for f in frames[1:5]] == [6, 7, 8, 9]
+    assert frames[-1]["reason"] == "shutdown"
+
+
+def test_sigterm_drains_running_turns_and_leaves_no_process(tmp_path: Path) -> None:
+    server = LiveServer(tmp_path).start()
+    try:
+        root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+        tool = {"steps": [{"op": "tool", "argv": ["sleep", "60"]}]}
+        child = server.call(
+            "subagent.spawn",
+            {"parent": root, "driver": "tether:Scripted", "prompt": "go", "data": tool},
+        )["session"]
+        server_proc = psutil.Process(server.proc.pid if server.proc else 0)
+
+        def sleeping() -> bool:
+            return any(p.name() == "sleep" for p in server_proc.children(recursive=True))
+
+        wait_until(sleeping, what="the tool subprocess")
+    finally:
+        assert server.stop() == 0, server.log_text()  # stop() also checks no process is left
+    # The drain recorded how the turn ended: a restart finds nothing to call crashed.
+    with running_server(tmp_path) as again:
+        turns = again.call("subagent.turns", {"session": child})["turns"]
+        assert turns[-1]["outcome"] in ("cancelled", "aborted"), turns

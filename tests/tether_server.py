@@ -1,0 +1,260 @@
+"""A real ``tether serve`` for tests: a subprocess on a free loopback port.
+
+It is started with ``--port 0`` and is ready when it prints the address it bound (polled
+with a deadline); it is stopped with SIGTERM and must exit on its own, leaving no process
+of its tree behind. ``EventReader`` follows ``GET /events`` on a thread.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import psutil
+
+__all__ = ["TETHER", "EventReader", "LiveServer", "running_server", "wait_until"]
+
+TETHER = str(Path(sys.executable).with_name("tether"))
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], *, timeout: float = 15.0, what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class LiveServer:
+    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.out_path = workdir / "serve.out"
+        self.log_path = workdir / "serve.log"
+        self.token: str | None = None
+        if "--token" in args:
+            self.token = args[args.index("--token") + 1]
+        self.url = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def port(self) -> int:
+        return int(urlsplit(self.url).port or 0)
+
+    def start(self) -> LiveServer:
+        cmd = [TETHER, "serve", "--port", "0", "--path", str(self.workdir / "state.db")]
+        with self.out_path.open("wb") as out, self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--grace", "1", *self.args], stdout=out, stderr=log, env=self.env
+            )
+
+        def bound() -> str | None:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"tether serve exited early:\n{self.log_text()}")
+            found = re.search(r"serving (http://\S+)", self.out_path.read_text())
+            return found.group(1) if found else None
+
+        self.url = wait_until(bound, timeout=30.0, what="tether serve to listen")
+        return self
+
+    def stop(self) -> int:
+        """SIGTERM, then wait (with a deadline) for a clean exit of the whole tree."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        tree = psutil.Process(self.proc.pid).children(recursive=True)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=30.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10.0)
+            raise AssertionError(f"no exit on SIGTERM:\n{self.log_text()}") from None
+        _, alive = psutil.wait_procs(tree, timeout=5.0)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in alive:
+            p.kill()
+        assert not alive, f"processes left after tether serve exited: {alive}"
+        return code
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    # ---- HTTP ---------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        *,
+        auth: bool = True,
+    ) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            if auth and self.token:
+                hdrs.setdefault("Authorization", f"Bearer {self.token}")
+            conn.request(method, path, body=body, headers=hdrs)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def post(self, doc: Any) -> Any:
+        """POST a JSON-RPC document; the decoded answer (None for 204)."""
+        status, body = self.request("POST", "/rpc", json.dumps(doc).encode())
+        assert status in (200, 204), (status, body)
+        return json.loads(body) if body else None
+
+    def rpc(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One call; the whole response object."""
+        doc = {"jsonrpc": "2.0", "id": 1, "method": method}
+        if params is not None:
+            doc["params"] = params
+        answer: dict[str, Any] = self.post(doc)
+        return answer
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        """One call that must succeed; its result."""
+        answer = self.rpc(method, params)
+        assert "error" not in answer, answer
+        return answer["result"]
+
+    def wait_state(self, session: str, *states: str, timeout: float = 15.0) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            info: dict[str, Any] = self.call("subagent.status", {"session": session})
+            return info if info["state"] in states else None
+
+        return wait_until(reached, timeout=timeout, what=f"{session} to be {states}")
+
+
+@contextmanager
+def running_server(
+    workdir: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[LiveServer]:
+    server = LiveServer(workdir, *args, env=env).start()
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, server.log_text()
+
+
+class EventReader:
+    """Reads ``GET /events`` on a thread; events are dicts with ``id``, ``event``, ``data``."""
+
+    def __init__(
+        self,
+        server: LiveServer,
+        *,
+        session: str | None = None,
+        last_id: int | None = None,
+    ) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.status = 0
+        self._cond = threading.Condition()
+        self._done = False
+        self._conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        self._conn.connect()
+        self._sock: socket.socket = self._conn.sock
+        headers = {"Accept": "text/event-stream"}
+        if server.token:
+            headers["Authorization"] = f"Bearer {server.token}"
+        if last_id is not None:
+            headers["Last-Event-ID"] = str(last_id)
+        path = "/events" + (f"?session={session}" if session else "")
+        self._conn.request("GET", path, headers=headers)
+        self._response = self._conn.getresponse()
+        self.status = self._response.status
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        event: dict[str, Any] = {}
+        try:
+            for raw in self._response:
+                line = raw.decode().rstrip("\r\n")
+                if not line:
+                    if "data" in event:
+                        with self._cond:
+                            self.events.append(event)
+                            self._cond.notify_all()
+                    event = {}
+                elif not line.startswith(":"):
+                    field, _, value = line.partition(": ")
+                    event[field] = int(value) if field == "id" else value
+                    if field == "data":
+                        event["data"] = json.loads(value)
+        except OSError:
+            pass  # closed by close()
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def watch(
+        self, check: Callable[[list[dict[str, Any]]], T | None], *, timeout: float, what: str
+    ) -> T:
+        """Re-run ``check`` over all events received so far until it returns a value."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = check(self.events)
+                if found is not None:
+                    return found
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._done:
+                    seen = [(e.get("event"), e["data"].get("session")) for e in self.events]
+                    raise AssertionError(f"no {what} on /events; saw {seen}")
+                self._cond.wait(remaining)
+
+    def wait_for(
+        self, match: Callable[[dict[str, Any]], bool], *, timeout: float = 15.0, what: str = "event"
+    ) -> dict[str, Any]:
+        """The first event that ``match`` accepts."""
+        return self.watch(
+            lambda evs: next((e for e in evs if match(e)), None), timeout=timeout, what=what
+        )
+
+    def nth(self, name: str, k: int, *, timeout: float = 15.0) -> dict[str, Any]:
+        """The ``k``-th (1-based) event named ``name``."""
+
+        def kth(evs: list[dict[str, Any]]) -> dict[str, Any] | None:
+            named = [e for e in evs if e.get("event") == name]
+            return named[k - 1] if len(named) >= k else None
+
+        return self.watch(kth, timeout=timeout, what=f"{name} #{k}")
+
+    def close(self) -> None:
+        with suppress(OSError):  # already closed by the server
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=10)
+        self._response.close()
+        self._conn.close()
+
+    def __enter__(self) -> EventReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
