@@ -1,0 +1,248 @@
+"""Test-only drivers, loaded by worker processes as ``"drivers:Name"``, and test helpers.
+
+pytest puts ``tests/`` on ``sys.path`` before any runtime starts, and the pool hands its
+``sys.path`` to every worker, so a worker imports this module by name. Keep the module
+light: every worker that loads one of these drivers imports it whole.
+
+The helpers at the bottom run in the test process only (event recorder, deadline waits,
+process-tree lookups); they never synchronize by sleeping for a fixed time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import psutil
+
+import tether
+
+SCRIPTED = "tether:Scripted"
+
+# ---- drivers (run in worker processes) ------------------------------------------------
+
+
+class Flaky:
+    """Raises when the message starts with ``boom``; otherwise answers ``fine: <content>``."""
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.content.startswith("boom"):
+            ctx.say("about to raise")
+            raise RuntimeError(f"driver exploded on {ctx.message.content!r}")
+        return f"fine: {ctx.message.content}"
+
+
+class Exiter:
+    """``os._exit(3)`` mid-turn when the message is ``die``; otherwise ``alive: <content>``."""
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.content == "die":
+            ctx.say("dying now")
+            os._exit(3)
+        return f"alive: {ctx.message.content}"
+
+
+class Garbage:
+    """Writes an undecodable (but well-framed) payload, then answers normally.
+
+    ``garbage`` sends the corrupt frame; anything else answers ``clean: <content>``.
+    """
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.content == "garbage":
+            ctx._worker.channel.send_bytes(b"\x00garbage")
+            ctx.say("wrote garbage")
+            return "survived garbage"
+        return f"clean: {ctx.message.content}"
+
+
+class Oversized:
+    """Writes a length header far over the frame cap, then waits to be killed.
+
+    ``oversize`` sends the bad header; anything else answers ``clean: <content>``.
+    """
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.content == "oversize":
+            channel = ctx._worker.channel
+            with channel._send_lock:
+                channel.sock.sendall(struct.pack(">I", 0xFFFFFFF0))
+            # The host must treat the stream as broken and kill this worker.
+            for _ in range(3000):
+                time.sleep(0.01)
+            return "the host never reacted to an oversized frame"
+        return f"clean: {ctx.message.content}"
+
+
+class Spawner:
+    """Spawns a child through ``ctx.spawn_agent`` and reports its id."""
+
+    def run(self, ctx: Any) -> str:
+        data = ctx.message.data or {}
+        if "notice" in data:
+            return "noted"
+        child = ctx.spawn_agent(
+            slug=data.get("slug", "kid"),
+            driver=SCRIPTED,
+            prompt=data.get("prompt", "hello kid"),
+        )
+        return f"spawned {child}"
+
+
+class HistoryRecorder:
+    """Answers with ``ctx.history`` (kind and text of each entry) as JSON."""
+
+    def run(self, ctx: Any) -> str:
+        return json.dumps([[e.kind, e.text] for e in ctx.history])
+
+
+# ---- helpers (test process only) ------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def steps(*ops: dict[str, Any]) -> dict[str, Any]:
+    """``data`` for a Scripted message."""
+    return {"steps": list(ops)}
+
+
+HANG = steps({"op": "hang"})
+
+
+def eventually(
+    predicate: Callable[[], T | None], *, timeout: float = 5.0, what: str = "condition"
+) -> T:
+    """Poll ``predicate`` (OS or store state that has no event) until truthy, with a deadline."""
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+class Recorder:
+    """Every runtime event, in order, with a condition to wait on."""
+
+    def __init__(self, rt: tether.Runtime) -> None:
+        self.events: list[tether.Event] = []
+        self._cond = threading.Condition()
+        self.unsubscribe = rt.subscribe(self._on)
+
+    def _on(self, ev: tether.Event) -> None:
+        with self._cond:
+            self.events.append(ev)
+            self._cond.notify_all()
+
+    def wait_for(
+        self, predicate: Callable[[tether.Event], bool], *, count: int = 1, timeout: float = 5.0
+    ) -> list[tether.Event]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = [e for e in self.events if predicate(e)]
+                if len(found) >= count:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"timed out after {timeout:g}s: {len(found)}/{count} matching events"
+                    )
+                self._cond.wait(left)
+
+    def turn_ended(self, session: str, *, count: int = 1, timeout: float = 5.0) -> dict[str, Any]:
+        """The data of the ``count``-th ``turn.ended`` event of ``session``."""
+        found = self.wait_for(
+            lambda e: e.name == "turn.ended" and e.session == session,
+            count=count,
+            timeout=timeout,
+        )
+        return found[count - 1].data
+
+    def markers(self, session: str) -> list[dict[str, Any]]:
+        with self._cond:
+            return [
+                e.data["entry"] for e in self.events if e.name == "marker" and e.session == session
+            ]
+
+
+def entries(rt: tether.Runtime, sid: str, kind: str) -> list[tether.Entry]:
+    return [e for e in rt.transcript(sid) if e.kind == kind]
+
+
+def texts(rt: tether.Runtime, sid: str, kind: str) -> list[str]:
+    return [e.text for e in entries(rt, sid, kind)]
+
+
+def wait_entry(
+    rt: tether.Runtime, sid: str, kind: str, text: str, *, timeout: float = 5.0
+) -> tether.Entry:
+    """Wait until ``sid``'s transcript has an entry of ``kind`` whose text contains ``text``."""
+
+    def find() -> tether.Entry | None:
+        return next((e for e in entries(rt, sid, kind) if text in e.text), None)
+
+    return eventually(find, timeout=timeout, what=f"a {kind} entry with {text!r} in {sid}")
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie counts as dead)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def worker_with_tool(rt: tether.Runtime, name: str, *, count: int = 1) -> psutil.Process:
+    """The worker process that has at least ``count`` live descendants named ``name``."""
+
+    def find() -> psutil.Process | None:
+        for pid in rt.worker_pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w = psutil.Process(pid)
+                kids = [p for p in w.children(recursive=True) if alive(p) and _named(p, name)]
+                if len(kids) >= count:
+                    return w
+        return None
+
+    return eventually(find, timeout=5.0, what=f"{count} {name!r} process(es) under a worker")
+
+
+def tree_of(proc: psutil.Process) -> list[psutil.Process]:
+    """``proc`` and all its descendants (a snapshot)."""
+    return [proc, *proc.children(recursive=True)]
+
+
+def _named(p: psutil.Process, name: str) -> bool:
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+        return p.name() == name
+    return False
+
+
+@contextlib.contextmanager
+def runtime(*args: Any, **kwargs: Any) -> Iterator[tether.Runtime]:
+    """A runtime outside the fixture (own path or options); always closed."""
+    rt = tether.Runtime(*args, **kwargs)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def refilled(rt: tether.Runtime, size: int = 3) -> None:
+    """Wait until the pool is back to ``size`` processes after a worker was killed.
+
+    Tests that kill a worker call this last, so that the replacement is not still being
+    started while the fixture closes the runtime (see the close-time race in the report).
+    """
+    eventually(lambda: len(rt.worker_pids) >= size, timeout=10.0, what="the pool to refill")
