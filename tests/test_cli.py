@@ -135,7 +135,10 @@ def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
 
     assert tether(server, "cancel").returncode == 2  # no target: usage
     assert tether(server, "steer", a1).returncode == 2  # a steer without guidance
-    assert tether(server, "cancel", root).returncode == 1  # a root has no parent address
+    # A root's owner holds the root's own address; the root is idle: an accepted no-op.
+    assert ok(server, "cancel", root) == f"cancel accepted for {root}"
+    stranger = tether(server, "cancel", root, "--parent", a)
+    assert stranger.returncode == 1 and "subagent-unauthorized" in stranger.stderr
     missing = tether(server, "tree", "s_nobody")
     assert missing.returncode == 1 and "not-found" in missing.stderr
 

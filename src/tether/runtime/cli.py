@@ -54,13 +54,14 @@ def _data(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _parent(args: argparse.Namespace, client: Client) -> str:
-    """The target's durable parent: --parent, else what subagent.status says."""
+    """The target's durable parent: --parent, else what subagent.status says.
+
+    A root session has no parent: its owner's address is the root's own id.
+    """
     if args.parent:
         return str(args.parent)
     info = client.call("subagent.status", {"session": args.id})
-    if info.get("parent") is None:
-        raise RpcError("invalid-params", f"{args.id} is a root session: it has no parent address")
-    return str(info["parent"])
+    return str(info["parent"] if info.get("parent") is not None else args.id)
 
 
 def _address(args: argparse.Namespace, client: Client) -> dict[str, str]:
