@@ -243,6 +243,8 @@ def refilled(rt: tether.Runtime, size: int = 3) -> None:
     """Wait until the pool is back to ``size`` processes after a worker was killed.
 
     Tests that kill a worker call this last, so that the replacement is not still being
-    started while the fixture closes the runtime (see the close-time race in the report).
+    started while the fixture closes the runtime: ``Pool.close()`` does not wait for a
+    respawn in flight, which then fails against the stopped forkserver (a core race that
+    would otherwise surface at random in whichever test closes next).
     """
     eventually(lambda: len(rt.worker_pids) >= size, timeout=10.0, what="the pool to refill")

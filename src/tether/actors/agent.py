@@ -24,7 +24,7 @@ import structlog
 from tether.actors._ids import new_id
 from tether.actors.ports import AgentStore, EventSink, Executor, TurnJob
 from tether.actors.states import AgentState, check_transition
-from tether.wire.errors import InvalidParams
+from tether.wire.errors import InvalidParams, TetherError
 from tether.wire.frames import (
     Cancel,
     CancelFrame,
@@ -327,17 +327,20 @@ class AgentActor(pykka.ThreadingActor):
         self._started += 1
         self._turn = _Turn(turn_id, message)
         assert self._sink is not None
-        self._executor.submit(
-            TurnJob(
-                turn=turn_id,
-                session=h.id,
-                driver=h.driver,
-                message=message,
-                config=h.config,
-                permissions=h.permissions,
-                sink=self._sink,
-            )
+        job = TurnJob(
+            turn=turn_id,
+            session=h.id,
+            driver=h.driver,
+            message=message,
+            config=h.config,
+            permissions=h.permissions,
+            sink=self._sink,
         )
+        try:
+            self._executor.submit(job)
+        except TetherError as exc:  # closed under us: end the claimed turn, never leave it open
+            self._ended(_Ended(turn_id, None, exc.message))
+            return
         if _debug():
             log.debug("turn.started", session=h.id, turn=turn_id, message=message.id)
         self._emit("turn.started", {"turn": turn_id, "message": message.id})

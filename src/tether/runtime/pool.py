@@ -223,6 +223,8 @@ class Pool:
         self._start_failures = 0  # consecutive deaths before Ready: stop respawning at 3
         try:
             for _ in range(size + 1):
+                with self._lock:
+                    self._starting += 1
                 self._spawn()
             deadline = time.monotonic() + _START_TIMEOUT
             with self._lock:
@@ -336,6 +338,10 @@ class Pool:
             if self._closed:
                 return
             self._closed = True
+            # a replacement still starting must be in the list below, or it would outlive us
+            deadline = time.monotonic() + _START_TIMEOUT
+            while self._starting > 0 and time.monotonic() < deadline:
+                self._changed.wait(deadline - time.monotonic())
             workers = list(self._all)
             orphans = list(self._queue)
             self._queue.clear()
@@ -361,13 +367,19 @@ class Pool:
     # ---- internals ------------------------------------------------------------------
 
     def _spawn(self) -> None:
+        """Start one worker; the caller has counted it in ``_starting``."""
         with self._lock:
-            self._starting += 1
+            closed = self._closed
         try:
+            if closed:
+                raise TetherError("the pool is closed")
             w = _Worker(self)
         except BaseException:
             with self._lock:
                 self._starting -= 1
+                self._changed.notify_all()
+            if closed:
+                return
             raise
         with self._lock:
             self._all.add(w)
@@ -379,6 +391,7 @@ class Pool:
             return
         missing = self.size + 1 - len(self._active) - (self._spare is not None) - self._starting
         for _ in range(missing):
+            self._starting += 1
             threading.Thread(target=self._spawn, name="tether-pool-spawn", daemon=True).start()
 
     def _dispatch_locked(self) -> None:
