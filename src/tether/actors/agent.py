@@ -493,7 +493,7 @@ class AgentActor(pykka.ThreadingActor):
                 turn=t.id,
                 outcome=outcome,
                 cause=cause,
-                partial=final if final is not None else self._store.last_assistant_text(t.id),
+                partial=final if final is not None else self._store.last_assistant_text(h.id, t.id),
             )
             self._supervisor.tell(TurnNotice(h.parent, notice))
         if h.mode == "one-shot" or self._disposing:

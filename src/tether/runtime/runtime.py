@@ -85,7 +85,7 @@ class OneShot:
             raise TurnFailed(
                 f"one-shot {self.id} ended {last.outcome}: {last.error or last.reason or ''}"
             )
-        return self._rt._store.last_assistant_text(last.id)
+        return self._rt._store.last_assistant_text(self.id, last.id)
 
     def kill(self) -> None:
         """Hard stop, holder-owned: the turn's whole process tree is killed now."""
@@ -379,12 +379,14 @@ class Runtime:
     # ---- EventSink --------------------------------------------------------------------
 
     def emit(self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]) -> None:
-        event = Event(name=name, session=session, lineage=lineage, data=data, ts=time.time())
-        for callback in self._subscribers:
-            try:
-                callback(event)
-            except Exception:  # an observer's bug must not break the agent that emitted
-                log.exception("events.subscriber_failed", event=name)
+        subscribers = self._subscribers
+        if subscribers:
+            event = Event(name=name, session=session, lineage=lineage, data=data, ts=time.time())
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:  # an observer's bug must not break the agent that emitted
+                    log.exception("events.subscriber_failed", event=name)
         if name == "state" and self._waiters:
             with self._cond:
                 self._version += 1

@@ -44,10 +44,10 @@ CREATE TABLE IF NOT EXISTS messages (
     state       TEXT NOT NULL DEFAULT 'pending',   -- pending | claimed | closed
     turn        TEXT
 );
-CREATE INDEX IF NOT EXISTS messages_pending ON messages (session, state, id);
+CREATE INDEX IF NOT EXISTS messages_pending ON messages (session, id) WHERE state='pending';
 CREATE TABLE IF NOT EXISTS turns (
     seq         INTEGER PRIMARY KEY AUTOINCREMENT,
-    id          TEXT NOT NULL UNIQUE,
+    id          TEXT NOT NULL,   -- random and never looked up alone: no index to maintain
     session     TEXT NOT NULL,
     message_id  INTEGER NOT NULL,
     started_at  REAL NOT NULL,
@@ -75,8 +75,9 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at  REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_session ON entries (session, seq);
-CREATE INDEX IF NOT EXISTS entries_turn ON entries (turn, seq);
 """
+
+_CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
@@ -124,8 +125,18 @@ class Store:
             path or ":memory:", check_same_thread=False, isolation_level=None
         )
         self._lock = threading.Lock()
+        self._open: dict[str, tuple[str, int]] = {}  # turn id -> (session, rowid) until it ends
+        self._stop = threading.Event()
+        self._checkpointer: threading.Thread | None = None
         if path is not None:
             self._db.execute("PRAGMA journal_mode=WAL")
+            # Checkpoints move off the committing threads (where SQLite runs them by
+            # default, stalling whichever commit crosses the threshold) to one of our own.
+            self._db.execute("PRAGMA wal_autocheckpoint=0")
+            self._checkpointer = threading.Thread(
+                target=self._checkpoint_loop, args=(path,), name="tether-checkpoint", daemon=True
+            )
+            self._checkpointer.start()
         sync = "FULL" if durability == "full" else "NORMAL"
         self._db.execute(f"PRAGMA synchronous={sync}")
         self._db.executescript(_SCHEMA)
@@ -133,8 +144,21 @@ class Store:
     def _tx(self) -> _Tx:
         return _Tx(self._db, self._lock)
 
+    def _checkpoint_loop(self, path: str) -> None:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            while not self._stop.wait(_CHECKPOINT_EVERY):
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            db.close()
+
     def close(self) -> None:
+        self._stop.set()
+        if self._checkpointer is not None:
+            self._checkpointer.join()
         with self._lock:
+            if self._checkpointer is not None:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
 
     # ---- catalog ------------------------------------------------------------------
@@ -235,7 +259,7 @@ class Store:
     def claim_next(self, session: str, turn: str) -> Message | None:
         """Claim the oldest pending message for a new turn and record the turn's start."""
         with self._tx() as db:
-            return _claim(db, session, turn)
+            return self._claim(db, session, turn)
 
     # ---- turns --------------------------------------------------------------------
 
@@ -257,10 +281,10 @@ class Store:
         ``next_turn`` if given: one transaction, so a turn boundary costs one commit."""
         now = time.time()
         with self._tx() as db:
-            row = db.execute("SELECT session FROM turns WHERE id=?", (turn,)).fetchone()
-            if row is None:
+            opened = self._open.pop(turn, None)
+            if opened is None:
                 return None
-            session = row[0]
+            session, rowid = opened
             if final is not None:
                 db.execute(
                     "INSERT INTO entries (session, turn, kind, text, created_at)"
@@ -269,10 +293,32 @@ class Store:
                 )
             db.execute(
                 "UPDATE turns SET ended_at=?, outcome=?, cause=?, by=?, forced=?, escalated=?,"
-                " reason=?, error=? WHERE id=?",
-                (now, outcome, cause, by, forced, escalated, reason, error, turn),
+                " reason=?, error=? WHERE seq=?",
+                (now, outcome, cause, by, forced, escalated, reason, error, rowid),
             )
-            return None if next_turn is None else _claim(db, session, next_turn)
+            return None if next_turn is None else self._claim(db, session, next_turn)
+
+    def _claim(self, db: sqlite3.Connection, session: str, turn: str) -> Message | None:
+        now = time.time()
+        row = db.execute(
+            "SELECT id, session, content, data, kind, sender, created_at FROM messages"
+            " WHERE session=? AND state='pending' ORDER BY id LIMIT 1",
+            (session,),
+        ).fetchone()
+        if row is None:
+            return None
+        db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, row[0]))
+        cur = db.execute(
+            "INSERT INTO turns (id, session, message_id, started_at) VALUES (?,?,?,?)",
+            (turn, session, row[0], now),
+        )
+        db.execute(
+            "INSERT INTO entries (session, turn, kind, text, data, created_at)"
+            " VALUES (?,?,?,?,?,?)",
+            (session, turn, row[4], row[2], row[3], now),
+        )
+        self._open[turn] = (session, cur.lastrowid or 0)
+        return _message(row)
 
     def turns(self, session: str) -> list[TurnRecord]:
         with self._lock:
@@ -371,35 +417,15 @@ class Store:
             for r in rows
         ]
 
-    def last_assistant_text(self, turn: str) -> str | None:
+    def last_assistant_text(self, session: str, turn: str) -> str | None:
+        # newest first through (session, seq): a turn's entries are its session's latest
         with self._lock:
             row = self._db.execute(
-                "SELECT text FROM entries WHERE turn=? AND kind='assistant'"
+                "SELECT text FROM entries WHERE session=? AND turn=? AND kind='assistant'"
                 " ORDER BY seq DESC LIMIT 1",
-                (turn,),
+                (session, turn),
             ).fetchone()
         return None if row is None else str(row[0])
-
-
-def _claim(db: sqlite3.Connection, session: str, turn: str) -> Message | None:
-    now = time.time()
-    row = db.execute(
-        "SELECT id, session, content, data, kind, sender, created_at FROM messages"
-        " WHERE session=? AND state='pending' ORDER BY id LIMIT 1",
-        (session,),
-    ).fetchone()
-    if row is None:
-        return None
-    db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, row[0]))
-    db.execute(
-        "INSERT INTO turns (id, session, message_id, started_at) VALUES (?,?,?,?)",
-        (turn, session, row[0], now),
-    )
-    db.execute(
-        "INSERT INTO entries (session, turn, kind, text, data, created_at) VALUES (?,?,?,?,?,?)",
-        (session, turn, row[4], row[2], row[3], now),
-    )
-    return _message(row)
 
 
 def _message(r: tuple[Any, ...]) -> Message:
