@@ -354,7 +354,11 @@ class AgentActor(pykka.ThreadingActor):
             if i.kind == "steer":
                 log.info("interrupt.dropped", session=sid, kind=i.kind, why="no running turn")
             return
+        self._signal(t, i)
         log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
+
+    def _signal(self, t: _Turn, i: Interrupt) -> None:
+        sid = self._header.id
         match i.kind:
             case "steer":
                 if t.stop is not None:

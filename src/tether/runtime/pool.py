@@ -43,6 +43,7 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
+from tether.runtime._procs import descendants
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel, FrameTooLarge
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
@@ -286,10 +287,7 @@ class Pool:
         if w is None:
             job.sink.ended(turn, None, "killed before a worker took it")
             return
-        try:
-            w.sweep = psutil.Process(w.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            w.sweep = []
+        w.sweep = descendants(w.pid)
         kill_tree(w.pid, w.sweep)
         log.debug("worker.killed", pid=w.pid, turn=turn, tree=len(w.sweep) + 1)
 
@@ -354,11 +352,7 @@ class Pool:
         for w in workers:
             w.process.join(2.0)
             if w.process.is_alive():
-                try:
-                    tree = psutil.Process(w.pid).children(recursive=True)
-                except psutil.NoSuchProcess:
-                    tree = []
-                kill_tree(w.pid, tree)
+                kill_tree(w.pid, descendants(w.pid))
                 w.process.join(_DEATH_TIMEOUT)
             w.reader.join(_DEATH_TIMEOUT)
             w.channel.close()

@@ -20,9 +20,11 @@ from tether.wire.records import Entry, Message, SessionHeader, TurnRecord
 
 __all__ = ["Store"]
 
+# Rows are never deleted, so plain INTEGER PRIMARY KEYs only grow (AUTOINCREMENT would
+# cost an extra write per insert for a guarantee we do not need).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq         INTEGER PRIMARY KEY,
     id          TEXT NOT NULL UNIQUE,
     parent      TEXT,
     mode        TEXT NOT NULL,
@@ -34,7 +36,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     settled     INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS messages (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    id          INTEGER PRIMARY KEY,
     session     TEXT NOT NULL,
     content     TEXT NOT NULL,
     data        BLOB,
@@ -46,7 +48,7 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_pending ON messages (session, id) WHERE state='pending';
 CREATE TABLE IF NOT EXISTS turns (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq         INTEGER PRIMARY KEY,
     id          TEXT NOT NULL,   -- random and never looked up alone: no index to maintain
     session     TEXT NOT NULL,
     message_id  INTEGER NOT NULL,
@@ -62,7 +64,7 @@ CREATE TABLE IF NOT EXISTS turns (
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, seq);
 CREATE TABLE IF NOT EXISTS entries (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq         INTEGER PRIMARY KEY,
     session     TEXT NOT NULL,
     turn        TEXT,
     kind        TEXT NOT NULL,
@@ -92,7 +94,7 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
 
 
 class _Tx:
-    """``with store._tx() as db``: the lock, BEGIN IMMEDIATE, and COMMIT or ROLLBACK."""
+    """``with store._tx() as db``: the lock, BEGIN, and COMMIT or ROLLBACK."""
 
     __slots__ = ("_db", "_lock")
 
@@ -103,7 +105,7 @@ class _Tx:
     def __enter__(self) -> sqlite3.Connection:
         self._lock.acquire()
         try:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("BEGIN")  # one connection, behind our lock: no upgrade race
         except BaseException:
             self._lock.release()
             raise

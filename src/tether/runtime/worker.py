@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import psutil
 
+from tether.runtime._procs import descendants
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, Preempted, TetherError, error_from_code
 from tether.wire.frames import (
@@ -268,8 +269,7 @@ class TurnContext:
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants, deepest first, tolerating the already-gone."""
     try:
-        root = psutil.Process(pid)
-        procs = [*reversed(root.children(recursive=True)), root]
+        procs = [*reversed(descendants(pid)), psutil.Process(pid)]
     except psutil.NoSuchProcess:
         return
     for p in procs:
