@@ -35,7 +35,7 @@ from tether.wire.frames import (
     ToolKilled,
     TurnEnd,
 )
-from tether.wire.records import ChildTurnEnded, Message, SessionHeader
+from tether.wire.records import AgentInfo, ChildTurnEnded, Message, SessionHeader
 from tether.wire.text import marker_text
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "StatusCell",
     "Sync",
     "TurnNotice",
+    "make_info",
 ]
 
 log = structlog.get_logger("tether.agent")
@@ -74,12 +75,31 @@ class AgentStatus:
 
 
 class StatusCell:
-    """Where the agent publishes its status for the supervisor's discovery walk."""
+    """Where the agent publishes its status for the supervisor's discovery walk.
 
-    __slots__ = ("status",)
+    ``info`` is the same status as discovery returns it (depth counted from the tree's
+    root), built once per change so that listing ten thousand sessions copies references.
+    """
 
-    def __init__(self, status: AgentStatus) -> None:
+    __slots__ = ("info", "status")
+
+    def __init__(self, status: AgentStatus, header: SessionHeader, depth: int) -> None:
         self.status = status
+        self.info = make_info(header, depth, status)
+
+
+def make_info(header: SessionHeader, depth: int, status: AgentStatus) -> AgentInfo:
+    return AgentInfo(
+        id=header.id,
+        slug=header.slug,
+        parent=header.parent,
+        depth=depth,
+        mode=header.mode,
+        state=str(status.state),
+        pending=status.pending,
+        stopping=status.stopping,
+        turn=status.turn,
+    )
 
 
 # ---- messages the agent receives ---------------------------------------------------
@@ -551,6 +571,7 @@ class AgentActor(pykka.ThreadingActor):
         if new == old:
             return
         check_transition(old.state, new.state)
+        self._cell.info = make_info(self._header, len(self._lineage), new)
         self._cell.status = new
         self._emit(
             "state",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,14 +131,18 @@ class Catalog:
             parent = self.nodes[parent].header.parent
         return tuple(reversed(out))
 
-    def walk(self, root: str, max_depth: int | None) -> Iterator[tuple[str, int]]:
-        """Pre-order, siblings in creation order; depth 1 = child of ``root``."""
-        stack = [(c, 1) for c in reversed(self.nodes[root].children)]
+    def preorder(self, root: str) -> list[str]:
+        """Every id below ``root``, pre-order, siblings in creation order."""
+        nodes = self.nodes
+        out: list[str] = []
+        stack = list(reversed(nodes[root].children))
         while stack:
-            sid, depth = stack.pop()
-            yield sid, depth
-            if max_depth is None or depth < max_depth:
-                stack.extend((c, depth + 1) for c in reversed(self.nodes[sid].children))
+            sid = stack.pop()
+            out.append(sid)
+            kids = nodes[sid].children
+            if kids:
+                stack.extend(reversed(kids))
+        return out
 
 
 class Directory:
@@ -383,7 +386,7 @@ class SupervisorActor(pykka.ThreadingActor):
         status = AgentStatus(
             AgentState.IDLE if pending == 0 and not hold else AgentState.PARKED, pending
         )
-        cell = StatusCell(status)
+        cell = StatusCell(status, node.header, node.depth)
         ref = AgentActor.start(
             header=node.header,
             lineage=lineage,
@@ -485,18 +488,8 @@ class SupervisorActor(pykka.ThreadingActor):
         h = node.header
         act = self._registry.get(sid)
         if act is not None:
-            st = act.cell.status
-            return AgentInfo(
-                id=sid,
-                slug=h.slug,
-                parent=h.parent,
-                depth=depth,
-                mode=h.mode,
-                state=str(st.state),
-                pending=st.pending,
-                stopping=st.stopping,
-                turn=st.turn,
-            )
+            info = act.cell.info
+            return info if info.depth == depth else msgspec.structs.replace(info, depth=depth)
         state = AgentState.SETTLED if node.settled else AgentState.DORMANT
         pending = 0 if node.settled else self._store.pending_count(sid)
         return AgentInfo(
@@ -510,11 +503,12 @@ class SupervisorActor(pykka.ThreadingActor):
         )
 
     def _list(self, root: str, scope: str) -> list[AgentInfo]:
-        self._catalog.get(root)
+        base = self._catalog.get(root).depth
         if scope not in ("children", "descendants"):
             raise InvalidParams(f"scope must be 'children' or 'descendants', not {scope!r}")
-        max_depth = 1 if scope == "children" else None
-        return [self._info(sid, d) for sid, d in self._catalog.walk(root, max_depth)]
+        nodes = self._catalog.nodes
+        ids = nodes[root].children if scope == "children" else self._catalog.preorder(root)
+        return [self._info(sid, nodes[sid].depth - base) for sid in ids]
 
     def _status(self, sid: str) -> AgentInfo:
         """Exact as of the call: the agent first handles what was told to it before."""
@@ -531,7 +525,7 @@ class SupervisorActor(pykka.ThreadingActor):
         self._catalog.get(r.caller)
         found = [
             sid
-            for sid, _ in self._catalog.walk(r.caller, None)
+            for sid in self._catalog.preorder(r.caller)
             if self._catalog.nodes[sid].header.slug == r.name
         ]
         if not found:
@@ -571,7 +565,7 @@ class SupervisorActor(pykka.ThreadingActor):
                 raise Unauthorized(f"only the direct parent of {d.session} may dispose it")
         elif isinstance(auth, User) and auth.parent != _owner_address(h):
             raise Unauthorized(f"{auth.parent!r} is not the parent of {d.session}")
-        subtree = [sid for sid, _ in self._catalog.walk(d.session, None)]
+        subtree = self._catalog.preorder(d.session)
         order = [*reversed(subtree), d.session]  # deepest first
         for sid in order:
             n = self._catalog.nodes[sid]
