@@ -79,13 +79,28 @@ class StatusCell:
 
     ``info`` is the same status as discovery returns it (depth counted from the tree's
     root), built once per change so that listing ten thousand sessions copies references.
+
+    A non-waking send to a live session does not wake its actor: it only counts itself
+    in ``quiet``, and the agent takes that count at its next decision point (a waking
+    send, a turn's end, a status query). Discovery adds ``quiet`` in meanwhile.
     """
 
-    __slots__ = ("info", "status")
+    __slots__ = ("_lock", "info", "quiet", "status")
 
     def __init__(self, status: AgentStatus, header: SessionHeader, depth: int) -> None:
         self.status = status
         self.info = make_info(header, depth, status)
+        self.quiet = 0
+        self._lock = threading.Lock()
+
+    def add_quiet(self) -> None:
+        with self._lock:
+            self.quiet += 1
+
+    def take_quiet(self) -> int:
+        with self._lock:
+            n, self.quiet = self.quiet, 0
+        return n
 
 
 def make_info(header: SessionHeader, depth: int, status: AgentStatus) -> AgentInfo:
@@ -265,6 +280,8 @@ class AgentActor(pykka.ThreadingActor):
 
     def on_receive(self, message: Any) -> Any:
         if isinstance(message, Sync):
+            self._absorb_quiet()
+            self._publish()
             return None
         if isinstance(message, Release):
             if self._turn is not None:
@@ -301,9 +318,18 @@ class AgentActor(pykka.ThreadingActor):
 
     # ---- inbox --------------------------------------------------------------------
 
+    def _absorb_quiet(self) -> None:
+        """Count the non-waking sends that arrived without telling us (see StatusCell)."""
+        n = self._cell.take_quiet()
+        if n:
+            self._pending += n
+            if self._turn is None:
+                self._hold = True  # as each would have: wake=False on a session at rest
+
     def _enqueue(self, msg: Enqueue) -> None:
         if self._settled:
             return
+        self._absorb_quiet()
         self._pending += msg.count
         t = self._turn
         if msg.wake == "yes":
@@ -461,6 +487,7 @@ class AgentActor(pykka.ThreadingActor):
         t = self._turn
         if t is None or t.id != e.turn:
             return
+        self._absorb_quiet()  # sent while the turn ran: the auto-drain below may claim them
         self._cancel_timers(t)
         h = self._header
         stop = t.stop

@@ -488,7 +488,14 @@ class SupervisorActor(pykka.ThreadingActor):
         h = node.header
         act = self._registry.get(sid)
         if act is not None:
-            info = act.cell.info
+            cell = act.cell
+            info = cell.info
+            quiet = cell.quiet
+            if quiet:  # non-waking sends the agent has not counted yet
+                state = "parked" if info.state == "idle" else info.state
+                return msgspec.structs.replace(
+                    info, depth=depth, pending=info.pending + quiet, state=state
+                )
             return info if info.depth == depth else msgspec.structs.replace(info, depth=depth)
         state = AgentState.SETTLED if node.settled else AgentState.DORMANT
         pending = 0 if node.settled else self._store.pending_count(sid)

@@ -422,10 +422,13 @@ class Runtime:
         if authority is not None:
             sender = authority.by if isinstance(authority, Ancestor) else "user"
         msg = self._store.append_message(target, content, data=data, sender=sender)
-        try:
-            act.ref.tell(Enqueue("yes" if wake else "no"))
-        except pykka.ActorDeadError:  # released meanwhile: the message is durable already
-            self._ask(Kick(target, wake))
+        if not wake:
+            act.cell.add_quiet()  # counted, not woken: see StatusCell
+        else:
+            try:
+                act.ref.tell(Enqueue("yes"))
+            except pykka.ActorDeadError:  # released meanwhile: the message is durable already
+                self._ask(Kick(target, wake))
         self.emit("message.accepted", target, act.lineage, {"message": msg.id, "kind": msg.kind})
 
     def _interrupt(self, req: InterruptReq) -> None:
