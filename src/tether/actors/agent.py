@@ -80,27 +80,42 @@ class StatusCell:
     ``info`` is the same status as discovery returns it (depth counted from the tree's
     root), built once per change so that listing ten thousand sessions copies references.
 
-    A non-waking send to a live session does not wake its actor: it only counts itself
-    in ``quiet``, and the agent takes that count at its next decision point (a waking
-    send, a turn's end, a status query). Discovery adds ``quiet`` in meanwhile.
+    Sends that need no decision from the agent do not wake its actor; they count
+    themselves in ``quiet`` and the agent takes the count at its next decision point (a
+    waking send, a turn's end, a status query). Those are: a non-waking send, and a
+    waking send while a turn runs with no stop issued (``busy``): the turn's auto-drain
+    will take it, exactly as if the agent had been told. ``busy`` is cleared, under the
+    same lock, when the turn ends and as soon as a stop is issued, so a waking send that
+    must latch or start a turn always reaches the actor.
     """
 
-    __slots__ = ("_lock", "info", "quiet", "status")
+    __slots__ = ("_busy", "_lock", "info", "quiet", "status")
 
     def __init__(self, status: AgentStatus, header: SessionHeader, depth: int) -> None:
         self.status = status
         self.info = make_info(header, depth, status)
         self.quiet = 0
+        self._busy = False
         self._lock = threading.Lock()
 
-    def add_quiet(self) -> None:
+    def add_quiet(self, *, wake: bool) -> bool:
+        """Count a send without waking the actor; False when the actor must be told."""
         with self._lock:
+            if wake and not self._busy:
+                return False
             self.quiet += 1
+            return True
 
-    def take_quiet(self) -> int:
+    def take_quiet(self, *, busy: bool | None = None) -> int:
         with self._lock:
             n, self.quiet = self.quiet, 0
+            if busy is not None:
+                self._busy = busy
         return n
+
+    def stop_issued(self) -> None:
+        with self._lock:
+            self._busy = False
 
 
 def make_info(header: SessionHeader, depth: int, status: AgentStatus) -> AgentInfo:
@@ -318,9 +333,9 @@ class AgentActor(pykka.ThreadingActor):
 
     # ---- inbox --------------------------------------------------------------------
 
-    def _absorb_quiet(self) -> None:
-        """Count the non-waking sends that arrived without telling us (see StatusCell)."""
-        n = self._cell.take_quiet()
+    def _absorb_quiet(self, *, busy: bool | None = None) -> None:
+        """Count the sends that arrived without telling us (see StatusCell)."""
+        n = self._cell.take_quiet(busy=busy)
         if n:
             self._pending += n
             if self._turn is None:
@@ -372,6 +387,7 @@ class AgentActor(pykka.ThreadingActor):
         self._pending -= 1
         self._started += 1
         self._turn = _Turn(turn_id, message)
+        self._absorb_quiet(busy=True)  # waking sends may now count quietly: auto-drain
         assert self._sink is not None
         job = TurnJob(
             turn=turn_id,
@@ -417,6 +433,7 @@ class AgentActor(pykka.ThreadingActor):
                 if t.stop is not None:
                     return  # one pending stop per turn: the first one stands
                 t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace)
+                self._cell.stop_issued()
                 # the signal first, the bookkeeping after: the worker must not wait on SQLite
                 self._executor.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
                 self._marker(t, "cancelled", i.origin, i.by, i.reason)
@@ -426,6 +443,7 @@ class AgentActor(pykka.ThreadingActor):
                 if t.stop is not None and t.stop.kind == "abort":
                     return
                 t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace)
+                self._cell.stop_issued()
                 self._executor.kill(t.id)
                 self._marker(t, "aborted", i.origin, i.by, i.reason)
 
@@ -487,7 +505,9 @@ class AgentActor(pykka.ThreadingActor):
         t = self._turn
         if t is None or t.id != e.turn:
             return
-        self._absorb_quiet()  # sent while the turn ran: the auto-drain below may claim them
+        # sent while the turn ran: the auto-drain below may claim them; from here on every
+        # waking send is told to us again
+        self._absorb_quiet(busy=False)
         self._cancel_timers(t)
         h = self._header
         stop = t.stop

@@ -23,7 +23,6 @@ from tether.actors.agent import (
     AgentStatus,
     Dispose,
     Enqueue,
-    Interrupt,
     Release,
     Settled,
     StatusCell,
@@ -42,7 +41,6 @@ __all__ = [
     "Create",
     "Directory",
     "DisposeReq",
-    "InterruptReq",
     "Kick",
     "ListReq",
     "Recover",
@@ -247,16 +245,6 @@ class Kick:
 
 
 @dataclass(frozen=True, slots=True)
-class InterruptReq:
-    target: str
-    authority: Authority | Host
-    kind: str
-    reason: str
-    grace: float
-    deadline: float | None
-
-
-@dataclass(frozen=True, slots=True)
 class ListReq:
     root: str
     scope: str
@@ -338,8 +326,6 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._send(message)
             case Kick(target=target, wake=wake):
                 return self._kick(target, wake)
-            case InterruptReq():
-                return self._interrupt(message)
             case ListReq(root=root, scope=scope):
                 return self._list(root, scope)
             case StatusReq(session=sid):
@@ -474,12 +460,6 @@ class SupervisorActor(pykka.ThreadingActor):
             act.ref.tell(Enqueue("if-idle"))  # never wakes a parked or dormant parent
 
     # ---- authority ------------------------------------------------------------------
-
-    def _interrupt(self, r: InterruptReq) -> None:
-        auth = r.authority
-        act = self._dir.authorize_interrupt(r.target, auth)
-        if act is not None:
-            act.ref.tell(Interrupt(r.kind, auth.origin, auth.by, r.reason, r.grace, r.deadline))
 
     # ---- discovery ------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -27,7 +28,6 @@ from tether.actors.supervisor import (
     Create,
     Directory,
     DisposeReq,
-    InterruptReq,
     Kick,
     ListReq,
     Recover,
@@ -65,6 +65,16 @@ _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
 _STATES = ("running", "idle", "parked", "disposing", "dormant", "settled")
 _data_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptReq:
+    target: str
+    authority: Authority | Host
+    kind: str
+    reason: str
+    grace: float
+    deadline: float | None
 
 
 class OneShot:
@@ -395,7 +405,7 @@ class Runtime:
     # ---- internals --------------------------------------------------------------------
 
     def _ask(self, message: Any) -> Any:
-        if self._closed and not isinstance(message, Running | InterruptReq | StatusReq):
+        if self._closed and not isinstance(message, Running | StatusReq):
             raise TetherError("the runtime is closed")
         return self._sup.ask(message)
 
@@ -422,9 +432,7 @@ class Runtime:
         if authority is not None:
             sender = authority.by if isinstance(authority, Ancestor) else "user"
         msg = self._store.append_message(target, content, data=data, sender=sender)
-        if not wake:
-            act.cell.add_quiet()  # counted, not woken: see StatusCell
-        else:
+        if not act.cell.add_quiet(wake=wake):  # counted without waking the actor if it can be
             try:
                 act.ref.tell(Enqueue("yes"))
             except pykka.ActorDeadError:  # released meanwhile: the message is durable already
@@ -438,6 +446,8 @@ class Runtime:
         if act is None:
             return
         signal = Interrupt(req.kind, auth.origin, auth.by, req.reason, req.grace, req.deadline)
+        if req.kind in ("cancel", "abort"):
+            act.cell.stop_issued()  # from now on a waking send reaches the actor: the latch
         with contextlib.suppress(pykka.ActorDeadError):  # gone meanwhile: absent, a no-op
             act.ref.tell(signal)
 
