@@ -1,0 +1,18 @@
+"""Tether's benchmark harness (issue 5): `python -m benchmarks [--quick] [--json PATH]`.
+
+Layout:
+  figures.py       the named figures, their targets and baselines (the contract other checks read)
+  _harness.py      runs each case in its own process, aggregates repetitions, prints, writes JSON
+  _case.py         what a case gets (Cfg: sample counts, notes) and may raise (Skip)
+  _procs.py        process-tree helpers shared by the stop measurements (wedge, find, wait dead)
+  tether_cases.py  the Tether measurements
+  baselines.py     the floors each Tether figure is compared with
+  peers.py         other runtimes measured in the same run (pykka, Thespian, anyio, Ray)
+  _thespian_actor.py  Thespian's echo actor (importable only where thespian is installed)
+  drivers.py       benchmark-only drivers that Tether workers import by name
+
+A case is a generator: it sets up once, then yields one dict of sample series per
+repetition, so setup cost (a Ray cluster, 10,000 sessions) is paid where the case chooses.
+`python -m benchmarks --list` names every figure; `--only NAME` (figure or case, fnmatch)
+runs a selection together with the baselines it is compared with.
+"""

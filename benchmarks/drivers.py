@@ -1,0 +1,60 @@
+"""Benchmark-only drivers, loaded by Tether workers as `"benchmarks.drivers:Name"`.
+
+Both report a `time.perf_counter_ns()` reading taken inside the worker. On Linux that is
+CLOCK_MONOTONIC, one clock for every process on the machine, so the host can subtract
+its own reading taken when it issued the interrupt.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from tether import Scripted
+
+if TYPE_CHECKING:
+    from tether import TurnContext
+
+POLLING = "probe: polling"
+SEEN = "probe: seen "
+STARTED = "stamp: started "
+_POLL_S = 50e-6
+_PROBE_LIMIT_S = 30.0  # a probe that never sees a cancel ends its turn instead of hanging
+
+
+class CancelProbe:
+    """Says it is polling, polls `ctx.cancel_requested`, says when it saw it become true.
+
+    The loop sleeps 50 µs between polls, so the GIL is free most of the time and the
+    worker's reader thread (which sets the flag) runs as soon as its frame arrives, as it
+    would beside a real driver waiting on I/O. Measured alternatives: a pure spin holds
+    the GIL, so the reader waits out the 5 ms switch interval (~5.5 ms p50); `sleep(0)`
+    hands the GIL back but re-takes it at once and still delays the reader (~400 µs).
+    The price is up to one poll period (~0.1 ms with the kernel's timer slack) added to
+    each sample, so the figure is an upper bound.
+    """
+
+    def run(self, ctx: TurnContext) -> str | None:
+        ctx.say(POLLING)
+        deadline = time.monotonic() + _PROBE_LIMIT_S
+        while not ctx.cancel_requested:
+            if time.monotonic() > deadline:
+                return "probe: no cancel arrived"
+            time.sleep(_POLL_S)
+        seen = time.perf_counter_ns()
+        ctx.say(f"{SEEN}{seen}")
+        ctx.checkpoint()  # take the Cancel at a boundary, as a driver must
+        return None
+
+
+class Stamped(Scripted):
+    """The Scripted driver, saying first the moment its turn started running in a worker.
+
+    The runtime's `turn.started` event fires when a turn is claimed, which can be long
+    before a worker is free (`respawn_ms` measures exactly that wait), so the start is
+    read from the worker itself.
+    """
+
+    def run(self, ctx: TurnContext) -> str | None:
+        ctx.say(f"{STARTED}{time.perf_counter_ns()}")
+        return super().run(ctx)

@@ -1,0 +1,141 @@
+"""The named figures: what each measures, its target, and the baseline it is paired with.
+
+The Tether names are a contract (issue 5): other checks read them from the JSON, so they
+never change. Baseline and peer rows carry a dotted prefix (`baseline.`, `peer.`) so that
+they can never collide with a Tether name. Every ratio is `value / baseline_value`, so a
+peer row paired with the same floor as a Tether row reads on the same scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Op = Literal["<=", ">="]
+Stat = Literal["p50", "p99"]
+
+
+@dataclass(frozen=True)
+class Target:
+    op: Op
+    limit: float
+
+    def holds(self, value: float) -> bool:
+        return value <= self.limit if self.op == "<=" else value >= self.limit
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.limit:g}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement process: `func` is an import string of a case generator."""
+
+    name: str
+    func: str
+    reps: tuple[int, int]  # (quick, full)
+    timeout: tuple[float, float]  # seconds for the whole case process, (quick, full)
+    optional: bool = False  # a missing package skips it with a note instead of failing
+    # One process per repetition: memory figures must not inherit a previous repetition's
+    # freed-but-kept heap, which would flatter every repetition after the first.
+    fresh_process_per_rep: bool = False
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    case: str
+    series: str
+    stat: Stat
+    unit: str
+    target: Target | None = None
+    baseline: str | None = None
+    ratio_target: Target | None = None
+
+
+def _c(name: str, func: str, reps: tuple[int, int], timeout: tuple[float, float],
+       optional: bool = False, fresh: bool = False) -> Case:
+    return Case(name, f"benchmarks.{func}", reps, timeout, optional, fresh)
+
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        _c("tether.abort", "tether_cases:abort", (3, 7), (90, 400)),
+        _c("tether.respawn", "tether_cases:respawn", (3, 7), (90, 400)),
+        _c("tether.cancel_signal", "tether_cases:cancel_signal", (3, 7), (60, 300)),
+        _c("tether.boundary_stop", "tether_cases:boundary_stop", (3, 7), (60, 300)),
+        _c("tether.turns", "tether_cases:turns", (3, 7), (90, 400)),
+        _c("tether.sends", "tether_cases:sends", (3, 7), (60, 300)),
+        _c("tether.sessions_100", "tether_cases:sessions_100", (3, 7), (60, 300)),
+        _c("tether.sessions_10k", "tether_cases:sessions_10k", (3, 5), (150, 900),
+           fresh=True),
+        _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
+        _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
+        _c("baseline.mp_pool", "baselines:mp_pool", (3, 7), (60, 300)),
+        _c("baseline.sqlite", "baselines:sqlite_commit", (3, 7), (30, 120)),
+        # One quick repetition: 10,000 thread starts are slow on a small VM, and the
+        # figure barely moves between repetitions (thread stacks dominate it).
+        _c("baseline.pykka_actor_mem", "baselines:pykka_actor_mem", (1, 3), (60, 300),
+           fresh=True),
+        _c("peer.anyio", "peers:anyio_hard_stop", (3, 7), (60, 300), optional=True),
+        _c("peer.pykka", "peers:pykka_peer", (3, 7), (30, 120), optional=True),
+        _c("peer.thespian", "peers:thespian_peer", (3, 7), (60, 300), optional=True),
+        _c("peer.ray", "peers:ray_peer", (3, 5), (150, 600), optional=True),
+    )
+}
+
+_LE: Op = "<="
+_GE: Op = ">="
+
+FIGURES: list[Figure] = [
+    # --- Tether (exact names; other checks read them) ---
+    Figure("abort_p50_ms", "tether.abort", "abort_ms", "p50", "ms",
+           Target(_LE, 10), "baseline.killpg_reap_p50_ms"),
+    Figure("abort_p99_ms", "tether.abort", "abort_ms", "p99", "ms",
+           Target(_LE, 30), "baseline.killpg_reap_p99_ms"),
+    Figure("cancel_signal_p50_us", "tether.cancel_signal", "signal_us", "p50", "us",
+           Target(_LE, 300), "baseline.msgspec_socketpair_rtt_p50_us"),
+    Figure("boundary_stop_p50_ms", "tether.boundary_stop", "stop_ms", "p50", "ms",
+           Target(_LE, 3)),
+    Figure("turns_per_s", "tether.turns", "turns_per_s", "p50", "/s",
+           Target(_GE, 4000), "baseline.mp_pool_tasks_per_s", Target(_GE, 0.5)),
+    Figure("sends_per_s", "tether.sends", "sends_per_s", "p50", "/s",
+           Target(_GE, 20000), "baseline.sqlite_insert_commit_per_s"),
+    Figure("interrupt_call_p50_us_100", "tether.sessions_100", "interrupt_call_us", "p50", "us",
+           Target(_LE, 150)),
+    # Paired with the 100-session figure: the ratio is the "no scan" check (within 1.5x).
+    Figure("interrupt_call_p50_us_10k", "tether.sessions_10k", "interrupt_call_us", "p50", "us",
+           Target(_LE, 150), "interrupt_call_p50_us_100", Target(_LE, 1.5)),
+    Figure("list_10k_ms", "tether.sessions_10k", "list_ms", "p50", "ms", Target(_LE, 20)),
+    Figure("idle_session_kib", "tether.sessions_10k", "idle_session_kib", "p50", "KiB",
+           Target(_LE, 64), "baseline.pykka_actor_kib"),
+    Figure("spawn_per_s", "tether.sessions_10k", "spawn_per_s", "p50", "/s", Target(_GE, 1000)),
+    Figure("respawn_ms", "tether.respawn", "respawn_ms", "p50", "ms", Target(_LE, 30)),
+    # --- baselines (floors measured in the same run) ---
+    Figure("baseline.killpg_reap_p50_ms", "baseline.killpg", "kill_ms", "p50", "ms"),
+    Figure("baseline.killpg_reap_p99_ms", "baseline.killpg", "kill_ms", "p99", "ms"),
+    Figure("baseline.msgspec_socketpair_rtt_p50_us", "baseline.msgspec_rtt", "rtt_us", "p50",
+           "us"),
+    Figure("baseline.mp_pool_tasks_per_s", "baseline.mp_pool", "tasks_per_s", "p50", "/s"),
+    Figure("baseline.sqlite_insert_commit_per_s", "baseline.sqlite", "commits_per_s", "p50",
+           "/s"),
+    Figure("baseline.pykka_actor_kib", "baseline.pykka_actor_mem", "actor_kib", "p50", "KiB"),
+    # Not paired with spawn_per_s (a target-only figure) but shown beside it: a Tether
+    # session is a pykka actor, so this start rate bounds the spawn rate.
+    Figure("baseline.pykka_actor_start_per_s", "baseline.pykka_actor_mem", "starts_per_s",
+           "p50", "/s"),
+    # --- peers (other runtimes, same run; each paired with the floor its Tether row uses) ---
+    Figure("peer.anyio_hard_stop_p50_ms", "peer.anyio", "cancel_ms", "p50", "ms",
+           baseline="baseline.killpg_reap_p50_ms"),
+    Figure("peer.ray_cancel_force_p50_ms", "peer.ray", "cancel_ms", "p50", "ms",
+           baseline="baseline.killpg_reap_p50_ms"),
+    Figure("peer.ray_actor_calls_per_s", "peer.ray", "calls_per_s", "p50", "/s",
+           baseline="baseline.mp_pool_tasks_per_s"),
+    Figure("peer.pykka_ask_p50_us", "peer.pykka", "ask_us", "p50", "us"),
+    Figure("peer.pykka_tell_per_s", "peer.pykka", "tells_per_s", "p50", "/s"),
+    Figure("peer.thespian_roundtrip_p50_us", "peer.thespian", "rtt_us", "p50", "us",
+           baseline="baseline.msgspec_socketpair_rtt_p50_us"),
+]
+
+FIGURES_BY_NAME: dict[str, Figure] = {f.name: f for f in FIGURES}
