@@ -76,6 +76,19 @@ def _until(
     live.update(_render(rt, lead, headline))
 
 
+def _note(rt: Runtime, live: Live, slug: str, sid: str, what: str) -> None:
+    """One line per step, printed above the live tree (and kept when output is a file)."""
+    info = rt.status(sid)
+    markers = [e.text for e in rt.transcript(sid) if e.kind == "marker"]
+    line = Text.assemble(
+        ("→ ", "bold"),
+        (f"{slug}: {what}", "bold"),
+        f"   state={info.state} queue={info.pending}",
+        (f"   {markers[-1]}" if markers else "", "yellow"),
+    )
+    live.console.print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
         prog="tether demo",
@@ -136,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                 reason="focus on the test that fails on CI, not the linter",
             )
             _until(rt, live, lead, "steered researcher", said(kids["researcher"], "<steer"), 30)
+            _note(
+                rt,
+                live,
+                "researcher",
+                kids["researcher"],
+                "steered; it reads the correction and goes on",
+            )
 
             rt.send(kids["writer"], "then update the changelog", authority=me, wake=False)
             rt.interrupt(
@@ -149,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 turns_ended(kids["writer"], 1),
                 30,
             )
+            _note(rt, live, "writer", kids["writer"], "cancelled; wrapped up, follow-up parked")
 
             rt.interrupt(kids["tester"], authority=me, kind="abort", reason="wedged in sleep")
             _until(
@@ -159,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 turns_ended(kids["tester"], 1),
                 30,
             )
+            _note(rt, live, "tester", kids["tester"], "aborted; sh and both sleeps are gone")
 
             rt.send(kids["writer"], "resume: finish the patch", authority=me)
             _until(
@@ -168,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                 "woke writer: its parked queue runs first, in order",
                 turns_ended(kids["writer"], 3),
                 60,
+            )
+            _note(
+                rt,
+                live,
+                "writer",
+                kids["writer"],
+                "woken; ran the parked follow-up, then the new one",
             )
             _until(rt, live, lead, "waiting for researcher", turns_ended(kids["researcher"], 1), 60)
 
