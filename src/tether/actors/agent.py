@@ -86,16 +86,19 @@ class StatusCell:
     waking send while a turn runs with no stop issued (``busy``): the turn's auto-drain
     will take it, exactly as if the agent had been told. ``busy`` is cleared, under the
     same lock, when the turn ends and as soon as a stop is issued, so a waking send that
-    must latch or start a turn always reaches the actor.
+    must latch or start a turn always reaches the actor. The same flag lets a steer or a
+    preempt go straight to the busy turn's worker (``busy_turn``): they change nothing
+    the actor keeps, and a stop issued first has already cleared it.
     """
 
-    __slots__ = ("_busy", "_lock", "info", "quiet", "status")
+    __slots__ = ("_busy", "_lock", "_turn", "info", "quiet", "status")
 
     def __init__(self, status: AgentStatus, header: SessionHeader, depth: int) -> None:
         self.status = status
         self.info = make_info(header, depth, status)
         self.quiet = 0
         self._busy = False
+        self._turn: str | None = None
         self._lock = threading.Lock()
 
     def add_quiet(self, *, wake: bool) -> bool:
@@ -106,16 +109,27 @@ class StatusCell:
             self.quiet += 1
             return True
 
-    def take_quiet(self, *, busy: bool | None = None) -> int:
+    def take_quiet(self) -> int:
         with self._lock:
             n, self.quiet = self.quiet, 0
-            if busy is not None:
-                self._busy = busy
+        return n
+
+    def turn_changed(self, turn: str | None) -> int:
+        """A turn began (busy: no stop yet) or ended (None); take the quiet count."""
+        with self._lock:
+            n, self.quiet = self.quiet, 0
+            self._turn = turn
+            self._busy = turn is not None
         return n
 
     def stop_issued(self) -> None:
         with self._lock:
             self._busy = False
+
+    def busy_turn(self) -> str | None:
+        """The running turn when no stop has been issued for it, else None."""
+        with self._lock:
+            return self._turn if self._busy else None
 
 
 def make_info(header: SessionHeader, depth: int, status: AgentStatus) -> AgentInfo:
@@ -333,9 +347,10 @@ class AgentActor(pykka.ThreadingActor):
 
     # ---- inbox --------------------------------------------------------------------
 
-    def _absorb_quiet(self, *, busy: bool | None = None) -> None:
+    def _absorb_quiet(self, n: int | None = None) -> None:
         """Count the sends that arrived without telling us (see StatusCell)."""
-        n = self._cell.take_quiet(busy=busy)
+        if n is None:
+            n = self._cell.take_quiet()
         if n:
             self._pending += n
             if self._turn is None:
@@ -387,7 +402,8 @@ class AgentActor(pykka.ThreadingActor):
         self._pending -= 1
         self._started += 1
         self._turn = _Turn(turn_id, message)
-        self._absorb_quiet(busy=True)  # waking sends may now count quietly: auto-drain
+        # from here on waking sends may count quietly: this turn's auto-drain takes them
+        self._absorb_quiet(self._cell.turn_changed(turn_id))
         assert self._sink is not None
         job = TurnJob(
             turn=turn_id,
@@ -507,7 +523,7 @@ class AgentActor(pykka.ThreadingActor):
             return
         # sent while the turn ran: the auto-drain below may claim them; from here on every
         # waking send is told to us again
-        self._absorb_quiet(busy=False)
+        self._absorb_quiet(self._cell.turn_changed(None))
         self._cancel_timers(t)
         h = self._header
         stop = t.stop

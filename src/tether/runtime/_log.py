@@ -33,7 +33,7 @@ def configure_logging() -> None:
             ],
             logger_factory=structlog.stdlib.LoggerFactory(),
             wrapper_class=structlog.stdlib.BoundLogger,
-            cache_logger_on_first_use=False,
+            cache_logger_on_first_use=True,  # capture_logs still works: it edits the list in place
         )
     renderer = (
         structlog.processors.JSONRenderer()

@@ -8,6 +8,7 @@ supervisor, which serializes every decision about sessions.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ from tether.runtime.pool import Pool, PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
-from tether.wire.frames import Say, ToolCall, ToolReply
+from tether.wire.frames import Preempt, Say, Steer, SteerFrame, ToolCall, ToolReply
 from tether.wire.records import (
     AgentInfo,
     AgentRef,
@@ -58,9 +59,11 @@ from tether.wire.text import cap
 __all__ = ["KINDS", "MAX_CONTENT", "OneShot", "Runtime"]
 
 log = structlog.get_logger("tether.runtime")
+_stdlib_log = logging.getLogger("tether.runtime")
 
 KINDS = ("steer", "cancel", "abort", "preempt")
 MAX_CONTENT = 1_000_000  # characters in one message
+_ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
 _STATES = ("running", "idle", "parked", "disposing", "dormant", "settled")
@@ -360,26 +363,31 @@ class Runtime:
         self._pool.drain()
         try:
             running: list[str] = self._ask(Running())
-            for sid in running:
-                self._interrupt(
-                    InterruptReq(
-                        sid, Host(), "cancel", "the runtime is closing", self.grace, self.grace
-                    )
-                )
-            deadline = time.monotonic() + 2 * self.grace + 5.0
-            for sid in running:
-                try:
-                    self.wait(
-                        sid,
-                        until=("idle", "parked", "settled", "dormant"),
-                        timeout=max(deadline - time.monotonic(), 0.01),
-                    )
-                except TimeoutError:
-                    log.error("close.turn_survived", session=sid)
+            self._stop_all(running, "cancel", self.grace + 1.0)
+            left: list[str] = self._ask(Running())
+            self._stop_all(left, "abort", _ABORT_WAIT)  # a cancel issued earlier, stuck
+            for sid in self._ask(Running()):
+                log.error("close.turn_survived", session=sid)
         finally:
             self._pool.close()
             self._sup.stop()
             self._store.close()
+
+    def _stop_all(self, sessions: list[str], kind: str, timeout: float) -> None:
+        """Stop every turn in ``sessions`` (a cancel escalates after ``grace`` with no
+        boundary) and wait up to ``timeout`` for them to end."""
+        for sid in sessions:
+            self._interrupt(
+                InterruptReq(sid, Host(), kind, "the runtime is closing", self.grace, self.grace)
+            )
+        deadline = time.monotonic() + timeout
+        for sid in sessions:
+            with contextlib.suppress(TimeoutError):
+                self.wait(
+                    sid,
+                    until=("idle", "parked", "settled", "dormant"),
+                    timeout=max(deadline - time.monotonic(), 0.01),
+                )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -445,6 +453,18 @@ class Runtime:
         act = self._dir.authorize_interrupt(req.target, auth)
         if act is None:
             return
+        if req.kind in ("steer", "preempt"):
+            turn = act.cell.busy_turn()
+            if turn is not None:  # straight to the worker: see StatusCell
+                frame: SteerFrame | Preempt = (
+                    SteerFrame(turn, Steer(req.reason, auth.origin, auth.by))
+                    if req.kind == "steer"
+                    else Preempt(turn, req.reason, auth.origin, auth.by)
+                )
+                self._pool.signal(turn, frame)
+                if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs more than this
+                    log.debug("interrupt.accepted", session=req.target, turn=turn, kind=req.kind)
+                return
         signal = Interrupt(req.kind, auth.origin, auth.by, req.reason, req.grace, req.deadline)
         if req.kind in ("cancel", "abort"):
             act.cell.stop_issued()  # from now on a waking send reaches the actor: the latch
