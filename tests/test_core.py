@@ -435,6 +435,57 @@ def test_close_leaves_no_process_behind() -> None:
     assert left == [], f"left running after close(): {[p.pid for p in left]}"
 
 
+def test_close_aborts_a_turn_whose_earlier_cancel_never_reached_a_boundary(db_path: str) -> None:
+    rt = tether.Runtime(db_path, workers=1, grace=0.5)
+    try:
+        root = rt.open_session(SCRIPTED)
+        child = rt.spawn(root, SCRIPTED)
+        assert isinstance(child, str)
+        me = User(parent=root)
+        rt.send(child, "wedge", authority=me, data=steps({"op": "tool", "argv": ["sleep", "60"]}))
+        worker = worker_with_tool(rt, "sleep", count=1)
+        tools = tree_of(worker)
+        rt.interrupt(child, authority=me, kind="cancel", reason="no deadline")  # stuck: no boundary
+    finally:
+        rt.close()
+    assert [p for p in [worker, *tools] if alive(p)] == []
+    with tether.Runtime(db_path, workers=1) as again:  # the drain recorded how it ended
+        [turn] = again.turns(child)
+        assert (turn.outcome, turn.cause, turn.reason) == (
+            "aborted",
+            "system",
+            "the runtime is closing",
+        )
+
+
+def test_discovery_counts_non_waking_sends_before_the_agent_does(rt: tether.Runtime) -> None:
+    root = rt.open_session(SCRIPTED)
+    child = rt.spawn(root, SCRIPTED)
+    assert isinstance(child, str)
+    me = User(parent=root)
+    rt.send(child, "a", authority=me, wake=False)
+    rt.send(child, "b", authority=me, wake=False)
+    [info] = rt.list_agents(root)  # no barrier: the walk itself must count them
+    assert (info.state, info.pending) == ("parked", 2)
+
+
+def test_waking_sends_during_a_running_turn_all_run_after_it_in_order(
+    rt: tether.Runtime,
+) -> None:
+    root = rt.open_session(SCRIPTED)
+    child = rt.spawn(root, SCRIPTED)
+    assert isinstance(child, str)
+    me = User(parent=root)
+    rt.send(child, "first", authority=me, data=_work("first", n=10))
+    rt.wait(child, until="running", timeout=5.0)
+    for text in ("second", "third", "fourth"):
+        rt.send(child, text, authority=me)
+    assert rt.status(child).pending == 3
+    rt.wait(child, until="idle", timeout=20.0)
+    assert [t.outcome for t in rt.turns(child)] == ["completed"] * 4
+    assert texts(rt, child, "assistant")[-3:] == ["ok: second", "ok: third", "ok: fourth"]
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 
