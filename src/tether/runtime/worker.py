@@ -279,12 +279,14 @@ def _kill_tree(pid: int) -> None:
 
 def _kill_leftovers() -> None:
     """Kill and reap what a finished command left behind (re-parented to us, the subreaper)."""
-    me = psutil.Process()
-    for child in me.children(recursive=False):
-        _kill_tree(child.pid)
-    for child in me.children(recursive=False):
+    me = os.getpid()
+    left = descendants(me)
+    for p in reversed(left):  # deepest first
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    for p in left:  # ours to reap: children, and orphans re-parented to us
         with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(child.pid, 0)
+            os.waitpid(p.pid, 0)
 
 
 class _Worker:
