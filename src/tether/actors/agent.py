@@ -421,7 +421,8 @@ class AgentActor(pykka.ThreadingActor):
             return
         if _debug():
             log.debug("turn.started", session=h.id, turn=turn_id, message=message.id)
-        self._emit("turn.started", {"turn": turn_id, "message": message.id})
+        if self._events.wants("turn.started"):
+            self._emit("turn.started", {"turn": turn_id, "message": message.id})
 
     # ---- interrupts ---------------------------------------------------------------
 
@@ -513,7 +514,8 @@ class AgentActor(pykka.ThreadingActor):
             by=by,
             reason=reason,
         )
-        self._emit("marker", {"entry": msgspec.to_builtins(entry)})
+        if self._events.wants("marker"):
+            self._emit("marker", {"entry": msgspec.to_builtins(entry)})
 
     # ---- turn end -----------------------------------------------------------------
 
@@ -636,15 +638,16 @@ class AgentActor(pykka.ThreadingActor):
         check_transition(old.state, new.state)
         self._cell.info = make_info(self._header, len(self._lineage), new)
         self._cell.status = new
-        self._emit(
-            "state",
-            {
-                "state": str(new.state),
-                "pending": new.pending,
-                "stopping": new.stopping,
-                "turn": new.turn,
-            },
-        )
+        if self._events.wants("state"):
+            self._emit(
+                "state",
+                {
+                    "state": str(new.state),
+                    "pending": new.pending,
+                    "stopping": new.stopping,
+                    "turn": new.turn,
+                },
+            )
 
     def _emit(self, name: str, data: dict[str, Any]) -> None:
         self._events.emit(name, self._header.id, self._lineage, data)

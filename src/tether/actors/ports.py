@@ -95,3 +95,5 @@ class EventSink(Protocol):
     def emit(
         self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]
     ) -> None: ...
+    def wants(self, name: str) -> bool:
+        """False when nobody would see the event: the agent skips building it."""

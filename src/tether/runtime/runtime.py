@@ -396,6 +396,9 @@ class Runtime:
 
     # ---- EventSink --------------------------------------------------------------------
 
+    def wants(self, name: str) -> bool:
+        return bool(self._subscribers) or (name == "state" and self._waiters > 0)
+
     def emit(self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]) -> None:
         subscribers = self._subscribers
         if subscribers:
