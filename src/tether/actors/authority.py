@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from tether.wire.errors import Unauthorized
 from tether.wire.records import AgentRef
 
-__all__ = ["MAX_DEPTH", "Ancestor", "Authority", "Host", "User", "check_ancestor_ref"]
+__all__ = [
+    "MAX_DEPTH",
+    "Ancestor",
+    "Authority",
+    "Host",
+    "User",
+    "check_ancestor_ref",
+    "sender_of",
+]
 
 MAX_DEPTH = 64
 
@@ -57,6 +65,13 @@ class Host:
 
 
 Authority = User | Ancestor
+
+
+def sender_of(auth: Authority | None) -> str | None:
+    """Who a message is from, as recorded with it: an agent's id, "user", or the host."""
+    if auth is None:
+        return None
+    return auth.by if isinstance(auth, Ancestor) else "user"
 
 
 def check_ancestor_ref(agent: AgentRef, current_epoch: int | None) -> None:

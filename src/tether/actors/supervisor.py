@@ -29,7 +29,15 @@ from tether.actors.agent import (
     Sync,
     TurnNotice,
 )
-from tether.actors.authority import MAX_DEPTH, Ancestor, Authority, Host, User, check_ancestor_ref
+from tether.actors.authority import (
+    MAX_DEPTH,
+    Ancestor,
+    Authority,
+    Host,
+    User,
+    check_ancestor_ref,
+    sender_of,
+)
 from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound, ParentOffline, Unauthorized
@@ -419,9 +427,10 @@ class SupervisorActor(pykka.ThreadingActor):
 
     def _send(self, s: Send) -> Message:
         self._dir.authorize_send(s.target, s.authority)
-        auth = s.authority
-        sender = None if auth is None else (auth.by if isinstance(auth, Ancestor) else "user")
-        msg = self._store.append_message(s.target, s.content, data=s.data, sender=sender)
+        msg = self._store.append_message(
+            s.target, s.content, data=s.data, sender=sender_of(s.authority)
+        )
+        self._accepted(msg)
         act = self._registry.get(s.target)
         if act is None and s.wake:
             act = self._materialize(
@@ -430,6 +439,12 @@ class SupervisorActor(pykka.ThreadingActor):
         if act is not None:
             act.ref.tell(Enqueue("yes" if s.wake else "no"))
         return msg
+
+    def _accepted(self, msg: Message) -> None:
+        if self._events.wants("message.accepted"):
+            lineage = self._catalog.lineage(msg.session)
+            data = {"message": msg.id, "kind": msg.kind}
+            self._events.emit("message.accepted", msg.session, lineage, data)
 
     def _kick(self, target: str, wake: bool) -> None:
         act = self._registry.get(target)
@@ -448,13 +463,14 @@ class SupervisorActor(pykka.ThreadingActor):
         text = f"[{who}] turn {notice.outcome}"
         if notice.partial:
             text += f": {notice.partial}"
-        self._store.append_message(
+        msg = self._store.append_message(
             parent,
             text,
             data={"notice": msgspec.to_builtins(notice)},
             kind="notice",
             sender=notice.child,
         )
+        self._accepted(msg)
         act = self._registry.get(parent)
         if act is not None:
             act.ref.tell(Enqueue("if-idle"))  # never wakes a parked or dormant parent

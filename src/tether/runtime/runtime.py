@@ -23,7 +23,7 @@ import structlog
 
 from tether.actors._ids import new_id
 from tether.actors.agent import Enqueue, Interrupt
-from tether.actors.authority import Ancestor, Authority, Host, User
+from tether.actors.authority import Ancestor, Authority, Host, User, sender_of
 from tether.actors.ports import TurnJob
 from tether.actors.supervisor import (
     Create,
@@ -439,16 +439,17 @@ class Runtime:
             self._ask(Send(target, content, authority, data, wake))
             return
         self._dir.authorize_send(target, authority)
-        sender = None
-        if authority is not None:
-            sender = authority.by if isinstance(authority, Ancestor) else "user"
-        msg = self._store.append_message(target, content, data=data, sender=sender)
+        msg = self._store.append_message(target, content, data=data, sender=sender_of(authority))
         if not act.cell.add_quiet(wake=wake):  # counted without waking the actor if it can be
             try:
                 act.ref.tell(Enqueue("yes"))
             except pykka.ActorDeadError:  # released meanwhile: the message is durable already
                 self._ask(Kick(target, wake))
-        self.emit("message.accepted", target, act.lineage, {"message": msg.id, "kind": msg.kind})
+        if self._subscribers:
+            accepted = {"message": msg.id, "kind": msg.kind}
+            self.emit("message.accepted", target, act.lineage, accepted)
+        if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
+            log.debug("message.accepted", session=target, message=msg.id, wake=wake)
 
     def _interrupt(self, req: InterruptReq) -> None:
         """Authorize here (SPEC §6 reads only the directory), then signal the agent."""
