@@ -574,7 +574,8 @@ class AgentActor(pykka.ThreadingActor):
             log.info("turn.ended", session=h.id, **record)
         elif _debug():
             log.debug("turn.ended", session=h.id, **record)
-        self._emit("turn.ended", record)
+        if self._events.wants("turn.ended"):
+            self._emit("turn.ended", record)
         if h.parent is not None:
             notice = ChildTurnEnded(
                 child=h.id,
