@@ -489,6 +489,20 @@ def test_waking_sends_during_a_running_turn_all_run_after_it_in_order(
 # ---- bad input ----------------------------------------------------------------------------
 
 
+def test_run_command_of_a_missing_program_is_a_clear_tool_error(rt: tether.Runtime) -> None:
+    root = rt.open_session(SCRIPTED)
+    rt.prompt(
+        root,
+        "go",
+        data=steps({"op": "tool", "argv": ["no-such-program-xyz"]}, {"op": "say", "text": "on"}),
+    )
+    rt.wait(root, until="idle", timeout=10.0)
+    [turn] = rt.turns(root)
+    assert turn.outcome == "completed"
+    [tool] = [e.text for e in rt.transcript(root) if e.kind == "tool"]
+    assert tool.startswith("run_command failed: invalid-params: cannot run 'no-such-program-xyz'")
+
+
 def test_unknown_driver_is_driver_not_found_and_records_nothing(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     child = rt.spawn(root, SCRIPTED, slug="kid")

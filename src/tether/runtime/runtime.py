@@ -1,8 +1,10 @@
 """The public ``Runtime`` facade (SPEC §12): one embedded host.
 
 It owns the store, the worker pool and the supervisor actor. Every call validates its
-input first (bad input raises a typed error and changes nothing), then asks the
-supervisor, which serializes every decision about sessions.
+input first (bad input raises a typed error and changes nothing). Decisions that change
+sessions go through the supervisor's mailbox; the hot paths (send and interrupt to a
+live session) authorize against its directory in the caller's thread, then tell the
+agent.
 """
 
 from __future__ import annotations
@@ -115,6 +117,44 @@ class OneShot:
         return f"OneShot({self.id!r})"
 
 
+class _EventBus:
+    """Events for subscribers, and state changes for ``wait()`` (the agents' EventSink)."""
+
+    def __init__(self) -> None:
+        self.subscribers: list[Callable[[Event], None]] = []
+        self._lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.version = 0  # bumped by every state event while someone waits
+        self.waiters = 0
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        with self._lock:
+            self.subscribers = [*self.subscribers, callback]
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self.subscribers = [s for s in self.subscribers if s is not callback]
+
+        return unsubscribe
+
+    def wants(self, name: str) -> bool:
+        return bool(self.subscribers) or (name == "state" and self.waiters > 0)
+
+    def emit(self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]) -> None:
+        subscribers = self.subscribers
+        if subscribers:
+            event = Event(name=name, session=session, lineage=lineage, data=data, ts=time.time())
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:  # an observer's bug must not break the agent that emitted
+                    log.exception("events.subscriber_failed", event=name)
+        if name == "state" and self.waiters:
+            with self.changed:
+                self.version += 1
+                self.changed.notify_all()
+
+
 class _Host(PoolHost):
     """The pool's view of the runtime: transcript writes and tool calls from workers."""
 
@@ -126,10 +166,10 @@ class _Host(PoolHost):
         entry = rt._store.append_entry(
             job.session, frame.kind, frame.text, turn=job.turn, data=frame.data
         )
-        if rt._subscribers:
+        if rt._events.subscribers:
             act = rt._dir.registry.get(job.session)
             lineage = act.lineage if act is not None else ()
-            rt.emit("entry", job.session, lineage, {"entry": msgspec.to_builtins(entry)})
+            rt._events.emit("entry", job.session, lineage, {"entry": msgspec.to_builtins(entry)})
 
     def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
         try:
@@ -166,11 +206,7 @@ class Runtime:
             raise InvalidParams("workers must be at least 1")
         self.grace = float(grace)
         self._closed = False
-        self._subscribers: list[Callable[[Event], None]] = []
-        self._sub_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._version = 0
-        self._waiters = 0  # emit() skips the condition while nobody waits
+        self._events = _EventBus()
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._store = Store(None if path is None else os.fspath(path))
@@ -181,7 +217,7 @@ class Runtime:
         try:
             self._dir = Directory()
             self._sup = SupervisorActor.start(
-                store=self._store, executor=self._pool, events=self, directory=self._dir
+                store=self._store, executor=self._pool, events=self._events, directory=self._dir
             )
             self._ask(Recover(self._store.sessions()))
         except BaseException:
@@ -300,27 +336,28 @@ class Runtime:
         if bad:
             raise InvalidParams(f"unknown state(s) {bad}")
         deadline = time.monotonic() + timeout
-        with self._cond:
-            self._waiters += 1  # before the first look, so no state event can slip past
+        bus = self._events
+        with bus.changed:
+            bus.waiters += 1  # before the first look, so no state event can slip past
         try:
             while True:
-                with self._cond:
-                    seen = self._version
+                with bus.changed:
+                    seen = bus.version
                 info = self.status(session_id)
                 if info.state in states:
                     return info
-                with self._cond:
-                    while self._version == seen:
+                with bus.changed:
+                    while bus.version == seen:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             raise TimeoutError(
                                 f"{session_id} is {info.state}, not {'/'.join(states)}, "
                                 f"after {timeout:g}s"
                             )
-                        self._cond.wait(left)
+                        bus.changed.wait(left)
         finally:
-            with self._cond:
-                self._waiters -= 1
+            with bus.changed:
+                bus.waiters -= 1
 
     def transcript(self, session_id: str, *, after: int = 0) -> list[Entry]:
         self.status(session_id)
@@ -346,14 +383,7 @@ class Runtime:
 
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
         """Call ``callback(event)`` for every event; it must not block. Returns unsubscribe."""
-        with self._sub_lock:
-            self._subscribers = [*self._subscribers, callback]
-
-        def unsubscribe() -> None:
-            with self._sub_lock:
-                self._subscribers = [s for s in self._subscribers if s is not callback]
-
-        return unsubscribe
+        return self._events.subscribe(callback)
 
     def close(self) -> None:
         """Drain: cancel running turns with grace, abort the rest, stop every process."""
@@ -394,25 +424,6 @@ class Runtime:
         """The pids of the pool's worker processes (for tests and benchmarks)."""
         return self._pool.worker_pids()
 
-    # ---- EventSink --------------------------------------------------------------------
-
-    def wants(self, name: str) -> bool:
-        return bool(self._subscribers) or (name == "state" and self._waiters > 0)
-
-    def emit(self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]) -> None:
-        subscribers = self._subscribers
-        if subscribers:
-            event = Event(name=name, session=session, lineage=lineage, data=data, ts=time.time())
-            for callback in subscribers:
-                try:
-                    callback(event)
-                except Exception:  # an observer's bug must not break the agent that emitted
-                    log.exception("events.subscriber_failed", event=name)
-        if name == "state" and self._waiters:
-            with self._cond:
-                self._version += 1
-                self._cond.notify_all()
-
     # ---- internals --------------------------------------------------------------------
 
     def _ask(self, message: Any) -> Any:
@@ -445,9 +456,9 @@ class Runtime:
                 act.ref.tell(Enqueue("yes"))
             except pykka.ActorDeadError:  # released meanwhile: the message is durable already
                 self._ask(Kick(target, wake))
-        if self._subscribers:
+        if self._events.subscribers:
             accepted = {"message": msg.id, "kind": msg.kind}
-            self.emit("message.accepted", target, act.lineage, accepted)
+            self._events.emit("message.accepted", target, act.lineage, accepted)
         if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
             log.debug("message.accepted", session=target, message=msg.id, wake=wake)
 

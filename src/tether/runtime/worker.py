@@ -111,6 +111,7 @@ class _TurnState:
         self.replies: dict[int, ToolReply] = {}
         self.reply_ready = threading.Condition(self.lock)
         self.tool: subprocess.Popen[bytes] | None = None
+        self.tool_starting = False  # between Popen's fork and our holding its handle
         self.preempt: Preempt | None = None
 
 
@@ -230,11 +231,29 @@ class TurnContext:
         if not argv or not all(isinstance(a, str) for a in argv):
             raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
         st = self._state
-        proc = subprocess.Popen(
-            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+        with st.lock:
+            st.tool_starting = True
+        try:
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except BaseException as exc:
+            with st.lock:
+                st.tool_starting = False
+                st.preempt = None
+            if isinstance(exc, OSError):  # not found, not executable: the caller's input
+                raise error_from_code("invalid-params", f"cannot run {argv[0]!r}: {exc}") from None
+            raise
         with st.lock:
             st.tool = proc
+            st.tool_starting = False
+            preempted_while_starting = st.preempt is not None
+        if preempted_while_starting:
+            _kill_tree(proc.pid)
         try:
             try:
                 out, err = proc.communicate(timeout=timeout)
@@ -340,8 +359,9 @@ class _Worker:
                     if st is not None:
                         with st.lock:
                             tool = st.tool
-                            if tool is not None and st.preempt is None:
-                                st.preempt = frame
+                            busy = tool is not None or st.tool_starting
+                            if busy and st.preempt is None:
+                                st.preempt = frame  # still starting: killed once it has a pid
                         if tool is not None:
                             _kill_tree(tool.pid)
                 case ToolReply(turn=turn, call=call):
