@@ -126,6 +126,14 @@ class StatusCell:
         with self._lock:
             self._busy = False
 
+    def claim_stop(self) -> str | None:
+        """Issue the one stop of the busy turn: its id if it had none yet, else None."""
+        with self._lock:
+            if not self._busy:
+                return None
+            self._busy = False
+            return self._turn
+
     def busy_turn(self) -> str | None:
         """The running turn when no stop has been issued for it, else None."""
         with self._lock:
@@ -165,6 +173,10 @@ class Interrupt:
     reason: str
     grace: float
     deadline: float | None = None
+    # Set when the caller already sent the cancel frame to this turn's worker itself
+    # (see StatusCell.claim_stop): the agent records the stop and does not send it again.
+    turn: str | None = None
+    signalled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,12 +459,14 @@ class AgentActor(pykka.ThreadingActor):
             case "preempt":
                 self._executor.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
             case "cancel":
-                if t.stop is not None:
+                if t.stop is not None or (i.turn is not None and i.turn != t.id):
                     return  # one pending stop per turn: the first one stands
                 t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace)
                 self._cell.stop_issued()
-                # the signal first, the bookkeeping after: the worker must not wait on SQLite
-                self._executor.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
+                if not i.signalled:
+                    # the signal first, the bookkeeping after: the worker must not wait on SQLite
+                    frame = CancelFrame(t.id, Cancel(i.reason, i.origin, i.by))
+                    self._executor.signal(t.id, frame)
                 self._marker(t, "cancelled", i.origin, i.by, i.reason)
                 if i.deadline is not None:
                     self._arm(t, i.deadline, "deadline")

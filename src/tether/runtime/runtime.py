@@ -10,13 +10,13 @@ agent.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -47,7 +47,16 @@ from tether.runtime.pool import Pool, PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
-from tether.wire.frames import Preempt, Say, Steer, SteerFrame, ToolCall, ToolReply
+from tether.wire.frames import (
+    Cancel,
+    CancelFrame,
+    Preempt,
+    Say,
+    Steer,
+    SteerFrame,
+    ToolCall,
+    ToolReply,
+)
 from tether.wire.records import (
     AgentInfo,
     AgentRef,
@@ -72,7 +81,7 @@ _STATES = ("running", "idle", "parked", "disposing", "dormant", "settled")
 _data_encoder = msgspec.msgpack.Encoder()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class InterruptReq:
     target: str
     authority: Authority | Host
@@ -481,7 +490,20 @@ class Runtime:
                     log.debug("interrupt.accepted", session=req.target, turn=turn, kind=req.kind)
                 return
         signal = Interrupt(req.kind, auth.origin, auth.by, req.reason, req.grace, req.deadline)
-        if req.kind in ("cancel", "abort"):
+        if req.kind == "cancel":
+            turn = act.cell.claim_stop()
+            if turn is not None:
+                # The agent hears of the stop first, then the worker: whatever the worker
+                # answers (the cancel delivered, the turn's end) reaches the agent after it.
+                direct = dataclasses.replace(signal, turn=turn, signalled=True)
+                try:
+                    act.ref.tell(direct)
+                except pykka.ActorDeadError:
+                    return
+                cancel = Cancel(req.reason, auth.origin, auth.by)
+                self._pool.signal(turn, CancelFrame(turn, cancel))
+                return
+        elif req.kind == "abort":
             act.cell.stop_issued()  # from now on a waking send reaches the actor: the latch
         with contextlib.suppress(pykka.ActorDeadError):  # gone meanwhile: absent, a no-op
             act.ref.tell(signal)
