@@ -58,6 +58,7 @@ from tether.wire.frames import (
     ToolReply,
 )
 from tether.wire.records import (
+    STATES,
     AgentInfo,
     AgentRef,
     Entry,
@@ -77,7 +78,6 @@ MAX_CONTENT = 1_000_000  # characters in one message
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
-_STATES = ("running", "idle", "parked", "disposing", "dormant", "settled")
 _data_encoder = msgspec.msgpack.Encoder()
 
 
@@ -341,7 +341,7 @@ class Runtime:
     ) -> AgentInfo:
         """Block until the session is in one of ``until``; TimeoutError after ``timeout``."""
         states = (until,) if isinstance(until, str) else tuple(until)
-        bad = [s for s in states if s not in _STATES]
+        bad = [s for s in states if s not in STATES]
         if bad:
             raise InvalidParams(f"unknown state(s) {bad}")
         deadline = time.monotonic() + timeout

@@ -253,15 +253,6 @@ class Store:
             ).fetchone()
         return int(n)
 
-    def pending_messages(self, session: str) -> list[Message]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, session, content, data, kind, sender, created_at FROM messages"
-                " WHERE session=? AND state='pending' ORDER BY id",
-                (session,),
-            ).fetchall()
-        return [_message(r) for r in rows]
-
     def claim_next(self, session: str, turn: str) -> Message | None:
         """Claim the oldest pending message for a new turn and record the turn's start."""
         with self._tx() as db:

@@ -12,8 +12,6 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
-    "MARKER_ACTIONS",
-    "OUTCOMES",
     "STATES",
     "AgentInfo",
     "AgentRef",
@@ -34,16 +32,7 @@ Outcome = Literal["completed", "cancelled", "aborted", "failed", "crashed"]
 Origin = Literal["user", "parent", "system"]
 EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
 
-OUTCOMES: tuple[str, ...] = ("completed", "cancelled", "aborted", "failed", "crashed")
 STATES: tuple[str, ...] = ("running", "idle", "parked", "disposing", "dormant", "settled")
-MARKER_ACTIONS: tuple[str, ...] = (
-    "steered",
-    "cancelled",
-    "aborted",
-    "preempted",
-    "forced",
-    "escalated",
-)
 
 
 class AgentRef(msgspec.Struct, frozen=True):
