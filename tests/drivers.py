@@ -81,17 +81,15 @@ class Oversized:
 
 
 class Spawner:
-    """Spawns a child through ``ctx.spawn_agent`` and reports its id."""
+    """Spawns a child through ``ctx.spawn_agent`` (which runs this same driver, as every
+    child spawned by a tool does) and reports its id; a message without ``slug`` in its
+    data is answered ``ok: <content>``."""
 
     def run(self, ctx: Any) -> str:
         data = ctx.message.data or {}
-        if "notice" in data:
-            return "noted"
-        child = ctx.spawn_agent(
-            slug=data.get("slug", "kid"),
-            driver=SCRIPTED,
-            prompt=data.get("prompt", "hello kid"),
-        )
+        if "slug" not in data:
+            return f"ok: {ctx.message.content}"
+        child = ctx.spawn_agent(slug=data["slug"], prompt=data.get("prompt", "hello kid"))
         return f"spawned {child}"
 
 

@@ -1,7 +1,9 @@
 """What the actors need from the outside world, as Protocols.
 
 ``runtime`` implements these and passes them in, so no import runs from ``actors`` up
-into ``runtime``: the actors stay short state bookkeeping, testable on their own.
+into ``runtime``. Every method an actor calls returns at once: the executor queues
+frames and kills without waiting on a worker, and the store queues writes for its
+writer thread (a caller that needs durability waits on the returned ``Durable``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tether.wire.frames import Delivered, HostFrame, ToolKilled, TurnEnd
-from tether.wire.records import Message
+from tether.wire.records import Message, SessionHeader
 
-__all__ = ["AgentStore", "EventSink", "Executor", "TurnJob", "TurnSink"]
+__all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSink"]
 
 
 class TurnSink(Protocol):
@@ -36,6 +38,9 @@ class TurnJob:
     permissions: dict[str, Any] | None
     sink: TurnSink
     pending: list[HostFrame] = field(default_factory=list)
+    # The turn's latest assistant text, kept by the host as the worker says it, so the
+    # turn's end can name its partial work without reading the store.
+    last_say: str | None = None
 
 
 class Executor(Protocol):
@@ -51,11 +56,30 @@ class Executor(Protocol):
     def accepting(self) -> bool:
         """False once the runtime drains: no new turn may start."""
 
+    def dispatched(self, turn: str) -> bool:
+        """True once a worker has taken ``turn`` (False while it waits for one)."""
+
+
+class Durable(Protocol):
+    def wait(self, timeout: float | None = None) -> None: ...
+
 
 class AgentStore(Protocol):
-    """The durable operations an agent performs."""
+    """The durable operations the session actors perform; writes are queued."""
 
-    def claim_next(self, session: str, turn: str) -> Message | None: ...
+    def create_session(self, row: SessionHeader) -> Durable: ...
+    def append_message(
+        self,
+        session: str,
+        content: str,
+        *,
+        data: dict[str, Any] | None = None,
+        kind: str = "user",
+        sender: str | None = None,
+    ) -> tuple[Message, Durable]: ...
+    def pending(self, session: str) -> list[Message]: ...
+    def pending_count(self, session: str) -> int: ...
+    def start_turn(self, turn: str, message: Message) -> None: ...
     def end_turn(
         self,
         turn: str,
@@ -68,10 +92,7 @@ class AgentStore(Protocol):
         reason: str | None = None,
         error: str | None = None,
         final: str | None = None,
-        next_turn: str | None = None,
-    ) -> Message | None:
-        """Record the end (and final text); claim the next message for ``next_turn``."""
-
+    ) -> None: ...
     def append_entry(
         self,
         session: str,
@@ -85,8 +106,7 @@ class AgentStore(Protocol):
         reason: str | None = None,
         data: dict[str, Any] | None = None,
     ) -> Any: ...
-    def last_assistant_text(self, session: str, turn: str) -> str | None: ...
-    def settle(self, session: str) -> None: ...
+    def settle(self, session: str) -> Durable: ...
 
 
 class EventSink(Protocol):

@@ -253,6 +253,9 @@ class Pool:
     def accepting(self) -> bool:
         return not self._draining
 
+    def dispatched(self, turn: str) -> bool:
+        return turn in self._where  # one dict read: no lock needed
+
     def drain(self) -> None:
         """Take no new turns (the runtime is closing); running ones go on."""
         self._draining = True

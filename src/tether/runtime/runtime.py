@@ -1,16 +1,15 @@
 """The public ``Runtime`` facade (SPEC §12): one embedded host.
 
-It owns the store, the worker pool and the supervisor actor. Every call validates its
-input first (bad input raises a typed error and changes nothing). Decisions that change
-sessions go through the supervisor's mailbox; the hot paths (send and interrupt to a
-live session) authorize against its directory in the caller's thread, then tell the
-agent.
+It owns the store, the worker pool, the timer queue, the supervisor actor and the
+dispatcher's session hosts. Every call validates its input first (bad input raises a
+typed error and changes nothing), then asks the one actor that decides: the supervisor
+for the tree (spawn, dispose, list), the session's host for everything about one
+session (send, interrupt, status, release).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -24,45 +23,34 @@ import pykka
 import structlog
 
 from tether.actors._ids import new_id
-from tether.actors.agent import Enqueue, Interrupt
-from tether.actors.authority import Ancestor, Authority, Host, User, sender_of
-from tether.actors.ports import TurnJob
-from tether.actors.supervisor import (
-    Create,
-    Directory,
-    DisposeReq,
-    Kick,
-    ListReq,
-    Recover,
-    RefReq,
-    ReleaseReq,
-    Resolve,
-    Running,
-    Send,
-    StatusReq,
-    SupervisorActor,
+from tether.actors._timers import TimerQueue
+from tether.actors.authority import Ancestor, Authority, Host, User
+from tether.actors.directory import Directory
+from tether.actors.host import (
+    Dispatcher,
+    InterruptOp,
+    RefOp,
+    ReleaseOp,
+    RunningOp,
+    SendOp,
+    SessionHost,
+    StatusOp,
 )
+from tether.actors.ports import TurnJob
+from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
 from tether.runtime._log import configure_logging
 from tether.runtime.pool import Pool, PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
-from tether.wire.frames import (
-    Cancel,
-    CancelFrame,
-    Preempt,
-    Say,
-    Steer,
-    SteerFrame,
-    ToolCall,
-    ToolReply,
-)
+from tether.wire.frames import Say, ToolCall, ToolReply
 from tether.wire.records import (
     STATES,
     AgentInfo,
     AgentRef,
     Entry,
     Event,
+    PendingMessage,
     SessionHeader,
     TurnRecord,
 )
@@ -78,17 +66,8 @@ MAX_CONTENT = 1_000_000  # characters in one message
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
+_HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InterruptReq:
-    target: str
-    authority: Authority | Host
-    kind: str
-    reason: str
-    grace: float
-    deadline: float | None
 
 
 class OneShot:
@@ -114,9 +93,7 @@ class OneShot:
     def kill(self) -> None:
         """Hard stop, holder-owned: the turn's whole process tree is killed now."""
         self._rt._interrupt(
-            InterruptReq(
-                self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0, None
-            )
+            InterruptOp(self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0)
         )
 
     def dispose(self) -> None:
@@ -175,9 +152,11 @@ class _Host(PoolHost):
         entry = rt._store.append_entry(
             job.session, frame.kind, frame.text, turn=job.turn, data=frame.data
         )
+        if frame.kind == "assistant":
+            job.last_say = frame.text
         if rt._events.subscribers:
-            act = rt._dir.registry.get(job.session)
-            lineage = act.lineage if act is not None else ()
+            live = rt._dir.registry.get(job.session)
+            lineage = live.lineage if live is not None else ()
             rt._events.emit("entry", job.session, lineage, {"entry": msgspec.to_builtins(entry)})
 
     def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
@@ -221,16 +200,32 @@ class Runtime:
         self._store = Store(None if path is None else os.fspath(path))
         crashed = self._store.recover()
         if crashed:
-            log.warning("recovery.crashed_turns", sessions=len(crashed))
+            log.warning("recovery.crashed_turns", turns=len(crashed))
+        self._dir = Directory(self._store.boot())
+        self._timers = TimerQueue()
+        self._dispatcher = Dispatcher(_HOSTS)
         self._pool = Pool(workers, _Host(self))
         try:
-            self._dir = Directory()
+            for _ in range(_HOSTS):
+                self._dispatcher.refs.append(
+                    SessionHost.start(
+                        directory=self._dir,
+                        dispatcher=self._dispatcher,
+                        store=self._store,
+                        executor=self._pool,
+                        events=self._events,
+                        timers=self._timers,
+                    )
+                )
             self._sup = SupervisorActor.start(
-                store=self._store, executor=self._pool, events=self._events, directory=self._dir
+                store=self._store,
+                executor=self._pool,
+                directory=self._dir,
+                dispatcher=self._dispatcher,
             )
-            self._ask(Recover(self._store.sessions()))
+            self._sup.ask(Recover(self._store.sessions(), crashed))
         except BaseException:
-            self._pool.close()
+            self._shutdown()
             raise
 
     def __enter__(self) -> Runtime:
@@ -251,12 +246,12 @@ class Runtime:
     ) -> str:
         """Open a root session; its owner prompts it with ``prompt``."""
         header = self._header(None, driver, "continuable", slug, config, permissions)
-        return str(self._ask(Create(header)))
+        return self._create(Create(header))
 
-    def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> None:
-        """The owner's message to a root session (waking)."""
+    def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
+        """The owner's message to a root session (waking); returns the message id."""
         self._check_message(content, data)
-        self._send(session_id, content, None, data, True)
+        return self._send(SendOp(session_id, content, None, data, True))
 
     def spawn(
         self,
@@ -270,7 +265,10 @@ class Runtime:
         config: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
     ) -> str | OneShot:
-        """Spawn a subagent of ``parent``; ``prompt`` becomes its first message."""
+        """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
+
+        Its permissions are ``parent``'s narrowed by ``permissions`` (SPEC §6).
+        """
         if mode not in _MODES:
             raise InvalidParams(f"mode must be one of {_MODES}, not {mode!r}")
         if mode == "one-shot" and prompt is None:
@@ -280,7 +278,7 @@ class Runtime:
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
         header = self._header(parent, driver, mode, slug, config, permissions)
-        sid = str(self._ask(Create(header, prompt, data)))
+        sid = self._create(Create(header, prompt, data))
         return OneShot(self, sid) if mode == "one-shot" else sid
 
     def send(
@@ -291,11 +289,14 @@ class Runtime:
         authority: Authority,
         data: dict[str, Any] | None = None,
         wake: bool = True,
-    ) -> None:
-        """Append to a subagent's inbox (durable before this returns); ``wake`` starts it."""
+    ) -> str:
+        """Append to a subagent's inbox (durable before this returns); ``wake`` starts it.
+
+        Returns the new message's id.
+        """
         self._check_authority(authority)
         self._check_message(content, data)
-        self._send(target, content, authority, data, bool(wake))
+        return self._send(SendOp(target, content, authority, data, bool(wake)))
 
     def interrupt(
         self,
@@ -306,20 +307,32 @@ class Runtime:
         reason: str = "",
         grace: float | None = None,
         deadline: float | None = None,
-    ) -> None:
-        """Authorize, issue, return at once: accepted means "signal issued" (SPEC §5)."""
+        turn: str | None = None,
+    ) -> str | None:
+        """Authorize, issue, return at once: accepted means "signal issued" (SPEC §5).
+
+        Returns the id of the turn the signal was bound to, or None for an accepted
+        no-op (no running turn, or ``turn`` given and no longer the running one). The
+        stop lands on that turn and on no other (SPEC §14.2).
+        """
         self._check_authority(authority)
         if kind not in KINDS:
             raise InvalidParams(f"kind must be one of {KINDS}, not {kind!r}")
         if not isinstance(reason, str):
             raise InvalidParams("reason must be a string")
+        _check_text("reason", reason)
         if kind == "steer" and not reason.strip():
             raise InvalidParams("a steer needs a non-empty text")
         for name, value in (("grace", grace), ("deadline", deadline)):
-            if value is not None and (not isinstance(value, int | float) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            ):
                 raise InvalidParams(f"{name} must be a non-negative number of seconds")
+        if turn is not None and not isinstance(turn, str):
+            raise InvalidParams("turn must be a turn id")
         g = self.grace if grace is None else float(grace)
-        self._interrupt(InterruptReq(target, authority, kind, cap(reason), g, deadline))
+        op = InterruptOp(target, authority, kind, cap(reason), g, deadline, turn)
+        return self._interrupt(op)
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:
         """One consistent pre-order walk below ``root`` (SPEC §7)."""
@@ -329,7 +342,9 @@ class Runtime:
         return result
 
     def status(self, session_id: str) -> AgentInfo:
-        result: AgentInfo = self._ask(StatusReq(session_id))
+        """Exact as of the call: the session's host answers after what was sent before."""
+        self._check_id(session_id)
+        result: AgentInfo = self._dispatcher.ask(session_id, StatusOp(session_id))
         return result
 
     def wait(
@@ -368,22 +383,33 @@ class Runtime:
             with bus.changed:
                 bus.waiters -= 1
 
-    def transcript(self, session_id: str, *, after: int = 0) -> list[Entry]:
-        self.status(session_id)
-        return self._store.entries(session_id, after=after)
+    def transcript(
+        self, session_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[Entry]:
+        """Entries past seq ``after``, oldest first; at most ``limit`` of them."""
+        self._known(session_id)
+        return self._store.entries(session_id, after=after, limit=limit)
 
     def turns(self, session_id: str) -> list[TurnRecord]:
-        self.status(session_id)
+        self._known(session_id)
         return self._store.turns(session_id)
+
+    def inbox(self, session_id: str) -> list[PendingMessage]:
+        """The session's pending messages, oldest first (what its next turns will claim)."""
+        self._known(session_id)
+        return self._store.inbox(session_id)
 
     def agent_ref(self, session_id: str) -> AgentRef:
         """The session's current activation, to act as ``Ancestor(ref)``."""
-        result: AgentRef = self._ask(RefReq(session_id))
+        self._check_id(session_id)
+        result: AgentRef = self._dispatcher.ask(session_id, RefOp(session_id))
         return result
 
     def release(self, session_id: str) -> None:
         """Take a session offline (dormant); its children stay live; old refs go stale."""
-        self._ask(ReleaseReq(session_id))
+        self._check_open()
+        self._check_id(session_id)
+        self._dispatcher.ask(session_id, ReleaseOp(session_id))
 
     def dispose(self, session_id: str, *, authority: Authority) -> None:
         """End the session and its whole subtree, deepest first; returns when all settled."""
@@ -401,23 +427,34 @@ class Runtime:
         self._closed = True
         self._pool.drain()
         try:
-            running: list[str] = self._ask(Running())
-            self._stop_all(running, "cancel", self.grace + 1.0)
-            left: list[str] = self._ask(Running())
-            self._stop_all(left, "abort", _ABORT_WAIT)  # a cancel issued earlier, stuck
-            for sid in self._ask(Running()):
+            self._stop_all(self._running(), "cancel", self.grace + 1.0)
+            self._stop_all(self._running(), "abort", _ABORT_WAIT)  # a cancel stuck earlier
+            for sid in self._running():
                 log.error("close.turn_survived", session=sid)
         finally:
-            self._pool.close()
-            self._sup.stop()
-            self._store.close()
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._pool.close()
+        for ref in [*self._dispatcher.refs, *([self._sup] if hasattr(self, "_sup") else [])]:
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.stop()
+        self._timers.close()
+        self._store.close()
+
+    def _running(self) -> list[str]:
+        out: list[str] = []
+        for ref in self._dispatcher.refs:
+            running: Any = ref.ask(RunningOp())
+            out.extend(running)
+        return out
 
     def _stop_all(self, sessions: list[str], kind: str, timeout: float) -> None:
         """Stop every turn in ``sessions`` (a cancel escalates after ``grace`` with no
         boundary) and wait up to ``timeout`` for them to end."""
         for sid in sessions:
             self._interrupt(
-                InterruptReq(sid, Host(), kind, "the runtime is closing", self.grace, self.grace)
+                InterruptOp(sid, Host(), kind, "the runtime is closing", self.grace, self.grace)
             )
         deadline = time.monotonic() + timeout
         for sid in sessions:
@@ -435,84 +472,49 @@ class Runtime:
 
     # ---- internals --------------------------------------------------------------------
 
-    def _ask(self, message: Any) -> Any:
-        if self._closed and not isinstance(message, Running | StatusReq):
-            raise TetherError("the runtime is closed")
-        return self._sup.ask(message)
-
-    def _send(
-        self,
-        target: str,
-        content: str,
-        authority: Authority | None,
-        data: dict[str, Any] | None,
-        wake: bool,
-    ) -> None:
-        """The hot path: a live target is authorized here, without the supervisor's mailbox.
-
-        A dormant target goes through the supervisor, which materializes it.
-        """
+    def _check_open(self) -> None:
         if self._closed:
             raise TetherError("the runtime is closed")
-        act = self._dir.registry.get(target)
-        if act is None:
-            self._ask(Send(target, content, authority, data, wake))
-            return
-        self._dir.authorize_send(target, authority)
-        msg = self._store.append_message(target, content, data=data, sender=sender_of(authority))
-        if not act.cell.add_quiet(wake=wake):  # counted without waking the actor if it can be
-            try:
-                act.ref.tell(Enqueue("yes"))
-            except pykka.ActorDeadError:  # released meanwhile: the message is durable already
-                self._ask(Kick(target, wake))
-        if self._events.subscribers:
-            accepted = {"message": msg.id, "kind": msg.kind}
-            self._events.emit("message.accepted", target, act.lineage, accepted)
-        if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
-            log.debug("message.accepted", session=target, message=msg.id, wake=wake)
 
-    def _interrupt(self, req: InterruptReq) -> None:
-        """Authorize here (SPEC §6 reads only the directory), then signal the agent."""
-        auth = req.authority
-        act = self._dir.authorize_interrupt(req.target, auth)
-        if act is None:
-            return
-        if req.kind in ("steer", "preempt"):
-            turn = act.cell.busy_turn()
-            if turn is not None:  # straight to the worker: see StatusCell
-                frame: SteerFrame | Preempt = (
-                    SteerFrame(turn, Steer(req.reason, auth.origin, auth.by))
-                    if req.kind == "steer"
-                    else Preempt(turn, req.reason, auth.origin, auth.by)
-                )
-                self._pool.signal(turn, frame)
-                if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs more than this
-                    log.debug("interrupt.accepted", session=req.target, turn=turn, kind=req.kind)
-                return
-        signal = Interrupt(req.kind, auth.origin, auth.by, req.reason, req.grace, req.deadline)
-        if req.kind == "cancel":
-            turn = act.cell.claim_stop()
-            if turn is not None:
-                # The agent hears of the stop first, then the worker: whatever the worker
-                # answers (the cancel delivered, the turn's end) reaches the agent after it.
-                direct = dataclasses.replace(signal, turn=turn, signalled=True)
-                try:
-                    act.ref.tell(direct)
-                except pykka.ActorDeadError:
-                    return
-                cancel = Cancel(req.reason, auth.origin, auth.by)
-                self._pool.signal(turn, CancelFrame(turn, cancel))
-                return
-        elif req.kind == "abort":
-            act.cell.stop_issued()  # from now on a waking send reaches the actor: the latch
-        with contextlib.suppress(pykka.ActorDeadError):  # gone meanwhile: absent, a no-op
-            act.ref.tell(signal)
+    def _ask(self, message: Any) -> Any:
+        self._check_open()
+        return self._sup.ask(message)
+
+    def _create(self, create: Create) -> str:
+        sid, ticket = self._ask(create)
+        ticket.wait()
+        return str(sid)
+
+    def _send(self, op: SendOp) -> str:
+        """Decided by the target's host; returns once the message is durable."""
+        self._check_open()
+        self._check_id(op.target)
+        message, ticket = self._dispatcher.ask(op.target, op)
+        ticket.wait()
+        if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
+            log.debug("message.accepted", session=op.target, message=message, wake=op.wake)
+        return str(message)
+
+    def _interrupt(self, op: InterruptOp) -> str | None:
+        self._check_id(op.target)
+        turn: str | None = self._dispatcher.ask(op.target, op)
+        return turn
 
     def _dispose(self, session_id: str, authority: Authority | Host) -> None:
         order: list[str] = self._ask(DisposeReq(session_id, authority, self.grace))
         deadline = time.monotonic() + 2 * self.grace + 10.0
         for sid in order:
             self.wait(sid, until="settled", timeout=max(deadline - time.monotonic(), 0.01))
+
+    def _known(self, session_id: str) -> None:
+        self._check_id(session_id)
+        if session_id not in self._dir.catalog.nodes:
+            raise NotFound(f"no session {session_id!r}")
+
+    @staticmethod
+    def _check_id(session_id: object) -> None:
+        if not isinstance(session_id, str):
+            raise InvalidParams("a session id is a string")
 
     def _header(
         self,
@@ -525,8 +527,11 @@ class Runtime:
     ) -> SessionHeader:
         if not isinstance(driver, str) or not driver:
             raise InvalidParams("driver must be an import string 'package.module:Class'")
-        if slug is not None and (not isinstance(slug, str) or not slug or len(slug) > 128):
-            raise InvalidParams("slug must be a non-empty string of at most 128 characters")
+        _check_text("driver", driver)
+        if slug is not None:
+            if not isinstance(slug, str) or not slug or len(slug) > 128:
+                raise InvalidParams("slug must be a non-empty string of at most 128 characters")
+            _check_text("slug", slug)
         for name, value in (("config", config), ("permissions", permissions)):
             if value is not None and not isinstance(value, dict):
                 raise InvalidParams(f"{name} must be a dict")
@@ -552,6 +557,7 @@ class Runtime:
             raise InvalidParams("content must be a string")
         if len(content) > MAX_CONTENT:
             raise InvalidParams(f"content of {len(content)} characters is over {MAX_CONTENT}")
+        _check_text("content", content)
         self._check_data(data)
 
     @staticmethod
@@ -562,7 +568,7 @@ class Runtime:
             raise InvalidParams("data must be a dict")
         try:
             size = len(_data_encoder.encode(data))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
             raise InvalidParams(f"data is not serializable: {exc}") from None
         if size > MAX_CONTENT:
             raise InvalidParams(f"data of {size} bytes is over {MAX_CONTENT}")
@@ -571,6 +577,12 @@ class Runtime:
     def _check_authority(authority: object) -> None:
         if not isinstance(authority, User | Ancestor):
             raise InvalidParams("authority must be tether.User(parent) or tether.Ancestor(ref)")
+        if isinstance(authority, User):
+            if not isinstance(authority.parent, str):
+                raise InvalidParams("User.parent must be a session id")
+            _check_text("User.parent", authority.parent)
+            if authority.name is not None:
+                _check_text("User.name", authority.name)
 
     # ---- tools called from a worker ---------------------------------------------------
 
@@ -588,28 +600,32 @@ class Runtime:
                 return msgspec.to_builtins(self._store.entries(caller))
             case "spawn_agent":
                 gate("spawn")
+                # The host sets what loads code and widens authority: a child runs its
+                # parent's driver and config, with the parent's permissions narrowed.
+                for key in ("driver", "config"):
+                    if args.get(key) is not None:
+                        raise InvalidParams(f"a tool call cannot choose the child's {key}")
                 result = self.spawn(
                     caller,
-                    args.get("driver") or job.driver,
+                    job.driver,
                     mode=args.get("mode") or "continuable",
                     prompt=args.get("prompt"),
                     data=args.get("data"),
                     slug=args.get("slug"),
-                    config=args.get("config"),
+                    config=job.config,
                     permissions=args.get("permissions"),
                 )
                 return result.id if isinstance(result, OneShot) else result
             case "send_message":
                 auth = gate("send")
                 target = str(self._ask(Resolve(caller, str(args.get("to", "")))))
-                self.send(
+                return self.send(
                     target,
                     args.get("text", ""),
                     authority=auth,
                     data=args.get("data"),
                     wake=bool(args.get("wake", True)),
                 )
-                return None
             case "list_agents":
                 gate("list")
                 return msgspec.to_builtins(
@@ -618,11 +634,19 @@ class Runtime:
             case "interrupt_agent":
                 auth = gate("interrupt")
                 target = str(self._ask(Resolve(caller, str(args.get("agent_id", "")))))
-                self.interrupt(
+                return self.interrupt(
                     target,
                     authority=auth,
                     kind=args.get("kind") or "cancel",
                     reason=args.get("reason") or "",
                 )
-                return None
         raise NotFound(f"no tool named {name!r}")
+
+
+def _check_text(name: str, value: str) -> None:
+    """Text that cannot be encoded (a lone surrogate) is refused before anything is
+    recorded (SPEC §14.3)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidParams(f"{name} is not valid text (it cannot be encoded as UTF-8)") from None

@@ -1,28 +1,52 @@
-"""The durable store: SQLite in WAL mode.
+"""The durable store: SQLite in WAL mode, written by one thread in group commits.
 
-One connection, shared by the host's threads behind a lock: every write is one short
-transaction, committed before the call returns, so an accepted send survives a host
-crash (WAL with ``synchronous=NORMAL`` is durable against a process crash; a power cut
-may lose the last transactions, which ``durability="full"`` prevents at a cost).
-``path=None`` is an in-memory store with the same schema and the same code paths.
+::
+
+    agent actors, callers ──submit(op)──► queue ──► writer thread: BEGIN; op; op; …; COMMIT
+         │                                                   │
+         └── ticket.wait() (a send returns only once ────────┘ tickets of the batch are set
+             its batch is committed: durable)
+
+Writers never wait for SQLite: the session actors hand their records (a turn's start and
+end, markers, notices) to the writer and go on; a send's caller waits for its batch's
+ticket, so an accepted send is durable before ``send()`` returns, and concurrent sends
+share one commit. Ids that callers need at once (message ids, entry sequence numbers,
+turn rows) are assigned in memory, in the order the operations are queued, so the rows
+land in the same order. Reads first wait for everything queued before them (``flush``),
+so a reader sees every write that happened before it asked.
+
+WAL with ``synchronous=NORMAL`` is durable against a process crash (a power cut may lose
+the last transactions). The WAL stays bounded: a background connection checkpoints it
+passively, and once it grows past ``_WAL_LIMIT`` the writer truncates it between batches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import structlog
 
-from tether.wire.records import Entry, Message, SessionHeader, TurnRecord
+from tether.wire.records import Entry, Message, PendingMessage, SessionHeader, TurnRecord
 
-__all__ = ["Store"]
+__all__ = ["MAX_PAGE", "Store", "Ticket", "message_key"]
+
+log = structlog.get_logger("tether.store")
 
 # Rows are never deleted, so plain INTEGER PRIMARY KEYs only grow (AUTOINCREMENT would
 # cost an extra write per insert for a guarantee we do not need).
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key         TEXT PRIMARY KEY,
+    value       INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS sessions (
     seq         INTEGER PRIMARY KEY,
     id          TEXT NOT NULL UNIQUE,
@@ -79,10 +103,15 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE INDEX IF NOT EXISTS entries_session ON entries (session, seq);
 """
 
-_CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
+MAX_PAGE = 1000  # entries one read returns at most
+_CHECKPOINT_EVERY = 0.5  # seconds between background passive WAL checkpoints
+_WAL_LIMIT = 64 * 1024 * 1024  # bytes: past this the writer truncates the WAL
+_PREVIEW = 200
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
+
+Op = Callable[[sqlite3.Connection], object]
 
 
 def _dump(value: dict[str, Any] | None) -> bytes | None:
@@ -93,29 +122,30 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
     return None if blob is None else _dec.decode(blob)
 
 
-class _Tx:
-    """``with store._tx() as db``: the lock, BEGIN, and COMMIT or ROLLBACK."""
+def message_key(message_id: str) -> int:
+    """The row id behind a message id (``m_17`` -> 17)."""
+    return int(message_id[2:])
 
-    __slots__ = ("_db", "_lock")
 
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
-        self._db = db
-        self._lock = lock
+class Ticket:
+    """One batch of writes: set once it is committed (or has failed)."""
 
-    def __enter__(self) -> sqlite3.Connection:
-        self._lock.acquire()
-        try:
-            self._db.execute("BEGIN")  # one connection, behind our lock: no upgrade race
-        except BaseException:
-            self._lock.release()
-            raise
-        return self._db
+    __slots__ = ("_done", "error")
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        try:
-            self._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
-        finally:
-            self._lock.release()
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return once the batch is durable; re-raise what made it fail."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the store did not commit in time")
+        if self.error is not None:
+            raise self.error
 
 
 class Store:
@@ -126,73 +156,197 @@ class Store:
         self._db = sqlite3.connect(
             path or ":memory:", check_same_thread=False, isolation_level=None
         )
-        self._lock = threading.Lock()
-        self._open: dict[str, tuple[str, int]] = {}  # turn id -> (session, rowid) until it ends
-        self._stop = threading.Event()
-        self._checkpointer: threading.Thread | None = None
+        self._lock = threading.Lock()  # the connection: the writer's batch, or one read
+        self._cond = threading.Condition(threading.Lock())  # the queue
+        self._queue: list[Op] = []
+        self._ticket = Ticket()  # the batch being filled
+        self._last: Ticket | None = None  # the newest batch holding anything
+        self._stopping = False
         if path is not None:
             # Small pages: a commit appends every page it touched to the WAL, and a turn
-            # boundary touches six (rows and indexes of three tables) to write a few
-            # hundred bytes. Takes effect when the file is created.
+            # boundary touches a few pages to write a few hundred bytes.
             self._db.execute("PRAGMA page_size=1024")
             self._db.execute("PRAGMA journal_mode=WAL")
-            # Checkpoints move off the committing threads (where SQLite runs them by
-            # default, stalling whichever commit crosses the threshold) to one of our own.
+            # Checkpoints move off the writer to a connection of their own, except the
+            # truncating one that bounds the WAL (see _maybe_truncate).
             self._db.execute("PRAGMA wal_autocheckpoint=0")
+            self._db.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT}")
+            self._db.execute("PRAGMA busy_timeout=5000")
+        sync = "FULL" if durability == "full" else "NORMAL"
+        self._db.execute(f"PRAGMA synchronous={sync}")
+        self._db.executescript(_SCHEMA)
+        self._message_ids = itertools.count(self._max("messages", "id") + 1)
+        self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
+        self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
+        self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
+        self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
+        self._writer.start()
+        self._stop_checkpoints = threading.Event()
+        self._checkpointer: threading.Thread | None = None
+        if path is not None:
             self._checkpointer = threading.Thread(
                 target=self._checkpoint_loop, args=(path,), name="tether-checkpoint", daemon=True
             )
             self._checkpointer.start()
-        sync = "FULL" if durability == "full" else "NORMAL"
-        self._db.execute(f"PRAGMA synchronous={sync}")
-        self._db.executescript(_SCHEMA)
 
-    def _tx(self) -> _Tx:
-        return _Tx(self._db, self._lock)
+    def _max(self, table: str, column: str) -> int:
+        (n,) = self._db.execute(f"SELECT COALESCE(MAX({column}), 0) FROM {table}").fetchone()
+        return int(n)
+
+    # ---- the writer -----------------------------------------------------------------
+
+    def submit(self, op: Op) -> Ticket:
+        """Queue one write; the returned ticket is set once it is committed."""
+        with self._cond:
+            return self._submit_locked(op)
+
+    def _submit_locked(self, op: Op) -> Ticket:
+        if self._stopping:
+            raise RuntimeError("the store is closed")
+        self._queue.append(op)
+        self._last = self._ticket
+        self._cond.notify()
+        return self._ticket
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is committed."""
+        with self._cond:
+            last = self._last
+        if last is not None:
+            last.wait()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                ticket, self._ticket = self._ticket, Ticket()
+            error = self._commit(batch)
+            ticket.set(error)
+            self._maybe_truncate()
+
+    def _commit(self, batch: list[Op]) -> BaseException | None:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN")
+                for op in batch:
+                    op(self._db)
+                self._db.execute("COMMIT")
+                return None
+            except BaseException as exc:  # a failed batch fails its waiters, not the writer
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                log.error("store.commit_failed", ops=len(batch), error=repr(exc))
+                return exc
+
+    def _maybe_truncate(self) -> None:
+        if self.path is None:
+            return
+        try:
+            size = os.path.getsize(self.path + "-wal")
+        except OSError:
+            return
+        if size > _WAL_LIMIT:
+            with self._lock, contextlib.suppress(sqlite3.Error):
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                log.info("store.wal_truncated", bytes=size)
 
     def _checkpoint_loop(self, path: str) -> None:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
-            while not self._stop.wait(_CHECKPOINT_EVERY):
-                db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            while not self._stop_checkpoints.wait(_CHECKPOINT_EVERY):
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
         finally:
             db.close()
 
     def close(self) -> None:
-        self._stop.set()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._writer.join()
+        self._stop_checkpoints.set()
         if self._checkpointer is not None:
             self._checkpointer.join()
         with self._lock:
-            if self._checkpointer is not None:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            if self.path is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
+
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        self.flush()
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    # ---- boot and recovery ------------------------------------------------------------
+
+    def boot(self) -> int:
+        """Count this host process's start; epochs are built on it so they never repeat."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES ('boots', 1)"
+                " ON CONFLICT(key) DO UPDATE SET value = value + 1"
+            )
+            (n,) = self._db.execute("SELECT value FROM meta WHERE key='boots'").fetchone()
+        return int(n)
+
+    def recover(self) -> list[tuple[str, str, str | None]]:
+        """Close every turn with no end record as ``crashed``.
+
+        Returns (session, turn, last assistant text) for each, so that parents get their
+        notices.
+        """
+        now = time.time()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
+            ).fetchall()
+            out = []
+            for turn, session in rows:
+                last = self._db.execute(
+                    "SELECT text FROM entries WHERE session=? AND turn=? AND kind='assistant'"
+                    " ORDER BY seq DESC LIMIT 1",
+                    (session, turn),
+                ).fetchone()
+                out.append((str(session), str(turn), None if last is None else str(last[0])))
+            self._db.execute(
+                "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
+                " error='the host stopped while the turn ran' WHERE outcome IS NULL",
+                (now,),
+            )
+        return out
 
     # ---- catalog ------------------------------------------------------------------
 
-    def create_session(self, row: SessionHeader) -> None:
-        with self._tx() as db:
-            db.execute(
+    def create_session(self, row: SessionHeader) -> Ticket:
+        params = (
+            row.id,
+            row.parent,
+            row.mode,
+            row.slug,
+            row.driver,
+            _dump(row.config),
+            _dump(row.permissions),
+            row.created_at,
+        )
+        return self.submit(
+            lambda db: db.execute(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
                 " created_at) VALUES (?,?,?,?,?,?,?,?)",
-                (
-                    row.id,
-                    row.parent,
-                    row.mode,
-                    row.slug,
-                    row.driver,
-                    _dump(row.config),
-                    _dump(row.permissions),
-                    row.created_at,
-                ),
+                params,
             )
+        )
 
     def sessions(self) -> list[SessionHeader]:
         """Every session, in creation order."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled"
-                " FROM sessions ORDER BY seq"
-            ).fetchall()
+        rows = self._read(
+            "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled"
+            " FROM sessions ORDER BY seq"
+        )
         return [
             SessionHeader(
                 id=r[0],
@@ -208,14 +362,17 @@ class Store:
             for r in rows
         ]
 
-    def settle(self, session: str) -> None:
+    def settle(self, session: str) -> Ticket:
         """Close the inbox (pending messages are kept, marked closed) and mark settled."""
-        with self._tx() as db:
+
+        def op(db: sqlite3.Connection) -> None:
             db.execute(
                 "UPDATE messages SET state='closed' WHERE session=? AND state='pending'",
                 (session,),
             )
             db.execute("UPDATE sessions SET settled=1 WHERE id=?", (session,))
+
+        return self.submit(op)
 
     # ---- inboxes ------------------------------------------------------------------
 
@@ -227,17 +384,22 @@ class Store:
         data: dict[str, Any] | None = None,
         kind: str = "user",
         sender: str | None = None,
-    ) -> Message:
+    ) -> tuple[Message, Ticket]:
+        """Queue a new inbox message; it is durable once the ticket is set."""
         now = time.time()
-        with self._tx() as db:
-            cur = db.execute(
-                "INSERT INTO messages (session, content, data, kind, sender, created_at)"
-                " VALUES (?,?,?,?,?,?)",
-                (session, content, _dump(data), kind, sender, now),
+        blob = _dump(data)
+        with self._cond:
+            key = next(self._message_ids)
+            params = (key, session, content, blob, kind, sender, now)
+            ticket = self._submit_locked(
+                lambda db: db.execute(
+                    "INSERT INTO messages (id, session, content, data, kind, sender, created_at)"
+                    " VALUES (?,?,?,?,?,?,?)",
+                    params,
+                )
             )
-        assert cur.lastrowid is not None
-        return Message(
-            id=cur.lastrowid,
+        msg = Message(
+            id=f"m_{key}",
             session=session,
             content=content,
             data=data,
@@ -245,20 +407,61 @@ class Store:
             sender=sender,
             created_at=now,
         )
+        return msg, ticket
+
+    def pending(self, session: str) -> list[Message]:
+        """The session's unclaimed messages, oldest first (a materialization loads them)."""
+        rows = self._read(
+            "SELECT id, session, content, data, kind, sender, created_at FROM messages"
+            " WHERE session=? AND state='pending' ORDER BY id",
+            (session,),
+        )
+        return [_message(r) for r in rows]
 
     def pending_count(self, session: str) -> int:
-        with self._lock:
-            (n,) = self._db.execute(
-                "SELECT COUNT(*) FROM messages WHERE session=? AND state='pending'", (session,)
-            ).fetchone()
-        return int(n)
+        (row,) = self._read(
+            "SELECT COUNT(*) FROM messages WHERE session=? AND state='pending'", (session,)
+        )
+        return int(row[0])
 
-    def claim_next(self, session: str, turn: str) -> Message | None:
-        """Claim the oldest pending message for a new turn and record the turn's start."""
-        with self._tx() as db:
-            return self._claim(db, session, turn)
+    def inbox(self, session: str) -> list[PendingMessage]:
+        rows = self._read(
+            "SELECT id, kind, sender, created_at, substr(content, 1, ?) FROM messages"
+            " WHERE session=? AND state='pending' ORDER BY id",
+            (_PREVIEW, session),
+        )
+        return [
+            PendingMessage(id=f"m_{r[0]}", kind=r[1], sender=r[2], created_at=r[3], preview=r[4])
+            for r in rows
+        ]
 
     # ---- turns --------------------------------------------------------------------
+
+    def start_turn(self, turn: str, message: Message) -> None:
+        """Record that ``turn`` claimed ``message`` (and the message's transcript entry)."""
+        now = time.time()
+        key = message_key(message.id)
+        session = message.session
+        blob = _dump(message.data)
+        with self._cond:
+            row = next(self._turn_seqs)
+            seq = next(self._entry_seqs)
+            self._open[turn] = (session, row)
+
+            def op(db: sqlite3.Connection) -> None:
+                db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, key))
+                db.execute(
+                    "INSERT INTO turns (seq, id, session, message_id, started_at)"
+                    " VALUES (?,?,?,?,?)",
+                    (row, turn, session, key, now),
+                )
+                db.execute(
+                    "INSERT INTO entries (seq, session, turn, kind, text, data, created_at)"
+                    " VALUES (?,?,?,?,?,?,?)",
+                    (seq, session, turn, message.kind, message.content, blob, now),
+                )
+
+            self._submit_locked(op)
 
     def end_turn(
         self,
@@ -272,63 +475,43 @@ class Store:
         reason: str | None = None,
         error: str | None = None,
         final: str | None = None,
-        next_turn: str | None = None,
-    ) -> Message | None:
-        """Record a turn's end (and its final text), and claim the next message for
-        ``next_turn`` if given: one transaction, so a turn boundary costs one commit."""
+    ) -> None:
+        """Record a turn's end (and its final text as an assistant entry)."""
         now = time.time()
-        with self._tx() as db:
+        with self._cond:
             opened = self._open.pop(turn, None)
             if opened is None:
-                return None
-            session, rowid = opened
-            if final is not None:
-                db.execute(
-                    "INSERT INTO entries (session, turn, kind, text, created_at)"
-                    " VALUES (?,?,'assistant',?,?)",
-                    (session, turn, final, now),
-                )
-            db.execute(
-                "UPDATE turns SET ended_at=?, outcome=?, cause=?, by=?, forced=?, escalated=?,"
-                " reason=?, error=? WHERE seq=?",
-                (now, outcome, cause, by, forced, escalated, reason, error, rowid),
-            )
-            return None if next_turn is None else self._claim(db, session, next_turn)
+                return
+            session, row = opened
+            seq = next(self._entry_seqs) if final is not None else None
 
-    def _claim(self, db: sqlite3.Connection, session: str, turn: str) -> Message | None:
-        now = time.time()
-        row = db.execute(
-            "SELECT id, session, content, data, kind, sender, created_at FROM messages"
-            " WHERE session=? AND state='pending' ORDER BY id LIMIT 1",
-            (session,),
-        ).fetchone()
-        if row is None:
-            return None
-        db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, row[0]))
-        cur = db.execute(
-            "INSERT INTO turns (id, session, message_id, started_at) VALUES (?,?,?,?)",
-            (turn, session, row[0], now),
-        )
-        db.execute(
-            "INSERT INTO entries (session, turn, kind, text, data, created_at)"
-            " VALUES (?,?,?,?,?,?)",
-            (session, turn, row[4], row[2], row[3], now),
-        )
-        self._open[turn] = (session, cur.lastrowid or 0)
-        return _message(row)
+            def op(db: sqlite3.Connection) -> None:
+                if seq is not None:
+                    db.execute(
+                        "INSERT INTO entries (seq, session, turn, kind, text, created_at)"
+                        " VALUES (?,?,?,'assistant',?,?)",
+                        (seq, session, turn, final, now),
+                    )
+                db.execute(
+                    "UPDATE turns SET ended_at=?, outcome=?, cause=?, by=?, forced=?,"
+                    " escalated=?, reason=?, error=? WHERE seq=?",
+                    (now, outcome, cause, by, forced, escalated, reason, error, row),
+                )
+
+            self._submit_locked(op)
 
     def turns(self, session: str) -> list[TurnRecord]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, session, message_id, outcome, cause, by, forced, escalated, reason,"
-                " error, started_at, ended_at FROM turns WHERE session=? ORDER BY seq",
-                (session,),
-            ).fetchall()
+        rows = self._read(
+            "SELECT id, session, message_id, outcome, cause, by, forced, escalated, reason,"
+            " error, started_at, ended_at FROM turns WHERE session=? ORDER BY seq",
+            (session,),
+        )
         return [
             TurnRecord(
                 id=r[0],
                 session=r[1],
                 message_id=r[2],
+                message=f"m_{r[2]}",
                 outcome=r[3],
                 cause=r[4],
                 by=r[5],
@@ -341,17 +524,6 @@ class Store:
             )
             for r in rows
         ]
-
-    def recover(self) -> list[str]:
-        """Close every turn with no end record as ``crashed``; return their sessions."""
-        with self._tx() as db:
-            rows = db.execute("SELECT DISTINCT session FROM turns WHERE outcome IS NULL").fetchall()
-            db.execute(
-                "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
-                " error='the host stopped while the turn ran' WHERE outcome IS NULL",
-                (time.time(),),
-            )
-        return [r[0] for r in rows]
 
     # ---- transcripts --------------------------------------------------------------
 
@@ -368,16 +540,21 @@ class Store:
         reason: str | None = None,
         data: dict[str, Any] | None = None,
     ) -> Entry:
+        """Queue a transcript entry; its ``seq`` is known at once."""
         now = time.time()
-        with self._tx() as db:
-            cur = db.execute(
-                "INSERT INTO entries (session, turn, kind, text, action, origin, by, reason,"
-                " data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (session, turn, kind, text, action, origin, by, reason, _dump(data), now),
+        blob = _dump(data)
+        with self._cond:
+            seq = next(self._entry_seqs)
+            params = (seq, session, turn, kind, text, action, origin, by, reason, blob, now)
+            self._submit_locked(
+                lambda db: db.execute(
+                    "INSERT INTO entries (seq, session, turn, kind, text, action, origin, by,"
+                    " reason, data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    params,
+                )
             )
-        assert cur.lastrowid is not None
         return Entry(
-            seq=cur.lastrowid,
+            seq=seq,
             session=session,
             kind=kind,  # type: ignore[arg-type]
             text=text,
@@ -390,13 +567,14 @@ class Store:
             created_at=now,
         )
 
-    def entries(self, session: str, *, after: int = 0) -> list[Entry]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT seq, session, kind, text, turn, action, origin, by, reason, data,"
-                " created_at FROM entries WHERE session=? AND seq>? ORDER BY seq",
-                (session, after),
-            ).fetchall()
+    def entries(self, session: str, *, after: int = 0, limit: int | None = None) -> list[Entry]:
+        """Entries past ``after``, oldest first; at most ``limit`` (an index range scan, so
+        a page costs the same however long the transcript is)."""
+        rows = self._read(
+            "SELECT seq, session, kind, text, turn, action, origin, by, reason, data,"
+            " created_at FROM entries WHERE session=? AND seq>? ORDER BY seq LIMIT ?",
+            (session, after, -1 if limit is None else limit),
+        )
         return [
             Entry(
                 seq=r[0],
@@ -416,18 +594,17 @@ class Store:
 
     def last_assistant_text(self, session: str, turn: str) -> str | None:
         # newest first through (session, seq): a turn's entries are its session's latest
-        with self._lock:
-            row = self._db.execute(
-                "SELECT text FROM entries WHERE session=? AND turn=? AND kind='assistant'"
-                " ORDER BY seq DESC LIMIT 1",
-                (session, turn),
-            ).fetchone()
-        return None if row is None else str(row[0])
+        rows = self._read(
+            "SELECT text FROM entries WHERE session=? AND turn=? AND kind='assistant'"
+            " ORDER BY seq DESC LIMIT 1",
+            (session, turn),
+        )
+        return None if not rows else str(rows[0][0])
 
 
 def _message(r: tuple[Any, ...]) -> Message:
     return Message(
-        id=r[0],
+        id=f"m_{r[0]}",
         session=r[1],
         content=r[2],
         data=_load(r[3]),

@@ -23,6 +23,7 @@ __all__ = [
     "Mode",
     "Origin",
     "Outcome",
+    "PendingMessage",
     "SessionHeader",
     "TurnRecord",
 ]
@@ -46,15 +47,28 @@ class AgentRef(msgspec.Struct, frozen=True):
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True):
-    """One inbox message. ``kind="notice"`` for a ``ChildTurnEnded`` notice."""
+    """One inbox message. ``kind="notice"`` for a ``ChildTurnEnded`` notice.
 
-    id: int
+    ``id`` is opaque (``m_17``) and sorts messages in the order they were accepted.
+    """
+
+    id: str
     session: str
     content: str
     data: dict[str, Any] | None = None
     kind: Literal["user", "notice"] = "user"
     sender: str | None = None
     created_at: float = 0.0
+
+
+class PendingMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """One message waiting in an inbox, as ``Runtime.inbox`` lists it."""
+
+    id: str
+    kind: str
+    sender: str | None = None
+    created_at: float = 0.0
+    preview: str = ""  # the first 200 characters of the content
 
 
 class ChildTurnEnded(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +104,7 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     session: str
     message_id: int
+    message: str = ""  # the id of the message the turn claimed
     outcome: str | None = None
     cause: str | None = None
     by: str | None = None
@@ -113,6 +128,7 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     pending: int = 0
     stopping: str | None = None
     turn: str | None = None
+    dispatched: bool = False  # a running turn has a worker (False: it waits for one)
 
 
 class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):

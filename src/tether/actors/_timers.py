@@ -1,0 +1,75 @@
+"""One timer queue for every session's grace and deadline clocks (SPEC §14.1).
+
+A heap and one thread, instead of a ``threading.Timer`` thread per clock. A callback runs
+on the timer thread and must only hand a message to an actor (it must not block).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+__all__ = ["TimerHandle", "TimerQueue"]
+
+log = structlog.get_logger("tether.timers")
+
+
+class TimerHandle:
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class TimerQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, TimerHandle, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="tether-timers", daemon=True)
+        self._thread.start()
+
+    def after(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
+        handle = TimerHandle()
+        when = time.monotonic() + max(delay, 0.0)
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._seq), handle, callback))
+            self._cond.notify()
+        return handle
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    if self._heap:
+                        left = self._heap[0][0] - time.monotonic()
+                        if left <= 0:
+                            _, _, handle, callback = heapq.heappop(self._heap)
+                            break
+                        self._cond.wait(left)
+                    else:
+                        self._cond.wait()
+            if handle.cancelled:
+                continue
+            try:
+                callback()
+            except Exception:  # one failing callback must not stop every clock
+                log.exception("timer.failed")

@@ -1,0 +1,451 @@
+"""The dispatcher: a few pykka actors that host every live session (SPEC §14.1).
+
+Each session id belongs to exactly one ``SessionHost`` (chosen by hash), and every
+operation that reads or changes that session — send, interrupt, status, release,
+dispose, materialization, its worker's frames, its timers, its turn's end — is a message
+to that one actor, handled in order. That is the whole concurrency story: a release and
+a send, or a stop and a turn's natural end, can no longer interleave, because they are
+two messages in one mailbox. The registry entry of a session is added and removed only
+here, so "is it live?" and "what is it doing?" are answered by the same thread that
+changes them.
+
+A handler never blocks on a worker (the executor queues), never waits for SQLite (the
+store queues; a send's *caller* waits for durability), and never asks another actor:
+it only tells (a child's turn-end notice to the parent's host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import pykka
+import structlog
+
+from tether.actors._timers import TimerHandle, TimerQueue
+from tether.actors.agent import Interrupt, Session, SessionServices, Wake, make_info
+from tether.actors.authority import Authority, Host, sender_of
+from tether.actors.directory import Directory
+from tether.actors.ports import AgentStore, Durable, EventSink, Executor
+from tether.actors.states import AgentState
+from tether.wire.errors import InvalidParams, NotFound
+from tether.wire.frames import Delivered, ToolKilled, TurnEnd
+from tether.wire.records import AgentInfo, AgentRef, ChildTurnEnded, Message, SessionHeader
+
+__all__ = [
+    "Adopt",
+    "Dispatcher",
+    "DisposeOp",
+    "InterruptOp",
+    "RefOp",
+    "ReleaseOp",
+    "RunningOp",
+    "SendOp",
+    "SessionHost",
+    "StatusOp",
+]
+
+log = structlog.get_logger("tether.host")
+
+
+# ---- messages (asked unless noted) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """Told by the supervisor: a new session (or a root at recovery) goes live here.
+
+    The supervisor made it and put it in the registry, so discovery sees it live as
+    soon as ``spawn()`` returns; anything else about it reaches this host after this.
+    """
+
+    session: Session
+
+
+@dataclass(frozen=True, slots=True)
+class SendOp:
+    """Answered with ``(message id, durable ticket)`` once the message is queued."""
+
+    target: str
+    content: str
+    authority: Authority | None  # None: the host itself (a root's owner prompting it)
+    data: dict[str, Any] | None = None
+    wake: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptOp:
+    target: str
+    authority: Authority | Host
+    kind: str
+    reason: str
+    grace: float
+    deadline: float | None = None
+    turn: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StatusOp:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class RefOp:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOp:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class DisposeOp:
+    """Told by the supervisor, which has already marked the subtree disposing."""
+
+    session: str
+    origin: str
+    by: str
+    grace: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunningOp:
+    """The ids of this host's sessions with a turn claimed (for the runtime's drain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Notice:
+    parent: str
+    notice: ChildTurnEnded
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivered:
+    session: str
+    frame: Delivered
+
+
+@dataclass(frozen=True, slots=True)
+class _ToolKilled:
+    session: str
+    frame: ToolKilled
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    session: str
+    turn: str
+    end: TurnEnd | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Timer:
+    session: str
+    turn: str
+    which: Literal["grace", "deadline"]
+
+
+def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
+    """Tell from a pool or timer thread; an actor already stopped (at close) is fine."""
+    with contextlib.suppress(pykka.ActorDeadError):
+        ref.tell(message)
+
+
+class _Sink:
+    """The executor's view of one turn: every report becomes a message to its host."""
+
+    __slots__ = ("_ref", "_session")
+
+    def __init__(self, ref: pykka.ActorRef[Any], session: str) -> None:
+        self._ref = ref
+        self._session = session
+
+    def delivered(self, frame: Delivered) -> None:
+        _tell(self._ref, _Delivered(self._session, frame))
+
+    def tool_killed(self, frame: ToolKilled) -> None:
+        _tell(self._ref, _ToolKilled(self._session, frame))
+
+    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
+        _tell(self._ref, _Ended(self._session, turn, end, error))
+
+
+class Dispatcher:
+    """Routes a session id to the actor that hosts it (and to that host's services)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.refs: list[pykka.ActorRef[Any]] = []
+        self.services: list[SessionServices] = []
+
+    def route(self, session: str) -> pykka.ActorRef[Any]:
+        return self.refs[hash(session) % self.size]
+
+    def services_for(self, session: str) -> SessionServices:
+        return self.services[hash(session) % self.size]
+
+    def ask(self, session: str, message: Any) -> Any:
+        return self.route(session).ask(message)
+
+    def tell(self, session: str, message: Any) -> None:
+        _tell(self.route(session), message)
+
+
+class SessionHost(pykka.ThreadingActor):
+    """Hosts the live sessions whose ids route here."""
+
+    def __init__(
+        self,
+        *,
+        directory: Directory,
+        dispatcher: Dispatcher,
+        store: AgentStore,
+        executor: Executor,
+        events: EventSink,
+        timers: TimerQueue,
+    ) -> None:
+        super().__init__()
+        self._dir = directory
+        self._dispatcher = dispatcher
+        self._store = store
+        self._executor = executor
+        self._events = events
+        self._timers = timers
+        self._live: dict[str, Session] = {}  # the sessions hosted here
+        ref = self.actor_ref
+        self._services = SessionServices(
+            store=self._store,
+            executor=self._executor,
+            events=self._events,
+            sink=lambda sid: _Sink(ref, sid),
+            arm=self._arm,
+            notify_parent=lambda parent, notice: self._dispatcher.tell(
+                parent, _Notice(parent, notice)
+            ),
+        )
+        dispatcher.services.append(self._services)  # hosts start in routing order
+
+    def _arm(self, session: str, turn: str, which: str, delay: float) -> TimerHandle:
+        ref = self.actor_ref
+        timer = _Timer(session, turn, "grace" if which == "grace" else "deadline")
+        return self._timers.after(delay, lambda: _tell(ref, timer))
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case SendOp():
+                return self._send(message)
+            case InterruptOp():
+                return self._interrupt(message)
+            case StatusOp(session=sid):
+                return self._status(sid)
+            case RefOp(session=sid):
+                s = self._live.get(sid)
+                if s is None:
+                    self._dir.catalog.get(sid)
+                    raise NotFound(f"session {sid!r} is not live")
+                return AgentRef(sid, s.epoch)
+            case ReleaseOp(session=sid):
+                return self._release(sid)
+            case RunningOp():
+                return [sid for sid, s in self._live.items() if s.turn is not None]
+        # Told: a failure here has no caller to reach, and must not stop the actor.
+        try:
+            self._told(message)
+        except Exception:
+            log.exception("host.error", message=type(message).__name__)
+        return None
+
+    def _told(self, message: Any) -> None:
+        match message:
+            case Adopt(session=session):
+                self._adopt(session)
+            case _Notice(parent=parent, notice=notice):
+                self._notice(parent, notice)
+            case _Delivered(session=sid, frame=frame):
+                self._on(sid, lambda s: s.delivered(frame))
+            case _ToolKilled(session=sid, frame=frame):
+                self._on(sid, lambda s: s.tool_killed(frame))
+            case _Ended(session=sid, turn=turn, end=end, error=error):
+                self._on(sid, lambda s: s.ended(turn, end, error))
+            case _Timer(session=sid, turn=turn, which=which):
+                self._on(sid, lambda s: s.timer(turn, which))
+            case DisposeOp():
+                self._dispose(message)
+
+    def _on(self, sid: str, action: Any) -> None:
+        s = self._live.get(sid)
+        if s is None:
+            return
+        try:
+            action(s)
+        finally:
+            self._after(s)
+
+    def _after(self, s: Session) -> None:
+        """Publish what changed; a session that settled leaves the registry."""
+        if s.settled:
+            sid = s.id
+            self._live.pop(sid, None)
+            self._dir.registry.pop(sid, None)
+            node = self._dir.catalog.nodes.get(sid)
+            if node is not None:
+                node.settled = True
+            self._store.settle(sid)
+        s.publish()
+
+    # ---- materialization ----------------------------------------------------------
+
+    def _adopt(self, s: Session) -> None:
+        self._live[s.id] = s
+        self._dir.registry[s.id] = s
+        s.start_next()
+        self._after(s)
+
+    def _materialize(self, h: SessionHeader, inbox: list[Message], hold: bool) -> Session:
+        node = self._dir.catalog.nodes[h.id]
+        s = Session(
+            self._services,
+            h,
+            self._dir.catalog.lineage(h.id),
+            node.depth,
+            self._dir.next_epoch(),
+            inbox,
+            hold,
+        )
+        self._live[h.id] = s
+        self._dir.registry[h.id] = s
+        log.debug("agent.materialized", session=h.id, epoch=s.epoch)
+        s.start_next()
+        self._after(s)
+        return s
+
+    # ---- inbox --------------------------------------------------------------------
+
+    def _send(self, op: SendOp) -> tuple[str, Durable]:
+        node = self._dir.authorize_send(op.target, op.authority)
+        sid = op.target
+        s = self._live.get(sid)
+        if s is None and op.wake:
+            # A waking send brings a dormant session back (a new epoch), with what was
+            # queued while it slept.
+            s = self._materialize(node.header, self._store.pending(sid), hold=False)
+        msg, ticket = self._store.append_message(
+            sid, op.content, data=op.data, sender=sender_of(op.authority)
+        )
+        self._accepted(msg, s.lineage if s is not None else None)
+        if s is not None:
+            self._enqueue(s, msg, "yes" if op.wake else "no")
+        return msg.id, ticket
+
+    def _enqueue(self, s: Session, msg: Message, wake: Wake) -> None:
+        try:
+            s.enqueue(msg, wake)
+        finally:
+            self._after(s)
+
+    def _accepted(self, msg: Message, lineage: tuple[str, ...] | None) -> None:
+        if self._events.wants("message.accepted"):
+            if lineage is None:
+                lineage = self._dir.catalog.lineage(msg.session)
+            data = {"message": msg.id, "kind": msg.kind}
+            self._events.emit("message.accepted", msg.session, lineage, data)
+
+    def _notice(self, parent: str, notice: ChildTurnEnded) -> None:
+        node = self._dir.catalog.nodes.get(parent)
+        if node is None or node.settled or node.disposing:
+            log.debug("notice.dropped", session=parent, child=notice.child, why="inbox closed")
+            return
+        msg, _ = self._store.append_message(
+            parent,
+            notice_text(notice),
+            data={"notice": _builtins(notice)},
+            kind="notice",
+            sender=notice.child,
+        )
+        s = self._live.get(parent)
+        self._accepted(msg, s.lineage if s is not None else None)
+        if s is not None:
+            self._enqueue(s, msg, "if-idle")  # never wakes a parked or dormant parent
+
+    # ---- interrupts ---------------------------------------------------------------
+
+    def _interrupt(self, op: InterruptOp) -> str | None:
+        s = self._dir.authorize_interrupt(op.target, op.authority)
+        if s is None:
+            return None
+        auth = op.authority
+        i = Interrupt(op.kind, auth.origin, auth.by, op.reason, op.grace, op.deadline, op.turn)
+        try:
+            return s.interrupt(i)
+        finally:
+            self._after(s)
+
+    # ---- status -------------------------------------------------------------------
+
+    def _status(self, sid: str) -> AgentInfo:
+        node = self._dir.catalog.get(sid)
+        s = self._live.get(sid)
+        if s is not None:
+            info = s.info
+            if s.turn is not None and self._executor.dispatched(s.turn.id):
+                return _with_dispatched(info)
+            return info
+        state = AgentState.SETTLED if node.settled else AgentState.DORMANT
+        pending = 0 if node.settled else self._store.pending_count(sid)
+        return make_info(node.header, node.depth, state, pending)
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def _release(self, sid: str) -> None:
+        node = self._dir.catalog.get(sid)
+        if node.settled or node.disposing:
+            raise InvalidParams(f"session {sid} is settled")
+        s = self._live.get(sid)
+        if s is None:
+            return
+        s.check_release()
+        del self._live[sid]
+        del self._dir.registry[sid]
+        data = {"state": "dormant", "pending": 0, "stopping": None, "turn": None}
+        self._events.emit("state", sid, s.lineage, data)
+
+    def _dispose(self, d: DisposeOp) -> None:
+        sid = d.session
+        s = self._live.get(sid)
+        if s is not None:
+            self._on(sid, lambda s: s.dispose(d.origin, d.by, d.grace))
+            return
+        node = self._dir.catalog.nodes.get(sid)
+        if node is None or node.settled:
+            return
+        node.settled = True
+        self._store.settle(sid)
+        if self._events.wants("state"):
+            lineage = self._dir.catalog.lineage(sid)
+            data = {"state": "settled", "pending": 0, "stopping": None, "turn": None}
+            self._events.emit("state", sid, lineage, data)
+
+    def on_stop(self) -> None:
+        for s in self._live.values():
+            if s.turn is not None and s.turn.timer is not None:
+                s.turn.timer.cancel()
+        self._live.clear()
+
+
+def notice_text(notice: ChildTurnEnded) -> str:
+    who = notice.slug or notice.child
+    text = f"[{who}] turn {notice.outcome}"
+    return f"{text}: {notice.partial}" if notice.partial else text
+
+
+def _builtins(notice: ChildTurnEnded) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(notice)
+    return out
+
+
+def _with_dispatched(info: AgentInfo) -> AgentInfo:
+    return msgspec.structs.replace(info, dispatched=True)
