@@ -39,6 +39,9 @@ class Case:
     # One process per repetition: memory figures must not inherit a previous repetition's
     # freed-but-kept heap, which would flatter every repetition after the first.
     fresh_process_per_rep: bool = False
+    # Too long for --quick (a million sessions): `make bench-full` only, or --quick with
+    # the figure or case named exactly in --only.
+    full_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ class Figure:
 
 
 def _c(name: str, func: str, reps: tuple[int, int], timeout: tuple[float, float],
-       optional: bool = False, fresh: bool = False) -> Case:
-    return Case(name, f"benchmarks.{func}", reps, timeout, optional, fresh)
+       optional: bool = False, fresh: bool = False, full_only: bool = False) -> Case:
+    return Case(name, f"benchmarks.{func}", reps, timeout, optional, fresh, full_only)
 
 
 CASES: dict[str, Case] = {
