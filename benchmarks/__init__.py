@@ -14,5 +14,11 @@ Layout:
 A case is a generator: it sets up once, then yields one dict of sample series per
 repetition, so setup cost (a Ray cluster, 10,000 sessions) is paid where the case chooses.
 `python -m benchmarks --list` names every figure; `--only NAME` (figure or case, fnmatch)
-runs a selection together with the baselines it is compared with.
+runs a selection together with the baselines it is compared with. `--quick` leaves out the
+full-only cases (a million sessions) unless `--only` names one exactly.
+
+For development on a small machine, `TETHER_BENCH_SCALE=0.05` runs the large-session cases
+(10k, 100k, 1M sessions, the 1,000 loaded sessions) at that fraction of their counts; the
+run's header and each scaled case's notes say so, and their figures are then not
+comparable with the targets.
 """

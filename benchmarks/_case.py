@@ -7,6 +7,8 @@ generator when it has enough, so cleanup lives in the case's own `finally`/`with
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -15,6 +17,18 @@ from typing import TypeVar
 Samples = dict[str, list[float]]
 CaseFunc = Callable[["Cfg"], Generator[Samples, None, None]]
 T = TypeVar("T")
+
+# Development only: `TETHER_BENCH_SCALE=0.02` runs the large-session cases at 2% of their
+# session counts (the harness prints it, and each scaled case says so in its notes).
+SCALE_ENV = "TETHER_BENCH_SCALE"
+
+
+def scale() -> float:
+    """The session-count scale factor from the environment (1 unless set)."""
+    value = float(os.environ.get(SCALE_ENV) or 1)
+    if not 0 < value <= 1:
+        raise ValueError(f"{SCALE_ENV} must be in (0, 1], not {value:g}")
+    return value
 
 
 class Skip(Exception):
@@ -29,6 +43,18 @@ class Cfg:
     def n(self, quick: int, full: int) -> int:
         """A sample count: fewer in --quick, never fewer than the statistic needs."""
         return quick if self.quick else full
+
+    def sessions(self, n: int) -> int:
+        """A session count `n`, times the scale factor (never below 16), noted when scaled.
+
+        Figures named for a count (`list_100k_ms`) are only meaningful unscaled.
+        """
+        factor = scale()
+        if factor == 1:
+            return n
+        got = max(16, math.ceil(n * factor))
+        self.note(f"SCALED ({SCALE_ENV}={factor:g}): {got:,} sessions, not {n:,}")
+        return got
 
     _keyed: dict[str, int] = field(default_factory=dict)
 

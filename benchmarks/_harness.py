@@ -21,6 +21,7 @@ import importlib
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -31,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
+import psutil
+
 from benchmarks import _procs
-from benchmarks._case import CaseFunc, Cfg, Samples, Skip
+from benchmarks._case import SCALE_ENV, CaseFunc, Cfg, Samples, Skip, scale
 from benchmarks.figures import CASES, FIGURES, FIGURES_BY_NAME, Case, Figure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,7 +199,10 @@ class Row:
 
         return {"name": self.fig.name, "value": r(self.value), "unit": self.fig.unit,
                 "baseline": self.fig.baseline, "baseline_value": r(self.baseline_value),
-                "ratio": r(self.ratio)}
+                "ratio": r(self.ratio),
+                "target": str(self.fig.target) if self.fig.target else None,
+                "ratio_target": str(self.fig.ratio_target) if self.fig.ratio_target else None,
+                "ok": self.passed}
 
 
 def aggregate(figures: list[Figure], results: dict[str, CaseResult]) -> list[Row]:
@@ -237,15 +243,21 @@ def fmt(x: float | None) -> str:
     return f"{x:.2f}"
 
 
+def target_text(fig: Figure) -> str:
+    """`<= 4, ratio <= 0.2`: the absolute target and the target on value / baseline."""
+    parts = [str(fig.target)] if fig.target else []
+    if fig.ratio_target:
+        parts.append(f"ratio {fig.ratio_target}")
+    return ", ".join(parts)
+
+
 def table(rows: list[Row]) -> str:
     head = ["name", "median", "unit", "p99", "spread (min-max)", "target", "ok",
             "baseline", "base", "ratio"]
     lines = [head]
     for r in rows:
         spread = f"{fmt(min(r.per_rep))} - {fmt(max(r.per_rep))}" if r.per_rep else "-"
-        target = str(r.fig.target) if r.fig.target else ""
-        if r.fig.ratio_target:
-            target += f"{', ' if target else ''}ratio {r.fig.ratio_target}"
+        target = target_text(r.fig)
         ok = {True: "pass", False: "MISS", None: ""}[r.passed]
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
         lines.append([r.fig.name, fmt(r.value), r.fig.unit, fmt(r.p99), spread, target, ok,
@@ -262,19 +274,42 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def machine() -> str:
+    """CPU model, memory and Python version, for the README's table."""
+    cpu = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    mem = psutil.virtual_memory().total / 2**30
+    return f"{cpu}, {mem:.0f} GiB, Python {platform.python_version()}"
+
+
 # ---------------------------------------------------------------- selection and main
 
 
-def select(only: list[str]) -> tuple[list[Figure], list[Case]]:
-    """Figures matching any pattern (figure or case name, fnmatch), plus their baselines."""
+def _runs(fig: Figure, quick: bool, pats: list[str]) -> bool:
+    """A full-only figure runs in --quick only when a pattern names it or its case exactly."""
+    if not quick or not CASES[fig.case].full_only:
+        return True
+    return any(p in (fig.name, fig.case) for p in pats)
+
+
+def select(only: list[str], quick: bool = False) -> tuple[list[Figure], list[Case]]:
+    """Figures matching any pattern (figure or case name, fnmatch), plus their baselines;
+    in --quick, without the full-only figures (see `_runs`)."""
+    pats = [p for arg in only for p in arg.split(",") if p]
     if not only:
-        chosen = list(FIGURES)
+        chosen = [f for f in FIGURES if _runs(f, quick, pats)]
     else:
-        pats = [p for arg in only for p in arg.split(",") if p]
-        chosen = [f for f in FIGURES
-                  if any(fnmatch.fnmatch(f.name, p) or fnmatch.fnmatch(f.case, p) for p in pats)]
+        matched = [f for f in FIGURES
+                   if any(fnmatch.fnmatch(f.name, p) or fnmatch.fnmatch(f.case, p) for p in pats)]
+        chosen = [f for f in matched if _runs(f, quick, pats)]
         if not chosen:
-            raise SystemExit(f"--only {only}: no figure or case matches")
+            why = ("only full-only figures match; in --quick, name one exactly"
+                   if matched else "no figure or case matches")
+            raise SystemExit(f"--only {only}: {why}")
         names = {f.name for f in chosen}
         for f in list(chosen):
             if f.baseline and f.baseline not in names:
@@ -290,7 +325,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="fewer repetitions and samples (whole run under 5 minutes on 2 cores)")
+                   help="fewer repetitions and samples, no full-only case (about 4 minutes "
+                        "on 2 cores)")
     p.add_argument("--json", type=Path, default=RESULTS / "latest.json",
                    help="where to write the result rows (default: %(default)s)")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
@@ -309,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.run_case:
         return run_case_here(args.run_case, args.reps, args.quick, args.out)
-    figures, cases = select(args.only)
+    figures, cases = select(args.only, args.quick)
     if args.list:
         for f in figures:
-            print(f"{f.name:42} {f.case:24} {f.target or ''}")
+            base = f" (x {f.baseline})" if f.baseline and f.ratio_target else ""
+            print(f"{f.name:42} {f.case:24} {target_text(f)}{base}")
         return 0
     _procs.become_subreaper()
     logdir = RESULTS / "logs"
@@ -330,7 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     # The load average says whether other work shared the machine: every figure here is
     # sensitive to it, the stop latencies most.
     print(f"\nTether benchmarks ({mode}, {time.monotonic() - t0:.0f}s, {os.cpu_count()} cpus, "
-          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)\n")
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)")
+    print(f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()}")
+    if scale() != 1:
+        print(f"SCALED: {SCALE_ENV}={scale():g}; figures named for a session count are not "
+              "comparable with their targets")
+    print()
     print(table(rows))
     notes = [(name, n) for name, res in results.items() for n in res.notes]
     errors = [(name, res.error) for name, res in results.items() if res.error]

@@ -39,6 +39,9 @@ class Case:
     # One process per repetition: memory figures must not inherit a previous repetition's
     # freed-but-kept heap, which would flatter every repetition after the first.
     fresh_process_per_rep: bool = False
+    # Too long for --quick (a million sessions): `make bench-full` only, or --quick with
+    # the figure or case named exactly in --only.
+    full_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,22 +57,29 @@ class Figure:
 
 
 def _c(name: str, func: str, reps: tuple[int, int], timeout: tuple[float, float],
-       optional: bool = False, fresh: bool = False) -> Case:
-    return Case(name, f"benchmarks.{func}", reps, timeout, optional, fresh)
+       optional: bool = False, fresh: bool = False, full_only: bool = False) -> Case:
+    return Case(name, f"benchmarks.{func}", reps, timeout, optional, fresh, full_only)
 
 
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
         _c("tether.abort", "tether_cases:abort", (3, 7), (90, 400)),
+        _c("tether.abort_loaded", "tether_cases:abort_loaded", (2, 5), (120, 500)),
         _c("tether.respawn", "tether_cases:respawn", (3, 7), (90, 400)),
         _c("tether.cancel_signal", "tether_cases:cancel_signal", (3, 7), (60, 300)),
         _c("tether.boundary_stop", "tether_cases:boundary_stop", (3, 7), (60, 300)),
         _c("tether.turns", "tether_cases:turns", (3, 7), (90, 400)),
         _c("tether.sends", "tether_cases:sends", (3, 7), (60, 300)),
         _c("tether.sessions_100", "tether_cases:sessions_100", (3, 7), (60, 300)),
-        _c("tether.sessions_10k", "tether_cases:sessions_10k", (3, 5), (150, 900),
+        # Two quick repetitions of each large case: a repetition is a fresh process that
+        # spawns every session again, and the memory figures barely move between them.
+        _c("tether.sessions_10k", "tether_cases:sessions_10k", (2, 5), (150, 900),
            fresh=True),
+        _c("tether.sessions_100k", "tether_cases:sessions_100k", (2, 5), (300, 1500),
+           fresh=True),
+        _c("tether.sessions_1m", "tether_cases:sessions_1m", (1, 1), (1800, 1800),
+           fresh=True, full_only=True),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
         _c("baseline.mp_pool", "baselines:mp_pool", (3, 7), (60, 300)),
@@ -90,27 +100,42 @@ _GE: Op = ">="
 
 FIGURES: list[Figure] = [
     # --- Tether (exact names; other checks read them) ---
+    # Targets follow issue 8: where a baseline from the same run exists, the target is a
+    # ratio to it (these machines vary 40x between runs); absolute limits remain where the
+    # issue states one. Pairings with no ratio target are shown for context only.
     Figure("abort_p50_ms", "tether.abort", "abort_ms", "p50", "ms",
            Target(_LE, 10), "baseline.killpg_reap_p50_ms"),
     Figure("abort_p99_ms", "tether.abort", "abort_ms", "p99", "ms",
            Target(_LE, 30), "baseline.killpg_reap_p99_ms"),
+    Figure("abort_p99_ms_loaded", "tether.abort_loaded", "abort_ms", "p99", "ms",
+           Target(_LE, 30), "baseline.killpg_reap_p99_ms"),
     Figure("cancel_signal_p50_us", "tether.cancel_signal", "signal_us", "p50", "us",
-           Target(_LE, 300), "baseline.msgspec_socketpair_rtt_p50_us"),
+           None, "baseline.msgspec_socketpair_rtt_p50_us", Target(_LE, 5)),
     Figure("boundary_stop_p50_ms", "tether.boundary_stop", "stop_ms", "p50", "ms",
            Target(_LE, 3)),
     Figure("turns_per_s", "tether.turns", "turns_per_s", "p50", "/s",
-           Target(_GE, 4000), "baseline.mp_pool_tasks_per_s", Target(_GE, 0.5)),
+           None, "baseline.mp_pool_tasks_per_s", Target(_GE, 0.5)),
+    # Host process CPU only (workers excluded), over the same batches as turns_per_s.
+    Figure("host_cpu_us_per_turn", "tether.turns", "host_cpu_us", "p50", "us",
+           Target(_LE, 100), "baseline.mp_pool_parent_cpu_us_per_task"),
     Figure("sends_per_s", "tether.sends", "sends_per_s", "p50", "/s",
-           Target(_GE, 20000), "baseline.sqlite_insert_commit_per_s"),
+           None, "baseline.sqlite_insert_commit_per_s", Target(_GE, 2)),
     Figure("interrupt_call_p50_us_100", "tether.sessions_100", "interrupt_call_us", "p50", "us",
            Target(_LE, 150)),
     # Paired with the 100-session figure: the ratio is the "no scan" check (within 1.5x).
     Figure("interrupt_call_p50_us_10k", "tether.sessions_10k", "interrupt_call_us", "p50", "us",
            Target(_LE, 150), "interrupt_call_p50_us_100", Target(_LE, 1.5)),
+    Figure("interrupt_call_p50_us_100k", "tether.sessions_100k", "interrupt_call_us", "p50",
+           "us", Target(_LE, 150), "interrupt_call_p50_us_100", Target(_LE, 1.5)),
     Figure("list_10k_ms", "tether.sessions_10k", "list_ms", "p50", "ms", Target(_LE, 20)),
-    Figure("idle_session_kib", "tether.sessions_10k", "idle_session_kib", "p50", "KiB",
-           Target(_LE, 64), "baseline.pykka_actor_kib"),
-    Figure("spawn_per_s", "tether.sessions_10k", "spawn_per_s", "p50", "/s", Target(_GE, 1000)),
+    Figure("list_100k_ms", "tether.sessions_100k", "list_ms", "p50", "ms", Target(_LE, 100)),
+    Figure("idle_session_kib", "tether.sessions_100k", "idle_session_kib", "p50", "KiB",
+           Target(_LE, 4), "baseline.pykka_actor_kib", Target(_LE, 0.2)),
+    Figure("spawn_per_s", "tether.sessions_100k", "spawn_per_s", "p50", "/s",
+           None, "baseline.sqlite_insert_commit_per_s", Target(_GE, 1)),
+    Figure("close_100k_s", "tether.sessions_100k", "close_s", "p50", "s", Target(_LE, 5)),
+    Figure("sessions_1m_rss_gib", "tether.sessions_1m", "rss_gib", "p50", "GiB",
+           Target(_LE, 4)),
     Figure("respawn_ms", "tether.respawn", "respawn_ms", "p50", "ms", Target(_LE, 30)),
     # --- baselines (floors measured in the same run) ---
     Figure("baseline.killpg_reap_p50_ms", "baseline.killpg", "kill_ms", "p50", "ms"),
@@ -118,11 +143,13 @@ FIGURES: list[Figure] = [
     Figure("baseline.msgspec_socketpair_rtt_p50_us", "baseline.msgspec_rtt", "rtt_us", "p50",
            "us"),
     Figure("baseline.mp_pool_tasks_per_s", "baseline.mp_pool", "tasks_per_s", "p50", "/s"),
+    Figure("baseline.mp_pool_parent_cpu_us_per_task", "baseline.mp_pool", "parent_cpu_us",
+           "p50", "us"),
     Figure("baseline.sqlite_insert_commit_per_s", "baseline.sqlite", "commits_per_s", "p50",
            "/s"),
     Figure("baseline.pykka_actor_kib", "baseline.pykka_actor_mem", "actor_kib", "p50", "KiB"),
-    # Not paired with spawn_per_s (a target-only figure) but shown beside it: a Tether
-    # session is a pykka actor, so this start rate bounds the spawn rate.
+    # What a v1 session cost to start (one pykka actor, one thread each); spawn_per_s is
+    # now paired with the SQLite commit rate, since a durable spawn is at least one commit.
     Figure("baseline.pykka_actor_start_per_s", "baseline.pykka_actor_mem", "starts_per_s",
            "p50", "/s"),
     # --- peers (other runtimes, same run; each paired with the floor its Tether row uses) ---

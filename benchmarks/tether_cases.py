@@ -12,10 +12,12 @@ import functools
 import gc
 import math
 import random
+import resource
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +41,17 @@ def wedge(tag: str) -> dict[str, Any]:
 class Events:
     """Runtime events of the given names, each with the time our callback received it."""
 
-    def __init__(self, rt: tether.Runtime, names: set[str]) -> None:
+    def __init__(self, rt: tether.Runtime, names: set[str],
+                 sessions: set[str] | None = None) -> None:
         self._names = frozenset(names)
+        self._sessions = None if sessions is None else frozenset(sessions)
         self._cond = threading.Condition()
         self._seen: list[tuple[int, tether.Event]] = []
         rt.subscribe(self._on)  # for the runtime's life: each case closes its runtime
 
     def _on(self, ev: tether.Event) -> None:
-        if ev.name in self._names:  # cheap filter first: this runs on the runtime's threads
+        # Cheap filters first: this runs on the runtime's threads.
+        if ev.name in self._names and (self._sessions is None or ev.session in self._sessions):
             now = time.perf_counter_ns()
             with self._cond:
                 self._seen.append((now, ev))
@@ -157,6 +162,96 @@ def abort(cfg: Cfg) -> Iterator[Samples]:
                 samples.append(ms_since(t0, max(dead, ended)))
                 _pool_steady(rt, 2)
             yield {"abort_ms": samples}
+
+
+# ---------------------------------------------------------------- abort under load
+
+
+class _Load:
+    """A sender thread keeping one trivial turn outstanding per load session: it prompts
+    the sessions round-robin, each prompt taking a slot that the turn's end gives back
+    (`window` slots in all), so the host never runs out of turns to claim, record and
+    dispatch, and no inbox grows without bound."""
+
+    def __init__(self, rt: tether.Runtime, roots: list[str]) -> None:
+        self._rt, self._roots, self._members = rt, roots, frozenset(roots)
+        self._slots = threading.Semaphore(len(roots))
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._ended = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-load", daemon=True)
+        rt.subscribe(self._on)
+
+    def _on(self, ev: tether.Event) -> None:
+        if ev.name == "turn.ended" and ev.session in self._members:
+            with self._lock:
+                self._ended += 1
+            self._slots.release()
+
+    def _run(self) -> None:
+        i = 0
+        try:
+            while not self._stop.is_set():
+                if self._slots.acquire(timeout=0.1):
+                    self._rt.prompt(self._roots[i % len(self._roots)], "x")
+                    i += 1
+        except BaseException as e:  # reported by `ended`, which every repetition calls
+            self.error = e
+
+    @property
+    def ended(self) -> int:
+        """Load turns ended so far; raises if the sender thread failed."""
+        if self.error is not None:
+            raise RuntimeError(f"the load sender failed: {self.error!r}") from self.error
+        with self._lock:
+            return self._ended
+
+    def __enter__(self) -> _Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=WAIT)
+
+
+def abort_loaded(cfg: Cfg) -> Iterator[Samples]:
+    """`abort_ms` of `abort`, with the host saturated: 1,000 root sessions kept busy with
+    trivial turns by a sender thread (`_Load`), on a file store, 2 workers. The wedged turn
+    holds one worker, the load takes the other and every host thread. Measured from the
+    abort call to the later of: worker, sh and both sleeps dead, and the turn's `aborted`
+    end event. The load's own turn rate while sampling goes to the notes."""
+    with tempfile.TemporaryDirectory(prefix="bench-abort-loaded-") as d, \
+            tether.Runtime(Path(d) / "tether.db", workers=2) as rt:
+        child, auth = _quiet_child(rt, SCRIPTED)
+        events = Events(rt, {"turn.ended"}, sessions={child})
+        roots = [rt.open_session(SCRIPTED) for _ in range(cfg.sessions(1000))]
+        _pool_steady(rt, 2)
+        with _Load(rt, roots) as load:
+            time.sleep(0.5)  # the backlog builds up to its window
+            while True:
+                samples = []
+                ended0, t_start = load.ended, time.perf_counter()
+                for _ in range(cfg.n(20, 60)):
+                    tag = _procs.wedge_tag()
+                    rt.send(child, "wedge", data=wedge(tag), authority=auth)
+                    tree = _procs.find_tree(tag, WAIT)  # queued behind the load's backlog
+                    mark = events.mark()
+                    with _procs.DeathWatch(tree.pids(with_starter=True)) as watch:
+                        t0 = time.perf_counter_ns()
+                        rt.interrupt(child, authority=auth, kind="abort", reason="bench")
+                        dead = watch.wait(WAIT)
+                        ended, ev = events.wait(mark, _on(child, "turn.ended"))
+                    if ev.data["outcome"] != "aborted":
+                        raise RuntimeError(f"the wedged turn ended {ev.data['outcome']}, "
+                                           "not aborted")
+                    samples.append(ms_since(t0, max(dead, ended)))
+                    _pool_steady(rt, 2)
+                rate = (load.ended - ended0) / (time.perf_counter() - t_start)
+                cfg.note(f"load while sampling: {rate:,.0f} trivial turns/s ended over "
+                         f"{len(roots):,} sessions (last repetition)", key="load")
+                yield {"abort_ms": samples}
 
 
 # ---------------------------------------------------------------- respawn
@@ -292,7 +387,12 @@ class _Countdown:
 def turns(cfg: Cfg) -> Iterator[Samples]:
     """Trivial turns on a file store, 2 workers, 8 root sessions prompted round-robin
     (each session runs its queue one turn at a time; 8 keep both workers fed). Timed
-    from the first prompt to the last `turn.ended`, so enqueueing is included."""
+    from the first prompt to the last `turn.ended`, so enqueueing is included.
+
+    Over the same span, the host's CPU time per turn: `time.process_time()`, i.e. user +
+    sys of every thread of this process (the runtime's, and the caller's prompts, which
+    run in the host too) and of no child, so the workers' CPU is not counted.
+    """
     n, sessions = cfg.n(2000, 10000), 8
     with tempfile.TemporaryDirectory(prefix="bench-turns-") as d, \
             tether.Runtime(Path(d) / "tether.db", workers=2) as rt:
@@ -300,23 +400,24 @@ def turns(cfg: Cfg) -> Iterator[Samples]:
         ended = _Countdown()
         rt.subscribe(ended.on_event)
 
-        def rate(batch: int) -> float:
-            ended.arm(batch)
-            t0 = time.perf_counter()
-            for i in range(batch):
+        def batch(size: int) -> Samples:
+            ended.arm(size)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(size):
                 rt.prompt(roots[i % sessions], "x")
             got = ended.wait(60)
-            elapsed = time.perf_counter() - t0
-            if got < batch:
-                cfg.note(f"only {got} of {batch} turns ended within 60 s")
+            t1, c1 = time.perf_counter(), time.process_time()
+            if got < size:
+                cfg.note(f"only {got} of {size} turns ended within 60 s")
             for root in roots:  # drain, so a short batch does not spill into the next
                 rt.wait(root, timeout=WAIT)
-            return got / elapsed
+            return {"turns_per_s": [got / (t1 - t0)],
+                    "host_cpu_us": [(c1 - c0) / max(got, 1) * 1e6]}
 
         _pool_steady(rt, 2)
-        rate(200)  # warm-up: the first turns load the driver and grow the store
+        batch(200)  # warm-up: the first turns load the driver and grow the store
         while True:
-            yield {"turns_per_s": [rate(n)]}
+            yield batch(n)
 
 
 # ---------------------------------------------------------------- send throughput
@@ -348,56 +449,124 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _session_tree(cfg: Cfg, live: int, lists: int, calls: int) -> Iterator[Samples]:
-    """`live` sessions: a root, s-1 children with s grandchildren each (s = sqrt(live)),
-    all continuable and idle. Measures spawning them, their memory, listing them, and the
-    synchronous part of interrupt on one of them.
+def _tree_shape(live: int) -> list[int]:
+    """Grandchildren per child for `live` sessions in all: a root, isqrt(live) - 1
+    children, the rest spread evenly below them (live = s*s gives s-1 children of s)."""
+    kids = math.isqrt(live) - 1
+    leaves = live - 1 - kids
+    return [leaves // kids + (i < leaves % kids) for i in range(kids)]
 
-    The interrupt is a steer to a grandchild whose turn is wedged in a tool: every call
-    then authorizes and issues a real frame to a running turn (a repeated cancel would be
-    a no-op after the first), and no boundary delivers the steers meanwhile, so no
-    transcript writes compete with the calls. The calls are 1 ms apart, as interrupts
-    come in use, so each one finds the agent's thread idle rather than a backlog.
+
+@dataclass
+class _Tree:
+    """A wide tree of live idle continuable sessions, as `_grow_tree` spawned it."""
+
+    root: str
+    kids: list[str]
+    leaves: list[str]  # in the order of their parents in `kids`
+    timed: int  # sessions spawned inside the timing
+    spawn_per_s: float
+    kib: float  # host RSS growth per timed session
+
+    @property
+    def live(self) -> int:
+        return 1 + len(self.kids) + len(self.leaves)
+
+
+def _grow_tree(rt: tether.Runtime, live: int, budget_s: float) -> _Tree:
+    """Spawn `live` sessions as a root → children → grandchildren tree (`_tree_shape`).
+
+    Timed from the first timed spawn to the last spawn's return; memory is the host's RSS
+    (after a gc) just before the first timed spawn and 0.2 s after the last, so it also
+    counts the caller's list of the new ids (about 0.1 KiB a session). The first
+    child and grandchild warm the spawn paths (driver probe, first allocations) outside
+    both; they count among the `live` sessions. Raises once spawning overruns `budget_s`
+    (a core that cannot reach the count at all fails fast instead of at the deadline).
     """
-    s = math.isqrt(live)
-    assert s * s == live
+    shape = _tree_shape(live)
+    root = rt.open_session(SCRIPTED)
+    kids = [str(rt.spawn(root, SCRIPTED))]
+    leaves = [str(rt.spawn(kids[0], SCRIPTED))]
+    before = _rss()
+    t0 = time.perf_counter()
+    kids += [str(rt.spawn(root, SCRIPTED)) for _ in range(len(shape) - 1)]
+    for i, (kid, count) in enumerate(zip(kids, shape, strict=True)):
+        leaves += [str(rt.spawn(kid, SCRIPTED)) for _ in range(count - (i == 0))]
+        if time.perf_counter() - t0 > budget_s:
+            done = 1 + len(kids) + len(leaves)
+            raise RuntimeError(f"spawned only {done:,} of {live:,} sessions within "
+                               f"{budget_s:g} s ({done / budget_s:,.0f}/s)")
+    spawn_s = time.perf_counter() - t0
+    timed = len(kids) + len(leaves) - 2
+    time.sleep(0.2)  # let the new sessions settle (a v1 actor's thread into its inbox wait)
+    kib = (_rss() - before) / timed / 1024
+    return _Tree(root, kids, leaves, timed, timed / spawn_s, kib)
+
+
+def _list_ms(rt: tether.Runtime, tree: _Tree, lists: int) -> list[float]:
+    """`list_agents(root, scope="descendants")`, call to return, each listing checked
+    complete (every session but the root)."""
+    times = []
+    for _ in range(lists):
+        t0 = time.perf_counter()
+        got = rt.list_agents(tree.root, scope="descendants")
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(got) != tree.live - 1:
+            raise RuntimeError(f"list_agents returned {len(got):,} of {tree.live - 1:,} sessions")
+        del got
+    return times
+
+
+def _interrupt_calls(rt: tether.Runtime, tree: _Tree, calls: int) -> list[float]:
+    """The synchronous part of interrupt: call to return, for a steer to the last
+    grandchild while its turn is wedged in a tool; the turn is aborted afterwards, so
+    every session is idle again.
+
+    A steer to a wedged turn makes every call authorize and issue a real frame to a
+    running turn (a repeated cancel would be a no-op after the first), and no boundary
+    delivers the steers meanwhile, so no transcript writes compete with the calls. The
+    calls are 1 ms apart, as interrupts come in use, so each one finds the session's
+    actor idle rather than a backlog.
+    """
+    target, auth = tree.leaves[-1], tether.User(parent=tree.kids[-1])
+    tag = _procs.wedge_tag()
+    rt.send(target, "wedge", data=wedge(tag), authority=auth)
+    _procs.find_tree(tag, WAIT)
+    call_us = []
+    for i in range(calls):
+        time.sleep(0.001)
+        t0 = time.perf_counter_ns()
+        rt.interrupt(target, authority=auth, kind="steer", reason=f"s{i}")
+        call_us.append(us_since(t0, time.perf_counter_ns()))
+    rt.interrupt(target, authority=auth, kind="abort", reason="bench done")
+    rt.wait(target, timeout=WAIT)
+    return call_us
+
+
+def _session_tree(cfg: Cfg, live: int, lists: int, calls: int,
+                  budget_s: float = 600) -> Iterator[Samples]:
+    """`live` continuable sessions on a file store (`_grow_tree`), all idle: spawning
+    them, their memory, listing them (`_list_ms`), the synchronous part of interrupt on
+    one of them (`_interrupt_calls`), and `close()` with all of them live and idle (call
+    to return; the store's temp dir is removed after).
+
+    Every session count uses a file store, as a durable host does, so the interrupt
+    figures compare like with like and memory does not count an in-memory database.
+    """
     while True:
-        with tether.Runtime(workers=2) as rt:
-            root = rt.open_session(SCRIPTED)
-            # The first child and grandchild warm the spawn paths (driver probe, first
-            # allocations) outside the timing; they count among the `live` sessions.
-            kids = [str(rt.spawn(root, SCRIPTED))]
-            leaves = [str(rt.spawn(kids[0], SCRIPTED))]
-            before = _rss()
-            t0 = time.perf_counter()
-            kids += [str(rt.spawn(root, SCRIPTED)) for _ in range(s - 2)]
-            leaves += [str(rt.spawn(kids[0], SCRIPTED)) for _ in range(s - 1)]
-            leaves += [str(rt.spawn(k, SCRIPTED)) for k in kids[1:] for _ in range(s)]
-            spawn_s = time.perf_counter() - t0
-            n = len(kids) + len(leaves) - 2  # spawned while timed
-            time.sleep(0.2)  # let the new actors' threads settle into their inbox waits
-            kib = (_rss() - before) / n / 1024
-            list_ms = []
-            for _ in range(lists):
+        with tempfile.TemporaryDirectory(prefix="bench-tree-") as d:
+            rt = tether.Runtime(Path(d) / "tether.db", workers=2)
+            try:
+                tree = _grow_tree(rt, live, budget_s)
+                list_ms = _list_ms(rt, tree, lists)
+                call_us = _interrupt_calls(rt, tree, calls)
                 t0 = time.perf_counter()
-                got = rt.list_agents(root, scope="descendants")
-                list_ms.append((time.perf_counter() - t0) * 1e3)
-            if len(got) != live - 1:
-                raise RuntimeError(f"list_agents returned {len(got)} of {live - 1} sessions")
-            target, auth = leaves[-1], tether.User(parent=kids[-1])
-            tag = _procs.wedge_tag()
-            rt.send(target, "wedge", data=wedge(tag), authority=auth)
-            _procs.find_tree(tag, WAIT)
-            call_us = []
-            for i in range(calls):
-                time.sleep(0.001)
-                t0n = time.perf_counter_ns()
-                rt.interrupt(target, authority=auth, kind="steer", reason=f"s{i}")
-                call_us.append(us_since(t0n, time.perf_counter_ns()))
-            rt.interrupt(target, authority=auth, kind="abort", reason="bench done")
-            rt.wait(target, timeout=WAIT)
-            yield {"spawn_per_s": [n / spawn_s], "idle_session_kib": [kib],
-                   "list_ms": list_ms, "interrupt_call_us": call_us}
+                rt.close()
+                close_s = time.perf_counter() - t0
+            finally:
+                rt.close()  # a no-op after the timed close
+        yield {"spawn_per_s": [tree.spawn_per_s], "idle_session_kib": [tree.kib],
+               "list_ms": list_ms, "interrupt_call_us": call_us, "close_s": [close_s]}
 
 
 def sessions_100(cfg: Cfg) -> Iterator[Samples]:
@@ -405,4 +574,34 @@ def sessions_100(cfg: Cfg) -> Iterator[Samples]:
 
 
 def sessions_10k(cfg: Cfg) -> Iterator[Samples]:
-    return _session_tree(cfg, 10_000, cfg.n(10, 30), cfg.n(500, 2000))
+    return _session_tree(cfg, cfg.sessions(10_000), cfg.n(10, 30), cfg.n(500, 2000))
+
+
+def sessions_100k(cfg: Cfg) -> Iterator[Samples]:
+    return _session_tree(cfg, cfg.sessions(100_000), cfg.n(5, 20), cfg.n(500, 2000),
+                         budget_s=cfg.n(120, 900))
+
+
+def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
+    """1,000,000 live idle continuable sessions in one host (`_grow_tree`, file store):
+    the host process's whole RSS (after a gc) once all are spawned and one descendants
+    listing has returned complete and been dropped. Spawn rate, listing time, peak RSS
+    and `close()` time go to the notes."""
+    live = cfg.sessions(1_000_000)
+    while True:
+        with tempfile.TemporaryDirectory(prefix="bench-1m-") as d:
+            rt = tether.Runtime(Path(d) / "tether.db", workers=2)
+            try:
+                tree = _grow_tree(rt, live, budget_s=1200)
+                (list_ms,) = _list_ms(rt, tree, 1)
+                rss_gib = _rss() / 2**30
+                t0 = time.perf_counter()
+                rt.close()
+                close_s = time.perf_counter() - t0
+            finally:
+                rt.close()
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        cfg.note(f"{tree.live:,} sessions: spawned at {tree.spawn_per_s:,.0f}/s, listed in "
+                 f"{list_ms:,.0f} ms, closed in {close_s:.1f} s; peak RSS {peak_gib:.2f} GiB",
+                 key="1m")
+        yield {"rss_gib": [rss_gib]}
