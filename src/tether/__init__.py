@@ -5,8 +5,9 @@ Layering (imports only ever point down):
     tether.runtime   processes and the outside world: the Runtime facade, worker pool,
         |            worker turn loop, SQLite store, drivers, RPC server, CLI
         v
-    tether.actors    pykka actors: the supervisor (registry, lineage, authority) and one
-        |            agent per live session (inbox, state, turn, interrupts); they reach
+    tether.actors    pykka actors: the supervisor (catalog, spawn, dispose, discovery) and
+        |            a few session hosts, each serving many sessions' state machines
+        |            (inbox, state, turn, interrupts) one message at a time; they reach
         |            the pool and the store only through the Protocols in actors.ports
         v
     tether.wire      msgspec Structs and codecs; depends on nothing of ours
@@ -35,6 +36,7 @@ from tether.wire.records import (
     Entry,
     Event,
     Message,
+    PendingMessage,
     TurnRecord,
 )
 
@@ -53,6 +55,7 @@ __all__ = [
     "NotFound",
     "OneShot",
     "ParentOffline",
+    "PendingMessage",
     "Preempted",
     "Runtime",
     "Scripted",
