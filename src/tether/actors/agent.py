@@ -14,6 +14,7 @@ what actually happened to it.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -38,7 +39,13 @@ from tether.wire.frames import (
     ToolKilled,
     TurnEnd,
 )
-from tether.wire.records import AgentInfo, ChildTurnEnded, Message, SessionHeader
+from tether.wire.records import (
+    AgentInfo,
+    ChildTurnEnded,
+    Message,
+    SessionHeader,
+    message_key,
+)
 from tether.wire.text import marker_text
 
 __all__ = ["Interrupt", "Session", "Wake", "make_info"]
@@ -122,6 +129,7 @@ class Session:
         "epoch",
         "header",
         "hold",
+        "horizon",
         "inbox",
         "info",
         "lineage",
@@ -138,6 +146,7 @@ class Session:
         epoch: int,
         inbox: list[Message],
         hold: bool,
+        horizon: int = 0,
     ) -> None:
         self._host = host
         self.header = header
@@ -146,6 +155,10 @@ class Session:
         self.epoch = epoch
         # An empty inbox is None: a million idle sessions need no million deques.
         self.inbox: deque[Message] | None = deque(inbox) if inbox else None
+        # Every message with a key up to here was loaded with the inbox (or claimed
+        # before): a send that committed before this materialization and is told
+        # after it must not be queued twice.
+        self.horizon = horizon
         self.hold = hold
         self.turn: _Turn | None = None
         self.disposing = False
@@ -165,9 +178,17 @@ class Session:
     # ---- inbox --------------------------------------------------------------------
 
     def enqueue(self, msg: Message, wake: Wake) -> None:
-        if self.inbox is None:
-            self.inbox = deque()
-        self.inbox.append(msg)
+        """Queue an accepted message (in key order), then act on ``wake``."""
+        key = message_key(msg.id)
+        if key > self.horizon:
+            inbox = self.inbox
+            if inbox is None:
+                self.inbox = deque([msg])
+            elif message_key(inbox[-1].id) < key:
+                inbox.append(msg)
+            else:  # two senders' tells crossed: keep the order the store gave them
+                keys = [message_key(m.id) for m in inbox]
+                inbox.insert(bisect.bisect(keys, key), msg)
         t = self.turn
         if wake == "yes":
             if t is not None:

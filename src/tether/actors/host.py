@@ -17,6 +17,7 @@ it only tells (a child's turn-end notice to the parent's host).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,9 +27,9 @@ import structlog
 
 from tether.actors._timers import TimerHandle, TimerQueue
 from tether.actors.agent import Interrupt, Session, SessionServices, Wake, make_info
-from tether.actors.authority import Authority, Host, sender_of
+from tether.actors.authority import Authority, Host
 from tether.actors.directory import Directory
-from tether.actors.ports import AgentStore, Durable, EventSink, Executor
+from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
 from tether.wire.frames import Delivered, ToolKilled, TurnEnd
@@ -38,13 +39,14 @@ __all__ = [
     "Adopt",
     "Dispatcher",
     "DisposeOp",
+    "Enqueued",
     "InterruptOp",
     "RefOp",
     "ReleaseOp",
     "RunningOp",
-    "SendOp",
     "SessionHost",
     "StatusOp",
+    "SyncOp",
 ]
 
 log = structlog.get_logger("tether.host")
@@ -65,14 +67,19 @@ class Adopt:
 
 
 @dataclass(frozen=True, slots=True)
-class SendOp:
-    """Answered with ``(message id, durable ticket)`` once the message is queued."""
+class Enqueued:
+    """Told by a sender: ``message`` is authorized and committed; queue it, then wake.
 
-    target: str
-    content: str
-    authority: Authority | None  # None: the host itself (a root's owner prompting it)
-    data: dict[str, Any] | None = None
-    wake: bool = True
+    The send's fast path: the caller authorizes against the directory and makes the
+    message durable itself, so a send costs one commit and no round trip. Everything
+    that can happen between that and this message arriving is decided here, in order:
+    the inbox closed meanwhile (the message is closed with it), the session went
+    dormant (a waking send brings it back, and its load already holds the message), or
+    a materialization loaded it already (``Session.horizon``).
+    """
+
+    message: Message
+    wake: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,11 @@ class RunningOp:
 
 
 @dataclass(frozen=True, slots=True)
+class SyncOp:
+    """Answered once everything told to this host before it has been handled."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Notice:
     parent: str
     notice: ChildTurnEnded
@@ -147,6 +159,40 @@ class _Timer:
     session: str
     turn: str
     which: Literal["grace", "deadline"]
+
+
+class _Reply:
+    """A one-shot answer slot: the asker blocks on a held lock that the host releases.
+
+    A lock hand-off is the cheapest cross-thread wake CPython has; pykka's ``ask``
+    builds a queue-backed future per call, which the hot paths (interrupt, status)
+    would pay on every call.
+    """
+
+    __slots__ = ("_error", "_lock", "_value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set(self, value: Any, error: BaseException | None = None) -> None:
+        self._value = value
+        self._error = error
+        self._lock.release()
+
+    def get(self) -> Any:
+        self._lock.acquire()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    message: Any
+    reply: _Reply
 
 
 def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
@@ -189,10 +235,23 @@ class Dispatcher:
         return self.services[hash(session) % self.size]
 
     def ask(self, session: str, message: Any) -> Any:
-        return self.route(session).ask(message)
+        """Ask the session's host; an answer handed over with one lock, not a future."""
+        reply = _Reply()
+        self.route(session).tell(_Call(message, reply))
+        return reply.get()
 
     def tell(self, session: str, message: Any) -> None:
         _tell(self.route(session), message)
+
+    def sync(self) -> None:
+        """A barrier: every host has handled what was told to it before this call."""
+        replies = []
+        for ref in self.refs:
+            reply = _Reply()
+            ref.tell(_Call(SyncOp(), reply))
+            replies.append(reply)
+        for reply in replies:
+            reply.get()
 
 
 class SessionHost(pykka.ThreadingActor):
@@ -235,9 +294,18 @@ class SessionHost(pykka.ThreadingActor):
         return self._timers.after(delay, lambda: _tell(ref, timer))
 
     def on_receive(self, message: Any) -> Any:
+        if isinstance(message, _Call):
+            try:
+                value = self._answer(message.message)
+            except BaseException as exc:  # the asker re-raises it
+                message.reply.set(None, exc)
+            else:
+                message.reply.set(value)
+            return None
+        return self._answer(message)
+
+    def _answer(self, message: Any) -> Any:
         match message:
-            case SendOp():
-                return self._send(message)
             case InterruptOp():
                 return self._interrupt(message)
             case StatusOp(session=sid):
@@ -252,6 +320,8 @@ class SessionHost(pykka.ThreadingActor):
                 return self._release(sid)
             case RunningOp():
                 return [sid for sid, s in self._live.items() if s.turn is not None]
+            case SyncOp():
+                return None
         # Told: a failure here has no caller to reach, and must not stop the actor.
         try:
             self._told(message)
@@ -261,6 +331,8 @@ class SessionHost(pykka.ThreadingActor):
 
     def _told(self, message: Any) -> None:
         match message:
+            case Enqueued(message=msg, wake=wake):
+                self._enqueued(msg, wake)
             case Adopt(session=session):
                 self._adopt(session)
             case _Notice(parent=parent, notice=notice):
@@ -305,7 +377,9 @@ class SessionHost(pykka.ThreadingActor):
         s.start_next()
         self._after(s)
 
-    def _materialize(self, h: SessionHeader, inbox: list[Message], hold: bool) -> Session:
+    def _materialize(
+        self, h: SessionHeader, inbox: list[Message], *, hold: bool, horizon: int
+    ) -> Session:
         node = self._dir.catalog.nodes[h.id]
         s = Session(
             self._services,
@@ -315,6 +389,7 @@ class SessionHost(pykka.ThreadingActor):
             self._dir.next_epoch(),
             inbox,
             hold,
+            horizon,
         )
         self._live[h.id] = s
         self._dir.registry[h.id] = s
@@ -325,21 +400,22 @@ class SessionHost(pykka.ThreadingActor):
 
     # ---- inbox --------------------------------------------------------------------
 
-    def _send(self, op: SendOp) -> tuple[str, Durable]:
-        node = self._dir.authorize_send(op.target, op.authority)
-        sid = op.target
+    def _enqueued(self, msg: Message, wake: bool) -> None:
+        sid = msg.session
+        node = self._dir.catalog.nodes[sid]
+        if node.settled or node.disposing:
+            self._store.close_message(msg.id)
+            log.info("message.closed", session=sid, message=msg.id, why="inbox closed")
+            return
         s = self._live.get(sid)
-        if s is None and op.wake:
+        if s is None and wake:
             # A waking send brings a dormant session back (a new epoch), with what was
-            # queued while it slept.
-            s = self._materialize(node.header, self._store.pending(sid), hold=False)
-        msg, ticket = self._store.append_message(
-            sid, op.content, data=op.data, sender=sender_of(op.authority)
-        )
+            # queued while it slept (this message included).
+            inbox, horizon = self._store.pending(sid)
+            s = self._materialize(node.header, inbox, hold=False, horizon=horizon)
         self._accepted(msg, s.lineage if s is not None else None)
         if s is not None:
-            self._enqueue(s, msg, "yes" if op.wake else "no")
-        return msg.id, ticket
+            self._enqueue(s, msg, "yes" if wake else "no")
 
     def _enqueue(self, s: Session, msg: Message, wake: Wake) -> None:
         try:
@@ -434,6 +510,11 @@ class SessionHost(pykka.ThreadingActor):
             if s.turn is not None and s.turn.timer is not None:
                 s.turn.timer.cancel()
         self._live.clear()
+        # Calls that will never be handled must not leave their askers blocked.
+        while not self.actor_inbox.empty():
+            envelope = self.actor_inbox.get()
+            if isinstance(envelope.message, _Call):
+                envelope.message.reply.set(None, pykka.ActorDeadError(f"{self} stopped"))
 
 
 def notice_text(notice: ChildTurnEnded) -> str:

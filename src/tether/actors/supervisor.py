@@ -148,12 +148,15 @@ class SupervisorActor(pykka.ThreadingActor):
         self._adopt(h, inbox, hold=False)
         return h.id, ticket
 
-    def _adopt(self, h: SessionHeader, inbox: list[Message], *, hold: bool) -> None:
+    def _adopt(
+        self, h: SessionHeader, inbox: list[Message], *, hold: bool, horizon: int = 0
+    ) -> None:
         """Make the session live on its host; the registry has it before anyone can ask."""
         node = self._catalog.nodes[h.id]
         lineage = self._catalog.lineage(h.id)
         services = self._dispatcher.services_for(h.id)
-        s = Session(services, h, lineage, node.depth, self._dir.next_epoch(), inbox, hold)
+        epoch = self._dir.next_epoch()
+        s = Session(services, h, lineage, node.depth, epoch, inbox, hold, horizon)
         self._dispatcher.tell(h.id, Adopt(s))
         self._dir.registry[h.id] = s
 
@@ -189,7 +192,8 @@ class SupervisorActor(pykka.ThreadingActor):
             )
         roots = [sid for sid in self._catalog.roots if not nodes[sid].settled]
         for sid in roots:
-            self._adopt(nodes[sid].header, self._store.pending(sid), hold=True)
+            inbox, horizon = self._store.pending(sid)
+            self._adopt(nodes[sid].header, inbox, hold=True, horizon=horizon)
         return roots
 
     # ---- discovery ------------------------------------------------------------------

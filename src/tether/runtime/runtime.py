@@ -24,15 +24,15 @@ import structlog
 
 from tether.actors._ids import new_id
 from tether.actors._timers import TimerQueue
-from tether.actors.authority import Ancestor, Authority, Host, User
+from tether.actors.authority import Ancestor, Authority, Host, User, sender_of
 from tether.actors.directory import Directory
 from tether.actors.host import (
     Dispatcher,
+    Enqueued,
     InterruptOp,
     RefOp,
     ReleaseOp,
     RunningOp,
-    SendOp,
     SessionHost,
     StatusOp,
 )
@@ -251,7 +251,7 @@ class Runtime:
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
         """The owner's message to a root session (waking); returns the message id."""
         self._check_message(content, data)
-        return self._send(SendOp(session_id, content, None, data, True))
+        return self._send(session_id, content, None, data, True)
 
     def spawn(
         self,
@@ -296,7 +296,7 @@ class Runtime:
         """
         self._check_authority(authority)
         self._check_message(content, data)
-        return self._send(SendOp(target, content, authority, data, bool(wake)))
+        return self._send(target, content, authority, data, bool(wake))
 
     def interrupt(
         self,
@@ -335,9 +335,12 @@ class Runtime:
         return self._interrupt(op)
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:
-        """One consistent pre-order walk below ``root`` (SPEC §7)."""
+        """One consistent pre-order walk below ``root`` (SPEC §7), taken after the
+        sessions' hosts have handled everything sent to them before this call."""
         if scope not in _SCOPES:
             raise InvalidParams(f"scope must be one of {_SCOPES}, not {scope!r}")
+        self._check_open()
+        self._dispatcher.sync()
         result: list[AgentInfo] = self._ask(ListReq(root, scope))
         return result
 
@@ -485,15 +488,27 @@ class Runtime:
         ticket.wait()
         return str(sid)
 
-    def _send(self, op: SendOp) -> str:
-        """Decided by the target's host; returns once the message is durable."""
+    def _send(
+        self,
+        target: str,
+        content: str,
+        authority: Authority | None,
+        data: dict[str, Any] | None,
+        wake: bool,
+    ) -> str:
+        """The fast path: authorize here, make the message durable here, then tell the
+        target's host, which queues it (see ``Enqueued`` for the races it settles)."""
         self._check_open()
-        self._check_id(op.target)
-        message, ticket = self._dispatcher.ask(op.target, op)
+        self._check_id(target)
+        self._dir.authorize_send(target, authority)
+        msg, ticket = self._store.append_message(
+            target, content, data=data, sender=sender_of(authority)
+        )
         ticket.wait()
+        self._dispatcher.tell(target, Enqueued(msg, wake))
         if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
-            log.debug("message.accepted", session=op.target, message=message, wake=op.wake)
-        return str(message)
+            log.debug("message.accepted", session=target, message=msg.id, wake=wake)
+        return msg.id
 
     def _interrupt(self, op: InterruptOp) -> str | None:
         self._check_id(op.target)

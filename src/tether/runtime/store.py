@@ -1,23 +1,26 @@
-"""The durable store: SQLite in WAL mode, written by one thread in group commits.
+"""The durable store: SQLite in WAL mode, with group commit.
 
 ::
 
-    agent actors, callers ──submit(op)──► queue ──► writer thread: BEGIN; op; op; …; COMMIT
-         │                                                   │
-         └── ticket.wait() (a send returns only once ────────┘ tickets of the batch are set
-             its batch is committed: durable)
+    session hosts ──submit(op)──────────┐            (not waited for: turn records,
+                                        ▼             markers, notices)
+    callers ──submit(op) → ticket ──► queue ──► a committer: BEGIN; op; op; …; COMMIT
+       └── ticket.wait(): commit the queue ──┘      (the writer thread, or the caller)
 
-Writers never wait for SQLite: the session actors hand their records (a turn's start and
-end, markers, notices) to the writer and go on; a send's caller waits for its batch's
-ticket, so an accepted send is durable before ``send()`` returns, and concurrent sends
-share one commit. Ids that callers need at once (message ids, entry sequence numbers,
-turn rows) are assigned in memory, in the order the operations are queued, so the rows
-land in the same order. Reads first wait for everything queued before them (``flush``),
-so a reader sees every write that happened before it asked.
+Writes are queued and committed together. The session hosts never wait for SQLite:
+they queue their records and go on. A caller that needs durability (a send, a spawn)
+waits on its ticket, which commits the whole queue in the caller's own thread unless a
+commit holding its write is already under way; so a lone sender pays one commit and no
+thread hop, and concurrent senders share one commit. The writer thread commits what
+nobody waits for. Committers take turns on one lock and each takes the whole queue, so
+batches commit in the order their operations were queued. Ids callers need at once
+(message ids, entry sequence numbers, turn rows) are assigned in memory, in queue
+order. Reads first commit everything queued before them, so a reader sees every write
+that happened before it asked.
 
 WAL with ``synchronous=NORMAL`` is durable against a process crash (a power cut may lose
 the last transactions). The WAL stays bounded: a background connection checkpoints it
-passively, and once it grows past ``_WAL_LIMIT`` the writer truncates it between batches.
+passively, and once it grows past ``_WAL_LIMIT`` a committer truncates it.
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ from typing import Any
 import msgspec
 import structlog
 
-from tether.wire.records import Entry, Message, PendingMessage, SessionHeader, TurnRecord
+from tether.wire.records import (
+    Entry,
+    Message,
+    PendingMessage,
+    SessionHeader,
+    TurnRecord,
+    message_key,
+)
 
-__all__ = ["MAX_PAGE", "Store", "Ticket", "message_key"]
+__all__ = ["MAX_PAGE", "Store", "Ticket"]
 
 log = structlog.get_logger("tether.store")
 
@@ -107,6 +117,7 @@ MAX_PAGE = 1000  # entries one read returns at most
 _CHECKPOINT_EVERY = 0.5  # seconds between background passive WAL checkpoints
 _WAL_LIMIT = 64 * 1024 * 1024  # bytes: past this the writer truncates the WAL
 _PREVIEW = 200
+_LINGER = 0.0005  # seconds the writer thread waits before committing what it was woken for
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
@@ -122,17 +133,13 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
     return None if blob is None else _dec.decode(blob)
 
 
-def message_key(message_id: str) -> int:
-    """The row id behind a message id (``m_17`` -> 17)."""
-    return int(message_id[2:])
-
-
 class Ticket:
-    """One batch of writes: set once it is committed (or has failed)."""
+    """One batch of writes: done once it is committed (or has failed)."""
 
-    __slots__ = ("_done", "error")
+    __slots__ = ("_done", "_store", "error")
 
-    def __init__(self) -> None:
+    def __init__(self, store: Store) -> None:
+        self._store = store
         self._done = threading.Event()
         self.error: BaseException | None = None
 
@@ -140,8 +147,15 @@ class Ticket:
         self.error = error
         self._done.set()
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def wait(self, timeout: float | None = None) -> None:
-        """Return once the batch is durable; re-raise what made it fail."""
+        """Return once the batch is durable (committing it here if nobody is); re-raise
+        what made it fail."""
+        if not self._done.is_set():
+            self._store.commit(self)
         if not self._done.wait(timeout):
             raise TimeoutError("the store did not commit in time")
         if self.error is not None:
@@ -156,26 +170,26 @@ class Store:
         self._db = sqlite3.connect(
             path or ":memory:", check_same_thread=False, isolation_level=None
         )
-        self._lock = threading.Lock()  # the connection: the writer's batch, or one read
+        self._lock = threading.Lock()  # the connection: one commit or one read at a time
+        self._commit_lock = threading.Lock()  # committers take turns: batches stay in order
         self._cond = threading.Condition(threading.Lock())  # the queue
         self._queue: list[Op] = []
-        self._ticket = Ticket()  # the batch being filled
-        self._last: Ticket | None = None  # the newest batch holding anything
+        self._ticket = Ticket(self)  # the batch being filled
         self._stopping = False
         if path is not None:
             # Small pages: a commit appends every page it touched to the WAL, and a turn
             # boundary touches a few pages to write a few hundred bytes.
             self._db.execute("PRAGMA page_size=1024")
             self._db.execute("PRAGMA journal_mode=WAL")
-            # Checkpoints move off the writer to a connection of their own, except the
-            # truncating one that bounds the WAL (see _maybe_truncate).
+            # Checkpoints move off the committers to a connection of their own, except
+            # the truncating one that bounds the WAL (see _maybe_truncate).
             self._db.execute("PRAGMA wal_autocheckpoint=0")
             self._db.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT}")
             self._db.execute("PRAGMA busy_timeout=5000")
         sync = "FULL" if durability == "full" else "NORMAL"
         self._db.execute(f"PRAGMA synchronous={sync}")
         self._db.executescript(_SCHEMA)
-        self._message_ids = itertools.count(self._max("messages", "id") + 1)
+        self._next_key = self._max("messages", "id") + 1  # the next message's key
         self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
         self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
@@ -193,40 +207,55 @@ class Store:
         (n,) = self._db.execute(f"SELECT COALESCE(MAX({column}), 0) FROM {table}").fetchone()
         return int(n)
 
-    # ---- the writer -----------------------------------------------------------------
+    # ---- committing -----------------------------------------------------------------
 
-    def submit(self, op: Op) -> Ticket:
-        """Queue one write; the returned ticket is set once it is committed."""
+    def submit(self, op: Op, *, waited: bool = False) -> Ticket:
+        """Queue one write; the returned ticket is done once it is committed.
+
+        ``waited``: the caller will wait on the ticket (and so commit it), so the writer
+        thread need not be woken for it.
+        """
         with self._cond:
-            return self._submit_locked(op)
+            return self._submit_locked(op, waited)
 
-    def _submit_locked(self, op: Op) -> Ticket:
+    def _submit_locked(self, op: Op, waited: bool = False) -> Ticket:
         if self._stopping:
             raise RuntimeError("the store is closed")
         self._queue.append(op)
-        self._last = self._ticket
-        self._cond.notify()
+        if not waited:
+            self._cond.notify()
         return self._ticket
 
     def flush(self) -> None:
-        """Wait until everything queued so far is committed."""
-        with self._cond:
-            last = self._last
-        if last is not None:
-            last.wait()
+        """Commit everything queued so far (a reader sees every earlier write)."""
+        self.commit(None)
+
+    def commit(self, ticket: Ticket | None) -> None:
+        """Commit the queue in this thread, unless ``ticket`` is done meanwhile."""
+        with self._commit_lock:
+            if ticket is not None and ticket.done:
+                return  # another committer took it while we waited for our turn
+            with self._cond:
+                batch, self._queue = self._queue, []
+                done, self._ticket = self._ticket, Ticket(self)
+            if batch:
+                done.set(self._commit(batch))
+                self._maybe_truncate()
+            else:
+                done.set()
 
     def _write_loop(self) -> None:
+        """Commit what nobody waits for, woken by each such write."""
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                if not self._queue and not self._stopping:
                     self._cond.wait()
-                if not self._queue:
+                if self._stopping:
                     return
-                batch, self._queue = self._queue, []
-                ticket, self._ticket = self._ticket, Ticket()
-            error = self._commit(batch)
-            ticket.set(error)
-            self._maybe_truncate()
+            # Linger: writes queued together (a turn's end and its notice) share a
+            # commit, and a caller about to wait commits its own write without a hop.
+            time.sleep(_LINGER)
+            self.commit(None)
 
     def _commit(self, batch: list[Op]) -> BaseException | None:
         with self._lock:
@@ -264,10 +293,12 @@ class Store:
             db.close()
 
     def close(self) -> None:
+        self.flush()
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._writer.join()
+        self.flush()
         self._stop_checkpoints.set()
         if self._checkpointer is not None:
             self._checkpointer.join()
@@ -334,7 +365,8 @@ class Store:
             row.created_at,
         )
         return self.submit(
-            lambda db: db.execute(
+            waited=True,
+            op=lambda db: db.execute(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
                 " created_at) VALUES (?,?,?,?,?,?,?,?)",
                 params,
@@ -389,14 +421,16 @@ class Store:
         now = time.time()
         blob = _dump(data)
         with self._cond:
-            key = next(self._message_ids)
+            key = self._next_key
+            self._next_key += 1
             params = (key, session, content, blob, kind, sender, now)
             ticket = self._submit_locked(
                 lambda db: db.execute(
                     "INSERT INTO messages (id, session, content, data, kind, sender, created_at)"
                     " VALUES (?,?,?,?,?,?,?)",
                     params,
-                )
+                ),
+                waited=kind == "user",
             )
         msg = Message(
             id=f"m_{key}",
@@ -409,14 +443,32 @@ class Store:
         )
         return msg, ticket
 
-    def pending(self, session: str) -> list[Message]:
-        """The session's unclaimed messages, oldest first (a materialization loads them)."""
-        rows = self._read(
-            "SELECT id, session, content, data, kind, sender, created_at FROM messages"
-            " WHERE session=? AND state='pending' ORDER BY id",
-            (session,),
+    def pending(self, session: str) -> tuple[list[Message], int]:
+        """The session's unclaimed messages, oldest first, and the horizon they cover.
+
+        Every message with a key up to the horizon is committed, so it is either in the
+        list or no longer pending; one above it may still be on its way (see
+        ``Session.enqueue``). A materialization loads its inbox with this.
+        """
+        with self._cond:
+            horizon = self._next_key - 1
+        self.flush()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, session, content, data, kind, sender, created_at FROM messages"
+                " WHERE session=? AND state='pending' AND id<=? ORDER BY id",
+                (session, horizon),
+            ).fetchall()
+        return [_message(r) for r in rows], horizon
+
+    def close_message(self, message_id: str) -> None:
+        """A message accepted just as its inbox closed goes the way of the inbox."""
+        key = message_key(message_id)
+        self.submit(
+            lambda db: db.execute(
+                "UPDATE messages SET state='closed' WHERE id=? AND state='pending'", (key,)
+            )
         )
-        return [_message(r) for r in rows]
 
     def pending_count(self, session: str) -> int:
         (row,) = self._read(

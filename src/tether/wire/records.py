@@ -26,6 +26,7 @@ __all__ = [
     "PendingMessage",
     "SessionHeader",
     "TurnRecord",
+    "message_key",
 ]
 
 Mode = Literal["continuable", "one-shot"]
@@ -34,6 +35,11 @@ Origin = Literal["user", "parent", "system"]
 EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
 
 STATES: tuple[str, ...] = ("running", "idle", "parked", "disposing", "dormant", "settled")
+
+
+def message_key(message_id: str) -> int:
+    """The store's order of a message id (``m_17`` -> 17): ids sort by acceptance."""
+    return int(message_id[2:])
 
 
 class AgentRef(msgspec.Struct, frozen=True):
