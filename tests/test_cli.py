@@ -146,6 +146,7 @@ def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
     assert tether(server, "steer", a1).returncode == 2  # a steer without guidance
     # A root's owner holds the root's own address; the root is idle: an accepted no-op.
     assert ok(server, "cancel", root) == "no-op: no running turn"
+    assert ok(server, "steer", root, "hi") == "no-op: no running turn, or it is stopping"
     assert json.loads(ok(server, "abort", root, "--json")) == {"accepted": True, "turn": None}
     stranger = tether(server, "cancel", root, "--parent", a)
     assert stranger.returncode == 1 and "subagent-unauthorized" in stranger.stderr

@@ -142,6 +142,8 @@ def _interrupt(kind: str) -> Command:
             text = f"{_DONE[kind]} {result['turn']}"
         elif args.turn is not None:
             text = f"no-op: {args.turn} is not the running turn"
+        elif kind == "steer":  # a steer is also dropped for a turn that is already stopping
+            text = "no-op: no running turn, or it is stopping"
         else:
             text = "no-op: no running turn"
         _out(args, result, text)
