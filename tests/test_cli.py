@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
@@ -91,7 +92,7 @@ def _tree(server: LiveServer) -> tuple[str, str, str, str]:
     a = ok(server, "spawn", root, "--slug", "worker-a", "--prompt", "dig", "--steps", HANG)
     b = ok(server, "spawn", root, "--slug", "worker-b")
     a1 = ok(server, "spawn", a, "--slug", "helper", "--prompt", "dig", "--steps", HANG)
-    ok(server, "send", b, "queued", "--no-wake")
+    assert ok(server, "send", b, "queued", "--no-wake").startswith("m_")
     server.wait_state(a, "running")
     server.wait_state(a1, "running")
     return root, a, b, a1
@@ -109,17 +110,25 @@ def test_tree_is_indented_with_state_pending_and_slug(server: LiveServer) -> Non
     assert [x["slug"] for x in as_json["agents"]] == ["worker-a", "helper", "worker-b"]
 
 
+def _running_turn(server: LiveServer, session: str) -> str:
+    turn: str = server.call("subagent.status", {"session": session})["turn"]
+    assert turn.startswith("t_")
+    return turn
+
+
 def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
     root, a, _, a1 = _tree(server)
+    a_turn, a1_turn = _running_turn(server, a), _running_turn(server, a1)
     # steer: the parent is looked up with subagent.status when --parent is left out.
-    assert ok(server, "steer", a1, "look at the tests") == f"steer accepted for {a1}"
+    assert ok(server, "steer", a1, "look at the tests") == f"steered {a1_turn}"
 
     def steered() -> bool:
         entries = server.call("subagent.transcript", {"session": a1})["entries"]
         return any(e["kind"] == "marker" and e["action"] == "steered" for e in entries)
 
     wait_until(steered, what="the steer marker")
-    ok(server, "cancel", a, "--reason", "wrong approach", "--grace", "2", "--parent", root)
+    cancel = ("cancel", a, "--reason", "wrong approach", "--grace", "2", "--parent", root)
+    assert ok(server, *cancel) == f"cancelled {a_turn}"
     assert server.wait_state(a, "parked")["state"] == "parked"
     assert server.call("subagent.turns", {"session": a})["turns"][-1]["outcome"] == "cancelled"
     assert server.call("subagent.status", {"session": a1})["state"] == "running"  # no cascade
@@ -129,18 +138,83 @@ def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
     assert "subagent-unauthorized" in refused.stderr
     assert server.call("subagent.status", {"session": a1})["state"] == "running"
 
-    assert json.loads(ok(server, "abort", a1, "--json")) == {"accepted": True}
+    assert json.loads(ok(server, "abort", a1, "--json")) == {"accepted": True, "turn": a1_turn}
     server.wait_state(a1, "parked")
     assert server.call("subagent.turns", {"session": a1})["turns"][-1]["outcome"] == "aborted"
 
     assert tether(server, "cancel").returncode == 2  # no target: usage
     assert tether(server, "steer", a1).returncode == 2  # a steer without guidance
     # A root's owner holds the root's own address; the root is idle: an accepted no-op.
-    assert ok(server, "cancel", root) == f"cancel accepted for {root}"
+    assert ok(server, "cancel", root) == "no-op: no running turn"
+    assert ok(server, "steer", root, "hi") == "no-op: no running turn, or it is stopping"
+    assert json.loads(ok(server, "abort", root, "--json")) == {"accepted": True, "turn": None}
     stranger = tether(server, "cancel", root, "--parent", a)
     assert stranger.returncode == 1 and "subagent-unauthorized" in stranger.stderr
     missing = tether(server, "tree", "s_nobody")
     assert missing.returncode == 1 and "not-found" in missing.stderr
+
+
+def test_turn_guard_and_a_later_turn(server: LiveServer) -> None:
+    root = ok(server, "open")
+    kid = ok(server, "spawn", root, "--prompt", "one", "--steps", HANG)
+    server.wait_state(kid, "running")
+    first = _running_turn(server, kid)
+    assert ok(server, "cancel", kid, "--turn", first) == f"cancelled {first}"
+    server.wait_state(kid, "parked")
+    assert ok(server, "send", kid, "two", "--steps", HANG).startswith("m_")
+    server.wait_state(kid, "running")
+    second = _running_turn(server, kid)
+    assert second != first
+    # A Stop aimed at the first turn never lands on the second.
+    for kind in ("cancel", "abort", "preempt"):
+        assert ok(server, kind, kid, "--turn", first) == f"no-op: {first} is not the running turn"
+    stale = json.loads(ok(server, "steer", kid, "hello", "--turn", first, "--json"))
+    assert stale == {"accepted": True, "turn": None}
+    info = server.call("subagent.status", {"session": kid})
+    assert (info["state"], info["turn"], info["stopping"]) == ("running", second, None)
+    assert ok(server, "abort", kid, "--turn", second) == f"aborted {second}"
+    server.wait_state(kid, "parked")
+    turns = server.call("subagent.turns", {"session": kid})["turns"]
+    assert [(t["id"], t["outcome"]) for t in turns] == [(first, "cancelled"), (second, "aborted")]
+
+
+def test_send_prompt_and_inbox(server: LiveServer) -> None:
+    root = ok(server, "open")
+    kid = ok(server, "spawn", root)
+    assert ok(server, "inbox", kid) == ""
+    first = ok(server, "send", kid, "look at\n  the logs", "--no-wake")
+    second = json.loads(ok(server, "send", kid, "x" * 300, "--no-wake", "--json"))
+    assert first.startswith("m_") and second["accepted"] is True
+    assert second["message"].startswith("m_") and second["message"] != first
+    lines = ok(server, "inbox", kid).splitlines()
+    assert lines[0] == f"{first}  user  user  look at the logs"
+    assert lines[1].startswith(f"{second['message']}  user  user  xxx") and lines[1].endswith("…")
+    listed = json.loads(ok(server, "inbox", kid, "--json"))["messages"]
+    assert [m["id"] for m in listed] == [first, second["message"]]
+    assert listed[1]["preview"] == "x" * 200
+    missing = tether(server, "inbox", "s_nobody")
+    assert missing.returncode == 1 and "not-found" in missing.stderr
+    prompted = ok(server, "prompt", root, "hello")
+    assert prompted.startswith("m_")
+    server.wait_state(root, "idle")
+    turns = server.call("subagent.turns", {"session": root})["turns"]
+    assert turns[-1]["message"] == prompted
+    as_json = json.loads(ok(server, "prompt", root, "again", "--json"))
+    assert as_json["accepted"] is True and as_json["message"].startswith("m_")
+
+
+def test_status_and_tree_show_a_turn_waiting_for_a_worker(server: LiveServer) -> None:
+    root, a, _, _ = _tree(server)  # a and its helper hang on the server's two workers
+    c = ok(server, "spawn", root, "--slug", "worker-c", "--prompt", "dig", "--steps", HANG)
+    server.wait_state(c, "running")
+    assert ok(server, "status", c).endswith("running  pending=0  waiting for a worker")
+    assert ok(server, "status", a) == f"{a}  worker-a  running  pending=0"
+    lines = ok(server, "tree", root).splitlines()
+    assert lines[-1] == f"  {c}  worker-c  running  pending=0  waiting for a worker"
+    assert json.loads(ok(server, "status", c, "--json"))["dispatched"] is False
+    waiting = _running_turn(server, c)
+    assert ok(server, "abort", c) == f"aborted {waiting}"
+    server.wait_state(c, "parked")
 
 
 def test_preempt_kills_the_command_and_the_turn_goes_on(server: LiveServer) -> None:
@@ -155,9 +229,12 @@ def test_preempt_kills_the_command_and_the_turn_goes_on(server: LiveServer) -> N
 
     wait_until(sleeping, what="the tool subprocess")
 
+    turn = _running_turn(server, kid)
+
     def preempted() -> bool:
-        # Until the worker has registered the command, a preempt is an accepted no-op.
-        assert ok(server, "preempt", kid, "--reason", "stuck") == f"preempt accepted for {kid}"
+        # Bound to the running turn; until the worker has registered the command, the
+        # worker has nothing to kill and the turn simply goes on.
+        assert ok(server, "preempt", kid, "--reason", "stuck") == f"preempted {turn}"
         entries = server.call("subagent.transcript", {"session": kid})["entries"]
         return any(e["kind"] == "marker" and e["action"] == "preempted" for e in entries)
 
@@ -217,7 +294,7 @@ def test_watch_redraws_and_prints_markers(server: LiveServer) -> None:
 
 
 def test_help_and_usage(server: LiveServer) -> None:
-    for command in ("open", "prompt", "spawn", "send", "tree", "steer", "cancel", "abort"):
+    for command in ("open", "prompt", "spawn", "send", "tree", "steer", "cancel", "abort", "inbox"):
         done = subprocess.run(
             [TETHER, command, "--help"], capture_output=True, text=True, timeout=30
         )
@@ -256,3 +333,21 @@ def test_token_from_flag_or_environment(tmp_path: Path) -> None:
             env={**os.environ, "TETHER_TOKEN": "t0ken"},
         )
         assert from_env.returncode == 0 and from_env.stdout.startswith("s_")
+
+
+def test_watch_labels_a_turn_waiting_for_a_worker() -> None:
+    from rich.console import Console
+
+    from tether.runtime.watch import render_tree
+
+    def info(slug: str, depth: int, **fields: object) -> dict[str, object]:
+        return {"id": f"s_{slug}", "slug": slug, "depth": depth, "state": "running", **fields}
+
+    root = info("root", 0, dispatched=True)
+    agents = [info("queued", 1, dispatched=False), info("older-server", 1)]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_tree(root, agents))
+    lines = console.export_text().splitlines()
+    assert "waiting for a worker" not in lines[0]
+    assert lines[1].endswith("waiting for a worker")
+    assert "waiting for a worker" not in lines[2]  # no field: not said

@@ -55,21 +55,23 @@ def test_interrupt_over_rpc_reaches_events(server: LiveServer) -> None:
     ids = _tree(server)
     agents = server.call("subagent.list", {"root": ids["root"], "scope": "descendants"})["agents"]
     assert [(x["slug"], x["depth"]) for x in agents] == [("a", 1), ("a1", 2), ("b", 1)]
-    assert {"id", "slug", "parent", "depth", "mode", "state", "pending", "stopping", "turn"} <= set(
-        agents[0]
-    )
+    fields = {"id", "slug", "parent", "depth", "mode", "state", "pending", "stopping", "turn"}
+    assert fields | {"dispatched"} <= set(agents[0])
+    running = server.call("subagent.status", {"session": ids["a"]})
+    assert running["turn"].startswith("t_") and running["dispatched"] is True
     with EventReader(server, session=ids["root"]) as events:
         assert events.status == 200
         answer = server.call(
             "subagent.interrupt",
             {"address": _address(ids["a"], ids["root"]), "kind": "cancel", "reason": "stop <now>"},
         )
-        assert answer == {"accepted": True}
+        assert answer == {"accepted": True, "turn": running["turn"]}
         marker = events.wait_for(
             lambda e: e["event"] == "marker" and e["data"]["session"] == ids["a"], what="marker"
         )
         entry = marker["data"]["data"]["entry"]
         assert entry["action"] == "cancelled" and entry["reason"] == "stop <now>"
+        assert entry["turn"] == running["turn"]
         assert entry["text"].startswith("⊘ Cancelled by user")
         ended = events.wait_for(
             lambda e: e["event"] == "turn.ended" and e["data"]["session"] == ids["a"],
@@ -81,6 +83,7 @@ def test_interrupt_over_rpc_reaches_events(server: LiveServer) -> None:
     # No cascade: the grandchild keeps running, and the records say what happened.
     assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
     turns = server.call("subagent.turns", {"session": ids["a"]})["turns"]
+    assert turns[-1]["id"] == running["turn"]
     assert turns[-1]["outcome"] == "cancelled" and turns[-1]["reason"] == "stop <now>"
     entries = server.call("subagent.transcript", {"session": ids["a"]})["entries"]
     assert [e["kind"] for e in entries][:2] == ["user", "marker"]
@@ -101,18 +104,101 @@ def test_authority_and_schema_refusals(server: LiveServer) -> None:
     assert _error(server.rpc(interrupt, empty_steer)) == (-32602, "invalid-params")
     typo = {"address": _address(ids["a"], ids["root"]), "knd": "cancel"}
     assert _error(server.rpc(interrupt, typo)) == (-32602, "invalid-params")
+    running = server.call("subagent.status", {"session": ids["a"]})["turn"]
+    for bad_turn in (7, "", [running], {"id": running}, True, "t" * 257):
+        guarded = {"address": _address(ids["a"], ids["root"]), "kind": "abort", "turn": bad_turn}
+        assert _error(server.rpc(interrupt, guarded)) == (-32602, "invalid-params"), bad_turn
+    for bad_inbox in ({}, {"session": 7}, {"session": ids["a"], "limit": 1}):
+        assert _error(server.rpc("subagent.inbox", bad_inbox)) == (-32602, "invalid-params")
+    assert _error(server.rpc("subagent.inbox", {"session": "s_nobody"})) == (-32000, "not-found")
     assert _error(server.rpc("subagent.status", {"session": "s_nobody"})) == (-32000, "not-found")
     # None of the refused calls touched the target.
     assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
     assert server.call("subagent.status", {"session": ids["a"]})["stopping"] is None
 
 
+def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
+    ids = _tree(server)
+    address = _address(ids["a"], ids["root"])
+    first = server.call("subagent.status", {"session": ids["a"]})["turn"]
+    # A guard naming a turn that never ran here: an accepted no-op, the turn goes on.
+    answer = server.call("subagent.interrupt", {"address": address, "turn": "t_unknown"})
+    assert answer == {"accepted": True, "turn": None}
+    guarded = {"address": address, "kind": "cancel", "turn": first, "reason": "stop 1"}
+    assert server.call("subagent.interrupt", guarded) == {"accepted": True, "turn": first}
+    server.wait_state(ids["a"], "parked")
+    # A waking send starts the next turn; a Stop still aimed at the first one misses it.
+    server.call("subagent.send", {"address": address, "content": "again", "data": HANG})
+    info = server.wait_state(ids["a"], "running")
+    second = info["turn"]
+    assert second != first
+    for kind in ("cancel", "abort", "steer", "preempt"):
+        stale = {"address": address, "kind": kind, "turn": first, "reason": "late click"}
+        assert server.call("subagent.interrupt", stale) == {"accepted": True, "turn": None}
+    info = server.call("subagent.status", {"session": ids["a"]})
+    assert (info["state"], info["turn"], info["stopping"]) == ("running", second, None)
+    turns = server.call("subagent.turns", {"session": ids["a"]})["turns"]
+    assert [(t["id"], t["outcome"]) for t in turns] == [(first, "cancelled"), (second, None)]
+    entries = server.call("subagent.transcript", {"session": ids["a"]})["entries"]
+    assert [e["turn"] for e in entries if e["kind"] == "marker"] == [first]
+    # An idle target: an accepted no-op too.
+    idle = {"address": _address(ids["b"], ids["root"]), "kind": "abort"}
+    assert server.call("subagent.interrupt", idle) == {"accepted": True, "turn": None}
+
+
+def test_a_turn_waiting_for_a_worker(server: LiveServer) -> None:
+    ids = _tree(server)  # a and a1 hang on the server's two workers
+    spawn = {"parent": ids["root"], "driver": "tether:Scripted", "prompt": "w", "data": HANG}
+    c = server.call("subagent.spawn", {**spawn, "slug": "c"})["session"]
+    info = server.wait_state(c, "running")
+    assert info["dispatched"] is False and info["turn"].startswith("t_")
+    listed = server.call("subagent.list", {"root": ids["root"]})["agents"]
+    dispatched = [(x["slug"], x["dispatched"]) for x in listed]
+    assert dispatched == [("a", True), ("b", False), ("c", False)]
+    # Bound to the claimed turn even though no worker has it yet.
+    abort = {"address": _address(c, ids["root"]), "kind": "abort"}
+    assert server.call("subagent.interrupt", abort) == {"accepted": True, "turn": info["turn"]}
+    server.wait_state(c, "parked")
+    turns = server.call("subagent.turns", {"session": c})["turns"]
+    assert [(t["id"], t["outcome"]) for t in turns] == [(info["turn"], "aborted")]
+
+
+def test_send_returns_the_message_id_and_inbox_lists_it(server: LiveServer) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    b = server.call("subagent.spawn", {"parent": root, "driver": "tether:Scripted"})["session"]
+    ids = {"root": root, "b": b}
+    address = _address(ids["b"], ids["root"])
+    assert server.call("subagent.inbox", {"session": ids["b"]}) == {"messages": []}
+    sent = []
+    for text in ("hi", "x" * 300):
+        answer = server.call("subagent.send", {"address": address, "content": text, "wake": False})
+        assert set(answer) == {"accepted", "message"} and answer["accepted"] is True
+        assert answer["message"].startswith("m_")
+        sent.append(answer["message"])
+    assert len(set(sent)) == 2
+    inbox = server.call("subagent.inbox", {"session": ids["b"]})["messages"]
+    assert [(m["id"], m["kind"], m["preview"]) for m in inbox] == [
+        (sent[0], "user", "hi"),
+        (sent[1], "user", "x" * 200),
+    ]
+    assert all(m["sender"] and m["created_at"] > 0 for m in inbox)
+    assert server.call("subagent.status", {"session": ids["b"]})["pending"] == 2
+    # A waking send: the next turn claims the oldest, and its record names it.
+    go = server.call("subagent.send", {"address": address, "content": "go"})["message"]
+    server.wait_state(ids["b"], "idle")
+    turns = server.call("subagent.turns", {"session": ids["b"]})["turns"]
+    assert [t["message"] for t in turns] == [*sent, go]
+    assert server.call("subagent.inbox", {"session": ids["b"]}) == {"messages": []}
+    # session.prompt answers the message id too.
+    prompt = server.call("session.prompt", {"session": ids["root"], "content": "hello"})
+    assert set(prompt) == {"accepted", "message"} and prompt["message"].startswith("m_")
+
+
 def test_send_needs_a_live_parent(server: LiveServer) -> None:
     ids = _tree(server)
     address = _address(ids["b"], ids["root"])
-    assert server.call("subagent.send", {"address": address, "content": "hi", "wake": False}) == {
-        "accepted": True
-    }
+    answer = server.call("subagent.send", {"address": address, "content": "hi", "wake": False})
+    assert answer["accepted"] is True
     assert server.call("subagent.status", {"session": ids["b"]})["pending"] == 1
     server.call("session.release", {"session": ids["root"]})
     answer = server.rpc("subagent.send", {"address": address, "content": "again"})

@@ -78,9 +78,15 @@ def _open(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def _message_id(result: dict[str, Any]) -> str:
+    """A send's answer as a person reads it: the new message's id."""
+    return str(result.get("message") or "accepted")  # an older server names no message
+
+
 def _prompt(args: argparse.Namespace, client: Client) -> int:
     params = {"session": args.id, "content": args.text, "data": _data(args)}
-    _out(args, client.call("session.prompt", params))
+    result = client.call("session.prompt", params)
+    _out(args, result, _message_id(result))
     return 0
 
 
@@ -106,8 +112,17 @@ def _send(args: argparse.Namespace, client: Client) -> int:
         "data": _data(args),
         "wake": not args.no_wake,
     }
-    _out(args, client.call("subagent.send", params))
+    result = client.call("subagent.send", params)
+    _out(args, result, _message_id(result))
     return 0
+
+
+_DONE: Final = {
+    "steer": "steered",
+    "cancel": "cancelled",
+    "abort": "aborted",
+    "preempt": "preempted",
+}
 
 
 def _interrupt(kind: str) -> Command:
@@ -118,8 +133,20 @@ def _interrupt(kind: str) -> Command:
             params["grace"] = args.grace
         if args.deadline is not None:
             params["deadline"] = args.deadline
+        if args.turn is not None:
+            params["turn"] = args.turn
         result = client.call("subagent.interrupt", params)
-        _out(args, result, f"{kind} accepted for {args.id}")
+        if "turn" not in result:  # an older server does not say which turn
+            text = f"{kind} accepted for {args.id}"
+        elif result["turn"] is not None:
+            text = f"{_DONE[kind]} {result['turn']}"
+        elif args.turn is not None:
+            text = f"no-op: {args.turn} is not the running turn"
+        elif kind == "steer":  # a steer is also dropped for a turn that is already stopping
+            text = "no-op: no running turn, or it is stopping"
+        else:
+            text = "no-op: no running turn"
+        _out(args, result, text)
         return 0
 
     return run
@@ -131,8 +158,14 @@ def _tree_lines(root: dict[str, Any], agents: list[dict[str, Any]]) -> Iterator[
         stopping = f"  stopping={info['stopping']}" if info.get("stopping") else ""
         yield (
             f"{'  ' * depth}{info['id']}  {info.get('slug') or '-'}  {info['state']}"
-            f"  pending={info.get('pending', 0)}{stopping}"
+            f"  pending={info.get('pending', 0)}{stopping}{_waiting(info)}"
         )
+
+
+def _waiting(info: dict[str, Any]) -> str:
+    """A running turn that no worker has taken yet (an older server does not say)."""
+    waiting = info["state"] == "running" and info.get("dispatched") is False
+    return "  waiting for a worker" if waiting else ""
 
 
 def _tree(args: argparse.Namespace, client: Client) -> int:
@@ -160,6 +193,21 @@ def _turns(args: argparse.Namespace, client: Client) -> int:
         for t in turns
     ]
     _out(args, {"turns": turns}, "\n".join(lines) if lines else None)
+    return 0
+
+
+def _one_line(text: str, width: int = 60) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _inbox(args: argparse.Namespace, client: Client) -> int:
+    messages = client.call("subagent.inbox", {"session": args.id})["messages"]
+    lines = [
+        f"{m['id']}  {m['kind']}  {m.get('sender') or '-'}  {_one_line(m.get('preview', ''))}"
+        for m in messages
+    ]
+    _out(args, {"messages": messages}, "\n".join(lines) if lines else None)
     return 0
 
 
@@ -352,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--parent", help="its parent id (looked up when left out)")
         p.add_argument("--grace", type=float, help="seconds a cancelled turn gets to wrap up")
         p.add_argument("--deadline", type=float, help="abort a cancel not seen within this long")
+        p.add_argument(
+            "--turn", help="act only if this turn is still the running one (else a no-op)"
+        )
 
     p = command(
         "tree",
@@ -365,6 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", help="session id")
 
     p = command("turns", "list a session's turns and how they ended", "tether turns s_01J…", _turns)
+    p.add_argument("id", help="session id")
+
+    p = command(
+        "inbox",
+        "list a session's pending messages: id, kind, sender, preview",
+        "tether inbox s_01J…",
+        _inbox,
+    )
     p.add_argument("id", help="session id")
 
     p = command(

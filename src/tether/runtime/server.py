@@ -58,8 +58,12 @@ from tether.wire.rpc import (
     ErrorData,
     ErrorObject,
     FailParams,
+    Inbox,
+    InboxParams,
     InterruptParams,
+    InterruptResult,
     ListParams,
+    MessageAccepted,
     OpenParams,
     PromptParams,
     ReleaseParams,
@@ -105,9 +109,8 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         sid = rt.open_session(p.driver, config=p.config, slug=p.slug, permissions=p.permissions)
         return SessionResult(sid)
 
-    def prompt(p: PromptParams) -> Accepted:
-        rt.prompt(p.session, p.content, data=p.data)
-        return Accepted()
+    def prompt(p: PromptParams) -> MessageAccepted:
+        return MessageAccepted(message=rt.prompt(p.session, p.content, data=p.data))
 
     def release(p: ReleaseParams) -> Accepted:
         rt.release(p.session)
@@ -126,23 +129,26 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         )
         return SessionResult(child if isinstance(child, str) else child.id)
 
-    def send(p: SendParams) -> Accepted:
+    def send(p: SendParams) -> MessageAccepted:
         a = p.address
-        rt.send(a.session, p.content, authority=User(parent=a.parent), data=p.data, wake=p.wake)
-        return Accepted()
+        message = rt.send(
+            a.session, p.content, authority=User(parent=a.parent), data=p.data, wake=p.wake
+        )
+        return MessageAccepted(message=message)
 
-    def interrupt(p: InterruptParams) -> Accepted:
+    def interrupt(p: InterruptParams) -> InterruptResult:
         # The core primitive alone decides: User(parent) is compared with the target's
-        # durable parent, so nothing here looks anything up.
-        rt.interrupt(
+        # durable parent, and the turn is bound there, so nothing here looks anything up.
+        turn = rt.interrupt(
             p.address.session,
             authority=User(parent=p.address.parent),
             kind=p.kind,
             reason=p.reason,
             grace=p.grace,
             deadline=p.deadline,
+            turn=p.turn,
         )
-        return Accepted()
+        return InterruptResult(turn=turn)
 
     def list_(p: ListParams) -> AgentList:
         return AgentList(rt.list_agents(p.root, scope=p.scope))
@@ -151,11 +157,15 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         return rt.status(p.session)
 
     def transcript(p: TranscriptParams) -> Transcript:
-        entries = rt.transcript(p.session, after=p.after)
+        # One entry past the page says whether there is more; the store reads no further.
+        entries = rt.transcript(p.session, after=p.after, limit=p.limit + 1)
         return Transcript(entries[: p.limit], more=len(entries) > p.limit)
 
     def turns(p: TurnsParams) -> Turns:
         return Turns(rt.turns(p.session))
+
+    def inbox(p: InboxParams) -> Inbox:
+        return Inbox(rt.inbox(p.session))
 
     def dispose(p: DisposeParams) -> Accepted:
         rt.dispose(p.address.session, authority=User(parent=p.address.parent))
@@ -172,6 +182,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         "subagent.status": status,
         "subagent.transcript": transcript,
         "subagent.turns": turns,
+        "subagent.inbox": inbox,
         "subagent.dispose": dispose,
     }
 

@@ -34,9 +34,12 @@ def _label(info: dict[str, Any]) -> str:
     style = _STATE_STYLE.get(str(info["state"]), "")
     slug = escape(str(info.get("slug") or "-"))
     stopping = f" [red]stopping={escape(str(info['stopping']))}[/]" if info.get("stopping") else ""
+    # An older server does not say: only an explicit False is "waiting".
+    waiting = info["state"] == "running" and info.get("dispatched") is False
     return (
         f"[bold]{slug}[/] [dim]{escape(str(info['id']))}[/] [{style}]{info['state']}[/]"
         f" pending={info.get('pending', 0)}{stopping}"
+        + (" [yellow]waiting for a worker[/]" if waiting else "")
     )
 
 

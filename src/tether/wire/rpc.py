@@ -12,7 +12,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from tether.wire.records import AgentInfo, Entry, TurnRecord
+from tether.wire.records import AgentInfo, Entry, PendingMessage, TurnRecord
 
 __all__ = [
     "APPLICATION_ERROR",
@@ -29,9 +29,13 @@ __all__ = [
     "ErrorData",
     "ErrorObject",
     "FailParams",
+    "Inbox",
+    "InboxParams",
     "InterruptKind",
     "InterruptParams",
+    "InterruptResult",
     "ListParams",
+    "MessageAccepted",
     "OpenParams",
     "PromptParams",
     "ReleaseParams",
@@ -63,6 +67,7 @@ RPC_ERROR_CODES: Final = (
 )
 
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 InterruptKind = Literal["steer", "cancel", "abort", "preempt"]
 JsonObject = dict[str, Any]
 
@@ -122,11 +127,14 @@ class SendParams(_Params):
 
 
 class InterruptParams(_Params):
+    """``turn`` is a guard: act only if that turn is still the running one (SPEC §14.2)."""
+
     address: Address
     kind: InterruptKind = "cancel"
     reason: str = ""
     grace: Annotated[float, msgspec.Meta(ge=0)] | None = None
     deadline: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    turn: TurnId | None = None
 
 
 class ListParams(_Params):
@@ -150,6 +158,10 @@ class TurnsParams(_Params):
     session: SessionId
 
 
+class InboxParams(_Params):
+    session: SessionId
+
+
 class DisposeParams(_Params):
     address: Address
 
@@ -164,6 +176,26 @@ class SessionResult(msgspec.Struct, frozen=True):
 
 class Accepted(msgspec.Struct, frozen=True):
     accepted: bool = True
+
+
+class MessageAccepted(msgspec.Struct, frozen=True):
+    """A send or prompt: ``message`` is the new message's id (None from an older host)."""
+
+    accepted: bool = True
+    message: str | None = None
+
+
+class InterruptResult(msgspec.Struct, frozen=True):
+    """The turn the signal was bound to; ``turn`` None is an accepted no-op (SPEC §14.2)."""
+
+    accepted: bool = True
+    turn: str | None = None
+
+
+class Inbox(msgspec.Struct, frozen=True):
+    """Pending messages, oldest first."""
+
+    messages: list[PendingMessage]
 
 
 class AgentList(msgspec.Struct, frozen=True):
@@ -211,5 +243,6 @@ METHODS: Final[dict[str, type[_Params]]] = {
     "subagent.status": StatusParams,
     "subagent.transcript": TranscriptParams,
     "subagent.turns": TurnsParams,
+    "subagent.inbox": InboxParams,
     "subagent.dispose": DisposeParams,
 }
