@@ -338,7 +338,7 @@ def test_token_from_flag_or_environment(tmp_path: Path) -> None:
 def test_watch_labels_a_turn_waiting_for_a_worker() -> None:
     from rich.console import Console
 
-    from tether.runtime.watch import render_tree
+    from tether.cli.watch import render_tree
 
     def info(slug: str, depth: int, **fields: object) -> dict[str, object]:
         return {"id": f"s_{slug}", "slug": slug, "depth": depth, "state": "running", **fields}

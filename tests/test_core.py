@@ -629,7 +629,14 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_layering_wire_imports_nothing_of_ours_and_actors_imports_only_wire() -> None:
-    layers = {"wire": ("tether.wire",), "actors": ("tether.actors", "tether.wire")}
+    engine = ("tether.runtime", "tether.actors", "tether.wire")
+    layers = {
+        "wire": ("tether.wire",),
+        "actors": ("tether.actors", "tether.wire"),
+        # the engine never reaches out to its outside faces (the server, the command)
+        "runtime": (*engine, "tether.tools"),
+        "serve": ("tether.serve", *engine, "tether"),
+    }
     checked = 0
     for layer, allowed in layers.items():
         files = sorted((SRC / layer).glob("*.py"))
@@ -639,7 +646,7 @@ def test_layering_wire_imports_nothing_of_ours_and_actors_imports_only_wire() ->
             bad = {m for m in ours if not any(m == a or m.startswith(a + ".") for a in allowed)}
             assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)} across the layering"
             checked += 1
-    assert checked >= 8
+    assert checked >= 20
     # The check itself sees imports (it would not pass vacuously).
     assert "tether.wire.errors" in _imports(SRC / "actors" / "authority.py")
 

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tether.runtime.sse import EventHub
+from tether.serve.sse import EventHub
 from tether_server import TETHER, EventReader, LiveServer, running_server, wait_until
 
 HANG = {"steps": [{"op": "hang"}]}

@@ -2,6 +2,9 @@
 
 Layering (imports only ever point down):
 
+    tether.serve, tether.cli   the outside faces: the HTTP server and the command; they
+        |                      use only the public API below
+        v
     tether.runtime   processes and the outside world: the Runtime facade, worker pool,
         |            worker turn loop, SQLite store, drivers, RPC server, CLI
         v

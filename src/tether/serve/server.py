@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tether import Event, Runtime, User
 from tether.runtime._log import configure_logging
-from tether.runtime.sse import EventHub
+from tether.serve.sse import EventHub
 from tether.wire.errors import NotFound, TetherError
 from tether.wire.rpc import (
     APPLICATION_ERROR,

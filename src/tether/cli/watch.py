@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.tree import Tree
 
-from tether.runtime.client import Client, in_background
+from tether.cli.client import Client, in_background
 
 __all__ = ["render_tree", "watch"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
-from tether.runtime.client import DEFAULT_URL, Client, RpcError, in_background
+from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
 
 __all__ = ["main"]
 
@@ -259,13 +259,13 @@ def _transcript(args: argparse.Namespace, client: Client) -> int:
 
 
 def _watch(args: argparse.Namespace, client: Client) -> int:
-    from tether.runtime.watch import watch
+    from tether.cli.watch import watch
 
     return watch(client, args.id, as_json=args.json)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tether.runtime.server import is_loopback, serve
+    from tether.serve.server import is_loopback, serve
 
     if args.token is None and not is_loopback(args.host):
         print(
@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["demo"]:  # the demo owns its arguments and its --help
-        from tether.runtime.demo import main as demo_main
+        from tether.cli.demo import main as demo_main
 
         return int(demo_main(args_list[1:]))
     parser = build_parser()
