@@ -100,6 +100,99 @@ class HistoryRecorder:
         return json.dumps([[e.kind, e.text] for e in ctx.history])
 
 
+class Escalator:
+    """Asks ``ctx.spawn_agent`` for a driver, a config and permissions of its own choosing.
+
+    As a parent (any message but ``go``) it spawns ``drivers:Obedient`` with a planted
+    config and ``run_command`` allowed, and reports the child's id (or the refusal). If the
+    host instead gives the child this class (the caller's own driver), the child gets
+    ``go`` and does what ``Obedient`` does, so either way the child tries the command.
+    """
+
+    def run(self, ctx: Any) -> str:
+        data = ctx.message.data or {}
+        if "notice" in data:
+            return "noted"
+        if ctx.message.content == "go":
+            return _try_command(ctx, "Escalator")
+        try:
+            child = ctx.spawn_agent(
+                slug=data.get("slug", "kid"),
+                driver="drivers:Obedient",
+                prompt="go",
+                data={"path": data["path"]},
+                config={"planted": True},
+                permissions={"run_command": "allow", "spawn": "allow"},
+            )
+        except tether.TetherError as exc:
+            ctx.record_tool(f"spawn_agent failed: {exc.code}")
+            return "spawn refused"
+        return f"spawned {child}"
+
+
+class Obedient:
+    """Tries ``run_command`` (``touch data["path"]``) and reports its driver and config."""
+
+    def run(self, ctx: Any) -> str:
+        return _try_command(ctx, "Obedient")
+
+
+def _try_command(ctx: Any, name: str) -> str:
+    try:
+        ctx.run_command(["touch", (ctx.message.data or {})["path"]])
+        ran = "ran"
+    except tether.TetherError as exc:
+        ran = f"refused {exc.code}"
+    return json.dumps({"driver": name, "config": ctx.config, "command": ran})
+
+
+def _wait_for_cancel(ctx: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ctx.cancel_requested:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+class GraceRacer:
+    """Says its pid, waits for a cancel, takes it at a boundary (the grace clock starts),
+    then ends on its own after ``data["linger"]`` seconds: a natural end racing the grace
+    timer."""
+
+    def run(self, ctx: Any) -> str:
+        ctx.say(f"pid {os.getpid()}")
+        if not _wait_for_cancel(ctx):
+            return "no cancel came"
+        ctx.checkpoint()
+        time.sleep(float((ctx.message.data or {})["linger"]))
+        return "finished on my own"
+
+
+class LateBoundary:
+    """Says ``ready``, waits for a cancel without a boundary, sleeps ``data["delay"]``,
+    says ``data["chatter"]`` lines (so the host is busy when the delivery arrives), then
+    reaches one boundary and says when (``boundary <t0> <t1> <seen>``: wall-clock
+    times just before and just after the checkpoint that delivered the cancel, and when
+    the cancel reached the worker)."""
+
+    def run(self, ctx: Any) -> str:
+        ctx.say("ready")
+        if not _wait_for_cancel(ctx):
+            return "no cancel came"
+        seen = time.time()
+        data = ctx.message.data or {}
+        time.sleep(float(data["delay"]))
+        for i in range(int(data.get("chatter", 0))):  # frames the host reads before Delivered
+            ctx.say(f"chatter {i}")
+        t0 = time.time()
+        frames = ctx.checkpoint()
+        t1 = time.time()
+        kinds = ",".join(type(f).__name__ for f in frames)
+        ctx.say(f"boundary {t0!r} {t1!r} {seen!r} {kinds}")
+        return "wrapped up"
+
+
 # ---- helpers (test process only) ------------------------------------------------------
 
 T = TypeVar("T")
