@@ -116,13 +116,17 @@ class Escalator:
         if ctx.message.content == "go":
             return _try_command(ctx, "Escalator")
         try:
-            child = ctx.spawn_agent(
-                slug=data.get("slug", "kid"),
-                driver="drivers:Obedient",
-                prompt="go",
-                data={"path": data["path"]},
-                config={"planted": True},
-                permissions={"run_command": "allow", "spawn": "allow"},
+            # What a hostile worker can send whatever the Python API offers: the raw call.
+            child = ctx._host_call(
+                "spawn_agent",
+                {
+                    "slug": data.get("slug", "kid"),
+                    "driver": "drivers:Obedient",
+                    "prompt": "go",
+                    "data": {"path": data["path"]},
+                    "config": {"planted": True},
+                    "permissions": {"run_command": "allow", "spawn": "allow"},
+                },
             )
         except tether.TetherError as exc:
             ctx.record_tool(f"spawn_agent failed: {exc.code}")

@@ -92,6 +92,6 @@ def test_call_tool_rejects_malformed_arguments_without_side_effect(rt: tether.Ru
     spawned, listed, sent, refused = _results(rt, root)[len(malformed) :]
     kid = spawned["agent"]
     assert [a["id"] for a in listed["agents"]] == [kid]
-    assert sent == {"sent": True}
-    assert rt.status(kid).pending == 1
+    assert sent == {"sent": True, "message": sent["message"]}
+    assert [m.id for m in rt.inbox(kid)] == [sent["message"]]
     assert refused["error"] in {"not-found", "subagent-unauthorized"}

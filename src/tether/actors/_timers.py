@@ -20,10 +20,14 @@ log = structlog.get_logger("tether.timers")
 
 
 class TimerHandle:
-    __slots__ = ("cancelled",)
+    __slots__ = ("cancelled", "when")
 
-    def __init__(self) -> None:
+    def __init__(self, when: float) -> None:
         self.cancelled = False
+        self.when = when  # time.monotonic() at which it fires
+
+    def left(self) -> float:
+        return max(self.when - time.monotonic(), 0.0)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -39,8 +43,8 @@ class TimerQueue:
         self._thread.start()
 
     def after(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
-        handle = TimerHandle()
         when = time.monotonic() + max(delay, 0.0)
+        handle = TimerHandle(when)
         with self._cond:
             heapq.heappush(self._heap, (when, next(self._seq), handle, callback))
             self._cond.notify()

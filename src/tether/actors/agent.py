@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ from tether.wire.frames import (
     Cancel,
     CancelFrame,
     Delivered,
+    Escalate,
+    Escalating,
     Preempt,
+    Progress,
     Steer,
     SteerFrame,
     ToolKilled,
@@ -104,6 +108,10 @@ class _Stop:
     grace: float
 
 
+Clock = Literal["grace", "deadline", "escalate", "watchdog"]
+_ESCALATE_WAIT = 1.0  # seconds to wait for a worker's answer to Escalate before killing
+
+
 @dataclass(slots=True)
 class _Turn:
     id: str
@@ -112,9 +120,21 @@ class _Turn:
     stop: _Stop | None = None
     delivered: bool = False
     force: bool = False  # the grace timer fired: a kill was requested
-    escalate: bool = False  # the deadline fired before any boundary: a kill was requested
+    escalating: bool = False  # the deadline passed: the worker was asked (Escalate)
+    escalate: bool = False  # no boundary before the deadline: a kill was requested
     wake_latch: bool = False
+    # The stop's clock (grace, deadline or escalate) and the watchdog's; ``gen`` tells a
+    # timer that fired before it was re-armed or cancelled from the current one.
+    clock: Clock | None = None
     timer: TimerHandle | None = None
+    gen: int = 0
+    watch: TimerHandle | None = None
+    paused: bool = False
+    held: tuple[Clock, float] | None = None  # the stop clock stopped by a pause
+    last_progress: float = 0.0
+    stepped_at: float = 0.0
+    step: int = 0
+    in_tool: bool = False
 
 
 class Session:
@@ -235,8 +255,15 @@ class Session:
             permissions=h.permissions,
             sink=host.sink(h.id),
         )
-        self.turn = _Turn(turn_id, message, job)
+        stall = h.stall
+        if stall is not None:
+            job.progress_every = _progress_every(stall)
+            job.repeat = stall.get("repeat")
+        self.turn = t = _Turn(turn_id, message, job)
         self._started += 1
+        if stall is not None:
+            t.last_progress = time.monotonic()
+            self._watch(t, float(stall["after"]))
         try:
             host.executor.submit(job)
         except TetherError as exc:  # closed under us: end the claimed turn, never leave it open
@@ -280,7 +307,8 @@ class Session:
                     return t.id
                 t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace)
                 self._cancel_timer(t)
-                ex.kill(t.id)
+                t.held = None
+                ex.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
                 self._marker(t, "aborted", i.origin, i.by, i.reason)
         log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
         return t.id
@@ -294,7 +322,7 @@ class Session:
         if frame.cancel and not t.delivered and t.stop is not None:
             t.delivered = True
             if t.stop.kind == "cancel" and not t.escalate:
-                self._cancel_timer(t)  # a boundary was reached: no escalation
+                # A boundary took the cancel: no escalation; the grace clock starts.
                 self._arm(t, t.stop.grace, "grace")
 
     def tool_killed(self, frame: ToolKilled) -> None:
@@ -302,27 +330,154 @@ class Session:
         if t is not None and t.id == frame.turn:
             self._marker(t, "preempted", frame.origin, frame.by, frame.reason)
 
-    def timer(self, turn: str, which: Literal["grace", "deadline"]) -> None:
+    def escalating(self, frame: Escalating) -> None:
+        """The worker will never hand the cancel over now: escalate to an abort."""
         t = self.turn
-        if t is None or t.id != turn or t.stop is None or t.stop.kind != "cancel":
+        if t is not None and t.id == frame.turn and t.escalating and not t.delivered:
+            self._escalate(t)
+
+    def timer(self, turn: str, which: Clock, gen: int) -> None:
+        t = self.turn
+        if t is None or t.id != turn:
             return
+        if which == "watchdog":
+            self._watchdog(t)
+            return
+        if gen != t.gen or t.paused or t.stop is None or t.stop.kind != "cancel":
+            return  # stale, or held by a pause (re-armed on resume)
+        t.timer = t.clock = None
         if which == "grace":
             t.force = True
+            # Only a request: whether anything was forced is known when the turn ends.
+            self._host.executor.kill(t.id)
         elif t.delivered:
             return
-        else:
-            t.escalate = True
-        # Only a request: whether anything was forced is known when the turn has ended.
+        elif which == "deadline" and self._host.executor.dispatched(t.id):
+            # The worker decides whether its boundary came first (SPEC §5: a boundary
+            # reached before the deadline must win even if its report is in flight).
+            t.escalating = True
+            self._host.executor.signal(t.id, Escalate(t.id))
+            self._arm(t, _ESCALATE_WAIT, "escalate")
+        else:  # no worker yet, or the worker did not answer: nothing can deliver it now
+            self._escalate(t)
+
+    def _escalate(self, t: _Turn) -> None:
+        self._cancel_timer(t)
+        t.escalate = True
         self._host.executor.kill(t.id)
 
-    def _arm(self, t: _Turn, delay: float, which: Literal["grace", "deadline"]) -> None:
+    def _arm(self, t: _Turn, delay: float, which: Clock) -> None:
+        """Run the stop's clock; a paused turn holds it until resumed (SPEC §14.4)."""
         self._cancel_timer(t)
-        t.timer = self._host.arm(self.header.id, t.id, which, delay)
+        if t.paused:
+            t.held = (which, delay)
+            return
+        t.gen += 1
+        t.clock = which
+        t.timer = self._host.arm(self.header.id, t.id, which, delay, t.gen)
 
     def _cancel_timer(self, t: _Turn) -> None:
         if t.timer is not None:
             t.timer.cancel()
-            t.timer = None
+        t.timer = t.clock = None
+        t.gen += 1
+
+    # ---- pause / resume (SPEC §14.4) ---------------------------------------------------
+
+    def pause(self, origin: str, by: str, reason: str) -> str | None:
+        """Freeze the running turn in place; its id, or None when there is none."""
+        t = self.turn
+        if t is None or self.disposing or self.settled:
+            return None
+        if t.paused:
+            return t.id
+        if t.stop is not None and t.stop.kind == "abort":
+            return None  # already being killed
+        self._host.executor.freeze(t.id)
+        t.paused = True
+        if t.timer is not None and t.clock is not None:  # the stop's clock stops
+            held = (t.clock, t.timer.left())
+            self._cancel_timer(t)
+            t.held = held
+        if t.watch is not None:  # a paused turn is never stalled
+            t.watch.cancel()
+            t.watch = None
+        self._marker(t, "paused", origin, by, reason)
+        log.info("turn.paused", session=self.header.id, turn=t.id, by=by)
+        return t.id
+
+    def resume(self, origin: str, by: str) -> str | None:
+        t = self.turn
+        if t is None or not t.paused:
+            return None
+        self._host.executor.thaw(t.id)
+        t.paused = False
+        if t.held is not None:
+            which, left = t.held
+            t.held = None
+            self._arm(t, left, which)
+        stall = self.header.stall
+        if stall is not None:  # a fresh idle clock: the pause was not a stall
+            t.last_progress = time.monotonic()
+            t.step = 0
+            self._watch(t, float(stall["after"]))
+        self._marker(t, "resumed", origin, by, "")
+        log.info("turn.resumed", session=self.header.id, turn=t.id, by=by)
+        return t.id
+
+    # ---- the stall watchdog (SPEC §14.5) ------------------------------------------------
+
+    def progress(self, frame: Progress) -> None:
+        t = self.turn
+        if t is None or t.id != frame.turn:
+            return
+        t.in_tool = frame.in_tool
+        if not frame.looping:  # the same tool call over and over is no progress
+            t.last_progress = time.monotonic()
+            t.step = 0
+
+    def _watch(self, t: _Turn, delay: float) -> None:
+        if t.watch is not None:
+            t.watch.cancel()
+        t.watch = self._host.arm(self.header.id, t.id, "watchdog", max(delay, 0.0), 0)
+
+    def _watchdog(self, t: _Turn) -> None:
+        t.watch = None
+        stall = self.header.stall
+        if stall is None or t.paused or self.disposing:
+            return
+        now = time.monotonic()
+        after = float(stall["after"])
+        every = float(stall.get("every") or after)
+        if t.step == 0:
+            since, wait = t.last_progress, after
+        else:
+            since, wait = max(t.last_progress, t.stepped_at), every
+        due = since + wait
+        if now < due:
+            self._watch(t, due - now)
+            return
+        steps: list[str] = list(stall["steps"])
+        idle = now - t.last_progress
+        while t.step < len(steps):
+            kind = steps[t.step]
+            t.step += 1
+            if kind == "preempt" and not t.in_tool:
+                continue  # nothing to preempt: the next step
+            self._step(t, kind, idle, stall)
+            break
+        t.stepped_at = now
+        if t.step < len(steps) and self.turn is t:
+            self._watch(t, every)
+
+    def _step(self, t: _Turn, kind: str, idle: float, stall: dict[str, Any]) -> None:
+        why = f"no progress for {idle:.0f} s"
+        text = f"{why}: {stall['nudge']}" if kind == "steer" else why
+        grace = float(stall.get("grace") or self._host.grace)
+        log.info("watchdog.step", session=self.header.id, turn=t.id, kind=kind, idle=idle)
+        if self._host.events.wants("watchdog.step"):
+            self._emit("watchdog.step", {"turn": t.id, "step": t.step, "kind": kind, "idle": idle})
+        self.interrupt(Interrupt(kind, "watchdog", "watchdog", text, grace))
 
     def _marker(self, t: _Turn, action: str, origin: str, by: str, reason: str) -> None:
         text = marker_text(action, origin, by, reason)
@@ -346,6 +501,8 @@ class Session:
         if t is None or t.id != turn:
             return
         self._cancel_timer(t)
+        if t.watch is not None:
+            t.watch.cancel()
         h = self.header
         host = self._host
         stop = t.stop
@@ -364,7 +521,8 @@ class Session:
             error = end.error
         if stop is not None:
             outcome = "aborted" if stop.kind == "abort" or escalated else "cancelled"
-            cause, by, reason = stop.origin, stop.by, stop.reason
+            cause = "system" if stop.origin == "watchdog" else stop.origin
+            by, reason = stop.by, stop.reason
             if killed:
                 error = None  # killed on purpose: the stop says why
         elif end is None:
@@ -429,7 +587,9 @@ class Session:
             self.disposing = True
             self.settled = True
             return
-        if t.stop is None:
+        if t.paused:  # a frozen turn reaches no boundary: dispose aborts it (SPEC §14.4)
+            self.interrupt(Interrupt("abort", origin, by, "disposed", grace))
+        elif t.stop is None:
             self.interrupt(Interrupt("cancel", origin, by, "disposed", grace, grace))
         elif not t.delivered and t.stop.kind == "cancel":
             self._arm(t, grace, "deadline")
@@ -449,7 +609,7 @@ class Session:
         if self.disposing:
             return AgentState.DISPOSING
         if self.turn is not None:
-            return AgentState.RUNNING
+            return AgentState.PAUSED if self.turn.paused else AgentState.RUNNING
         if self.inbox is None and not self.hold:
             return AgentState.IDLE
         return AgentState.PARKED
@@ -481,6 +641,12 @@ class Session:
         self._host.events.emit(name, self.header.id, self.lineage, data)
 
 
+def _progress_every(stall: dict[str, Any]) -> float:
+    """How often a worker reports progress: a few times a second at most, and often
+    enough that the watchdog's clock is a small fraction of ``after`` late."""
+    return min(0.25, float(stall["after"]) / 8)
+
+
 class SessionServices:
     """What a session needs from the actor that hosts it (set up by ``SessionHost``)."""
 
@@ -491,9 +657,11 @@ class SessionServices:
         executor: Executor,
         events: EventSink,
         sink: Callable[[str], TurnSink],
-        arm: Callable[[str, str, str, float], TimerHandle],
+        arm: Callable[[str, str, Clock, float, int], TimerHandle],
         notify_parent: Callable[[str, ChildTurnEnded], None],
+        grace: float,
     ) -> None:
+        self.grace = grace  # the runtime's default, for the watchdog's cancel
         self.store = store
         self.executor = executor
         self.events = events

@@ -19,20 +19,20 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import pykka
 import structlog
 
 from tether.actors._timers import TimerHandle, TimerQueue
-from tether.actors.agent import Interrupt, Session, SessionServices, Wake, make_info
+from tether.actors.agent import Clock, Interrupt, Session, SessionServices, Wake, make_info
 from tether.actors.authority import Authority, Host
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
-from tether.wire.frames import Delivered, ToolKilled, TurnEnd
+from tether.wire.frames import Delivered, Escalating, Progress, ToolKilled, TurnEnd
 from tether.wire.records import AgentInfo, AgentRef, ChildTurnEnded, Message, SessionHeader
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "DisposeOp",
     "Enqueued",
     "InterruptOp",
+    "PauseOp",
     "RefOp",
     "ReleaseOp",
     "RunningOp",
@@ -91,6 +92,17 @@ class InterruptOp:
     grace: float
     deadline: float | None = None
     turn: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PauseOp:
+    """Answered with the turn frozen, or None. ``authority`` was checked already when
+    ``checked`` (a descendant of a subtree pause, authorized at its top)."""
+
+    session: str
+    authority: Authority | Host
+    reason: str = ""
+    resume: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +167,23 @@ class _Ended:
 
 
 @dataclass(frozen=True, slots=True)
+class _Progress:
+    session: str
+    frame: Progress
+
+
+@dataclass(frozen=True, slots=True)
+class _Escalating:
+    session: str
+    frame: Escalating
+
+
+@dataclass(frozen=True, slots=True)
 class _Timer:
     session: str
     turn: str
-    which: Literal["grace", "deadline"]
+    which: Clock
+    gen: int
 
 
 class _Reply:
@@ -219,6 +244,12 @@ class _Sink:
     def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
         _tell(self._ref, _Ended(self._session, turn, end, error))
 
+    def progress(self, frame: Progress) -> None:
+        _tell(self._ref, _Progress(self._session, frame))
+
+    def escalating(self, frame: Escalating) -> None:
+        _tell(self._ref, _Escalating(self._session, frame))
+
 
 class Dispatcher:
     """Routes a session id to the actor that hosts it (and to that host's services)."""
@@ -266,6 +297,7 @@ class SessionHost(pykka.ThreadingActor):
         executor: Executor,
         events: EventSink,
         timers: TimerQueue,
+        grace: float,
     ) -> None:
         super().__init__()
         self._dir = directory
@@ -285,12 +317,13 @@ class SessionHost(pykka.ThreadingActor):
             notify_parent=lambda parent, notice: self._dispatcher.tell(
                 parent, _Notice(parent, notice)
             ),
+            grace=grace,
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
 
-    def _arm(self, session: str, turn: str, which: str, delay: float) -> TimerHandle:
+    def _arm(self, session: str, turn: str, which: Clock, delay: float, gen: int) -> TimerHandle:
         ref = self.actor_ref
-        timer = _Timer(session, turn, "grace" if which == "grace" else "deadline")
+        timer = _Timer(session, turn, which, gen)
         return self._timers.after(delay, lambda: _tell(ref, timer))
 
     def on_receive(self, message: Any) -> Any:
@@ -308,6 +341,8 @@ class SessionHost(pykka.ThreadingActor):
         match message:
             case InterruptOp():
                 return self._interrupt(message)
+            case PauseOp():
+                return self._pause(message)
             case StatusOp(session=sid):
                 return self._status(sid)
             case RefOp(session=sid):
@@ -319,7 +354,7 @@ class SessionHost(pykka.ThreadingActor):
             case ReleaseOp(session=sid):
                 return self._release(sid)
             case RunningOp():
-                return [sid for sid, s in self._live.items() if s.turn is not None]
+                return [(sid, s.turn.paused) for sid, s in self._live.items() if s.turn]
             case SyncOp():
                 return None
         # Told: a failure here has no caller to reach, and must not stop the actor.
@@ -343,8 +378,14 @@ class SessionHost(pykka.ThreadingActor):
                 self._on(sid, lambda s: s.tool_killed(frame))
             case _Ended(session=sid, turn=turn, end=end, error=error):
                 self._on(sid, lambda s: s.ended(turn, end, error))
-            case _Timer(session=sid, turn=turn, which=which):
-                self._on(sid, lambda s: s.timer(turn, which))
+            case _Timer(session=sid, turn=turn, which=which, gen=gen):
+                self._on(sid, lambda s: s.timer(turn, which, gen))
+            case _Progress(session=sid, frame=frame):
+                s = self._live.get(sid)
+                if s is not None:  # changes nothing shown: no publish
+                    s.progress(frame)
+            case _Escalating(session=sid, frame=frame):
+                self._on(sid, lambda s: s.escalating(frame))
             case DisposeOp():
                 self._dispose(message)
 
@@ -457,6 +498,18 @@ class SessionHost(pykka.ThreadingActor):
         i = Interrupt(op.kind, auth.origin, auth.by, op.reason, op.grace, op.deadline, op.turn)
         try:
             return s.interrupt(i)
+        finally:
+            self._after(s)
+
+    def _pause(self, op: PauseOp) -> str | None:
+        s = self._dir.authorize_interrupt(op.session, op.authority)
+        if s is None:
+            return None
+        auth = op.authority
+        try:
+            if op.resume:
+                return s.resume(auth.origin, auth.by)
+            return s.pause(auth.origin, auth.by, op.reason)
         finally:
             self._after(s)
 

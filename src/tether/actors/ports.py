@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tether.wire.frames import Delivered, HostFrame, ToolKilled, TurnEnd
+from tether.wire.frames import Delivered, Escalating, HostFrame, Progress, ToolKilled, TurnEnd
 from tether.wire.records import Message, SessionHeader
 
 __all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSink"]
@@ -22,6 +22,8 @@ class TurnSink(Protocol):
 
     def delivered(self, frame: Delivered) -> None: ...
     def tool_killed(self, frame: ToolKilled) -> None: ...
+    def progress(self, frame: Progress) -> None: ...
+    def escalating(self, frame: Escalating) -> None: ...
     def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
         """``end`` is None when the worker died (killed, or crashed: ``error`` says)."""
 
@@ -41,6 +43,9 @@ class TurnJob:
     # The turn's latest assistant text, kept by the host as the worker says it, so the
     # turn's end can name its partial work without reading the store.
     last_say: str | None = None
+    progress_every: float | None = None  # see RunTurn
+    repeat: int | None = None
+    frozen: bool = False  # paused before a worker took it: held back until thawed
 
 
 class Executor(Protocol):
@@ -55,6 +60,13 @@ class Executor(Protocol):
 
     def accepting(self) -> bool:
         """False once the runtime drains: no new turn may start."""
+
+    def freeze(self, turn: str) -> None:
+        """Stop ``turn`` in place (SIGSTOP its worker's group and every escapee); a turn
+        still waiting for a worker is held back until thawed."""
+
+    def thaw(self, turn: str) -> None:
+        """Undo ``freeze``: SIGCONT exactly what it stopped."""
 
     def dispatched(self, turn: str) -> bool:
         """True once a worker has taken ``turn`` (False while it waits for one)."""

@@ -9,6 +9,7 @@ __all__ = ["TRANSITIONS", "AgentState", "IllegalTransition", "check_transition"]
 
 class AgentState(enum.StrEnum):
     RUNNING = "running"  # a turn is claimed (dispatched or waiting for a free worker)
+    PAUSED = "paused"  # a turn is claimed but frozen in place until resumed
     IDLE = "idle"  # no turn, empty inbox
     PARKED = "parked"  # no turn; nothing starts until a waking send
     DISPOSING = "disposing"  # a disposal is under way
@@ -22,7 +23,9 @@ TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
     _S.DORMANT: frozenset({_S.IDLE, _S.PARKED, _S.RUNNING, _S.SETTLED}),
     _S.IDLE: frozenset({_S.RUNNING, _S.PARKED, _S.DISPOSING, _S.DORMANT, _S.SETTLED}),
     _S.PARKED: frozenset({_S.RUNNING, _S.DISPOSING, _S.DORMANT, _S.SETTLED}),
-    _S.RUNNING: frozenset({_S.RUNNING, _S.IDLE, _S.PARKED, _S.DISPOSING, _S.SETTLED}),
+    _S.RUNNING: frozenset({_S.RUNNING, _S.PAUSED, _S.IDLE, _S.PARKED, _S.DISPOSING, _S.SETTLED}),
+    # resumed; or its turn ended while frozen (an abort); or disposed (which aborts it)
+    _S.PAUSED: frozenset({_S.RUNNING, _S.IDLE, _S.PARKED, _S.DISPOSING, _S.SETTLED}),
     _S.DISPOSING: frozenset({_S.SETTLED}),
     _S.SETTLED: frozenset(),
 }

@@ -38,9 +38,7 @@ __all__ = [
 log = structlog.get_logger("tether.supervisor")
 
 
-def narrow(
-    parent: dict[str, Any] | None, asked: dict[str, Any] | None
-) -> dict[str, Any] | None:
+def narrow(parent: dict[str, Any] | None, asked: dict[str, Any] | None) -> dict[str, Any] | None:
     """A child's effective permissions: its parent's, narrowed by what was asked for.
 
     A ``deny`` anywhere above holds below; an ``allow`` asked for cannot lift it.
@@ -139,6 +137,8 @@ class SupervisorActor(pykka.ThreadingActor):
             permissions = narrow(parent.header.permissions, h.permissions)
             if permissions != h.permissions:
                 h = msgspec.structs.replace(h, permissions=permissions)
+            if h.stall is None and parent.header.stall is not None:
+                h = msgspec.structs.replace(h, stall=parent.header.stall)  # SPEC §14.5
         ticket = self._store.create_session(h)
         inbox: list[Message] = []
         if c.prompt is not None:

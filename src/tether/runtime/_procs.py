@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 
 import psutil
 
-__all__ = ["descendants"]
+__all__ = ["descendants", "freeze_tree", "thaw_tree"]
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -43,3 +44,33 @@ def _psutil_descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def freeze_tree(leader: int) -> list[int]:
+    """SIGSTOP ``leader``'s process group, then every descendant outside it (an escapee
+    that called ``setsid``), walking again until a walk finds nothing new: a process
+    forked while we walked is caught by the next walk. Returns the escapees stopped."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGSTOP)
+    stopped: set[int] = set()
+    while True:
+        found = []
+        for p in descendants(leader):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                if p.pid not in stopped and os.getpgid(p.pid) != leader:
+                    found.append(p.pid)
+        if not found:
+            return sorted(stopped)
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.add(pid)
+
+
+def thaw_tree(leader: int, escapees: list[int]) -> None:
+    """SIGCONT exactly what ``freeze_tree`` stopped: the group and those escapees."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGCONT)
+    for pid in escapees:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGCONT)

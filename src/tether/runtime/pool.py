@@ -43,15 +43,17 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
-from tether.runtime._procs import descendants
+from tether.runtime._procs import descendants, freeze_tree, thaw_tree
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel, FrameTooLarge
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
     Delivered,
+    Escalating,
     HostFrame,
     Probe,
     ProbeReply,
+    Progress,
     Ready,
     RunTurn,
     Say,
@@ -191,6 +193,7 @@ class _Worker:
         self.job: TurnJob | None = None
         self.killing = False
         self.sweep: list[psutil.Process] = []
+        self.frozen: list[int] = []  # escapees stopped by freeze (the group is stopped whole)
         self.reader = threading.Thread(
             target=pool._read_loop, args=(self,), name=f"tether-pool-{self.pid}", daemon=True
         )
@@ -252,6 +255,33 @@ class Pool:
 
     def accepting(self) -> bool:
         return not self._draining
+
+    def freeze(self, turn: str) -> None:
+        with self._lock:
+            job = self._jobs.get(turn)
+            if job is None:
+                return
+            w = self._where.get(turn)
+            if w is None:
+                job.frozen = True  # dispatch passes it over until thawed
+                return
+            if w.killing:
+                return
+        w.frozen = freeze_tree(w.pid)
+        log.debug("worker.frozen", pid=w.pid, turn=turn, escapees=len(w.frozen))
+
+    def thaw(self, turn: str) -> None:
+        with self._lock:
+            job = self._jobs.get(turn)
+            if job is None:
+                return
+            w = self._where.get(turn)
+            if w is None:
+                job.frozen = False
+                self._dispatch_locked()
+                return
+            escapees, w.frozen = w.frozen, []
+        thaw_tree(w.pid, escapees)
 
     def dispatched(self, turn: str) -> bool:
         return turn in self._where  # one dict read: no lock needed
@@ -396,7 +426,10 @@ class Pool:
             w = next((w for w in self._active if w.job is None and not w.killing), None)
             if w is None:
                 return
-            job = self._queue.popleft()
+            job = next((j for j in self._queue if not j.frozen), None)
+            if job is None:
+                return
+            self._queue.remove(job)
             w.job = job
             self._where[job.turn] = w
             try:
@@ -408,6 +441,8 @@ class Pool:
                         message=job.message,
                         config=job.config,
                         permissions=job.permissions,
+                        progress_every=job.progress_every,
+                        repeat=job.repeat,
                     )
                 )
                 for frame in job.pending:
@@ -481,6 +516,14 @@ class Pool:
                 job = self._job_of(w, frame.turn)
                 if job is not None:
                     job.sink.delivered(frame)
+            case Progress():
+                job = self._job_of(w, frame.turn)
+                if job is not None:
+                    job.sink.progress(frame)
+            case Escalating():
+                job = self._job_of(w, frame.turn)
+                if job is not None:
+                    job.sink.escalating(frame)
             case ToolKilled():
                 job = self._job_of(w, frame.turn)
                 if job is not None:

@@ -30,13 +30,14 @@ from tether.actors.host import (
     Dispatcher,
     Enqueued,
     InterruptOp,
+    PauseOp,
     RefOp,
     ReleaseOp,
     RunningOp,
     SessionHost,
     StatusOp,
 )
-from tether.actors.ports import TurnJob
+from tether.actors.ports import Executor, TurnJob
 from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
 from tether.runtime._log import configure_logging
 from tether.runtime.pool import Pool, PoolHost
@@ -205,6 +206,7 @@ class Runtime:
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
         self._pool = Pool(workers, _Host(self))
+        executor: Executor = self._pool  # the pool is checked against the actors' Protocol
         try:
             for _ in range(_HOSTS):
                 self._dispatcher.refs.append(
@@ -212,14 +214,15 @@ class Runtime:
                         directory=self._dir,
                         dispatcher=self._dispatcher,
                         store=self._store,
-                        executor=self._pool,
+                        executor=executor,
                         events=self._events,
                         timers=self._timers,
+                        grace=self.grace,
                     )
                 )
             self._sup = SupervisorActor.start(
                 store=self._store,
-                executor=self._pool,
+                executor=executor,
                 directory=self._dir,
                 dispatcher=self._dispatcher,
             )
@@ -243,9 +246,13 @@ class Runtime:
         config: dict[str, Any] | None = None,
         slug: str | None = None,
         permissions: dict[str, str] | None = None,
+        stall: dict[str, Any] | None = None,
     ) -> str:
-        """Open a root session; its owner prompts it with ``prompt``."""
-        header = self._header(None, driver, "continuable", slug, config, permissions)
+        """Open a root session; its owner prompts it with ``prompt``.
+
+        ``stall``: the stall watchdog's policy (see ``check_stall``).
+        """
+        header = self._header(None, driver, "continuable", slug, config, permissions, stall)
         return self._create(Create(header))
 
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
@@ -264,10 +271,12 @@ class Runtime:
         slug: str | None = None,
         config: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
+        stall: dict[str, Any] | None = None,
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
-        Its permissions are ``parent``'s narrowed by ``permissions`` (SPEC §6).
+        Its permissions are ``parent``'s narrowed by ``permissions`` (SPEC §6); without
+        its own ``stall`` policy it inherits its parent's (SPEC §14.5).
         """
         if mode not in _MODES:
             raise InvalidParams(f"mode must be one of {_MODES}, not {mode!r}")
@@ -277,7 +286,7 @@ class Runtime:
             self._check_message(prompt, data)
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
-        header = self._header(parent, driver, mode, slug, config, permissions)
+        header = self._header(parent, driver, mode, slug, config, permissions, stall)
         sid = self._create(Create(header, prompt, data))
         return OneShot(self, sid) if mode == "one-shot" else sid
 
@@ -333,6 +342,53 @@ class Runtime:
         g = self.grace if grace is None else float(grace)
         op = InterruptOp(target, authority, kind, cap(reason), g, deadline, turn)
         return self._interrupt(op)
+
+    def pause(
+        self,
+        target: str,
+        *,
+        authority: Authority,
+        scope: str = "session",
+        reason: str = "",
+    ) -> list[str]:
+        """Freeze the running turn of ``target`` (and, with ``scope="subtree"``, of every
+        running descendant) in place; returns the ids of the turns frozen (SPEC §14.4).
+
+        While paused, sends queue, steers and cancels are held and delivered after
+        ``resume``, and grace, deadline and watchdog clocks stop; an abort still kills
+        the frozen tree at once.
+        """
+        self._check_authority(authority)
+        if not isinstance(reason, str):
+            raise InvalidParams("reason must be a string")
+        _check_text("reason", reason)
+        return self._pause(target, authority, scope, cap(reason), resume=False)
+
+    def resume(self, target: str, *, authority: Authority, scope: str = "session") -> list[str]:
+        """Thaw what ``pause`` froze; returns the ids of the turns resumed."""
+        self._check_authority(authority)
+        return self._pause(target, authority, scope, "", resume=True)
+
+    def _pause(
+        self, target: str, auth: Authority, scope: str, reason: str, *, resume: bool
+    ) -> list[str]:
+        if scope not in ("session", "subtree"):
+            raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
+        self._check_open()
+        self._check_id(target)
+        if scope == "session":
+            turn = self._dispatcher.ask(target, PauseOp(target, auth, reason, resume))
+            return [] if turn is None else [str(turn)]
+        self._dir.authorize_subtree(target, auth)
+        # Authorized at the top: below it, the same person or ancestor acts on each.
+        delegate = Host(auth.origin, auth.by)
+        ids = [target, *self._dir.catalog.preorder(target)]
+        turns: list[str] = []
+        for sid in ids:
+            turn = self._dispatcher.ask(sid, PauseOp(sid, delegate, reason, resume))
+            if turn is not None:
+                turns.append(str(turn))
+        return turns
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:
         """One consistent pre-order walk below ``root`` (SPEC §7), taken after the
@@ -430,9 +486,11 @@ class Runtime:
         self._closed = True
         self._pool.drain()
         try:
+            # A frozen turn reaches no boundary: close aborts it (SPEC §14.4).
+            self._stop_all([sid for sid, paused in self._running() if paused], "abort", 0.0)
             self._stop_all(self._running(), "cancel", self.grace + 1.0)
             self._stop_all(self._running(), "abort", _ABORT_WAIT)  # a cancel stuck earlier
-            for sid in self._running():
+            for sid, _ in self._running():
                 log.error("close.turn_survived", session=sid)
         finally:
             self._shutdown()
@@ -445,16 +503,18 @@ class Runtime:
         self._timers.close()
         self._store.close()
 
-    def _running(self) -> list[str]:
-        out: list[str] = []
+    def _running(self) -> list[tuple[str, bool]]:
+        """(session, paused) for every session with a turn claimed."""
+        out: list[tuple[str, bool]] = []
         for ref in self._dispatcher.refs:
             running: Any = ref.ask(RunningOp())
             out.extend(running)
         return out
 
-    def _stop_all(self, sessions: list[str], kind: str, timeout: float) -> None:
+    def _stop_all(self, running: list[Any], kind: str, timeout: float) -> None:
         """Stop every turn in ``sessions`` (a cancel escalates after ``grace`` with no
         boundary) and wait up to ``timeout`` for them to end."""
+        sessions = [r[0] if isinstance(r, tuple) else r for r in running]
         for sid in sessions:
             self._interrupt(
                 InterruptOp(sid, Host(), kind, "the runtime is closing", self.grace, self.grace)
@@ -539,6 +599,7 @@ class Runtime:
         slug: str | None,
         config: dict[str, Any] | None,
         permissions: dict[str, str] | None,
+        stall: dict[str, Any] | None = None,
     ) -> SessionHeader:
         if not isinstance(driver, str) or not driver:
             raise InvalidParams("driver must be an import string 'package.module:Class'")
@@ -565,6 +626,7 @@ class Runtime:
             config=config,
             permissions=permissions,
             created_at=time.time(),
+            stall=None if stall is None else check_stall(stall),
         )
 
     def _check_message(self, content: str, data: dict[str, Any] | None) -> None:
@@ -665,3 +727,56 @@ def _check_text(name: str, value: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidParams(f"{name} is not valid text (it cannot be encoded as UTF-8)") from None
+
+
+_STEPS = ("steer", "cancel", "abort", "preempt")
+_NUDGE = (
+    "you have made no visible progress for a while. Say where you are, and if you are "
+    "stuck, change approach or wrap up."
+)
+
+
+def check_stall(stall: object) -> dict[str, Any]:
+    """The stall watchdog's policy, validated and completed (SPEC §14.5).
+
+    ``after`` (seconds, required) without progress takes the first of ``steps``
+    (default steer, cancel, abort), then the next after each further ``every``
+    (default ``after``); ``nudge`` is the steer's text; ``repeat`` (>= 2) counts that
+    many identical tool calls in a row as no progress; ``grace`` is the watchdog's
+    cancel's grace (default the runtime's).
+    """
+    if not isinstance(stall, dict):
+        raise InvalidParams("stall must be a dict like {'after': 60}")
+    unknown = set(stall) - {"after", "every", "steps", "nudge", "repeat", "grace"}
+    if unknown:
+        raise InvalidParams(f"stall has unknown keys {sorted(unknown)}")
+
+    def seconds(name: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidParams(f"stall.{name} must be a positive number of seconds")
+        return float(value)
+
+    after = seconds("after", stall.get("after"))
+    every = seconds("every", stall.get("every", after))
+    steps = stall.get("steps", ["steer", "cancel", "abort"])
+    if not isinstance(steps, list) or not steps or any(step not in _STEPS for step in steps):
+        raise InvalidParams(f"stall.steps must be a non-empty list of {_STEPS}")
+    nudge = stall.get("nudge", _NUDGE)
+    if not isinstance(nudge, str) or not nudge.strip():
+        raise InvalidParams("stall.nudge must be a non-empty string")
+    _check_text("stall.nudge", nudge)
+    repeat = stall.get("repeat")
+    if repeat is not None and (
+        isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 2
+    ):
+        raise InvalidParams("stall.repeat must be an integer of at least 2")
+    out: dict[str, Any] = {
+        "after": after,
+        "every": every,
+        "steps": list(steps),
+        "nudge": cap(nudge),
+        "repeat": repeat,
+    }
+    if "grace" in stall:
+        out["grace"] = seconds("grace", stall["grace"])
+    return out

@@ -68,16 +68,22 @@ class Scripted:
                     time.sleep(0.01)
                     if self._boundary():
                         raise _Stop
+            case "sleep":  # a model call that hangs: no boundary, no progress
+                time.sleep(float(step.get("seconds", 1.0)))
             case "tool":
                 self._tool("run_command", lambda: _fmt_command(ctx.run_command(step["argv"])))
-            case "spawn":
+            case "loop":  # the same tool call over and over, a boundary between, until stopped
+                while True:
+                    self._tool("run_command", lambda: _fmt_command(ctx.run_command(step["argv"])))
+                    if self._boundary():
+                        raise _Stop
+            case "spawn":  # the child runs this same driver (the host chooses it)
                 self._tool(
                     "spawn_agent",
                     lambda: (
                         "spawned "
                         + ctx.spawn_agent(
                             slug=step.get("slug"),
-                            driver=step.get("driver"),
                             mode=step.get("mode", "continuable"),
                             prompt=_spawn_prompt(step),
                             data=step.get("data"),
@@ -88,20 +94,23 @@ class Scripted:
                 self._tool(
                     "send_message",
                     lambda: (
-                        ctx.send_message(step["to"], step.get("text", ""), data=step.get("data"))
-                        or f"sent to {step['to']}"
+                        f"sent to {step['to']} as "
+                        + ctx.send_message(step["to"], step.get("text", ""), data=step.get("data"))
                     ),
                 )
             case "interrupt":
                 self._tool(
                     "interrupt_agent",
                     lambda: (
-                        ctx.interrupt_agent(
-                            step["target"],
-                            kind=step.get("kind", "cancel"),
-                            reason=step.get("reason", ""),
+                        f"{step.get('kind', 'cancel')} issued to {step['target']}: "
+                        + str(
+                            ctx.interrupt_agent(
+                                step["target"],
+                                kind=step.get("kind", "cancel"),
+                                reason=step.get("reason", ""),
+                            )
+                            or "no-op"
                         )
-                        or f"{step.get('kind', 'cancel')} issued to {step['target']}"
                     ),
                 )
             case "ignore_cancel":

@@ -67,7 +67,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     config      BLOB,
     permissions BLOB,
     created_at  REAL NOT NULL,
-    settled     INTEGER NOT NULL DEFAULT 0
+    settled     INTEGER NOT NULL DEFAULT 0,
+    stall       BLOB
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -189,6 +190,9 @@ class Store:
         sync = "FULL" if durability == "full" else "NORMAL"
         self._db.execute(f"PRAGMA synchronous={sync}")
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
+        if "stall" not in columns:  # a store written before the stall watchdog
+            self._db.execute("ALTER TABLE sessions ADD COLUMN stall BLOB")
         self._next_key = self._max("messages", "id") + 1  # the next message's key
         self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
         self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
@@ -363,21 +367,22 @@ class Store:
             _dump(row.config),
             _dump(row.permissions),
             row.created_at,
+            _dump(row.stall),
         )
         return self.submit(
             waited=True,
             op=lambda db: db.execute(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
-                " created_at) VALUES (?,?,?,?,?,?,?,?)",
+                " created_at, stall) VALUES (?,?,?,?,?,?,?,?,?)",
                 params,
-            )
+            ),
         )
 
     def sessions(self) -> list[SessionHeader]:
         """Every session, in creation order."""
         rows = self._read(
-            "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled"
-            " FROM sessions ORDER BY seq"
+            "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled,"
+            " stall FROM sessions ORDER BY seq"
         )
         return [
             SessionHeader(
@@ -390,6 +395,7 @@ class Store:
                 permissions=_load(r[6]),
                 created_at=r[7],
                 settled=bool(r[8]),
+                stall=_load(r[9]),
             )
             for r in rows
         ]

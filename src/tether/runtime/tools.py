@@ -57,11 +57,13 @@ class ToolHost(Protocol):
 
     def send_message(
         self, to: str, text: str, *, data: dict[str, Any] | None = ..., wake: bool = ...
-    ) -> None: ...
+    ) -> str: ...
 
     def list_agents(self, *, scope: str = ...) -> Sequence[Any]: ...
 
-    def interrupt_agent(self, agent_id: str, *, kind: str = ..., reason: str = ...) -> None: ...
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = ..., reason: str = ...
+    ) -> str | None: ...
 
     def run_command(
         self, argv: list[str], *, timeout: float | None = ..., cwd: str | None = ...
@@ -175,8 +177,8 @@ def _spawn(host: ToolHost, a: SpawnAgentArgs) -> dict[str, Any]:
 
 
 def _send(host: ToolHost, a: SendMessageArgs) -> dict[str, Any]:
-    host.send_message(a.to, a.text, data=_given(a.data), wake=a.wake)
-    return {"sent": True}
+    message = host.send_message(a.to, a.text, data=_given(a.data), wake=a.wake)
+    return {"sent": True, "message": message}
 
 
 def _list(host: ToolHost, a: ListAgentsArgs) -> dict[str, Any]:
@@ -184,8 +186,8 @@ def _list(host: ToolHost, a: ListAgentsArgs) -> dict[str, Any]:
 
 
 def _interrupt(host: ToolHost, a: InterruptAgentArgs) -> dict[str, Any]:
-    host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason)
-    return {"accepted": True}
+    turn = host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason)
+    return {"accepted": True, "turn": turn}
 
 
 def _run(host: ToolHost, a: RunCommandArgs) -> dict[str, Any]:

@@ -11,6 +11,10 @@
     ◄──────────────────── ToolCall            ctx.spawn_agent() & co block on ...
     ToolReply ─────────────────────────────►   ... the reply, matched by call number
     ◄──────────────────── ToolKilled          a preempt killed run_command's tree
+    ◄──────────────────── Progress            boundaries, says, tool calls (rate-limited,
+                                               only for a session with a stall watchdog)
+    Escalate ──────────────────────────────► reader thread: the cancel is never handed
+    ◄──────────────────── Escalating            over now (unless it already was)
     ◄──────────────────── TurnEnd             driver returned or raised
 
 The reader thread never runs driver code; the main thread never reads the socket. A
@@ -27,6 +31,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -39,10 +44,13 @@ from tether.wire.frames import (
     Cancel,
     CancelFrame,
     Delivered,
+    Escalate,
+    Escalating,
     HostFrame,
     Preempt,
     Probe,
     ProbeReply,
+    Progress,
     Ready,
     RunTurn,
     Say,
@@ -101,18 +109,55 @@ class CommandResult(msgspec.Struct, frozen=True):
 class _TurnState:
     """What the reader thread shares with the main thread for the current turn."""
 
-    def __init__(self, turn: str) -> None:
-        self.turn = turn
+    def __init__(self, run: RunTurn) -> None:
+        self.turn = run.turn
         self.lock = threading.Lock()
         self.steers: list[Steer] = []
         self.cancel: Cancel | None = None
         self.cancel_delivered = False
+        self.escalating = False  # the host's deadline passed first: never deliver now
+        self.progress = _ProgressMeter(run.progress_every, run.repeat)
         self.cancel_event = threading.Event()
         self.replies: dict[int, ToolReply] = {}
         self.reply_ready = threading.Condition(self.lock)
         self.tool: subprocess.Popen[bytes] | None = None
         self.tool_starting = False  # between Popen's fork and our holding its handle
         self.preempt: Preempt | None = None
+
+
+class _ProgressMeter:
+    """Progress for the host's stall watchdog, rate-limited: no frame per boundary.
+
+    Progress is a boundary, a ``say``, a tool call or its return; the same tool called
+    with the same arguments ``repeat`` times in a row is a loop, and nothing counts as
+    progress until a different call breaks it.
+    """
+
+    def __init__(self, every: float | None, repeat: int | None) -> None:
+        self.every = every
+        self.repeat = repeat
+        self.reported = time.monotonic()
+        self.pending = False
+        self.last_call: tuple[str, str] | None = None
+        self.same = 0
+        self.in_tool = False
+
+    def note(self, call: tuple[str, str] | None = None) -> bool:
+        """Record progress; True when a report is due now."""
+        if self.every is None:
+            return False
+        if call is not None:
+            self.same = self.same + 1 if call == self.last_call else 1
+            self.last_call = call
+        if self.repeat is not None and self.same >= self.repeat:
+            return False  # looping
+        self.pending = True
+        now = time.monotonic()
+        if now - self.reported < self.every:
+            return False
+        self.reported = now
+        self.pending = False
+        return True
 
 
 class TurnContext:
@@ -139,10 +184,13 @@ class TurnContext:
     def checkpoint(self) -> list[Steer | Cancel]:
         """The frames delivered at this boundary: pending steers in order, then a cancel."""
         st = self._state
+        self._progress()
         with st.lock:
             if st.cancel is not None:
                 if st.cancel_delivered:
                     return [st.cancel]
+                if st.escalating:
+                    return []  # the turn is being killed: its deadline passed first
                 st.cancel_delivered = True
                 frames: list[Steer | Cancel] = [st.cancel]
                 self._worker.send(Delivered(turn=self.turn, steers=[], cancel=True))
@@ -152,9 +200,15 @@ class TurnContext:
             self._worker.send(Delivered(turn=self.turn, steers=steers))
         return list(steers)
 
+    def _progress(self, call: tuple[str, str] | None = None) -> None:
+        meter = self._state.progress
+        if meter.note(call):
+            self._worker.send(Progress(turn=self.turn, in_tool=meter.in_tool))
+
     def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
         """Append an assistant entry to the transcript."""
         self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
+        self._progress()
 
     def record_tool(self, text: str, *, data: dict[str, Any] | None = None) -> None:
         """Append a ``tool`` entry (a tool call's visible result) to the transcript."""
@@ -171,6 +225,8 @@ class TurnContext:
     # ---- tools ----------------------------------------------------------------------
 
     def _host_call(self, name: str, args: dict[str, Any]) -> Any:
+        if name != "history":
+            self._progress((name, repr(sorted(args.items()))))
         self._next_call += 1
         call = self._next_call
         st = self._state
@@ -187,35 +243,40 @@ class TurnContext:
         self,
         *,
         slug: str | None = None,
-        driver: str | None = None,
         mode: str = "continuable",
         prompt: str | None = None,
         data: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
     ) -> str:
+        """Spawn a child running this session's own driver and config (the host chooses
+        what loads code); ``permissions`` can only narrow this session's own."""
         args = {
             "slug": slug,
-            "driver": driver,
             "mode": mode,
             "prompt": prompt,
             "data": data,
-            "config": config,
             "permissions": permissions,
         }
         return str(self._host_call("spawn_agent", args))
 
     def send_message(
         self, to: str, text: str, *, data: dict[str, Any] | None = None, wake: bool = True
-    ) -> None:
-        self._host_call("send_message", {"to": to, "text": text, "data": data, "wake": wake})
+    ) -> str:
+        """Send to a direct child (id or slug); returns the new message's id."""
+        args = {"to": to, "text": text, "data": data, "wake": wake}
+        return str(self._host_call("send_message", args))
 
     def list_agents(self, *, scope: str = "children") -> list[AgentInfo]:
         raw = self._host_call("list_agents", {"scope": scope})
         return msgspec.convert(raw, list[AgentInfo])
 
-    def interrupt_agent(self, agent_id: str, *, kind: str = "cancel", reason: str = "") -> None:
-        self._host_call("interrupt_agent", {"agent_id": agent_id, "kind": kind, "reason": reason})
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = "cancel", reason: str = ""
+    ) -> str | None:
+        """Interrupt an agent below; the turn it was bound to, or None (a no-op)."""
+        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
+        turn = self._host_call("interrupt_agent", args)
+        return None if turn is None else str(turn)
 
     def run_command(
         self, argv: list[str], *, timeout: float | None = None, cwd: str | None = None
@@ -231,6 +292,8 @@ class TurnContext:
         if not argv or not all(isinstance(a, str) for a in argv):
             raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
         st = self._state
+        st.progress.in_tool = True
+        self._progress(("run_command", repr((argv, cwd))))
         with st.lock:
             st.tool_starting = True
         try:
@@ -242,6 +305,7 @@ class TurnContext:
                 stderr=subprocess.PIPE,
             )
         except BaseException as exc:
+            st.progress.in_tool = False
             with st.lock:
                 st.tool_starting = False
                 st.preempt = None
@@ -265,6 +329,8 @@ class TurnContext:
                 st.tool = None
                 preempt, st.preempt = st.preempt, None
             _kill_leftovers()
+            st.progress.in_tool = False
+            self._progress()
         if preempt is not None:
             self._worker.send(
                 ToolKilled(
@@ -337,7 +403,7 @@ class _Worker:
                 case RunTurn() | Probe():
                     with self.lock:
                         if isinstance(frame, RunTurn):
-                            self.current = _TurnState(frame.turn)
+                            self.current = _TurnState(frame)
                         self.runs.append(frame)
                         self.runs_ready.notify()
                 case SteerFrame(turn=turn, steer=steer):
@@ -364,6 +430,14 @@ class _Worker:
                                 st.preempt = frame  # still starting: killed once it has a pid
                         if tool is not None:
                             _kill_tree(tool.pid)
+                case Escalate(turn=turn):
+                    st = self._state_for(turn)
+                    if st is not None:
+                        with st.lock:
+                            answer = not st.cancel_delivered
+                            st.escalating = answer
+                        if answer:  # else the Delivered frame is on its way already
+                            self.send(Escalating(turn=turn))
                 case ToolReply(turn=turn, call=call):
                     st = self._state_for(turn)
                     if st is not None:

@@ -17,10 +17,13 @@ __all__ = [
     "Cancel",
     "CancelFrame",
     "Delivered",
+    "Escalate",
+    "Escalating",
     "HostFrame",
     "Preempt",
     "Probe",
     "ProbeReply",
+    "Progress",
     "Ready",
     "RunTurn",
     "Say",
@@ -67,6 +70,12 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     message: Message
     config: dict[str, Any] | None = None
     permissions: dict[str, str] | None = None
+    # Report progress (boundaries, says, tool calls and returns) at most this often, in
+    # seconds; None: the session has no stall watchdog, report nothing.
+    progress_every: float | None = None
+    # The same tool called with the same arguments this many times in a row is a loop:
+    # it counts as no progress (SPEC §14.5).
+    repeat: int | None = None
 
 
 class SteerFrame(msgspec.Struct, frozen=True, tag="steer"):
@@ -94,6 +103,15 @@ class ToolReply(msgspec.Struct, frozen=True, tag="reply"):
     message: str | None = None
 
 
+class Escalate(msgspec.Struct, frozen=True, tag="escalate"):
+    """The cancel's deadline passed with no delivery seen: unless the driver already has
+    the cancel, never hand it over now (the turn is about to be killed) and answer
+    ``Escalating``. The worker decides, so a delivery just before the deadline is never
+    mistaken for none."""
+
+    turn: str
+
+
 class Probe(msgspec.Struct, frozen=True, tag="probe"):
     driver: str
 
@@ -102,7 +120,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-HostFrame = RunTurn | SteerFrame | CancelFrame | Preempt | ToolReply | Probe | Shutdown
+HostFrame = RunTurn | SteerFrame | CancelFrame | Preempt | ToolReply | Escalate | Probe | Shutdown
 
 
 # ---- worker -> host -----------------------------------------------------------------
@@ -150,9 +168,29 @@ class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
     error: str | None = None
 
 
+class Progress(msgspec.Struct, frozen=True, tag="progress"):
+    """The turn made progress since the last report (rate-limited by ``progress_every``).
+
+    ``looping``: its last ``repeat`` tool calls were identical, which is no progress.
+    ``in_tool``: a ``run_command`` is running now.
+    """
+
+    turn: str
+    looping: bool = False
+    in_tool: bool = False
+
+
+class Escalating(msgspec.Struct, frozen=True, tag="escalating"):
+    """Answer to ``Escalate``: the cancel was not delivered and now never will be."""
+
+    turn: str
+
+
 class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
     driver: str
     error: str | None = None
 
 
-WorkerFrame = Ready | Say | ToolCall | Delivered | ToolKilled | TurnEnd | ProbeReply
+WorkerFrame = (
+    Ready | Say | ToolCall | Delivered | ToolKilled | TurnEnd | Progress | Escalating | ProbeReply
+)

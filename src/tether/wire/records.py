@@ -34,7 +34,15 @@ Outcome = Literal["completed", "cancelled", "aborted", "failed", "crashed"]
 Origin = Literal["user", "parent", "system"]
 EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
 
-STATES: tuple[str, ...] = ("running", "idle", "parked", "disposing", "dormant", "settled")
+STATES: tuple[str, ...] = (
+    "running",
+    "paused",
+    "idle",
+    "parked",
+    "disposing",
+    "dormant",
+    "settled",
+)
 
 
 def message_key(message_id: str) -> int:
@@ -149,6 +157,9 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     permissions: dict[str, Any] | None = None
     created_at: float = 0.0
     settled: bool = False
+    # The stall watchdog's policy (SPEC §14.5), or None: {"after", "every", "steps",
+    # "nudge", "repeat"}; a child without one inherits its parent's.
+    stall: dict[str, Any] | None = None
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

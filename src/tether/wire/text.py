@@ -17,7 +17,10 @@ _VERBS = {
     "cancelled": "Cancelled",
     "aborted": "Aborted",
     "preempted": "Preempted",
+    "paused": "Paused",
+    "resumed": "Resumed",
 }
+_SIGNS = {"paused": "⏸", "resumed": "▶"}
 
 
 def cap(text: str, limit: int = REASON_CAP) -> str:
@@ -35,10 +38,18 @@ def escape(text: str) -> str:
 def marker_text(action: str, origin: str, by: str, reason: str) -> str:
     """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason.
 
-    The system's own follow-up markers (``forced``, ``escalated``) read ``⊘ Forced: ...``.
+    The system's own follow-up markers (``forced``, ``escalated``) read ``⊘ Forced: ...``;
+    the watchdog's read ``⊘ Steered by watchdog: ...``; a pause ``⏸ Paused by ...`` and a
+    resume ``▶ Resumed by ...``.
     """
     verb = _VERBS.get(action)
-    head = f"⊘ {action.capitalize()}" if verb is None else f"⊘ {verb} by {origin} ({escape(by)})"
+    sign = _SIGNS.get(action, "⊘")
+    if verb is None:
+        head = f"{sign} {action.capitalize()}"
+    elif origin == "watchdog":
+        head = f"{sign} {verb} by watchdog"
+    else:
+        head = f"{sign} {verb} by {origin} ({escape(by)})"
     return f"{head}: {escape(reason)}" if reason else head
 
 
