@@ -266,14 +266,21 @@ def test_cancel_keeps_a_pending_send_and_send_resumes_the_queue_in_order(
     expect(inbox.locator("li")).to_have_count(1)
     expect(inbox).to_contain_text(queued)
 
+    # "don't wake" only queues; a waking Send resumes the queue, oldest first.
+    page.get_by_label("don't wake").check()
+    held = send(page, "and the docs")
+    expect(inbox.locator("li")).to_have_count(2)
+    expect(state(page)).to_have_text("parked")
+    expect(page.get_by_label("don't wake")).not_to_be_checked()  # one message at a time
     resumed = send(page, "then summarise")
     expect(state(page)).to_have_text("idle")
     expect(inbox.locator("li")).to_have_count(0)
     users = transcript(page).locator("li.user .text")
-    expect(users).to_have_text(["work", "check the tests too", "then summarise"])
+    expect(users).to_have_text(["work", "check the tests too", "and the docs", "then summarise"])
     turns = server.call("subagent.turns", {"session": kid})["turns"]
     assert [(t["message"], t["outcome"]) for t in turns][1:] == [
         (queued, "completed"),
+        (held, "completed"),
         (resumed, "completed"),
     ]
     assert turns[0]["id"] == first_turn and turns[0]["outcome"] == "cancelled"

@@ -124,7 +124,7 @@ async function openAny(id) {
     await selectRoot(root, id);
     $("root-id").value = "";
   } catch (err) {
-    onStatus(`${err}`);
+    treeNote(`${id}: ${err}`);
   }
 }
 
@@ -161,7 +161,13 @@ async function selectRoot(id, sessionId = null) {
   try {
     await loadTree();
   } catch (err) {
-    onStatus(String(err));
+    if (store.root === id) {
+      store.root = null;
+      store.roots.delete(id);
+      renderPicker();
+    }
+    treeNote(`${id}: ${err}`);
+    return;
   }
   selectSession(sessionId && store.sessions.has(sessionId) ? sessionId : id);
 }
@@ -182,6 +188,12 @@ async function loadTree() {
   renderTree();
   updateComposer();
   renderFacts();
+}
+
+function treeNote(text) {
+  renderTree();
+  setText($("tree-empty"), text);
+  $("tree-empty").hidden = false;
 }
 
 function scheduleTree() {
@@ -225,8 +237,6 @@ function onEvent(ev) {
     info.fromEvents = true;
   } else if (ev.event === "marker") {
     info.marker = ev.data.entry;
-  } else if (ev.event === "turn.started") {
-    info.dispatched = true;
   }
   if (root === store.root) {
     const inTree = ev.session === root || store.order.includes(ev.session);

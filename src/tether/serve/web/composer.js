@@ -125,6 +125,7 @@ async function send() {
   try {
     const answer = await call("subagent.send", { address: address(info), content, wake });
     $("message").value = "";
+    $("no-wake").checked = false; // a per-message choice: the next send wakes again
     say(`Sent ${answer.message}${wake ? "" : " (not waking)"} to ${label(info)}.`);
     refreshView();
   } catch (err) {

@@ -41,7 +41,7 @@ export function openView(id) {
   setText($("outcome"), "");
   $("outcome").className = "outcome";
   renderFacts();
-  return refresh({ pages: FIRST_PAGES, status: true });
+  return refresh({ pages: FIRST_PAGES });
 }
 
 export function closeView() {
@@ -76,7 +76,7 @@ export function renderFacts() {
  * Re-read what changed. Calls are serialized per view: a refresh asked for while one
  * runs is folded into one more pass afterwards, so nothing is appended twice.
  */
-export function refresh({ pages = 1, status = false } = {}) {
+export function refresh({ pages = 1 } = {}) {
   if (!view) return Promise.resolve();
   const v = view;
   if (v.busy) {
@@ -87,7 +87,7 @@ export function refresh({ pages = 1, status = false } = {}) {
     try {
       do {
         v.again = false;
-        await load(v, pages, status);
+        await load(v, pages);
         pages = 1;
       } while (v.again && view === v);
     } finally {
@@ -97,15 +97,17 @@ export function refresh({ pages = 1, status = false } = {}) {
   return v.busy;
 }
 
-async function load(v, pages, status) {
+async function load(v, pages) {
   const id = v.id;
+  // The status for what events do not carry (whether a worker has the turn); a state
+  // the event stream has already given is kept (see state.js).
   const [info, turns, inbox] = await Promise.all([
-    status ? call("subagent.status", { session: id }) : null,
+    call("subagent.status", { session: id }),
     call("subagent.turns", { session: id }),
     call("subagent.inbox", { session: id }),
   ]);
   if (view !== v) return;
-  if (info) applySnapshot(info);
+  applySnapshot(info);
   for (let page = 0; page < pages; page++) {
     const got = await call("subagent.transcript", { session: id, after: v.lastSeq, limit: PAGE });
     if (view !== v) return;
