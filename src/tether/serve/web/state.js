@@ -53,7 +53,7 @@ export function sendBlocked(info) {
   if (info.parent) {
     const parent = store.sessions.get(info.parent);
     if (parent && OFFLINE.has(parent.state)) {
-      return `Send is off: its parent ${label(parent)} is ${parent.state} (offline), and only a live parent's side may send to it. Stop still works.`;
+      return `Send is off: its parent ${label(parent)} is ${parent.state} (offline), and a message to a subagent needs a live parent. Stop still works.`;
     }
   }
   return null;

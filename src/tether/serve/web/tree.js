@@ -87,7 +87,7 @@ export function updateRow(id) {
   const badge = info.state === "paused" ? "paused" : info.stopping ? `stopping: ${info.stopping}` : "";
   setText(r.badge, badge);
   r.badge.hidden = !badge;
-  setText(r.marker, info.marker ? markerText(info.marker) : "");
+  setText(r.marker, info.marker ? markerText(info.marker, { short: true }) : "");
   r.marker.title = info.marker ? markerText(info.marker) : "";
 }
 

@@ -20,12 +20,14 @@ const VERBS = {
 /**
  * A marker as a person reads it, from its fields: `⊘ Cancelled by user (by): reason`.
  * The stored `text` is escaped for models (&lt;…); the raw reason is shown as text.
+ * `short` (the tree) leaves out who (the `by` id): the session view has it.
  */
-export function markerText(entry) {
+export function markerText(entry, { short = false } = {}) {
   const known = VERBS[entry.action];
   if (!known && !entry.action) return entry.text;
   const [mark, verb] = known || ["⊘", entry.action.charAt(0).toUpperCase() + entry.action.slice(1)];
-  const who = known && entry.origin ? ` by ${entry.origin}${entry.by ? ` (${entry.by})` : ""}` : "";
+  const by = entry.by && !short ? ` (${entry.by})` : "";
+  const who = known && entry.origin ? ` by ${entry.origin}${by}` : "";
   return `${mark} ${verb}${who}${entry.reason ? `: ${entry.reason}` : ""}`;
 }
 
