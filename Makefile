@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-full clean
+.PHONY: demo test lint browser bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,19 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# Debian's headless Chromium for the browser tests (tests/test_console.py). Playwright
+# drives it through executable_path: `playwright install` cannot download browsers here.
+# Idempotent: apt runs only when the package is missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if dpkg -s chromium-headless-shell >/dev/null 2>&1; then \
+	  echo "browser: chromium-headless-shell is installed"; \
+	else \
+	  $(SUDO) apt-get update && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y --no-install-recommends chromium-headless-shell; \
+	fi
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks --quick --json benchmarks/results/latest.json

@@ -7,6 +7,9 @@
                                                                    ▼ (threadpool)
     client ◄─GET /events── EventHub ◄─call_soon_threadsafe── rt.subscribe callback ◄─ Runtime
 
+    browser ─GET /──► the web console (static files in serve/web/); the page then uses
+                      only /rpc and /events, with the bearer token when there is one
+
 The RPC caller is a person at the host: it acts as ``User(parent=address.parent)`` and
 the runtime alone decides authority. Runtime calls block (actor asks), so they run in
 the threadpool, never on the event loop.
@@ -43,6 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tether import Event, Runtime, User
 from tether.runtime._log import configure_logging
 from tether.serve.sse import EventHub
+from tether.serve.web import console_routes, is_console_path
 from tether.wire.errors import NotFound, TetherError
 from tether.wire.rpc import (
     APPLICATION_ERROR,
@@ -297,8 +301,10 @@ class _Guard:
     """Access control for every route.
 
     With a token, a request needs ``Authorization: Bearer <token>`` (compared in constant
-    time). Without one the server is loopback-only, and it refuses what a web page in a
-    local browser could send: a foreign ``Host`` (DNS rebinding) or a foreign ``Origin``.
+    time), except the web console's own static files, which hold no secret: the page asks
+    for the token and sends it with each request it makes. Without one the server is
+    loopback-only, and it refuses what a web page in a local browser could send: a foreign
+    ``Host`` (DNS rebinding) or a foreign ``Origin`` (the console's files included).
     """
 
     def __init__(self, app: ASGIApp, *, token: str | None) -> None:
@@ -307,13 +313,16 @@ class _Guard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            denied = self._check(Headers(scope=scope))
+            public = is_console_path(scope["method"], scope["path"])
+            denied = self._check(Headers(scope=scope), public=public)
             if denied is not None:
                 await denied(scope, receive, send)
                 return
         await self._app(scope, receive, send)
 
-    def _check(self, headers: Headers) -> Response | None:
+    def _check(self, headers: Headers, *, public: bool = False) -> Response | None:
+        if self._token is not None and public:
+            return None
         if self._token is not None:
             scheme, _, credential = headers.get("authorization", "").partition(" ")
             if scheme.lower() == "bearer" and hmac.compare_digest(
@@ -363,7 +372,8 @@ def build_app(
     max_body: int = DEFAULT_MAX_BODY,
     fault_injection: bool = False,
 ) -> ASGIApp:
-    """The ASGI app over ``rt``: ``POST /rpc``, ``GET /events``, ``GET /health``."""
+    """The ASGI app over ``rt``: ``POST /rpc``, ``GET /events``, ``GET /health``, and the
+    web console (``GET /``)."""
     dispatcher = RpcDispatcher(rt, fault_injection=fault_injection)
 
     async def rpc(request: Request) -> Response:
@@ -425,6 +435,7 @@ def build_app(
         Route("/rpc", rpc, methods=["POST"]),
         Route("/events", events, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        *console_routes(),
     ]
     return _Guard(Starlette(routes=routes, lifespan=lifespan), token=token)
 

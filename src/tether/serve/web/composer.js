@@ -1,0 +1,223 @@
+// The composer: a message box with Send, and Stop with its menu. They are independent:
+// while a turn runs both are usable. A parent-offline child keeps Stop and loses Send
+// (with a note why); a one-shot child shows no Stop.
+//
+// Stop is bound to the turn on screen when it is clicked: the call carries `turn=`, so a
+// stale click can never stop a later turn, and a no-op answer says "already finished".
+
+import { $, h, setText } from "./dom.js";
+import { call } from "./rpc.js";
+import { hasStop, label, sendBlocked, store } from "./state.js";
+
+// The Stop menu. Each item says what its dialog asks for and what it calls; Pause and
+// Resume (SPEC §14.4) join this list, with their own `run`, once that issue has landed.
+export const STOP_ITEMS = [
+  {
+    name: "Steer",
+    kind: "steer",
+    done: "steered",
+    needsText: true,
+    hint: "Steer requires text: the agent reads it at its next boundary and goes on.",
+  },
+  {
+    name: "Cancel",
+    kind: "cancel",
+    done: "cancelled",
+    timing: true,
+    hint: "The agent wraps up at its next boundary; after the grace it is killed. With a deadline, no boundary in time escalates to an abort.",
+  },
+  {
+    name: "Abort",
+    kind: "abort",
+    done: "aborted",
+    hint: "Kills the turn's whole process tree now.",
+  },
+  {
+    name: "Preempt",
+    kind: "preempt",
+    done: "preempted",
+    hint: "Kills only the running command; the turn goes on.",
+  },
+];
+
+let target = null; // what Stop was clicked for: {id, parent, turn, name}
+let chosen = null; // the STOP_ITEMS entry whose dialog is open
+let refreshView = () => {};
+
+export function initComposer(onChanged) {
+  refreshView = onChanged;
+  const menu = $("stop-menu");
+  for (const item of STOP_ITEMS) {
+    const button = h("button", { type: "button", role: "menuitem", tabindex: "-1", "data-kind": item.kind }, item.name);
+    button.addEventListener("click", () => choose(item));
+    menu.append(h("li", { role: "none" }, button));
+  }
+  $("composer").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    send();
+  });
+  $("message").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) {
+      ev.preventDefault();
+      send();
+    }
+  });
+  $("stop").addEventListener("click", toggleMenu);
+  menu.addEventListener("keydown", menuKeys);
+  document.addEventListener("click", (ev) => {
+    if (!menu.hidden && !ev.target.closest(".stop")) closeMenu(false);
+  });
+  $("reason-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    confirm();
+  });
+  $("reason-back").addEventListener("click", () => $("reason-dialog").close());
+  $("reason").addEventListener("input", updateConfirm);
+}
+
+/** Enable, disable or hide the controls for the session on screen. */
+export function updateComposer() {
+  const info = store.selected ? store.sessions.get(store.selected) : null;
+  if (!info) return;
+  const blocked = sendBlocked(info);
+  $("message").disabled = blocked !== null;
+  $("send").disabled = blocked !== null;
+  $("no-wake").disabled = blocked !== null;
+  setText($("send-note"), blocked || "");
+  $("send-note").hidden = blocked === null;
+  const stop = $("stop");
+  stop.hidden = !hasStop(info);
+  const running = Boolean(info.turn) && info.state !== "settled";
+  stop.disabled = !running;
+  stop.title = running ? `stop turn ${info.turn}` : "nothing is running";
+  if (stop.hidden || stop.disabled) closeMenu(false);
+}
+
+export function resetComposer() {
+  $("message").value = "";
+  $("no-wake").checked = false;
+  closeMenu(false);
+  if ($("reason-dialog").open) $("reason-dialog").close();
+}
+
+function say(text, { error = false } = {}) {
+  const out = $("outcome");
+  out.className = error ? "outcome error" : "outcome";
+  out.setAttribute("role", error ? "alert" : "status");
+  setText(out, text);
+}
+
+function address(info) {
+  // The RPC caller acts as User(parent=…); a root's owner is addressed by its own id.
+  return { session: info.id, parent: info.parent || info.id, mode: "continuable" };
+}
+
+async function send() {
+  const info = store.sessions.get(store.selected);
+  if (!info || $("send").disabled) return;
+  const content = $("message").value;
+  if (!content.trim()) {
+    $("message").focus();
+    return;
+  }
+  const wake = !$("no-wake").checked;
+  $("send").disabled = true;
+  try {
+    const answer = await call("subagent.send", { address: address(info), content, wake });
+    $("message").value = "";
+    $("no-wake").checked = false; // a per-message choice: the next send wakes again
+    say(`Sent ${answer.message}${wake ? "" : " (not waking)"} to ${label(info)}.`);
+    refreshView();
+  } catch (err) {
+    say(String(err), { error: true });
+  } finally {
+    updateComposer();
+  }
+}
+
+// ---- Stop and its menu -------------------------------------------------------------
+
+function items() {
+  return [...$("stop-menu").querySelectorAll('[role="menuitem"]')];
+}
+
+function toggleMenu() {
+  if (!$("stop-menu").hidden) {
+    closeMenu(true);
+    return;
+  }
+  const info = store.sessions.get(store.selected);
+  if (!info || !info.turn) return;
+  // The turn on screen now is the one this Stop is for, whatever runs later.
+  target = { id: info.id, parent: info.parent, turn: info.turn, name: label(info), info };
+  $("stop-menu").hidden = false;
+  $("stop").setAttribute("aria-expanded", "true");
+  items()[0].focus();
+}
+
+function closeMenu(refocus) {
+  const menu = $("stop-menu");
+  if (menu.hidden) return;
+  menu.hidden = true;
+  $("stop").setAttribute("aria-expanded", "false");
+  if (refocus) $("stop").focus();
+}
+
+function menuKeys(ev) {
+  const all = items();
+  const at = all.indexOf(document.activeElement);
+  if (ev.key === "ArrowDown") all[(at + 1) % all.length].focus();
+  else if (ev.key === "ArrowUp") all[(at - 1 + all.length) % all.length].focus();
+  else if (ev.key === "Home") all[0].focus();
+  else if (ev.key === "End") all[all.length - 1].focus();
+  else if (ev.key === "Escape" || ev.key === "Tab") closeMenu(true);
+  else return;
+  ev.preventDefault();
+}
+
+function choose(item) {
+  closeMenu(false);
+  if (!target) return;
+  chosen = item;
+  setText($("reason-title"), `${item.name} ${target.name}, turn ${target.turn}`);
+  setText($("reason-hint"), item.hint);
+  $("reason").value = "";
+  $("reason").required = Boolean(item.needsText);
+  $("cancel-fields").hidden = !item.timing;
+  $("grace").value = "";
+  $("deadline").value = "";
+  updateConfirm();
+  $("reason-dialog").showModal();
+  $("reason").focus();
+}
+
+function updateConfirm() {
+  $("confirm").disabled = Boolean(chosen && chosen.needsText && !$("reason").value.trim());
+}
+
+function number(input) {
+  // Whatever the person typed goes to the server, which validates it (and says why not).
+  return input.value === "" || Number.isNaN(input.valueAsNumber) ? undefined : input.valueAsNumber;
+}
+
+async function confirm() {
+  if (!chosen || !target || $("confirm").disabled) return;
+  const item = chosen;
+  const stopped = target;
+  const params = { address: address(stopped.info), kind: item.kind, reason: $("reason").value, turn: stopped.turn };
+  if (item.timing) {
+    const grace = number($("grace"));
+    const deadline = number($("deadline"));
+    if (grace !== undefined) params.grace = grace;
+    if (deadline !== undefined) params.deadline = deadline;
+  }
+  $("reason-dialog").close();
+  try {
+    const answer = item.run ? await item.run(params) : await call("subagent.interrupt", params);
+    if (answer.turn) say(`${item.name}: issued to turn ${answer.turn} of ${stopped.name}.`);
+    else say(`already finished: turn ${stopped.turn} of ${stopped.name} is no longer running, so nothing was ${item.done}.`);
+    refreshView();
+  } catch (err) {
+    say(String(err), { error: true });
+  }
+}

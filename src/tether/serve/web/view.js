@@ -1,0 +1,191 @@
+// The session view: facts (State, pending, turn), the transcript (paged, following
+// live), the turns and the pending inbox. Everything shown is text, never HTML.
+
+import { $, fill, h, setText } from "./dom.js";
+import { call } from "./rpc.js";
+import { applySnapshot, label, store } from "./state.js";
+
+const PAGE = 500;
+const FIRST_PAGES = 4; // read at once on opening a session; "Load more" reads on
+
+const VERBS = {
+  steered: ["⊘", "Steered"],
+  cancelled: ["⊘", "Cancelled"],
+  aborted: ["⊘", "Aborted"],
+  preempted: ["⊘", "Preempted"],
+  paused: ["⏸", "Paused"],
+  resumed: ["▶", "Resumed"],
+};
+
+/**
+ * A marker as a person reads it, from its fields: `⊘ Cancelled by user (by): reason`.
+ * The stored `text` is escaped for models (&lt;…); the raw reason is shown as text.
+ * `short` (the tree) leaves out who (the `by` id): the session view has it.
+ */
+export function markerText(entry, { short = false } = {}) {
+  const known = VERBS[entry.action];
+  if (!known && !entry.action) return entry.text;
+  const [mark, verb] = known || ["⊘", entry.action.charAt(0).toUpperCase() + entry.action.slice(1)];
+  const by = entry.by && !short ? ` (${entry.by})` : "";
+  const who = known && entry.origin ? ` by ${entry.origin}${by}` : "";
+  return `${mark} ${verb}${who}${entry.reason ? `: ${entry.reason}` : ""}`;
+}
+
+let view = null; // {id, lastSeq, more, busy, again}
+
+export function openView(id) {
+  view = { id, lastSeq: 0, more: false, busy: null, again: false };
+  $("view").hidden = false;
+  $("transcript").replaceChildren();
+  $("turns").replaceChildren();
+  $("inbox").replaceChildren();
+  $("more").hidden = true;
+  setText($("outcome"), "");
+  $("outcome").className = "outcome";
+  renderFacts();
+  return refresh({ pages: FIRST_PAGES });
+}
+
+export function closeView() {
+  view = null;
+  $("view").hidden = true;
+}
+
+export function viewing() {
+  return view ? view.id : null;
+}
+
+/** The facts at the top, from the store (kept live by the event stream). */
+export function renderFacts() {
+  if (!view) return;
+  const info = store.sessions.get(view.id);
+  if (!info) return;
+  setText($("view-title"), label(info));
+  setText($("state"), info.state);
+  $("state").dataset.state = info.state;
+  const badge = info.state === "paused" ? "paused" : info.stopping ? `stopping: ${info.stopping}` : "";
+  setText($("badge"), badge);
+  $("badge").hidden = !badge;
+  setText($("pending"), String(info.pending));
+  const waiting = info.state === "running" && info.dispatched === false ? " (waiting for a worker)" : "";
+  setText($("turn"), info.turn ? info.turn + waiting : "—");
+  setText($("mode"), info.mode);
+  setText($("session-id"), info.id);
+  setText($("parent"), info.parent || "— (a root)");
+}
+
+/**
+ * Re-read what changed. Calls are serialized per view: a refresh asked for while one
+ * runs is folded into one more pass afterwards, so nothing is appended twice.
+ */
+export function refresh({ pages = 1 } = {}) {
+  if (!view) return Promise.resolve();
+  const v = view;
+  if (v.busy) {
+    v.again = true;
+    return v.busy;
+  }
+  v.busy = (async () => {
+    try {
+      do {
+        v.again = false;
+        await load(v, pages);
+        pages = 1;
+      } while (v.again && view === v);
+    } finally {
+      v.busy = null;
+    }
+  })();
+  return v.busy;
+}
+
+async function load(v, pages) {
+  const id = v.id;
+  // The status for what events do not carry (whether a worker has the turn); a state
+  // the event stream has already given is kept (see state.js).
+  const [info, turns, inbox] = await Promise.all([
+    call("subagent.status", { session: id }),
+    call("subagent.turns", { session: id }),
+    call("subagent.inbox", { session: id }),
+  ]);
+  if (view !== v) return;
+  applySnapshot(info);
+  for (let page = 0; page < pages; page++) {
+    const got = await call("subagent.transcript", { session: id, after: v.lastSeq, limit: PAGE });
+    if (view !== v) return;
+    appendEntries(v, got.entries);
+    v.more = got.more;
+    if (!got.more) break;
+  }
+  $("more").hidden = !v.more;
+  renderTurns(turns.turns);
+  renderInbox(inbox.messages);
+  renderFacts();
+}
+
+/** "Load more": the next page of the transcript. */
+export function loadMore() {
+  return refresh({ pages: 1 });
+}
+
+function appendEntries(v, entries) {
+  const list = $("transcript");
+  const pane = list.parentElement;
+  const atBottom = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 40;
+  for (const entry of entries) {
+    if (entry.seq <= v.lastSeq) continue;
+    v.lastSeq = entry.seq;
+    list.append(renderEntry(entry));
+  }
+  if (atBottom) pane.scrollTop = pane.scrollHeight;
+}
+
+function renderEntry(entry) {
+  const kind = entry.kind;
+  const text = kind === "marker" ? markerText(entry) : entry.text;
+  const classes = ["entry", kind];
+  if (kind === "marker" && entry.action) classes.push(`action-${entry.action}`);
+  return h(
+    "li",
+    { class: classes.join(" "), "data-seq": entry.seq, "data-turn": entry.turn || "" },
+    h("span", { class: "kind" }, kind),
+    h("span", { class: "text" }, text),
+  );
+}
+
+function renderTurns(turns) {
+  const items = [...turns].reverse().map((t) => {
+    const outcome = t.outcome || "running";
+    const bits = [];
+    if (t.cause) bits.push(`cause ${t.cause}`);
+    if (t.by) bits.push(`by ${t.by}`);
+    if (t.forced) bits.push("forced");
+    if (t.escalated) bits.push("escalated");
+    if (t.error) bits.push(`error ${t.error}`);
+    return h(
+      "li",
+      { class: `turn outcome-${outcome}`, "data-turn": t.id },
+      h("code", {}, t.id),
+      " ",
+      h("strong", {}, outcome),
+      bits.length ? ` · ${bits.join(" · ")}` : "",
+      t.message ? h("span", { class: "quiet" }, ` · ${t.message}`) : "",
+      t.reason ? h("div", { class: "reason" }, t.reason) : "",
+    );
+  });
+  fill($("turns"), items);
+}
+
+function renderInbox(messages) {
+  const items = messages.map((m) =>
+    h(
+      "li",
+      { class: `pending kind-${m.kind}`, "data-message": m.id },
+      h("code", {}, m.id),
+      ` ${m.kind}${m.sender ? ` from ${m.sender}` : ""}: `,
+      h("span", { class: "preview" }, m.preview),
+    ),
+  );
+  fill($("inbox"), items);
+  $("inbox-empty").hidden = messages.length > 0;
+}
