@@ -80,6 +80,8 @@ CASES: dict[str, Case] = {
            fresh=True),
         _c("tether.sessions_1m", "tether_cases:sessions_1m", (1, 1), (1800, 1800),
            fresh=True, full_only=True),
+        _c("tether.pause_resume", "tether_cases:pause_resume", (3, 7), (60, 300)),
+        _c("tether.watchdog_overhead", "tether_cases:watchdog_overhead", (3, 7), (120, 600)),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
         _c("baseline.mp_pool", "baselines:mp_pool", (3, 7), (60, 300)),
@@ -137,6 +139,12 @@ FIGURES: list[Figure] = [
     Figure("sessions_1m_rss_gib", "tether.sessions_1m", "rss_gib", "p50", "GiB",
            Target(_LE, 4)),
     Figure("respawn_ms", "tether.respawn", "respawn_ms", "p50", "ms", Target(_LE, 30)),
+    # Issue 9: pause → every process of a sh+sleep tree stopped; resume → none stopped.
+    Figure("pause_p50_ms", "tether.pause_resume", "pause_ms", "p50", "ms", Target(_LE, 10),
+           "baseline.killpg_reap_p50_ms"),
+    Figure("resume_p50_ms", "tether.pause_resume", "resume_ms", "p50", "ms", Target(_LE, 10)),
+    Figure("watchdog_overhead_pct", "tether.watchdog_overhead", "overhead_pct", "p50", "%",
+           Target(_LE, 5)),
     # --- baselines (floors measured in the same run) ---
     Figure("baseline.killpg_reap_p50_ms", "baseline.killpg", "kill_ms", "p50", "ms"),
     Figure("baseline.killpg_reap_p99_ms", "baseline.killpg", "kill_ms", "p99", "ms"),

@@ -605,3 +605,86 @@ def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
                  f"{list_ms:,.0f} ms, closed in {close_s:.1f} s; peak RSS {peak_gib:.2f} GiB",
                  key="1m")
         yield {"rss_gib": [rss_gib]}
+
+
+# ---------------------------------------------------------------- pause / resume
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of /proc/<pid>/stat ("T" stopped, "Z" zombie, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "X"
+    return stat[stat.rindex(b")") + 2:][:1].decode()
+
+
+def _until(pids: list[int], pred: Callable[[str], bool]) -> int:
+    """Spin until every pid's state satisfies `pred`; the perf_counter_ns() it did."""
+    deadline = time.monotonic() + WAIT
+    while not all(pred(_proc_state(p)) for p in pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"states {[_proc_state(p) for p in pids]} after {WAIT:g}s")
+    return time.perf_counter_ns()
+
+
+def pause_resume(cfg: Cfg) -> Iterator[Samples]:
+    """`pause` call → every process of the wedged turn's tree (worker, sh, both sleeps)
+    stopped (state T in /proc); `resume` call → none of them stopped. Spins on /proc from
+    the calling thread, so the figure includes the host's whole path to the signals."""
+    with tether.Runtime(workers=2) as rt:
+        child, auth = _quiet_child(rt, SCRIPTED)
+        _pool_steady(rt, 2)
+        tag = _procs.wedge_tag()
+        rt.send(child, "wedge", data=wedge(tag), authority=auth)
+        pids = _procs.find_tree(tag, WAIT).pids(with_starter=True)
+        while True:
+            paused, resumed = [], []
+            for _ in range(cfg.n(30, 100)):
+                t0 = time.perf_counter_ns()
+                if not rt.pause(child, authority=auth):
+                    raise RuntimeError("pause froze no turn")
+                paused.append(ms_since(t0, _until(pids, lambda s: s == "T")))
+                t0 = time.perf_counter_ns()
+                rt.resume(child, authority=auth)
+                resumed.append(ms_since(t0, _until(pids, lambda s: s != "T")))
+            yield {"pause_ms": paused, "resume_ms": resumed}
+
+
+# ---------------------------------------------------------------- watchdog overhead
+
+
+def watchdog_overhead(cfg: Cfg) -> Iterator[Samples]:
+    """Trivial turns per second with a stall policy on every session vs none, the two
+    runtimes measured alternately in the same process (as `turns`: file store, 2
+    workers, 8 roots). The figure is the relative loss, in percent."""
+    n, sessions = cfg.n(1500, 6000), 8
+    with tempfile.TemporaryDirectory(prefix="bench-watchdog-") as d, \
+            tether.Runtime(Path(d) / "plain.db", workers=2) as plain, \
+            tether.Runtime(Path(d) / "watched.db", workers=2) as watched:
+        setups = []
+        for rt, stall in ((plain, None), (watched, {"after": 60.0})):
+            roots = [rt.open_session(SCRIPTED, stall=stall) for _ in range(sessions)]
+            ended = _Countdown()
+            rt.subscribe(ended.on_event)
+            _pool_steady(rt, 2)
+            setups.append((rt, roots, ended))
+
+        def rate(rt: tether.Runtime, roots: list[str], ended: _Countdown, size: int) -> float:
+            ended.arm(size)
+            t0 = time.perf_counter()
+            for i in range(size):
+                rt.prompt(roots[i % sessions], "x")
+            got = ended.wait(60)
+            elapsed = time.perf_counter() - t0
+            for root in roots:
+                rt.wait(root, timeout=WAIT)
+            return got / elapsed
+
+        for rt, roots, ended in setups:
+            rate(rt, roots, ended, 200)  # warm-up
+        while True:
+            base = rate(*setups[0], n)
+            with_policy = rate(*setups[1], n)
+            yield {"overhead_pct": [(1 - with_policy / base) * 100]}

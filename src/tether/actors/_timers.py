@@ -20,9 +20,10 @@ log = structlog.get_logger("tether.timers")
 
 
 class TimerHandle:
-    __slots__ = ("cancelled", "when")
+    __slots__ = ("_queue", "cancelled", "when")
 
-    def __init__(self, when: float) -> None:
+    def __init__(self, queue: TimerQueue, when: float) -> None:
+        self._queue = queue
         self.cancelled = False
         self.when = when  # time.monotonic() at which it fires
 
@@ -30,7 +31,10 @@ class TimerHandle:
         return max(self.when - time.monotonic(), 0.0)
 
     def cancel(self) -> None:
-        self.cancelled = True
+        if not self.cancelled:
+            self.cancelled = True
+            self._queue.cancelled += 1
+
 
 
 class TimerQueue:
@@ -39,15 +43,25 @@ class TimerQueue:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
+        self.cancelled = 0  # cancelled entries still in the heap (a hint: no lock)
         self._thread = threading.Thread(target=self._loop, name="tether-timers", daemon=True)
         self._thread.start()
 
     def after(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
         when = time.monotonic() + max(delay, 0.0)
-        handle = TimerHandle(when)
+        handle = TimerHandle(self, when)
         with self._cond:
-            heapq.heappush(self._heap, (when, next(self._seq), handle, callback))
-            self._cond.notify()
+            heap = self._heap
+            if self.cancelled > 1024 and self.cancelled * 2 > len(heap):
+                # Most clocks are cancelled long before they fire (a watchdog's `after`
+                # outlives most turns): drop them rather than let the heap grow.
+                heap[:] = [entry for entry in heap if not entry[2].cancelled]
+                heapq.heapify(heap)
+                self.cancelled = 0
+            earliest = heap[0][0] if heap else None
+            heapq.heappush(heap, (when, next(self._seq), handle, callback))
+            if earliest is None or when < earliest:
+                self._cond.notify()  # only a new earliest clock changes the thread's wait
         return handle
 
     def close(self) -> None:
@@ -72,6 +86,8 @@ class TimerQueue:
                     else:
                         self._cond.wait()
             if handle.cancelled:
+                with self._cond:
+                    self.cancelled = max(self.cancelled - 1, 0)
                 continue
             try:
                 callback()
