@@ -294,7 +294,8 @@ def test_watch_redraws_and_prints_markers(server: LiveServer) -> None:
 
 
 def test_help_and_usage(server: LiveServer) -> None:
-    for command in ("open", "prompt", "spawn", "send", "tree", "steer", "cancel", "abort", "inbox"):
+    commands = ("open", "prompt", "spawn", "send", "tree", "steer", "cancel", "abort", "inbox")
+    for command in (*commands, "pause", "resume"):
         done = subprocess.run(
             [TETHER, command, "--help"], capture_output=True, text=True, timeout=30
         )
@@ -351,3 +352,116 @@ def test_watch_labels_a_turn_waiting_for_a_worker() -> None:
     assert "waiting for a worker" not in lines[0]
     assert lines[1].endswith("waiting for a worker")
     assert "waiting for a worker" not in lines[2]  # no field: not said
+
+
+# ---- pause, resume and --stall (SPEC §14.4, §14.5) ----------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_pause_and_resume_print_their_turns(server: LiveServer) -> None:
+    root, a, _, a1 = _tree(server)
+    a_turn, a1_turn = _running_turn(server, a), _running_turn(server, a1)
+    assert ok(server, "pause", root) == "no-op: no running turn"  # the root is idle
+    assert ok(server, "resume", a) == "no-op: nothing paused"
+
+    assert ok(server, "pause", a, "--reason", "let me look") == f"paused {a_turn}"
+    assert ok(server, "status", a).startswith(f"{a}  worker-a  paused  ")
+    lines = ok(server, "tree", root).splitlines()
+    assert lines[1] == f"  {a}  worker-a  paused  pending=0"
+    assert lines[2] == f"    {a1}  helper  running  pending=0"  # a session pause: a alone
+    marker = server.call("subagent.transcript", {"session": a})["entries"][-1]
+    assert (marker["action"], marker["reason"]) == ("paused", "let me look")
+    refused = tether(server, "pause", a1, "--parent", root)  # root is not a1's parent
+    assert refused.returncode == 1 and "subagent-unauthorized" in refused.stderr
+    assert ok(server, "resume", a) == f"resumed {a_turn}"
+    assert server.call("subagent.status", {"session": a})["state"] == "running"
+
+    # A subtree: every running turn below (and at) the target, one line each.
+    paused = ok(server, "pause", a, "--subtree", "--json")
+    assert sorted(json.loads(paused)["turns"]) == sorted([a_turn, a1_turn])
+    assert server.call("subagent.status", {"session": a1})["state"] == "paused"
+    resumed = ok(server, "resume", a, "--subtree").splitlines()
+    assert sorted(resumed) == sorted([f"resumed {a_turn}", f"resumed {a1_turn}"])
+    assert ok(server, "resume", a, "--subtree") == "no-op: nothing paused in the subtree"
+    for sid in (a1, a):
+        ok(server, "abort", sid)
+
+
+def _stalled_turn_ends(server: LiveServer, session: str) -> str:
+    def ended() -> str | None:
+        out = ok(server, "turns", session)
+        return out if out and "running" not in out else None
+
+    return wait_until(ended, timeout=20.0, what=f"{session}'s turn to end")
+
+
+@pytest.mark.timeout(60)
+def test_stall_on_open_and_spawn_lets_the_watchdog_abort(server: LiveServer) -> None:
+    sleep = json.dumps([{"op": "sleep", "seconds": 30}])
+    root = ok(server, "open", "--stall", "after=0.4,steps=abort")
+    ok(server, "prompt", root, "go", "--steps", sleep)
+    assert _stalled_turn_ends(server, root).split("  ")[1:3] == ["aborted", "by system (watchdog)"]
+
+    plain = ok(server, "open")
+    nudge = "after=0.4,every=0.4,steps=steer+abort,nudge=say where you are, then go on"
+    kid = ok(server, "spawn", plain, "--stall", nudge, "--prompt", "go", "--steps", sleep)
+    assert _stalled_turn_ends(server, kid).split("  ")[1:3] == ["aborted", "by system (watchdog)"]
+    markers = [
+        e
+        for e in server.call("subagent.transcript", {"session": kid})["entries"]
+        if e["kind"] == "marker"
+    ]
+    assert [m["action"] for m in markers] == ["aborted"]  # the steer is never delivered
+
+
+def test_a_bad_stall_spec_is_a_usage_error() -> None:
+    def tether_offline(*args: str) -> subprocess.CompletedProcess[str]:
+        # A usage error is found before any call: no server is needed (port 9 is discard).
+        argv = [TETHER, *args, "--url", "http://127.0.0.1:9"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    for spec, says in (
+        ("every=3", "after=SECONDS is required"),
+        ("after=0", "after must be a positive number"),
+        ("after=soon", "after must be a positive number"),
+        ("after=1,steps=steer+explode", "not 'explode'"),
+        ("after=1,repeat=1", "repeat must be an integer of at least 2"),
+        ("after=1,bogus=2", "unknown key 'bogus'"),
+        ("after=1,after=2", "after given twice"),
+        ("60", "is not KEY=VALUE"),
+        ("after=1,nudge= ", "nudge must not be empty"),
+    ):
+        for command in (("open",), ("spawn", "s_x")):
+            done = tether_offline(*command, "--stall", spec)
+            assert done.returncode == 2, (spec, done.stderr)
+            assert "usage error" in done.stderr and says in done.stderr, (spec, done.stderr)
+
+
+def test_stall_spec_parses_into_the_policy() -> None:
+    from tether.cli.main import _stall_arg
+
+    spec = "after=60, every=30,steps=steer+cancel+abort,nudge=say where you are, then stop,repeat=3"
+    assert _stall_arg(spec) == {
+        "after": 60.0,
+        "every": 30.0,
+        "steps": ["steer", "cancel", "abort"],
+        "nudge": "say where you are, then stop",
+        "repeat": 3,
+    }
+    assert _stall_arg("after=0.5,grace=2,steps=preempt") == {
+        "after": 0.5,
+        "grace": 2.0,
+        "steps": ["preempt"],
+    }
+
+
+def test_watch_shows_a_paused_session() -> None:
+    from rich.console import Console
+
+    from tether.cli.watch import render_tree
+
+    root = {"id": "s_root", "slug": "root", "depth": 0, "state": "running"}
+    kid = {"id": "s_kid", "slug": "kid", "depth": 1, "state": "paused", "turn": "t_1"}
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_tree(root, [kid]))
+    assert "kid s_kid paused pending=0" in console.export_text().splitlines()[1]

@@ -310,6 +310,64 @@ def test_abort_of_a_child_wedged_in_sleep_kills_its_processes(
     assert server.call("subagent.turns", {"session": kid})["turns"][0]["outcome"] == "aborted"
 
 
+def _stopped(procs: list[psutil.Process]) -> bool:
+    try:
+        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _thawed(procs: list[psutil.Process]) -> bool:
+    try:
+        return not any(p.status() == psutil.STATUS_STOPPED for p in procs)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
+    loopback: LiveServer, page: Page
+) -> None:
+    server = loopback
+    root = open_root(server)
+    kid = spawn(server, root, "held", {"steps": [{"op": "tool", "argv": ["sleep", "300"]}]})
+
+    def sleeping() -> psutil.Process | None:
+        return next((p for p in descendants(server) if p.name() == "sleep"), None)
+
+    worker = wait_until(sleeping, what="the sleep tool").parent()
+    assert worker is not None
+    procs = [worker, *worker.children(recursive=True)]
+    turn = server.wait_state(kid, "running")["turn"]
+    console(page, server, root)
+    select(page, "held")
+    expect(state(page)).to_have_text("running")
+
+    # While it runs, Stop offers Pause and no Resume.
+    page.get_by_role("button", name="Stop", exact=True).click()
+    expect(page.get_by_role("menuitem", name="Resume", exact=True)).to_be_hidden()
+    page.get_by_role("menuitem", name="Pause", exact=True).click()
+    fill_and_confirm(page, "let me look")
+    expect(page.locator("#outcome")).to_contain_text(f"Pause: issued to turn {turn}")
+    expect(state(page)).to_have_text("paused")
+    expect(row_state(page, "held")).to_have_text("paused")
+    expect(transcript(page)).to_contain_text(f"⏸ Paused by user ({root}): let me look")
+    wait_until(lambda: _stopped(procs), what="the worker and its sleep to be stopped")
+    assert server.call("subagent.status", {"session": kid})["state"] == "paused"
+
+    # Paused: Stop offers Resume (it asks no reason) instead of Pause.
+    page.get_by_role("button", name="Stop", exact=True).click()
+    expect(page.get_by_role("menuitem", name="Pause", exact=True)).to_be_hidden()
+    page.get_by_role("menuitem", name="Resume", exact=True).click()
+    expect(page.get_by_role("dialog")).to_be_hidden()
+    expect(page.locator("#outcome")).to_contain_text(f"Resume: issued to turn {turn}")
+    expect(state(page)).to_have_text("running")
+    expect(row_state(page, "held")).to_have_text("running")
+    expect(transcript(page)).to_contain_text(f"▶ Resumed by user ({root})")
+    wait_until(lambda: _thawed(procs), what="the worker and its sleep to run again")
+    stop(page, "Abort", "done looking")
+    expect(state(page)).to_have_text("parked")
+
+
 def test_parent_offline_child_keeps_stop_and_loses_send(server: LiveServer, page: Page) -> None:
     root = open_root(server)
     kid = spawn(server, root, "orphan")

@@ -424,3 +424,168 @@ def test_sigterm_drains_running_turns_and_leaves_no_process(tmp_path: Path) -> N
     with running_server(tmp_path) as again:
         turns = again.call("subagent.turns", {"session": child})["turns"]
         assert turns[-1]["outcome"] in ("cancelled", "aborted"), turns
+
+
+# ---- pause, resume and the stall policy (SPEC §14.4, §14.5) ----------------------------
+
+
+def _tool_tree(server: LiveServer) -> list[psutil.Process]:
+    """The worker running a ``sleep`` tool, and its processes (a snapshot)."""
+    assert server.proc is not None
+    top = psutil.Process(server.proc.pid)
+
+    def sleeping() -> psutil.Process | None:
+        return next((p for p in top.children(recursive=True) if p.name() == "sleep"), None)
+
+    worker = wait_until(sleeping, what="the sleep tool").parent()
+    assert worker is not None
+    return [worker, *worker.children(recursive=True)]
+
+
+def _all_stopped(procs: list[psutil.Process]) -> bool:
+    try:
+        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _none_stopped(procs: list[psutil.Process]) -> bool:
+    try:
+        return not any(p.status() == psutil.STATUS_STOPPED for p in procs)
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_pause_over_rpc_freezes_the_tree_and_resume_thaws_it(server: LiveServer) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted", "slug": "root"})["session"]
+    tool = {"steps": [{"op": "tool", "argv": ["sleep", "60"]}]}
+    kid = server.call(
+        "subagent.spawn",
+        {"parent": root, "driver": "tether:Scripted", "prompt": "go", "data": tool},
+    )["session"]
+    procs = _tool_tree(server)
+    turn = server.wait_state(kid, "running")["turn"]
+    me = _address(kid, root)
+
+    # An idle target (the root) is an accepted no-op, and so is resuming what runs.
+    idle = _address(root, root)
+    assert server.call("subagent.pause", {"address": idle}) == {"accepted": True, "turns": []}
+    assert server.call("subagent.resume", {"address": me}) == {"accepted": True, "turns": []}
+    # Authority as for an interrupt: the address's parent must be the target's parent.
+    for method in ("subagent.pause", "subagent.resume"):
+        for parent in (kid, "s_nobody"):
+            answer = server.rpc(method, {"address": _address(kid, parent)})
+            assert _error(answer) == (-32000, "subagent-unauthorized"), (method, parent)
+        bad_scope = {"address": me, "scope": "everything"}
+        assert _error(server.rpc(method, bad_scope)) == (-32602, "invalid-params")
+    one_shot = {"address": _address(kid, root, "one-shot")}
+    assert _error(server.rpc("subagent.pause", one_shot)) == (-32602, "invalid-params")
+    assert _none_stopped(procs)
+
+    with EventReader(server, session=root) as events:
+        paused = server.call("subagent.pause", {"address": me, "reason": "let me <look>"})
+        assert paused == {"accepted": True, "turns": [turn]}
+        wait_until(lambda: _all_stopped(procs), what="every process of the tree stopped")
+        assert server.call("subagent.status", {"session": kid})["state"] == "paused"
+        events.wait_for(
+            lambda e: (
+                e["event"] == "state"
+                and e["data"]["session"] == kid
+                and e["data"]["data"]["state"] == "paused"
+            ),
+            what="state paused",
+        )
+        marker = events.wait_for(
+            lambda e: e["event"] == "marker" and e["data"]["session"] == kid, what="marker"
+        )["data"]["data"]["entry"]
+        assert (marker["action"], marker["reason"], marker["turn"]) == (
+            "paused",
+            "let me <look>",
+            turn,
+        )
+        assert marker["text"].startswith(f"⏸ Paused by user ({root})")
+
+        resumed = server.call("subagent.resume", {"address": me})
+        assert resumed == {"accepted": True, "turns": [turn]}
+        wait_until(lambda: _none_stopped(procs), what="every process of the tree thawed")
+        assert server.call("subagent.status", {"session": kid})["state"] == "running"
+        events.nth("marker", 2)
+
+    # A subtree pause from the root freezes the running child; a subtree resume thaws it.
+    subtree = {"address": idle, "scope": "subtree"}
+    assert server.call("subagent.pause", subtree) == {"accepted": True, "turns": [turn]}
+    wait_until(lambda: _all_stopped(procs), what="the subtree's processes stopped")
+    assert server.call("subagent.resume", subtree) == {"accepted": True, "turns": [turn]}
+    wait_until(lambda: _none_stopped(procs), what="the subtree's processes thawed")
+    assert server.call("subagent.interrupt", {"address": me, "kind": "abort"})["turn"] == turn
+    server.wait_state(kid, "parked")
+    actions = [
+        e["action"]
+        for e in server.call("subagent.transcript", {"session": kid})["entries"]
+        if e["kind"] == "marker"
+    ]
+    assert actions == ["paused", "resumed", "paused", "resumed", "aborted"]
+
+
+def _ended(events: EventReader, session: str) -> dict[str, Any]:
+    found: dict[str, Any] = events.wait_for(
+        lambda e: e["event"] == "turn.ended" and e["data"]["session"] == session,
+        timeout=20.0,
+        what=f"turn.ended of {session}",
+    )["data"]["data"]
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_stall_on_open_and_spawn_aborts_a_stalled_turn_and_shows_on_events(
+    server: LiveServer,
+) -> None:
+    policy = {"after": 0.4, "steps": ["abort"]}
+    stalled = {"steps": [{"op": "sleep", "seconds": 30}]}
+    with EventReader(server) as events:
+        root = server.call("session.open", {"driver": "tether:Scripted", "stall": policy})
+        root = root["session"]
+        server.call("session.prompt", {"session": root, "content": "go", "data": stalled})
+        ended = _ended(events, root)
+        assert (ended["outcome"], ended["cause"], ended["by"]) == ("aborted", "system", "watchdog")
+
+        plain = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+        spawn = {"parent": plain, "driver": "tether:Scripted", "prompt": "go", "data": stalled}
+        kid = server.call("subagent.spawn", {**spawn, "stall": policy})["session"]
+        ended = _ended(events, kid)
+        assert (ended["outcome"], ended["cause"], ended["by"]) == ("aborted", "system", "watchdog")
+
+        steps = [e["data"] for e in events.events if e["event"] == "watchdog.step"]
+        assert [(s["session"], s["data"]["kind"]) for s in steps] == [
+            (root, "abort"),
+            (kid, "abort"),
+        ]
+        for step in steps:
+            assert set(step["data"]) == {"turn", "step", "kind", "idle"}
+            assert step["data"]["idle"] >= 0.4
+    turns = server.call("subagent.turns", {"session": kid})["turns"]
+    assert [(t["outcome"], t["by"]) for t in turns] == [("aborted", "watchdog")]
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(server: LiveServer) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    for bad in (
+        "soon",
+        [0.4],
+        {},
+        {"after": 0},
+        {"after": -1},
+        {"after": "soon"},
+        {"after": 1, "steps": []},
+        {"after": 1, "steps": ["explode"]},
+        {"after": 1, "repeat": 1},
+        {"after": 1, "nudge": " "},
+        {"after": 1, "surprise": True},
+    ):
+        opened = server.rpc("session.open", {"driver": "tether:Scripted", "stall": bad})
+        assert _error(opened) == (-32602, "invalid-params"), bad
+        spawn = {"parent": root, "driver": "tether:Scripted", "stall": bad}
+        assert _error(server.rpc("subagent.spawn", spawn)) == (-32602, "invalid-params"), bad
+    assert server.call("subagent.list", {"root": root})["agents"] == []

@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import psutil
 import pytest
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, ValidationError
 
 import tether
+from drivers import eventually, tree_of, worker_with_tool
 
-NAMES = ["spawn_agent", "send_message", "list_agents", "interrupt_agent", "run_command"]
+NAMES = [
+    "spawn_agent",
+    "send_message",
+    "list_agents",
+    "interrupt_agent",
+    "pause_agent",
+    "resume_agent",
+    "run_command",
+]
 
 
 class ToolCaller:
@@ -51,6 +61,17 @@ def test_schemas_are_valid_json_schema(style: str) -> None:
     assert sorted(kinds) == ["abort", "cancel", "preempt", "steer"]
     # A model's well-formed arguments pass the very schema it was given.
     Draft202012Validator(by_name["spawn_agent"]).validate({"slug": "x", "prompt": "go"})
+    for name in ("pause_agent", "resume_agent"):
+        schema = by_name[name]
+        assert schema["required"] == ["agent"]
+        assert sorted(schema["properties"]["scope"]["enum"]) == ["session", "subtree"]
+        Draft202012Validator(schema).validate({"agent": "kid", "scope": "subtree"})
+        with pytest.raises(ValidationError):
+            Draft202012Validator(schema).validate({"agent": "kid", "scope": "everything"})
+        with pytest.raises(ValidationError):
+            Draft202012Validator(schema).validate({"scope": "session"})
+    assert "reason" in by_name["pause_agent"]["properties"]
+    assert "reason" not in by_name["resume_agent"]["properties"]
     with pytest.raises(ValueError, match="style"):
         tether.tools.schemas("gemini")  # type: ignore[arg-type]
 
@@ -95,3 +116,57 @@ def test_call_tool_rejects_malformed_arguments_without_side_effect(rt: tether.Ru
     assert sent == {"sent": True, "message": sent["message"]}
     assert [m.id for m in rt.inbox(kid)] == [sent["message"]]
     assert refused["error"] in {"not-found", "subagent-unauthorized"}
+
+
+@pytest.mark.timeout(60)
+def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
+    rt: tether.Runtime,
+) -> None:
+    root = rt.open_session("test_tools:ToolCaller")
+    # The child runs its parent's driver: its one call is a long command.
+    sleep = {"calls": [["run_command", {"argv": ["sleep", "30"]}]]}
+    rt.prompt(
+        root,
+        "spawn",
+        data={"calls": [["spawn_agent", {"slug": "kid", "data": sleep, "prompt": "sleep"}]]},
+    )
+    rt.wait(root, until="idle")
+    kid = _results(rt, root)[-1]["agent"]
+    worker = worker_with_tool(rt, "sleep")
+    procs = tree_of(worker)
+    turn = rt.status(kid).turn
+
+    rt.prompt(root, "pause", data={"calls": [["pause_agent", {"agent": "kid", "reason": "look"}]]})
+    rt.wait(root, until="idle")
+    assert _results(rt, root)[-1] == {"accepted": True, "turns": [turn]}
+    assert rt.status(kid).state == "paused"
+    eventually(lambda: _stopped(procs), what="the child's processes stopped")
+    [marker] = [e for e in rt.transcript(kid) if e.kind == "marker"]
+    assert (marker.action, marker.origin, marker.by, marker.reason) == (
+        "paused",
+        "parent",
+        root,
+        "look",
+    )
+
+    rt.prompt(root, "resume", data={"calls": [["resume_agent", {"agent": "kid"}]]})
+    rt.wait(root, until="idle")
+    assert _results(rt, root)[-1] == {"accepted": True, "turns": [turn]}
+    assert rt.status(kid).state == "running"
+    eventually(lambda: not any(_stopped([p]) for p in procs), what="the processes thawed")
+    rt.interrupt(kid, authority=tether.User(parent=root), kind="abort")
+    rt.wait(kid)
+
+    # Gated by the interrupt permission, like interrupt_agent.
+    denied = rt.open_session("test_tools:ToolCaller", permissions={"interrupt": "deny"})
+    calls = [["pause_agent", {"agent": "kid"}], ["resume_agent", {"agent": "kid"}]]
+    rt.prompt(denied, "try", data={"calls": calls})
+    rt.wait(denied, until="idle")
+    assert [r["error"] for r in _results(rt, denied)] == ["subagent-unauthorized"] * 2
+
+
+def _stopped(procs: list[psutil.Process]) -> bool:
+    try:
+        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
+    except psutil.NoSuchProcess:
+        return False

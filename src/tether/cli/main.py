@@ -46,6 +46,73 @@ def _json_arg(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
 
 
+_STALL_STEPS: Final = ("steer", "cancel", "abort", "preempt")
+_STALL_KEYS: Final = ("after", "every", "steps", "nudge", "repeat", "grace")
+_STALL_USAGE: Final = (
+    "KEY=VALUE pairs separated by commas, e.g. after=60,every=30,steps=steer+cancel+abort"
+    "[,nudge=TEXT][,repeat=N][,grace=S]"
+)
+
+
+def _stall_arg(text: str) -> dict[str, Any]:
+    """``--stall after=60,every=30,steps=steer+cancel+abort[,nudge=TEXT][,repeat=N]``.
+
+    Seconds are positive numbers, ``steps`` joins steps with ``+``, ``repeat`` is an
+    integer of at least 2. The nudge may hold commas: a piece that does not start with a
+    known ``KEY=`` continues the nudge before it. The server checks the policy again
+    (SPEC §14.5); this catches what a person mistyped, as a usage error.
+    """
+    pairs: list[list[str]] = []
+    for piece in text.split(","):
+        key, eq, value = piece.partition("=")
+        key = key.strip()
+        if eq and key in _STALL_KEYS:
+            if any(k == key for k, _ in pairs):
+                raise argparse.ArgumentTypeError(f"{key} given twice")
+            pairs.append([key, value])
+        elif pairs and pairs[-1][0] == "nudge":
+            pairs[-1][1] += "," + piece
+        elif eq:
+            known = ", ".join(_STALL_KEYS)
+            raise argparse.ArgumentTypeError(f"unknown key {key!r} (known: {known})")
+        else:
+            raise argparse.ArgumentTypeError(f"{piece!r} is not KEY=VALUE; use {_STALL_USAGE}")
+    policy: dict[str, Any] = {}
+    for key, value in pairs:
+        value = value if key == "nudge" else value.strip()
+        if key in ("after", "every", "grace"):
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = float("nan")
+            if not seconds > 0 or seconds == float("inf"):
+                raise argparse.ArgumentTypeError(
+                    f"{key} must be a positive number of seconds, not {value!r}"
+                )
+            policy[key] = seconds
+        elif key == "steps":
+            steps = value.split("+")
+            bad = [step for step in steps if step not in _STALL_STEPS]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"steps are {'+'.join(_STALL_STEPS)} joined by '+', not {'+'.join(bad)!r}"
+                )
+            policy[key] = steps
+        elif key == "repeat":
+            if not value.isdigit() or int(value) < 2:
+                raise argparse.ArgumentTypeError(
+                    f"repeat must be an integer of at least 2, not {value!r}"
+                )
+            policy[key] = int(value)
+        else:
+            if not value.strip():
+                raise argparse.ArgumentTypeError("nudge must not be empty")
+            policy[key] = value
+    if "after" not in policy:
+        raise argparse.ArgumentTypeError(f"after=SECONDS is required; use {_STALL_USAGE}")
+    return policy
+
+
 def _data(args: argparse.Namespace) -> dict[str, Any] | None:
     data = dict(args.data) if args.data is not None else None
     if args.steps is not None:
@@ -73,9 +140,15 @@ def _address(args: argparse.Namespace, client: Client) -> dict[str, str]:
 
 def _open(args: argparse.Namespace, client: Client) -> int:
     params = {"driver": args.driver, "slug": args.slug, "config": args.config}
-    result = client.call("session.open", {**params, "permissions": args.permissions})
+    params = {**params, "permissions": args.permissions, **_stall(args)}
+    result = client.call("session.open", params)
     _out(args, result, result["session"])
     return 0
+
+
+def _stall(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``stall`` field, only when given (an older server knows no such field)."""
+    return {} if args.stall is None else {"stall": args.stall}
 
 
 def _message_id(result: dict[str, Any]) -> str:
@@ -99,6 +172,7 @@ def _spawn(args: argparse.Namespace, client: Client) -> int:
         "slug": args.slug,
         "config": args.config,
         "permissions": args.permissions,
+        **_stall(args),
     }
     result = client.call("subagent.spawn", params)
     _out(args, result, result["session"])
@@ -146,6 +220,27 @@ def _interrupt(kind: str) -> Command:
             text = "no-op: no running turn, or it is stopping"
         else:
             text = "no-op: no running turn"
+        _out(args, result, text)
+        return 0
+
+    return run
+
+
+def _pause(resume: bool) -> Command:
+    def run(args: argparse.Namespace, client: Client) -> int:
+        scope = "subtree" if args.subtree else "session"
+        params: dict[str, Any] = {"address": _address(args, client), "scope": scope}
+        if not resume and args.reason is not None:
+            params["reason"] = args.reason
+        result = client.call("subagent.resume" if resume else "subagent.pause", params)
+        turns = list(result.get("turns") or [])
+        done = "resumed" if resume else "paused"
+        if turns:
+            text = "\n".join(f"{done} {turn}" for turn in turns)
+        elif resume:
+            text = "no-op: nothing paused" + (" in the subtree" if args.subtree else "")
+        else:
+            text = "no-op: no running turn" + (" in the subtree" if args.subtree else "")
         _out(args, result, text)
         return 0
 
@@ -319,6 +414,13 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slug", help="a short name, unique among siblings")
     p.add_argument("--config", type=_json_arg, help="driver config, a JSON object")
     p.add_argument("--permissions", type=_json_arg, help='e.g. \'{"interrupt": "deny"}\'')
+    p.add_argument(
+        "--stall",
+        type=_stall_arg,
+        metavar="SPEC",
+        help="the stall watchdog's policy: after=60,every=30,steps=steer+cancel+abort"
+        "[,nudge=TEXT][,repeat=N][,grace=S] (a child without one inherits its parent's)",
+    )
 
 
 _INTERRUPTS: Final = {
@@ -403,6 +505,25 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--turn", help="act only if this turn is still the running one (else a no-op)"
         )
+
+    for resume in (False, True):
+        name = "resume" if resume else "pause"
+        summary = (
+            "thaw a paused subagent: its turn goes on where it was"
+            if resume
+            else "freeze a subagent's running turn in place (SIGSTOP), keeping everything"
+        )
+        example = f"tether {name} s_01J…" + ("" if resume else " --reason 'let me look'")
+        p = command(name, summary, example, _pause(resume))
+        p.add_argument("id", help="subagent id")
+        p.add_argument(
+            "--subtree",
+            action="store_true",
+            help="every paused descendant too" if resume else "every running descendant too",
+        )
+        if not resume:
+            p.add_argument("--reason", help="why (shown in the marker)")
+        p.add_argument("--parent", help="its parent id (looked up when left out)")
 
     p = command(
         "tree",

@@ -717,6 +717,16 @@ class Runtime:
                     kind=args.get("kind") or "cancel",
                     reason=args.get("reason") or "",
                 )
+            case "pause_agent" | "resume_agent":
+                # Pausing is stopping in place: the interrupt permission gates both.
+                auth = gate("interrupt")
+                target = str(self._ask(Resolve(caller, str(args.get("agent_id", "")))))
+                scope = args.get("scope") or "session"
+                if name == "resume_agent":
+                    return self.resume(target, authority=auth, scope=scope)
+                return self.pause(
+                    target, authority=auth, scope=scope, reason=args.get("reason") or ""
+                )
         raise NotFound(f"no tool named {name!r}")
 
 

@@ -25,6 +25,8 @@ __all__ = [
     "TOOLS",
     "InterruptAgentArgs",
     "ListAgentsArgs",
+    "PauseAgentArgs",
+    "ResumeAgentArgs",
     "RunCommandArgs",
     "SendMessageArgs",
     "SpawnAgentArgs",
@@ -64,6 +66,12 @@ class ToolHost(Protocol):
     def interrupt_agent(
         self, agent_id: str, *, kind: str = ..., reason: str = ...
     ) -> str | None: ...
+
+    def pause_agent(
+        self, agent_id: str, *, scope: str = ..., reason: str = ...
+    ) -> Sequence[str]: ...
+
+    def resume_agent(self, agent_id: str, *, scope: str = ...) -> Sequence[str]: ...
 
     def run_command(
         self, argv: list[str], *, timeout: float | None = ..., cwd: str | None = ...
@@ -151,6 +159,32 @@ class InterruptAgentArgs(_Args):
     ] = ""
 
 
+_Scope = Annotated[
+    Literal["session", "subtree"],
+    Meta(description="session (default): that agent's turn; subtree: and every agent below it."),
+]
+
+
+class PauseAgentArgs(_Args):
+    """Pause an agent below you: freeze its running turn in place (its commands too),
+    keeping everything, until you resume it.
+
+    Messages sent to it meanwhile queue; a steer or a cancel takes effect after resume;
+    abort still stops it at once. Returns the turns paused (empty if it was not running).
+    """
+
+    agent: AgentName
+    scope: _Scope = "session"
+    reason: Annotated[str, Meta(max_length=2000, description="Why (shown in its marker).")] = ""
+
+
+class ResumeAgentArgs(_Args):
+    """Resume an agent you paused: its turn goes on where it was. Returns the turns resumed."""
+
+    agent: AgentName
+    scope: _Scope = "session"
+
+
 class RunCommandArgs(_Args):
     """Run a command (no shell) and return its exit code, stdout and stderr."""
 
@@ -190,6 +224,15 @@ def _interrupt(host: ToolHost, a: InterruptAgentArgs) -> dict[str, Any]:
     return {"accepted": True, "turn": turn}
 
 
+def _pause(host: ToolHost, a: PauseAgentArgs) -> dict[str, Any]:
+    turns = host.pause_agent(a.agent, scope=a.scope, reason=a.reason)
+    return {"accepted": True, "turns": list(turns)}
+
+
+def _resume(host: ToolHost, a: ResumeAgentArgs) -> dict[str, Any]:
+    return {"accepted": True, "turns": list(host.resume_agent(a.agent, scope=a.scope))}
+
+
 def _run(host: ToolHost, a: RunCommandArgs) -> dict[str, Any]:
     r = host.run_command(list(a.argv), timeout=_given(a.timeout), cwd=_given(a.cwd))
     return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
@@ -203,6 +246,8 @@ TOOLS: dict[str, tuple[type[_Args], _Impl]] = {
     "send_message": (SendMessageArgs, _send),
     "list_agents": (ListAgentsArgs, _list),
     "interrupt_agent": (InterruptAgentArgs, _interrupt),
+    "pause_agent": (PauseAgentArgs, _pause),
+    "resume_agent": (ResumeAgentArgs, _resume),
     "run_command": (RunCommandArgs, _run),
 }
 

@@ -278,6 +278,17 @@ class TurnContext:
         turn = self._host_call("interrupt_agent", args)
         return None if turn is None else str(turn)
 
+    def pause_agent(self, agent_id: str, *, scope: str = "session", reason: str = "") -> list[str]:
+        """Freeze an agent below (``subtree``: and its running descendants) in place;
+        the turns frozen, ``[]`` when nothing was running (SPEC §14.4)."""
+        args = {"agent_id": agent_id, "scope": scope, "reason": reason}
+        return [str(t) for t in self._host_call("pause_agent", args)]
+
+    def resume_agent(self, agent_id: str, *, scope: str = "session") -> list[str]:
+        """Thaw what ``pause_agent`` froze; the turns resumed."""
+        args = {"agent_id": agent_id, "scope": scope}
+        return [str(t) for t in self._host_call("resume_agent", args)]
+
     def run_command(
         self, argv: list[str], *, timeout: float | None = None, cwd: str | None = None
     ) -> CommandResult:

@@ -69,8 +69,11 @@ from tether.wire.rpc import (
     ListParams,
     MessageAccepted,
     OpenParams,
+    PauseParams,
+    PauseResult,
     PromptParams,
     ReleaseParams,
+    ResumeParams,
     SendParams,
     SessionResult,
     SpawnParams,
@@ -110,7 +113,9 @@ _Handler = Callable[[Any], msgspec.Struct]
 
 def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def open_(p: OpenParams) -> SessionResult:
-        sid = rt.open_session(p.driver, config=p.config, slug=p.slug, permissions=p.permissions)
+        sid = rt.open_session(
+            p.driver, config=p.config, slug=p.slug, permissions=p.permissions, stall=p.stall
+        )
         return SessionResult(sid)
 
     def prompt(p: PromptParams) -> MessageAccepted:
@@ -130,6 +135,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             slug=p.slug,
             config=p.config,
             permissions=p.permissions,
+            stall=p.stall,
         )
         return SessionResult(child if isinstance(child, str) else child.id)
 
@@ -153,6 +159,19 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             turn=p.turn,
         )
         return InterruptResult(turn=turn)
+
+    def pause(p: PauseParams) -> PauseResult:
+        # Authority as for an interrupt: the runtime compares User(parent) with the
+        # target's durable parent (and, for a subtree, authorizes at its top).
+        a = p.address
+        turns = rt.pause(a.session, authority=User(parent=a.parent), scope=p.scope, reason=p.reason)
+        return PauseResult(turns=turns)
+
+    def resume(p: ResumeParams) -> PauseResult:
+        a = p.address
+        return PauseResult(
+            turns=rt.resume(a.session, authority=User(parent=a.parent), scope=p.scope)
+        )
 
     def list_(p: ListParams) -> AgentList:
         return AgentList(rt.list_agents(p.root, scope=p.scope))
@@ -182,6 +201,8 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         "subagent.spawn": spawn,
         "subagent.send": send,
         "subagent.interrupt": interrupt,
+        "subagent.pause": pause,
+        "subagent.resume": resume,
         "subagent.list": list_,
         "subagent.status": status,
         "subagent.transcript": transcript,

@@ -37,9 +37,12 @@ __all__ = [
     "ListParams",
     "MessageAccepted",
     "OpenParams",
+    "PauseParams",
+    "PauseResult",
     "PromptParams",
     "ReleaseParams",
     "Response",
+    "ResumeParams",
     "SendParams",
     "SessionResult",
     "SpawnParams",
@@ -69,6 +72,7 @@ RPC_ERROR_CODES: Final = (
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 InterruptKind = Literal["steer", "cancel", "abort", "preempt"]
+PauseScope = Literal["session", "subtree"]
 JsonObject = dict[str, Any]
 
 
@@ -90,10 +94,14 @@ class Address(_Params):
 
 
 class OpenParams(_Params):
+    """``stall``: the stall watchdog's policy (SPEC §14.5), checked by the runtime's
+    ``check_stall``; a bad one is ``invalid-params`` and opens nothing."""
+
     driver: Annotated[str, msgspec.Meta(min_length=1)]
     config: JsonObject | None = None
     slug: str | None = None
     permissions: dict[str, str] | None = None
+    stall: JsonObject | None = None
 
 
 class PromptParams(_Params):
@@ -117,6 +125,7 @@ class SpawnParams(_Params):
     slug: str | None = None
     config: JsonObject | None = None
     permissions: dict[str, str] | None = None
+    stall: JsonObject | None = None  # without one, the child inherits its parent's
 
 
 class SendParams(_Params):
@@ -135,6 +144,22 @@ class InterruptParams(_Params):
     grace: Annotated[float, msgspec.Meta(ge=0)] | None = None
     deadline: Annotated[float, msgspec.Meta(gt=0)] | None = None
     turn: TurnId | None = None
+
+
+class PauseParams(_Params):
+    """Freeze the running turn of ``address`` (``subtree``: and of every running
+    descendant) in place (SPEC §14.4). Authority as for an interrupt."""
+
+    address: Address
+    scope: PauseScope = "session"
+    reason: str = ""
+
+
+class ResumeParams(_Params):
+    """Thaw what a pause froze (``subtree``: below ``address`` too)."""
+
+    address: Address
+    scope: PauseScope = "session"
 
 
 class ListParams(_Params):
@@ -192,6 +217,14 @@ class InterruptResult(msgspec.Struct, frozen=True):
     turn: str | None = None
 
 
+class PauseResult(msgspec.Struct, frozen=True):
+    """The turns paused (or resumed); ``[]`` is an accepted no-op (nothing was running,
+    or nothing was paused)."""
+
+    accepted: bool = True
+    turns: list[str] = msgspec.field(default_factory=list)
+
+
 class Inbox(msgspec.Struct, frozen=True):
     """Pending messages, oldest first."""
 
@@ -239,6 +272,8 @@ METHODS: Final[dict[str, type[_Params]]] = {
     "subagent.spawn": SpawnParams,
     "subagent.send": SendParams,
     "subagent.interrupt": InterruptParams,
+    "subagent.pause": PauseParams,
+    "subagent.resume": ResumeParams,
     "subagent.list": ListParams,
     "subagent.status": StatusParams,
     "subagent.transcript": TranscriptParams,

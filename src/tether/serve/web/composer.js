@@ -9,8 +9,10 @@ import { $, h, setText } from "./dom.js";
 import { call } from "./rpc.js";
 import { hasStop, label, sendBlocked, store } from "./state.js";
 
-// The Stop menu. Each item says what its dialog asks for and what it calls; Pause and
-// Resume (SPEC §14.4) join this list, with their own `run`, once that issue has landed.
+// The Stop menu. Each item says what its dialog asks for and what it calls: an item with
+// its own `run` calls that instead of subagent.interrupt, one with `shown` is offered only
+// for the sessions it accepts, and one with `noDialog` acts at once (there is nothing to
+// ask). Pause and Resume (SPEC §14.4) take no turn guard: they act on whatever turn runs.
 export const STOP_ITEMS = [
   {
     name: "Steer",
@@ -37,6 +39,22 @@ export const STOP_ITEMS = [
     kind: "preempt",
     done: "preempted",
     hint: "Kills only the running command; the turn goes on.",
+  },
+  {
+    name: "Pause",
+    kind: "pause",
+    done: "paused",
+    shown: (info) => info.state !== "paused",
+    hint: "Freezes the turn in place, its commands too, keeping everything until Resume. Messages queue meanwhile; a steer or a cancel takes effect after Resume; Abort still stops it at once.",
+    run: (params) => call("subagent.pause", { address: params.address, reason: params.reason }),
+  },
+  {
+    name: "Resume",
+    kind: "resume",
+    done: "resumed",
+    noDialog: true,
+    shown: (info) => info.state === "paused",
+    run: (params) => call("subagent.resume", { address: params.address }),
   },
 ];
 
@@ -90,7 +108,18 @@ export function updateComposer() {
   const running = Boolean(info.turn) && info.state !== "settled";
   stop.disabled = !running;
   stop.title = running ? `stop turn ${info.turn}` : "nothing is running";
+  showItems(info);
   if (stop.hidden || stop.disabled) closeMenu(false);
+}
+
+/** Offer only the items that apply to the session as it is now (Pause, or Resume). */
+function showItems(info) {
+  for (const item of STOP_ITEMS) {
+    const button = $("stop-menu").querySelector(`[data-kind="${item.kind}"]`);
+    const shown = !item.shown || item.shown(info);
+    button.parentElement.hidden = !shown;
+    button.disabled = !shown;
+  }
 }
 
 export function resetComposer() {
@@ -138,7 +167,7 @@ async function send() {
 // ---- Stop and its menu -------------------------------------------------------------
 
 function items() {
-  return [...$("stop-menu").querySelectorAll('[role="menuitem"]')];
+  return [...$("stop-menu").querySelectorAll('[role="menuitem"]')].filter((b) => !b.parentElement.hidden);
 }
 
 function toggleMenu() {
@@ -150,6 +179,7 @@ function toggleMenu() {
   if (!info || !info.turn) return;
   // The turn on screen now is the one this Stop is for, whatever runs later.
   target = { id: info.id, parent: info.parent, turn: info.turn, name: label(info), info };
+  showItems(info);
   $("stop-menu").hidden = false;
   $("stop").setAttribute("aria-expanded", "true");
   items()[0].focus();
@@ -178,6 +208,10 @@ function menuKeys(ev) {
 function choose(item) {
   closeMenu(false);
   if (!target) return;
+  if (item.noDialog) {
+    act(item, target, { address: address(target.info), turn: target.turn });
+    return;
+  }
   chosen = item;
   setText($("reason-title"), `${item.name} ${target.name}, turn ${target.turn}`);
   setText($("reason-hint"), item.hint);
@@ -212,9 +246,19 @@ async function confirm() {
     if (deadline !== undefined) params.deadline = deadline;
   }
   $("reason-dialog").close();
+  await act(item, stopped, params);
+}
+
+async function act(item, stopped, params) {
   try {
     const answer = item.run ? await item.run(params) : await call("subagent.interrupt", params);
-    if (answer.turn) say(`${item.name}: issued to turn ${answer.turn} of ${stopped.name}.`);
+    // An interrupt names its turn; a pause or a resume lists the turns it acted on.
+    const turns = answer.turns || (answer.turn ? [answer.turn] : []);
+    // A pause has no turn guard: if the turn on screen ended meanwhile, say what it froze.
+    const later = turns.length && stopped.turn && !turns.includes(stopped.turn);
+    if (later) say(`${item.name}: turn ${stopped.turn} had ended; issued to turn ${turns.join(", ")} of ${stopped.name}.`);
+    else if (turns.length) say(`${item.name}: issued to turn ${turns.join(", ")} of ${stopped.name}.`);
+    else if (item.kind === "resume") say(`nothing to resume: ${stopped.name} is not paused.`);
     else say(`already finished: turn ${stopped.turn} of ${stopped.name} is no longer running, so nothing was ${item.done}.`);
     refreshView();
   } catch (err) {
