@@ -320,3 +320,20 @@ def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(rt: tether.Run
         with pytest.raises(tether.InvalidParams):
             rt.spawn(root, SCRIPTED, stall=bad)
     assert rt.list_agents(root) == []
+
+
+def test_a_pause_guarded_by_an_ended_turn_freezes_nothing(rt: tether.Runtime) -> None:
+    _root, child, me = _family(rt)
+    rt.send(child, "first", authority=me, data=HANG)
+    rt.wait(child, until="running")
+    first = rt.status(child).turn
+    rt.interrupt(child, authority=me, kind="cancel")
+    rt.wait(child)
+    rt.send(child, "second", authority=me, data=HANG)
+    rt.wait(child, until="running")
+    assert rt.pause(child, authority=me, turn=first) == []  # a click on turn 1 is stale
+    assert rt.status(child).state == "running"
+    second = rt.status(child).turn
+    assert rt.pause(child, authority=me, turn=second) == [second]
+    rt.interrupt(child, authority=me, kind="abort")
+    rt.wait(child)

@@ -96,13 +96,14 @@ class InterruptOp:
 
 @dataclass(frozen=True, slots=True)
 class PauseOp:
-    """Answered with the turn frozen, or None. ``authority`` was checked already when
-    ``checked`` (a descendant of a subtree pause, authorized at its top)."""
+    """Answered with the turn frozen (or thawed), or None. A descendant of a subtree
+    pause comes with a ``Host`` authority: it was authorized at the subtree's top."""
 
     session: str
     authority: Authority | Host
     reason: str = ""
     resume: bool = False
+    turn: str | None = None  # the guard: act only if this is still the running turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,6 +507,8 @@ class SessionHost(pykka.ThreadingActor):
         if s is None:
             return None
         auth = op.authority
+        if op.turn is not None and (s.turn is None or s.turn.id != op.turn):
+            return None  # a stale click: that turn is over
         try:
             if op.resume:
                 return s.resume(auth.origin, auth.by)

@@ -350,19 +350,23 @@ class Runtime:
         authority: Authority,
         scope: str = "session",
         reason: str = "",
+        turn: str | None = None,
     ) -> list[str]:
         """Freeze the running turn of ``target`` (and, with ``scope="subtree"``, of every
         running descendant) in place; returns the ids of the turns frozen (SPEC §14.4).
 
         While paused, sends queue, steers and cancels are held and delivered after
         ``resume``, and grace, deadline and watchdog clocks stop; an abort still kills
-        the frozen tree at once.
+        the frozen tree at once. ``turn``: act only if that is still the target's
+        running turn (as for ``interrupt``).
         """
         self._check_authority(authority)
         if not isinstance(reason, str):
             raise InvalidParams("reason must be a string")
         _check_text("reason", reason)
-        return self._pause(target, authority, scope, cap(reason), resume=False)
+        if turn is not None and not isinstance(turn, str):
+            raise InvalidParams("turn must be a turn id")
+        return self._pause(target, authority, scope, cap(reason), resume=False, turn=turn)
 
     def resume(self, target: str, *, authority: Authority, scope: str = "session") -> list[str]:
         """Thaw what ``pause`` froze; returns the ids of the turns resumed."""
@@ -370,24 +374,32 @@ class Runtime:
         return self._pause(target, authority, scope, "", resume=True)
 
     def _pause(
-        self, target: str, auth: Authority, scope: str, reason: str, *, resume: bool
+        self,
+        target: str,
+        auth: Authority,
+        scope: str,
+        reason: str,
+        *,
+        resume: bool,
+        turn: str | None = None,
     ) -> list[str]:
         if scope not in ("session", "subtree"):
             raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
         self._check_open()
         self._check_id(target)
         if scope == "session":
-            turn = self._dispatcher.ask(target, PauseOp(target, auth, reason, resume))
-            return [] if turn is None else [str(turn)]
+            bound = self._dispatcher.ask(target, PauseOp(target, auth, reason, resume, turn))
+            return [] if bound is None else [str(bound)]
         self._dir.authorize_subtree(target, auth)
         # Authorized at the top: below it, the same person or ancestor acts on each.
         delegate = Host(auth.origin, auth.by)
         ids = [target, *self._dir.catalog.preorder(target)]
         turns: list[str] = []
         for sid in ids:
-            turn = self._dispatcher.ask(sid, PauseOp(sid, delegate, reason, resume))
-            if turn is not None:
-                turns.append(str(turn))
+            guard = turn if sid == target else None  # the guard names the target's turn
+            bound = self._dispatcher.ask(sid, PauseOp(sid, delegate, reason, resume, guard))
+            if bound is not None:
+                turns.append(str(bound))
         return turns
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:

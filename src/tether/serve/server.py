@@ -164,7 +164,9 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         # Authority as for an interrupt: the runtime compares User(parent) with the
         # target's durable parent (and, for a subtree, authorizes at its top).
         a = p.address
-        turns = rt.pause(a.session, authority=User(parent=a.parent), scope=p.scope, reason=p.reason)
+        turns = rt.pause(
+            a.session, authority=User(parent=a.parent), scope=p.scope, reason=p.reason, turn=p.turn
+        )
         return PauseResult(turns=turns)
 
     def resume(p: ResumeParams) -> PauseResult:

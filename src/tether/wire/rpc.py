@@ -153,6 +153,7 @@ class PauseParams(_Params):
     address: Address
     scope: PauseScope = "session"
     reason: str = ""
+    turn: TurnId | None = None  # act only if this is still the running turn
 
 
 class ResumeParams(_Params):

@@ -12,7 +12,7 @@ import { hasStop, label, sendBlocked, store } from "./state.js";
 // The Stop menu. Each item says what its dialog asks for and what it calls: an item with
 // its own `run` calls that instead of subagent.interrupt, one with `shown` is offered only
 // for the sessions it accepts, and one with `noDialog` acts at once (there is nothing to
-// ask). Pause and Resume (SPEC §14.4) take no turn guard: they act on whatever turn runs.
+// ask). Pause carries the turn guard like the interrupts; Resume acts on whatever is paused.
 export const STOP_ITEMS = [
   {
     name: "Steer",
@@ -46,7 +46,8 @@ export const STOP_ITEMS = [
     done: "paused",
     shown: (info) => info.state !== "paused",
     hint: "Freezes the turn in place, its commands too, keeping everything until Resume. Messages queue meanwhile; a steer or a cancel takes effect after Resume; Abort still stops it at once.",
-    run: (params) => call("subagent.pause", { address: params.address, reason: params.reason }),
+    run: (params) =>
+      call("subagent.pause", { address: params.address, reason: params.reason, turn: params.turn }),
   },
   {
     name: "Resume",
@@ -254,10 +255,7 @@ async function act(item, stopped, params) {
     const answer = item.run ? await item.run(params) : await call("subagent.interrupt", params);
     // An interrupt names its turn; a pause or a resume lists the turns it acted on.
     const turns = answer.turns || (answer.turn ? [answer.turn] : []);
-    // A pause has no turn guard: if the turn on screen ended meanwhile, say what it froze.
-    const later = turns.length && stopped.turn && !turns.includes(stopped.turn);
-    if (later) say(`${item.name}: turn ${stopped.turn} had ended; issued to turn ${turns.join(", ")} of ${stopped.name}.`);
-    else if (turns.length) say(`${item.name}: issued to turn ${turns.join(", ")} of ${stopped.name}.`);
+    if (turns.length) say(`${item.name}: issued to turn ${turns.join(", ")} of ${stopped.name}.`);
     else if (item.kind === "resume") say(`nothing to resume: ${stopped.name} is not paused.`);
     else say(`already finished: turn ${stopped.turn} of ${stopped.name} is no longer running, so nothing was ${item.done}.`);
     refreshView();
