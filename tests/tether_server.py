@@ -44,10 +44,17 @@ def wait_until(check: Callable[[], T], *, timeout: float = 15.0, what: str = "co
 
 
 class LiveServer:
-    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.args = args
         self.env = {**os.environ, **(env or {})}
+        self.preexec_fn = preexec_fn  # runs in the child before exec (e.g. lower a rlimit)
         self.out_path = workdir / "serve.out"
         self.log_path = workdir / "serve.log"
         self.token: str | None = None
@@ -64,7 +71,11 @@ class LiveServer:
         cmd = [TETHER, "serve", "--port", "0", "--path", str(self.workdir / "state.db")]
         with self.out_path.open("wb") as out, self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [*cmd, "--grace", "1", *self.args], stdout=out, stderr=log, env=self.env
+                [*cmd, "--grace", "1", *self.args],
+                stdout=out,
+                stderr=log,
+                env=self.env,
+                preexec_fn=self.preexec_fn,
             )
 
         def bound() -> str | None:
@@ -110,8 +121,9 @@ class LiveServer:
         headers: dict[str, str] | None = None,
         *,
         auth: bool = True,
+        timeout: float = 30.0,
     ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             hdrs = {"Content-Type": "application/json", **(headers or {})}
             if auth and self.token:
@@ -152,9 +164,12 @@ class LiveServer:
 
 @contextmanager
 def running_server(
-    workdir: Path, *args: str, env: dict[str, str] | None = None
+    workdir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[LiveServer]:
-    server = LiveServer(workdir, *args, env=env).start()
+    server = LiveServer(workdir, *args, env=env, preexec_fn=preexec_fn).start()
     try:
         yield server
     finally:

@@ -377,6 +377,8 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         grace=args.grace,
         max_body=args.max_body,
+        max_streams=args.max_streams,
+        fd_reserve=args.fd_reserve,
     )
 
 
@@ -606,6 +608,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="worker processes")
     p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
+    p.add_argument(
+        "--max-streams", type=int, default=64, help="concurrent /events streams (more: 503)"
+    )
+    p.add_argument(
+        "--fd-reserve",
+        type=int,
+        default=64,
+        help="file descriptors kept for the runtime's workers (fewer free: 503)",
+    )
 
     sub.add_parser(
         "demo",

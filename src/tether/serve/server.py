@@ -11,8 +11,10 @@
                       only /rpc and /events, with the bearer token when there is one
 
 The RPC caller is a person at the host: it acts as ``User(parent=address.parent)`` and
-the runtime alone decides authority. Runtime calls block (actor asks), so they run in
-the threadpool, never on the event loop.
+the runtime alone decides authority. Runtime calls block (actor asks), so they run on
+threads, never on the event loop, and on lanes (``_Lanes``): a stop never waits behind
+other work. ``_Limits`` (outermost) caps the event streams and keeps a reserve of file
+descriptors for the runtime, so that a kill or a respawn can always open what it needs.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
+import resource
 import signal
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
@@ -36,7 +42,6 @@ import msgspec
 import structlog
 import uvicorn
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -44,6 +49,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tether import Event, Runtime, User
+from tether.actors.supervisor import DisposeReq
 from tether.runtime._log import configure_logging
 from tether.serve.sse import EventHub
 from tether.serve.web import console_routes, is_console_path
@@ -52,6 +58,7 @@ from tether.wire.rpc import (
     APPLICATION_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
+    MAX_DEPTH,
     METHOD_NOT_FOUND,
     METHODS,
     PARSE_ERROR,
@@ -82,19 +89,24 @@ from tether.wire.rpc import (
     TranscriptParams,
     Turns,
     TurnsParams,
+    too_deep,
 )
 from tether.wire.rpc import (
     Response as RpcResponse,
 )
 
 __all__ = [
+    "DEFAULT_FD_RESERVE",
     "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_STREAMS",
     "DEFAULT_PATH",
     "DEFAULT_PORT",
     "FAULT_INJECTION_ENV",
     "RpcDispatcher",
     "build_app",
+    "free_descriptors",
     "is_loopback",
+    "raise_descriptor_limit",
     "serve",
 ]
 
@@ -102,6 +114,14 @@ DEFAULT_PATH: Final = Path(".tether") / "state.db"
 DEFAULT_PORT: Final = 7777
 DEFAULT_MAX_BODY: Final = 1 << 20
 MAX_BATCH: Final = 100
+DEFAULT_MAX_STREAMS: Final = 64  # concurrent GET /events streams
+# Descriptors kept free for the runtime (worker pipes and sockets, respawns, the store,
+# tool subprocesses). A new request is refused (503) when fewer are free; a new event
+# stream, which holds its descriptor for long, when fewer than twice as many are.
+DEFAULT_FD_RESERVE: Final = 64
+# ``serve`` raises the soft RLIMIT_NOFILE toward the hard limit, up to this.
+NOFILE_TARGET: Final = 1 << 16
+LISTEN_QUEUE: Final = 2048  # the kernel's queue of connections not yet accepted
 # With this set to 1 the server also answers ``debug.fail``, which raises an unexpected
 # exception: the only way to exercise the ``internal`` error path from outside.
 FAULT_INJECTION_ENV: Final = "TETHER_RPC_FAULT_INJECTION"
@@ -193,7 +213,12 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         return Inbox(rt.inbox(p.session))
 
     def dispose(p: DisposeParams) -> Accepted:
-        rt.dispose(p.address.session, authority=User(parent=p.address.parent))
+        # Accepted once the supervisor has checked the authority and marked the subtree
+        # disposing; the sessions' hosts carry the disposal on by themselves (cancel,
+        # grace, escalation). ``Runtime.dispose`` would also wait for every session to
+        # settle (up to 2·grace+10 s), holding a thread for nothing. This is its first
+        # half: the runtime has no public non-waiting dispose yet.
+        rt._ask(DisposeReq(p.address.session, User(parent=p.address.parent), rt.grace))
         return Accepted()
 
     return {
@@ -237,15 +262,53 @@ def _valid_id(value: Any) -> bool:
     return value is None or (isinstance(value, str | int | float) and not isinstance(value, bool))
 
 
+class _Lanes:
+    """The threads the blocking runtime calls run on.
+
+    ``subagent.interrupt`` has a lane of its own and ``subagent.status`` another: nothing
+    else runs there, so a stop (and the look that checks it landed) never waits behind
+    other calls, however many of those are slow or stuck. Everything else shares
+    ``work``, bounded so a flood of calls cannot grow threads without limit.
+    """
+
+    STOP: Final = frozenset({"subagent.interrupt"})
+    LOOK: Final = frozenset({"subagent.status"})
+
+    def __init__(self, work: int = 32) -> None:
+        self.stop = ThreadPoolExecutor(4, thread_name_prefix="rpc-stop")
+        self.look = ThreadPoolExecutor(4, thread_name_prefix="rpc-look")
+        self.work = ThreadPoolExecutor(work, thread_name_prefix="rpc-work")
+
+    def for_method(self, method: str) -> ThreadPoolExecutor:
+        if method in self.STOP:
+            return self.stop
+        return self.look if method in self.LOOK else self.work
+
+    async def run(self, lane: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
+
+    def close(self) -> None:
+        for lane in (self.stop, self.look, self.work):
+            lane.shutdown(wait=False, cancel_futures=True)
+
+
+def _too_deep(rid: Any) -> RpcResponse:
+    message = f"JSON nested deeper than {MAX_DEPTH} levels"
+    return _error(rid, INVALID_REQUEST, message, "invalid-params")
+
+
 class RpcDispatcher:
     """Decodes one request body (a call or a batch), runs it, encodes the answer."""
 
-    def __init__(self, rt: Runtime, *, fault_injection: bool = False) -> None:
+    def __init__(
+        self, rt: Runtime, *, fault_injection: bool = False, lanes: _Lanes | None = None
+    ) -> None:
         self._methods: dict[str, tuple[type[msgspec.Struct], _Handler]] = {
             name: (METHODS[name], fn) for name, fn in _handlers(rt).items()
         }
         if fault_injection:
             self._methods["debug.fail"] = (FailParams, _fail)
+        self.lanes = lanes or _Lanes()
 
     async def handle(self, body: bytes) -> bytes | None:
         """The response body, or None when every call was a notification."""
@@ -255,6 +318,8 @@ class RpcDispatcher:
             return msgspec.json.encode(
                 _error(None, PARSE_ERROR, f"parse error: {exc}", "invalid-params")
             )
+        except RecursionError:  # the decoder's own guard, near 1,000 levels
+            return msgspec.json.encode(_too_deep(None))
         if not isinstance(doc, list):
             one = await self._call(doc)
             return None if one is None else msgspec.json.encode(one)
@@ -270,6 +335,8 @@ class RpcDispatcher:
         if not isinstance(req, dict) or req.get("jsonrpc") != "2.0" or not _valid_id(rid):
             bad = "not a JSON-RPC 2.0 request object"
             return _error(rid if _valid_id(rid) else None, INVALID_REQUEST, bad, "invalid-params")
+        if too_deep(req):  # answered even for a notification: nothing was run
+            return _too_deep(rid)
         method = req.get("method")
         if not isinstance(method, str):
             return _error(rid, INVALID_REQUEST, "method must be a string", "invalid-params")
@@ -286,7 +353,8 @@ class RpcDispatcher:
         except msgspec.ValidationError as exc:
             return _error(rid, INVALID_PARAMS, f"invalid params: {exc}", "invalid-params")
         try:
-            return RpcResponse(rid, result=await run_in_threadpool(handler, parsed))
+            result = await self.lanes.run(self.lanes.for_method(method), handler, parsed)
+            return RpcResponse(rid, result=result)
         except TetherError as exc:
             refusal = _refusal(rid, exc)
             if refusal is not None:
@@ -361,9 +429,113 @@ class _Guard:
         return _http_error(403, "forbidden: foreign Host or Origin on a loopback server")
 
 
+def free_descriptors() -> int | None:
+    """File descriptors this process may still open (None: no limit, or not knowable)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        used = len(os.listdir("/proc/self/fd"))  # Linux; counts the listing's own fd too
+    except FileNotFoundError:
+        return None
+    except OSError:  # EMFILE: not even the listing could be opened
+        return 0
+    return max(soft - used, 0)
+
+
+def raise_descriptor_limit(target: int = NOFILE_TARGET) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE toward the hard limit (up to ``target``); the new
+    (soft, hard). Never lowers it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = target if hard == resource.RLIM_INFINITY else min(hard, target)
+    if soft != resource.RLIM_INFINITY and soft < ceiling:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+class _Limits:
+    """Refuses, with 503 and a JSON body, what would take what the runtime needs.
+
+    With R = ``fd_reserve``: a new ``GET /events`` stream is refused when fewer than 3R
+    descriptors are free or ``max_streams`` are already open, any request when fewer
+    than 2R are free. Refusals close their connection, so they hold nothing. New
+    connections themselves are gated below 2R too (``_gated``), and accepted in small
+    batches, so a burst of them cannot take the last R.
+    """
+
+    _LOG_EVERY: Final = 5.0  # seconds between two refusal log lines
+
+    def __init__(self, app: ASGIApp, *, max_streams: int, fd_reserve: int) -> None:
+        self._app = app
+        self._max_streams = max_streams
+        self._reserve = fd_reserve
+        self.streams = 0
+        self._refused = 0
+        self._logged = 0.0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        stream = scope["path"] == "/events"
+        free = free_descriptors()
+        if free is not None and free < self._reserve * (3 if stream else 2):
+            why = f"server busy: {free} file descriptors free, {self._reserve} kept for the runtime"
+            await self._refuse(why, scope, receive, send)
+            return
+        if not stream:
+            await self._app(scope, receive, send)
+            return
+        if self.streams >= self._max_streams:
+            why = f"too many event streams: {self.streams} open (--max-streams)"
+            await self._refuse(why, scope, receive, send)
+            return
+        self.streams += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self.streams -= 1
+
+    async def _refuse(self, why: str, scope: Scope, receive: Receive, send: Send) -> None:
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._logged >= self._LOG_EVERY:
+            log.warning("serve.refused", why=why, refused=self._refused, streams=self.streams)
+            self._logged, self._refused = now, 0
+        headers = {"Connection": "close", "Retry-After": "1"}
+        await _http_error(503, why, headers)(scope, receive, send)
+
+
+def _gated(protocol: Any, floor: int) -> Any:
+    """uvicorn's HTTP protocol class, made to answer a bare 503 and close a connection
+    that arrives while fewer than ``floor`` descriptors are free, before it reads a byte:
+    a flood of connections that never send a request holds nothing for long."""
+    body = msgspec.json.encode({"error": "server busy: too few file descriptors free"})
+    busy = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nRetry-After: 1\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+    class Gated(protocol):  # type: ignore[misc]
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            free = free_descriptors()
+            if free is not None and free < floor:
+                transport.write(busy)
+                transport.close()
+
+    return Gated
+
+
 def _http_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     body = msgspec.json.encode({"error": message})
     return Response(body, status, headers=headers, media_type="application/json")
+
+
+_EVENT_ID: Final = re.compile(r"[0-9]{1,19}")  # ASCII digits only: int() takes more
 
 
 async def _read_capped(request: Request, cap: int) -> bytes | None:
@@ -394,10 +566,13 @@ def build_app(
     token: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     fault_injection: bool = False,
+    max_streams: int = DEFAULT_MAX_STREAMS,
+    fd_reserve: int = DEFAULT_FD_RESERVE,
 ) -> ASGIApp:
     """The ASGI app over ``rt``: ``POST /rpc``, ``GET /events``, ``GET /health``, and the
     web console (``GET /``)."""
     dispatcher = RpcDispatcher(rt, fault_injection=fault_injection)
+    lanes = dispatcher.lanes
 
     async def rpc(request: Request) -> Response:
         body = await _read_capped(request, max_body)
@@ -411,15 +586,16 @@ def build_app(
     async def events(request: Request) -> Response:
         session = request.query_params.get("session") or None
         raw_id = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-        try:
-            last_id = None if raw_id is None else int(raw_id)
-        except ValueError:
-            return _http_error(400, "Last-Event-ID must be an event id")
+        if raw_id is not None and not _EVENT_ID.fullmatch(raw_id):
+            return _http_error(400, "Last-Event-ID must be an event id (decimal digits)")
+        last_id = None if raw_id is None else int(raw_id)
         if session is not None:
             try:
-                await run_in_threadpool(rt.status, session)
+                await lanes.run(lanes.look, rt.status, session)
             except NotFound:
                 return _http_error(404, f"no session {session!r}")
+            except TetherError as exc:  # a malformed id
+                return _http_error(400, exc.message)
         sub = hub.subscribe(session, last_id)
 
         async def body() -> AsyncIterator[bytes]:
@@ -453,6 +629,7 @@ def build_app(
         finally:
             unsubscribe()
             hub.close()
+            lanes.close()
 
     routes = [
         Route("/rpc", rpc, methods=["POST"]),
@@ -460,16 +637,24 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         *console_routes(),
     ]
-    return _Guard(Starlette(routes=routes, lifespan=lifespan), token=token)
+    app = _Guard(Starlette(routes=routes, lifespan=lifespan), token=token)
+    return _Limits(app, max_streams=max_streams, fd_reserve=fd_reserve)
 
 
 class _Server(uvicorn.Server):
     """uvicorn, with the event streams ended at shutdown and signals left to us."""
 
-    def __init__(self, config: uvicorn.Config, hub: EventHub, announce: Callable[[int], None]):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        hub: EventHub,
+        announce: Callable[[int], None],
+        fd_reserve: int = DEFAULT_FD_RESERVE,
+    ):
         super().__init__(config)
         self._hub = hub
         self._announce = announce
+        self._fd_reserve = fd_reserve
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -481,8 +666,17 @@ class _Server(uvicorn.Server):
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        config = self.config
+        config.http_protocol_class = _gated(config.http_protocol_class, 2 * self._fd_reserve)
         await super().startup(sockets)
         if self.started:
+            # asyncio accepts up to ``backlog`` connections per wakeup, before any of
+            # them is looked at: kept small (config), so a burst cannot reach the
+            # reserve. The kernel's queue need not be small, so it is set back.
+            for server in self.servers:
+                for listener in server.sockets:
+                    with socket.socket(fileno=os.dup(listener.fileno())) as sock:
+                        sock.listen(LISTEN_QUEUE)
             self._announce(self.servers[0].sockets[0].getsockname()[1])
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -500,6 +694,8 @@ def serve(
     workers: int = 2,
     grace: float = 5.0,
     max_body: int = DEFAULT_MAX_BODY,
+    max_streams: int = DEFAULT_MAX_STREAMS,
+    fd_reserve: int = DEFAULT_FD_RESERVE,
 ) -> int:
     """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code."""
     if token is None and not is_loopback(host):
@@ -507,12 +703,22 @@ def serve(
     # The host's log is for machines first: one JSON object a line, unless asked otherwise.
     os.environ.setdefault("TETHER_LOG_FORMAT", "json")
     configure_logging()
+    soft, hard = raise_descriptor_limit()
+    log.info("serve.descriptors", soft=soft, hard=hard, reserve=fd_reserve)
     path.parent.mkdir(parents=True, exist_ok=True)
     rt = Runtime(str(path), workers=workers, grace=grace, subreaper=True)
     try:
         hub = EventHub()
         fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"
-        app = build_app(rt, hub, token=token, max_body=max_body, fault_injection=fault_injection)
+        app = build_app(
+            rt,
+            hub,
+            token=token,
+            max_body=max_body,
+            fault_injection=fault_injection,
+            max_streams=max_streams,
+            fd_reserve=fd_reserve,
+        )
         config = uvicorn.Config(
             app,
             host=host,
@@ -522,6 +728,7 @@ def serve(
             access_log=False,
             server_header=False,
             timeout_graceful_shutdown=5,
+            backlog=max(4, fd_reserve // 4),
         )
 
         def announce(bound: int) -> None:
@@ -529,7 +736,7 @@ def serve(
             log.info("serve.listening", url=f"http://{where}:{bound}", store=str(path))
             print(f"tether: serving http://{where}:{bound} (store {path})", flush=True)
 
-        _Server(config, hub, announce).run()
+        _Server(config, hub, announce, fd_reserve).run()
     finally:
         log.info("serve.draining")
         rt.close()

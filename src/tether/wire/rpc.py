@@ -18,6 +18,7 @@ __all__ = [
     "APPLICATION_ERROR",
     "INVALID_PARAMS",
     "INVALID_REQUEST",
+    "MAX_DEPTH",
     "METHODS",
     "METHOD_NOT_FOUND",
     "PARSE_ERROR",
@@ -51,6 +52,7 @@ __all__ = [
     "TranscriptParams",
     "Turns",
     "TurnsParams",
+    "too_deep",
 ]
 
 # JSON-RPC 2.0 error codes; the Tether code (``error.data.code``) says which refusal.
@@ -68,6 +70,12 @@ RPC_ERROR_CODES: Final = (
     "invalid-params",
     "internal",
 )
+
+# How deeply a request object may nest (``{"params": {"data": {...}}}`` is 3 deep). The
+# decoder's own recursion guard sits near 1,000 and refuses as a RecursionError; data
+# nested that deep would also reach the store and the worker channel, so the edge
+# refuses it with ``-32600`` long before.
+MAX_DEPTH: Final = 64
 
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -263,6 +271,20 @@ class Response(msgspec.Struct, frozen=True):
     result: Any = msgspec.UNSET
     error: ErrorObject | msgspec.UnsetType = msgspec.UNSET
     jsonrpc: Literal["2.0"] = "2.0"
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """True if decoded JSON nests more than ``limit`` arrays/objects; no recursion."""
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 # Method name -> params type. ``subagent.status`` returns an ``AgentInfo``.
