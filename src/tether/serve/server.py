@@ -2,9 +2,9 @@
 
 ::
 
-    client ──POST /rpc──► _Guard (token / loopback) ─► body cap ─► RpcDispatcher
+    client ──POST /rpc──► _Limits ─► _Guard (token / loopback) ─► body cap ─► RpcDispatcher
                                                                    │ params: msgspec Structs
-                                                                   ▼ (threadpool)
+                                                                   ▼ (_Lanes: threads)
     client ◄─GET /events── EventHub ◄─call_soon_threadsafe── rt.subscribe callback ◄─ Runtime
 
     browser ─GET /──► the web console (static files in serve/web/); the page then uses
