@@ -81,7 +81,7 @@ def _value(t: mi.Type, name: str, ids: list[str]) -> st.SearchStrategy[Any]:
         return st.text(min_size=t.min_length or 0, max_size=min(t.max_length or 40, 40))
     if isinstance(t, mi.IntType):
         low = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else -(2**40))
-        return st.integers(low, t.le if t.le is not None else 2**40)
+        return st.integers(low, t.le if t.le is not None else 2**63 - 1)
     if isinstance(t, mi.FloatType):
         low = t.ge if t.ge is not None else (t.gt if t.gt is not None else -1e6)
         return st.floats(low, 30.0, exclude_min=t.gt is not None, allow_nan=False)
@@ -126,7 +126,7 @@ def _wrong(t: mi.Type) -> st.SearchStrategy[Any]:
         if t.ge is not None:
             out.append(st.integers(-(2**40), t.ge - 1))
         if t.le is not None:
-            out.append(st.integers(t.le + 1, 2**40))
+            out.append(st.integers(t.le + 1, t.le + 2**40))
     elif isinstance(t, mi.FloatType):
         out += [st.text(max_size=3), st.booleans()]
         if t.ge is not None:
@@ -327,6 +327,28 @@ def test_hostile_bodies_get_typed_errors_and_the_server_stays_up(
     documents()
     deep()
     raw_bytes()
+
+
+@pytest.mark.timeout(60)
+def test_found_by_fuzzing_integers_past_64_bits_are_invalid_params(
+    live: tuple[LiveServer, list[str]],
+) -> None:
+    """Shrunk cases: each was an ``internal`` error (an OverflowError in the runtime's
+    msgpack size check, or in SQLite's binding of ``after``)."""
+    server, (root, _, _) = live
+    cases = [
+        ("session.open", {"driver": SCRIPTED, "config": {"": -9223372036854775809}}),
+        ("session.prompt", {"session": root, "content": "x", "data": {"a": [2**64]}}),
+        ("subagent.transcript", {"session": root, "after": 2**63}),
+    ]
+    for method, params in cases:
+        _, answer = _post(server, json.dumps(_envelope(method, params)).encode())
+        (a,) = _typed(answer)
+        assert (a["error"]["code"], a["error"]["data"]["code"]) == (-32602, "invalid-params")
+    # The edges themselves are fine.
+    data = {"a": [-(2**63), 2**63 - 1]}
+    server.call("session.prompt", {"session": root, "content": "x", "data": data})
+    assert server.call("subagent.turns", {"session": root})["turns"][0]["message"]
 
 
 def _events_status(server: LiveServer, header: bytes) -> tuple[int, bytes]:

@@ -89,7 +89,7 @@ from tether.wire.rpc import (
     TranscriptParams,
     Turns,
     TurnsParams,
-    too_deep,
+    json_problem,
 )
 from tether.wire.rpc import (
     Response as RpcResponse,
@@ -335,7 +335,7 @@ class RpcDispatcher:
         if not isinstance(req, dict) or req.get("jsonrpc") != "2.0" or not _valid_id(rid):
             bad = "not a JSON-RPC 2.0 request object"
             return _error(rid if _valid_id(rid) else None, INVALID_REQUEST, bad, "invalid-params")
-        if too_deep(req):  # answered even for a notification: nothing was run
+        if json_problem(req) == "depth":  # answered even for a notification: nothing ran
             return _too_deep(rid)
         method = req.get("method")
         if not isinstance(method, str):
@@ -348,6 +348,9 @@ class RpcDispatcher:
         if entry is None:
             return _error(rid, METHOD_NOT_FOUND, f"unknown method {method!r}", "not-found")
         params_type, handler = entry
+        if json_problem(params) == "integer":
+            bad = "invalid params: an integer outside the 64-bit signed range"
+            return _error(rid, INVALID_PARAMS, bad, "invalid-params")
         try:
             parsed = msgspec.convert({} if params is None else params, params_type)
         except msgspec.ValidationError as exc:

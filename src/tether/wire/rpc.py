@@ -52,7 +52,7 @@ __all__ = [
     "TranscriptParams",
     "Turns",
     "TurnsParams",
-    "too_deep",
+    "json_problem",
 ]
 
 # JSON-RPC 2.0 error codes; the Tether code (``error.data.code``) says which refusal.
@@ -76,6 +76,10 @@ RPC_ERROR_CODES: Final = (
 # nested that deep would also reach the store and the worker channel, so the edge
 # refuses it with ``-32600`` long before.
 MAX_DEPTH: Final = 64
+# Integers are 64-bit signed wherever they go (SQLite, msgpack frames to the workers):
+# one outside is invalid-params at the edge, not an overflow deep inside.
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
 
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -184,7 +188,7 @@ class TranscriptParams(_Params):
     """Entries with ``seq > after``, at most ``limit`` of them (``more`` says if cut)."""
 
     session: SessionId
-    after: Annotated[int, msgspec.Meta(ge=0)] = 0
+    after: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] = 0
     limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 500
 
 
@@ -273,18 +277,24 @@ class Response(msgspec.Struct, frozen=True):
     jsonrpc: Literal["2.0"] = "2.0"
 
 
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """True if decoded JSON nests more than ``limit`` arrays/objects; no recursion."""
-    if not isinstance(value, dict | list):
-        return False
-    stack: list[tuple[Any, int]] = [(value, 1)]
+def json_problem(value: Any, limit: int = MAX_DEPTH) -> Literal["depth", "integer"] | None:
+    """What makes decoded JSON unacceptable, without recursion: ``"depth"`` if it nests
+    more than ``limit`` arrays/objects, ``"integer"`` if it holds an integer that is not
+    64-bit signed; None if neither."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    found: Literal["integer"] | None = None
     while stack:
         node, depth = stack.pop()
+        if isinstance(node, int) and not INT64_MIN <= node <= INT64_MAX:
+            found = "integer"  # keep looking: depth is the graver one
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth + 1 > limit:
+            return "depth"
         children = node.values() if isinstance(node, dict) else node
-        if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | int))
+    return found
 
 
 # Method name -> params type. ``subagent.status`` returns an ``AgentInfo``.
