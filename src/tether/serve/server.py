@@ -265,13 +265,14 @@ def _valid_id(value: Any) -> bool:
 class _Lanes:
     """The threads the blocking runtime calls run on.
 
-    ``subagent.interrupt`` has a lane of its own and ``subagent.status`` another: nothing
-    else runs there, so a stop (and the look that checks it landed) never waits behind
-    other calls, however many of those are slow or stuck. Everything else shares
-    ``work``, bounded so a flood of calls cannot grow threads without limit.
+    ``subagent.interrupt`` and ``subagent.pause`` have a lane of their own and
+    ``subagent.status`` another: nothing else runs there, so a stop (and the look that
+    checks it landed) never waits behind other calls, however many of those are slow or
+    stuck. Everything else shares ``work``, bounded so a flood of calls cannot grow
+    threads without limit.
     """
 
-    STOP: Final = frozenset({"subagent.interrupt"})
+    STOP: Final = frozenset({"subagent.interrupt", "subagent.pause"})
     LOOK: Final = frozenset({"subagent.status"})
 
     def __init__(self, work: int = 32) -> None:
