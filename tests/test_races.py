@@ -953,3 +953,15 @@ def test_fifty_thousand_idle_sessions_need_no_thread_each() -> None:
         rt.send(kids[0].id, "hello", authority=User(parent=roots[0]))
         rt.wait(kids[0].id, until="idle", timeout=10.0)
         assert texts(rt, kids[0].id, "assistant") == ["ok: hello"]
+
+
+def test_data_with_integers_past_64_bits_is_invalid_params(rt: tether.Runtime) -> None:
+    """Found by the RPC fuzzer: msgpack cannot hold them, and the Python API must say so
+    as InvalidParams before anything is recorded, as RPC does."""
+    root = rt.open_session(SCRIPTED)
+    for value in (2**64, -(2**63) - 1):
+        with pytest.raises(tether.InvalidParams):
+            rt.prompt(root, "x", data={"n": value})
+        with pytest.raises(tether.InvalidParams):
+            rt.spawn(root, SCRIPTED, config={"n": value})
+    assert rt.inbox(root) == [] and rt.list_agents(root) == []

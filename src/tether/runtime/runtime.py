@@ -482,10 +482,11 @@ class Runtime:
         self._check_id(session_id)
         self._dispatcher.ask(session_id, ReleaseOp(session_id))
 
-    def dispose(self, session_id: str, *, authority: Authority) -> None:
-        """End the session and its whole subtree, deepest first; returns when all settled."""
+    def dispose(self, session_id: str, *, authority: Authority, wait: bool = True) -> None:
+        """End the session and its whole subtree, deepest first; returns when all settled
+        (``wait=False``: once the disposal is accepted and under way)."""
         self._check_authority(authority)
-        self._dispose(session_id, authority)
+        self._dispose(session_id, authority, wait=wait)
 
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
         """Call ``callback(event)`` for every event; it must not block. Returns unsubscribe."""
@@ -587,8 +588,13 @@ class Runtime:
         turn: str | None = self._dispatcher.ask(op.target, op)
         return turn
 
-    def _dispose(self, session_id: str, authority: Authority | Host) -> None:
+    def _dispose(
+        self, session_id: str, authority: Authority | Host, *, wait: bool = True
+    ) -> None:
+        self._check_id(session_id)
         order: list[str] = self._ask(DisposeReq(session_id, authority, self.grace))
+        if not wait:
+            return
         deadline = time.monotonic() + 2 * self.grace + 10.0
         for sid in order:
             self.wait(sid, until="settled", timeout=max(deadline - time.monotonic(), 0.01))
@@ -657,7 +663,7 @@ class Runtime:
             raise InvalidParams("data must be a dict")
         try:
             size = len(_data_encoder.encode(data))
-        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError: ValueError
             raise InvalidParams(f"data is not serializable: {exc}") from None
         if size > MAX_CONTENT:
             raise InvalidParams(f"data of {size} bytes is over {MAX_CONTENT}")

@@ -49,7 +49,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tether import Event, Runtime, User
-from tether.actors.supervisor import DisposeReq
 from tether.runtime._log import configure_logging
 from tether.serve.sse import EventHub
 from tether.serve.web import console_routes, is_console_path
@@ -215,10 +214,9 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def dispose(p: DisposeParams) -> Accepted:
         # Accepted once the supervisor has checked the authority and marked the subtree
         # disposing; the sessions' hosts carry the disposal on by themselves (cancel,
-        # grace, escalation). ``Runtime.dispose`` would also wait for every session to
-        # settle (up to 2·grace+10 s), holding a thread for nothing. This is its first
-        # half: the runtime has no public non-waiting dispose yet.
-        rt._ask(DisposeReq(p.address.session, User(parent=p.address.parent), rt.grace))
+        # grace, escalation). Waiting for every session to settle (up to 2·grace+10 s)
+        # would hold a thread for nothing.
+        rt.dispose(p.address.session, authority=User(parent=p.address.parent), wait=False)
         return Accepted()
 
     return {
