@@ -107,12 +107,13 @@ def test_an_abort_that_fails_for_lack_of_descriptors_is_retried_until_the_tree_i
 
     with structlog.testing.capture_logs() as logs, _no_free_descriptors():
         rt.interrupt(child, authority=me, kind="abort", reason="no fds")
-        # give the pool the chance to fail (the fixed pool says so); the old one never retries
-        _wait_logged(logs, "worker.kill_retry", timeout=3.0)
+        # the walk needs descriptors: the kill fails, and must be tried again later
+        retried = _wait_logged(logs, "worker.kill_retry", timeout=3.0)
 
     ended = rec.turn_ended(child, timeout=10.0)
     assert ended["outcome"] == "aborted"
     assert not any(alive(p) for p in tree), "the turn was reported before its tree was dead"
+    assert retried, "the kill never failed: the test did not exhaust descriptors"
     rt.send(child, "again", authority=me)
     assert rec.turn_ended(child, count=2, timeout=10.0)["outcome"] == "completed"
     refilled(rt)
@@ -210,7 +211,7 @@ def test_abort_under_process_churn_kills_every_setsid_escapee_before_reporting_a
     rec = Recorder(rt)
     _root, child, me = _family(rt)
     survived: list[int] = []
-    for i in range(15):
+    for i in range(30):
         token = f"tether-esc-{uuid.uuid4().hex}"
         try:
             rt.send(
@@ -226,7 +227,7 @@ def test_abort_under_process_churn_kills_every_setsid_escapee_before_reporting_a
                 survived.append(i)
         finally:
             kill_token(token)
-    assert survived == [], f"escapees outlived {len(survived)} of 15 aborts"
+    assert survived == [], f"escapees outlived {len(survived)} of 30 aborts"
     refilled(rt)
 
 
