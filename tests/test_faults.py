@@ -250,7 +250,7 @@ import json, os, sys, threading
 import tether
 rt = tether.Runtime(workers=1, grace=1.0)
 root = rt.open_session("tether:Scripted")
-argv = [sys.executable, "-c", sys.argv[1], sys.argv[2]]
+argv = [sys.executable, "-c", os.environ["ESCAPEE"], os.environ["TOKEN"]]
 rt.prompt(root, "escape", data={"steps": [{"op": "tool", "argv": argv}]})
 print(json.dumps({"host": os.getpid()}), flush=True)
 threading.Event().wait(60.0)
@@ -259,8 +259,10 @@ threading.Event().wait(60.0)
 
 def test_an_escapee_dies_with_a_host_that_was_sigkilled() -> None:
     token = f"tether-esc-{uuid.uuid4().hex}"
+    # the token goes by the environment: in the host's own argv it would mark the host
+    env = {**os.environ, "ESCAPEE": ESCAPEE, "TOKEN": token}
     host = subprocess.Popen(
-        [sys.executable, "-c", _HOST, ESCAPEE, token], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HOST], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
         assert host.stdout is not None
