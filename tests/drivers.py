@@ -343,3 +343,60 @@ def refilled(rt: tether.Runtime, size: int = 3) -> None:
     would otherwise surface at random in whichever test closes next).
     """
     eventually(lambda: len(rt.worker_pids) >= size, timeout=10.0, what="the pool to refill")
+
+
+# ---- fault-handling drivers and helpers (tests/test_faults.py) --------------------------
+
+
+class DeepFrame:
+    """``deep``: writes a well-framed Say whose data nests far deeper than any decoder allows.
+
+    The host must treat the worker as faulty (turn ``crashed``, worker replaced); anything
+    else answers ``clean: <content>``.
+    """
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.content == "deep":
+            import msgspec
+
+            from tether.wire.frames import Say
+
+            hole = msgspec.msgpack.encode("HOLE")
+            frame = msgspec.msgpack.encode(
+                Say(turn=ctx.turn, kind="assistant", text="deep", data={"x": "HOLE"})
+            )
+            # 200,000 one-element arrays around a nil: small on the wire, deep when decoded
+            ctx._worker.channel.send_bytes(frame.replace(hole, b"\x91" * 200_000 + b"\xc0"))
+            for _ in range(3000):  # the host must kill us; never answer normally
+                time.sleep(0.01)
+            return "the host never reacted to a deep frame"
+        return f"clean: {ctx.message.content}"
+
+
+# An escapee: leaves the worker's session and process group, then forks, so that a tree
+# walk must go two levels below it. ``argv[1]`` (a token) marks both processes' cmdline.
+ESCAPEE = "import os, time\nos.setsid()\nos.fork()\ntime.sleep(300)\n"
+
+# The same, but once both escapee processes exist it SIGKILLs the worker (its parent):
+# a worker that dies on its own, leaving an escapee behind.
+ESCAPEE_KILLS_WORKER = (
+    "import os, signal, time\nworker = os.getppid()\nos.setsid()\n"
+    "if os.fork():\n    os.kill(worker, signal.SIGKILL)\ntime.sleep(300)\n"
+)
+
+
+def token_procs(token: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose command line contains ``token``."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if token in (p.info["cmdline"] or ()) and alive(p):
+                out.append(p)
+    return out
+
+
+def kill_token(token: str) -> None:
+    """Clean-up after a failed escapee test: nothing marked ``token`` may outlive it."""
+    for p in token_procs(token):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()

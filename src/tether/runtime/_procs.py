@@ -1,49 +1,204 @@
-"""Process trees: find a process's descendants quickly."""
+"""Process trees: find them, freeze them, kill them (shared by the pool and the worker).
+
+A kill is one or more *passes*, each FREEZE, then KILL:
+
+- freeze: SIGSTOP every process found and walk again, until a walk finds no process it
+  had not seen. A process with a pending SIGSTOP cannot complete a fork (the kernel
+  restarts a fork that races a signal), so the set found last is the whole tree, and
+  nothing in it can react to a sibling's death by starting something new.
+- kill: SIGKILL everything found, deepest first.
+
+The caller runs passes until one finds nothing left alive (a zombie counts as dead): it
+never concludes "dead" on a timeout. A process that vanishes mid-walk is skipped and the
+walk goes on. Running out of descriptors (EMFILE/ENFILE) raises ``OSError`` so that the
+caller retries later; a half-done pass is harmless, since every pass starts over.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 import psutil
 
-__all__ = ["descendants", "freeze_tree", "thaw_tree"]
+__all__ = [
+    "TREE_ENV",
+    "alive",
+    "all_dead",
+    "descendant_pids",
+    "descendants",
+    "freeze_tree",
+    "kill_tree",
+    "sweep",
+    "tagged",
+    "thaw_tree",
+]
+
+# Set in each worker's environment to a token of the pool's choosing, so that tools and
+# their escapees inherit it: when a worker dies with no chance to sweep (SIGKILL), the
+# pool finds what its tree left behind by this tag (see ``tagged``).
+TREE_ENV = "TETHER_TREE"
+
+_GONE = (FileNotFoundError, ProcessLookupError)
+_HAS_CHILDREN_FILES = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
-def descendants(pid: int) -> list[psutil.Process]:
-    """``pid``'s descendants, parents before children.
+def _children(pid: int) -> list[int]:
+    """``pid``'s children (every thread's), or [] when it is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except _GONE:
+        return []
+    kids: list[int] = []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids.extend(int(k) for k in f.read().split())
+        except _GONE:
+            continue  # that thread (or the process) ended meanwhile: the rest still count
+    return kids
+
+
+def descendant_pids(roots: Iterable[int]) -> list[int]:
+    """The descendants of ``roots``, parents before children; a vanished one is skipped.
 
     On Linux this reads only the subtree (``/proc/<pid>/task/<tid>/children``) instead of
     every process on the machine, which is what ``psutil.children`` does: an abort must
     not get slower because the machine is busy.
     """
-    pids: list[int] = []
-    todo = [pid]
+    todo = deque(roots)
+    seen = set(todo)
+    order: list[int] = []
+    while todo:
+        parent = todo.popleft()
+        kids = _children(parent) if _HAS_CHILDREN_FILES else _psutil_children(parent)
+        for kid in kids:
+            if kid not in seen:
+                seen.add(kid)
+                order.append(kid)
+                todo.append(kid)
+    return order
+
+
+def _psutil_children(pid: int) -> list[int]:
     try:
-        while todo:
-            parent = todo.pop(0)
-            for task in os.listdir(f"/proc/{parent}/task"):
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-                pids.extend(kids)
-                todo.extend(kids)
-    except FileNotFoundError:
-        pass  # a process of the tree exited meanwhile: what we have is what is left
-    except OSError:
-        return _psutil_descendants(pid)  # no /proc children files: ask psutil
+        return [p.pid for p in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """``pid``'s descendants, parents before children."""
     procs = []
-    for p in pids:
+    for p in descendant_pids([pid]):
         with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(p))
     return procs
 
 
-def _psutil_descendants(pid: int) -> list[psutil.Process]:
+def tagged(token: str) -> list[int]:
+    """Every process whose environment carries ``TREE_ENV=token`` (one scan of /proc).
+
+    Only for a tree whose root is gone: it reads every process's environment. A tool
+    that both leaves the session and clears its environment is beyond this scan; the
+    abort and host-death paths never rely on it (they walk a frozen, living root).
+    """
+    needle = f"\0{TREE_ENV}={token}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except (*_GONE, PermissionError):
+            continue
+        if needle in b"\0" + env:
+            found.append(int(name))
+    return found
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    # psutil checks the process's start time first: a recycled pid is never signalled
+    with contextlib.suppress(psutil.NoSuchProcess):
+        p.send_signal(sig)
+
+
+def kill_tree(
+    roots: Sequence[int], *, group: int | None = None, token: str | None = None
+) -> list[psutil.Process]:
+    """One pass: freeze, then kill, ``roots``, their descendants, the process group
+    ``group`` and the processes tagged ``token``. Returns every process it found, for
+    the caller to check. This process itself is walked from but never signalled.
+    """
+    me = os.getpid()
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGSTOP)
+    found: dict[int, psutil.Process] = {}
+    while True:
+        start = [*roots, *(tagged(token) if token is not None else ())]
+        fresh = []
+        for pid in [*start, *descendant_pids(start)]:
+            if pid in found or pid == me:
+                continue
+            try:
+                p = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+            found[pid] = p
+            fresh.append(p)
+            _signal(p, signal.SIGSTOP)
+        if not fresh:
+            break
+    procs = list(found.values())
+    for p in reversed(procs):  # deepest first
+        _signal(p, signal.SIGKILL)
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    return procs
+
+
+def alive(p: psutil.Process) -> bool:
+    """Running (the same process, not a recycled pid) and not a zombie."""
     try:
-        return psutil.Process(pid).children(recursive=True)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        return []
+        return False
+
+
+def all_dead(procs: Iterable[psutil.Process], timeout: float) -> bool:
+    """Wait up to ``timeout`` for every process to be gone or a zombie; False if one is not.
+
+    Polls, because there is no event for another process's child dying. The caller must
+    treat False as "not dead yet", never as "dead enough".
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0001
+    left = list(procs)
+    while True:
+        left = [p for p in left if alive(p)]
+        if not left:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+def sweep(roots: Sequence[int], *, passes: int) -> bool:
+    """Passes of ``kill_tree`` until one finds nothing alive (True), at most ``passes``."""
+    for _ in range(passes):
+        live = [p for p in kill_tree(roots) if alive(p)]
+        if not live:
+            return True
+        all_dead(live, 0.2)  # then walk again: nothing may be left
+    return False
 
 
 def freeze_tree(leader: int) -> list[int]:

@@ -2,22 +2,46 @@
 
 ::
 
-    Runtime / agent actors            Pool (host threads)                 workers
-    ──────────────────────            ──────────────────────────────      ──────────────
-    submit(job) ───────────────────►  FIFO queue ── dispatch ─────────►  RunTurn
-    signal(turn, frame) ───────────►  held until dispatched, then ────►  Steer/Cancel/Preempt
-    kill(turn) ────────────────────►  snapshot tree, killpg(SIGKILL),
-                                        kill escapees deepest first
-                                      one reader thread per worker ◄───  Say/ToolCall/Delivered/
-      sink.delivered/ended ◄────────    (tool calls answered here)        TurnEnd, or EOF
-                                      on EOF: wait until the whole tree
-                                        is dead, reap, report, promote
-                                        the warm spare, spawn a new one
+    Runtime / agent actors        Pool (host threads)                      workers
+    ──────────────────────        ─────────────────────────────────        ───────────────
+    submit(job) ───────────────►  FIFO queue ── dispatch ─┐
+    signal(turn, frame) ───────►  held until dispatched ──┤ per-worker
+                                                          │ outbox ──► sender ──► RunTurn/Steer/
+                                                          │ (never blocks)        Cancel/Preempt/
+    kill(turn) ────────────────►  doom: killpg(SIGSTOP) ──┘                       ToolReply
+                                        │
+                                        ▼
+                                  reaper thread: walk the frozen tree, SIGSTOP
+                                    escapees, re-walk until nothing new, SIGKILL
+                                    deepest first; again later if it failed
+                                    (EMFILE); no end until the tree is dead
+                                  reader thread per worker ◄─────────────  Say/ToolCall/
+      sink.delivered/ended ◄──────  (tool calls answered                   Delivered/TurnEnd,
+                                    here); EOF or a bad                    or EOF
+                                    frame: doom the worker
+                                  end = tree dead + reader done:
+                                    report the turn, then forget
+                                  spawner thread: keep N + 1 workers,
+                                    a failed start retried with backoff
 
 ``workers=N`` processes take turns and one warm spare waits, so a turn never waits for a
-process to start after an abort. Workers start through the forkserver with the runtime's
-modules preloaded (never plain fork from this threaded host), each in its own session and
-process group, each a subreaper for its tools.
+process to start after an abort: a doomed worker leaves the pool at once and the spare
+takes its place. Workers start through the forkserver with the runtime's modules
+preloaded (never plain fork from this threaded host), each in its own session and process
+group, each a subreaper for its tools.
+
+Fault rules (SPEC §14.3). Only the sender threads write to a worker's socket, so no
+caller and no lock ever waits on a worker that stopped reading. Everything that can
+fail for lack of resources (a walk needs descriptors, a start needs threads and
+processes) runs on the two long-lived threads and is retried there; the end of a turn
+never waits for a thread to start. A frame that fails to decode, for any reason, makes
+its worker faulty: its turn ends crashed and it is replaced.
+
+Escapees (a tool that called ``setsid``) are found by walking the frozen worker, a
+subreaper to which orphans re-parent. A worker that died on its own (SIGKILL included)
+has no tree left to walk: its tools carry ``TETHER_TREE=<token>`` in their environment,
+and the reaper kills what it finds by that tag (see ``_procs.tagged`` for the limit).
+When the host dies, each worker sweeps its own tree on its channel's end.
 """
 
 from __future__ import annotations
@@ -32,6 +56,7 @@ import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import multiprocessing.util
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -43,9 +68,9 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
-from tether.runtime._procs import descendants, freeze_tree, thaw_tree
+from tether.runtime._procs import alive, all_dead, freeze_tree, kill_tree, thaw_tree
 from tether.runtime.worker import worker_main
-from tether.wire.codec import Channel, FrameTooLarge
+from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
     Delivered,
@@ -65,14 +90,18 @@ from tether.wire.frames import (
     WorkerFrame,
 )
 
-__all__ = ["Pool", "kill_tree", "wait_dead"]
+__all__ = ["Pool", "PoolHost"]
 
 log = structlog.get_logger("tether.pool")
 
 _PRELOAD = ["tether.runtime.worker", "tether.runtime.scripted", "tether"]
 _START_TIMEOUT = 30.0
 _DEATH_TIMEOUT = 5.0
-_MAX_START_FAILURES = 3
+_CLOSE_TIMEOUT = 30.0
+_MAX_START_FAILURES = 3  # at construction only: later, a failed start is retried forever
+_BACKOFF_FIRST = 0.01  # seconds before the first retry (of a start, or of a kill) ...
+_BACKOFF_MAX = 1.0  # ... doubling up to this
+_KILL_STUCK_TRIES = 20  # a kill retried this often is logged as an error (escalation)
 
 _fs_lock = threading.Lock()
 _fs_users = 0
@@ -136,38 +165,6 @@ class _WorkerProcess(multiprocessing.context.ForkServerProcess):
         return _WorkerPopen(process_obj)
 
 
-def wait_dead(procs: list[psutil.Process], timeout: float = _DEATH_TIMEOUT) -> bool:
-    """Wait until every process is gone or a zombie (a zombie counts as dead)."""
-    deadline = time.monotonic() + timeout
-    pause = 0.0001
-    alive = list(procs)
-    while alive:
-        still = []
-        for p in alive:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    still.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        alive = still
-        if not alive:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)  # polling OS state: there is no event for another's child dying
-        pause = min(pause * 2, 0.005)
-    return True
-
-
-def kill_tree(pgid: int, snapshot: list[psutil.Process]) -> None:
-    """``killpg(SIGKILL)``, then the escapees (``setsid``) deepest first."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    for p in reversed(snapshot):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-
-
 class PoolHost:
     """What the pool asks of the runtime for a worker's frames (overridden by Runtime)."""
 
@@ -179,29 +176,97 @@ class PoolHost:
 
 
 class _Worker:
+    """One worker process and the host's two threads for it (reader, sender).
+
+    Lifecycle: starting → ready (active or spare) → doomed (killed, crashed, faulty or
+    shut down) → finished (tree dead, reader done, turn reported). Flags change under the
+    pool's lock.
+    """
+
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
+        self.token = secrets.token_hex(8)
         host_sock, child_sock = socket.socketpair()
-        self.process = _WorkerProcess(
-            target=worker_main, args=(child_sock,), daemon=True, name="tether-worker"
-        )
-        self.process.start()
-        child_sock.close()
+        try:
+            self.process = _WorkerProcess(
+                target=worker_main, args=(child_sock, self.token), daemon=True, name="tether-worker"
+            )
+            self.process.start()
+        except BaseException:
+            host_sock.close()
+            raise
+        finally:
+            child_sock.close()
         self.pid: int = self.process.pid or 0
         self.channel: Channel[WorkerFrame] = Channel(host_sock, WorkerFrame)
+        try:
+            # held from the start: its start time tells the worker from a recycled pid
+            self.ps: psutil.Process | None = psutil.Process(self.pid)
+        except (psutil.NoSuchProcess, OSError):
+            # died at birth, or no descriptor to look: the reaper then finds its tree by
+            # its tag, as for a worker that died on its own
+            self.ps = None
         self.ready = threading.Event()
         self.job: TurnJob | None = None
-        self.killing = False
-        self.sweep: list[psutil.Process] = []
+        self.doomed = False
+        self.killed = False  # doomed by kill(): its turn ends "killed"
+        self.error: str | None = None  # why it was doomed, when the turn must say so
+        self.tree_dead = False
+        self.kill_tries = 0
         self.frozen: list[int] = []  # escapees stopped by freeze (the group is stopped whole)
+        self.reader_done = False
+        self.finished = False
+        # Outbound frames, written by the sender thread: no caller ever blocks on this
+        # worker's socket (a stopped worker stops reading, and its socket fills).
+        self._out: deque[bytes] = deque()
+        self._out_ready = threading.Condition(threading.Lock())
+        self._out_closed = False
         self.reader = threading.Thread(
             target=pool._read_loop, args=(self,), name=f"tether-pool-{self.pid}", daemon=True
         )
-        self.reader.start()
+        self.sender = threading.Thread(
+            target=self._send_loop, name=f"tether-pool-send-{self.pid}", daemon=True
+        )
+
+    def post(self, frame: HostFrame) -> None:
+        """Queue ``frame`` for the worker; never blocks. FrameError if it is over the cap."""
+        payload = self.channel.encode(frame)
+        with self._out_ready:
+            if not self._out_closed:
+                self._out.append(payload)
+                self._out_ready.notify()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._out_ready:
+                while not self._out and not self._out_closed:
+                    self._out_ready.wait()
+                if self._out_closed:
+                    return
+                payload = self._out.popleft()
+            try:
+                self.channel.send_bytes(payload)
+            except OSError:
+                return  # the worker is gone: its reader sees the end and reports it
+
+    def stop_sending(self) -> None:
+        with self._out_ready:
+            self._out_closed = True
+            self._out.clear()
+            self._out_ready.notify()
+
+    def alive(self) -> bool:
+        """The worker process itself is running (not gone, not a zombie)."""
+        return self.ps is not None and alive(self.ps)
 
 
 class Pool:
-    """``size`` workers plus one warm spare; FIFO dispatch across sessions."""
+    """``size`` workers plus one warm spare; FIFO dispatch across sessions.
+
+    Two long-lived threads do the work that may fail or wait, so that no caller does and
+    no fault needs a new thread to be handled: the reaper kills doomed trees (retrying
+    until they are dead) and the spawner starts replacements (retrying with backoff).
+    """
 
     def __init__(self, size: int, host: PoolHost) -> None:
         if size < 1:
@@ -210,31 +275,38 @@ class Pool:
         self.host = host
         self.ctx = _forkserver_acquire()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._active: list[_Worker] = []
         self._spare: _Worker | None = None
-        self._starting = 0
+        self._starting = 0  # spawned, not yet Ready
+        self._all: set[_Worker] = set()  # every worker not yet finished
         self._queue: deque[TurnJob] = deque()
         self._jobs: dict[str, TurnJob] = {}
         self._where: dict[str, _Worker] = {}
+        self._doomed: dict[_Worker, float] = {}  # worker -> when the reaper tries next
         self._closed = False
+        self._stopping = False  # close() is done with the workers: the threads may end
         self._draining = False
+        self._failures = 0  # consecutive failed starts; reset by a Ready
+        self._next_spawn = 0.0
         self._probe_lock = threading.Lock()
         self._probe_done = threading.Condition(self._lock)
         self._probe_replies: dict[str, str | None] = {}
         self._probed: set[str] = set()
-        self._all: set[_Worker] = set()
-        self._changed = threading.Condition(self._lock)
-        self._start_failures = 0  # consecutive deaths before Ready: stop respawning at 3
+        self._reaper = threading.Thread(
+            target=self._reap_loop, name="tether-pool-reaper", daemon=True
+        )
+        self._spawner = threading.Thread(
+            target=self._spawn_loop, name="tether-pool-spawner", daemon=True
+        )
         try:
-            for _ in range(size + 1):
-                with self._lock:
-                    self._starting += 1
-                self._spawn()
+            self._reaper.start()
+            self._spawner.start()
             deadline = time.monotonic() + _START_TIMEOUT
             with self._lock:
                 while len(self._active) < size or self._spare is None:
                     left = deadline - time.monotonic()
-                    if self._start_failures >= _MAX_START_FAILURES:
+                    if self._failures >= _MAX_START_FAILURES:
                         raise TetherError("worker processes fail to start (see their stderr)")
                     if left <= 0:
                         raise TetherError("worker processes did not start in time")
@@ -253,8 +325,9 @@ class Pool:
             self._queue.append(job)
             self._dispatch_locked()
 
-    def accepting(self) -> bool:
-        return not self._draining
+    def dispatched(self, turn: str) -> bool:
+        """True once a worker took ``turn``; False while it waits for one (or is unknown)."""
+        return turn in self._where  # one dict read: no lock needed
 
     def freeze(self, turn: str) -> None:
         with self._lock:
@@ -265,7 +338,7 @@ class Pool:
             if w is None:
                 job.frozen = True  # dispatch passes it over until thawed
                 return
-            if w.killing:
+            if w.doomed:
                 return
         w.frozen = freeze_tree(w.pid)
         log.debug("worker.frozen", pid=w.pid, turn=turn, escapees=len(w.frozen))
@@ -280,11 +353,18 @@ class Pool:
                 job.frozen = False
                 self._dispatch_locked()
                 return
+            if w.doomed:
+                return  # being killed: it stays frozen until it is dead
             escapees, w.frozen = w.frozen, []
         thaw_tree(w.pid, escapees)
 
-    def dispatched(self, turn: str) -> bool:
-        return turn in self._where  # one dict read: no lock needed
+    def respawn_failing(self) -> bool:
+        """True while replacement workers fail to start (they are being retried)."""
+        with self._lock:
+            return self._failures > 0
+
+    def accepting(self) -> bool:
+        return not self._draining
 
     def drain(self) -> None:
         """Take no new turns (the runtime is closing); running ones go on."""
@@ -298,11 +378,8 @@ class Pool:
             w = self._where.get(turn)
             if w is None:
                 job.pending.append(frame)
-                return
-            if w.killing:
-                return
-            with contextlib.suppress(OSError):
-                w.channel.send(frame)
+            elif not w.doomed:
+                w.post(frame)  # under the lock: frames reach the worker in issue order
 
     def kill(self, turn: str) -> None:
         with self._lock:
@@ -313,16 +390,15 @@ class Pool:
             if w is None:
                 self._queue.remove(job)
                 del self._jobs[turn]
-            elif w.killing:
-                return
+            elif w.doomed:
+                return  # already dying: its end reports this turn
             else:
-                w.killing = True
+                w.killed = True
+                self._doom_locked(w)
         if w is None:
             job.sink.ended(turn, None, "killed before a worker took it")
             return
-        w.sweep = descendants(w.pid)
-        kill_tree(w.pid, w.sweep)
-        log.debug("worker.killed", pid=w.pid, turn=turn, tree=len(w.sweep) + 1)
+        log.debug("worker.killing", pid=w.pid, turn=turn)
 
     def probe(self, driver: str) -> None:
         """Check that a worker can load ``driver``; DriverNotFound otherwise.
@@ -343,9 +419,8 @@ class Pool:
                         self._changed.wait(left)
                     target = self._spare
                     self._probe_replies.pop(driver, None)
-                    with contextlib.suppress(OSError):
-                        target.channel.send(Probe(driver=driver))
-                    while driver not in self._probe_replies and target in self._all:
+                    target.post(Probe(driver=driver))
+                    while driver not in self._probe_replies and not target.doomed:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             raise TetherError("a worker did not answer a driver check in time")
@@ -369,61 +444,42 @@ class Pool:
             if self._closed:
                 return
             self._closed = True
-            # a replacement still starting must be in the list below, or it would outlive us
-            deadline = time.monotonic() + _START_TIMEOUT
-            while self._starting > 0 and time.monotonic() < deadline:
-                self._changed.wait(deadline - time.monotonic())
-            workers = list(self._all)
             orphans = list(self._queue)
             self._queue.clear()
+            self._changed.notify_all()
+        if self._spawner.ident is not None:
+            self._spawner.join()  # no replacement may start after this
         for job in orphans:
             self._jobs.pop(job.turn, None)
             job.sink.ended(job.turn, None, "the runtime closed before a worker took it")
-        for w in workers:
-            with contextlib.suppress(OSError):
-                w.channel.send(Shutdown())
-        for w in workers:
-            w.process.join(2.0)
-            if w.process.is_alive():
-                kill_tree(w.pid, descendants(w.pid))
-                w.process.join(_DEATH_TIMEOUT)
-            w.reader.join(_DEATH_TIMEOUT)
-            w.channel.close()
+        with self._lock:
+            for w in self._all:
+                if not w.doomed:
+                    w.post(Shutdown())
+            self._wait_all_finished_locked(time.monotonic() + 2.0)
+            for w in list(self._all):
+                self._doom_locked(w)  # did not stop when asked: kill its tree
+            if not self._wait_all_finished_locked(time.monotonic() + _CLOSE_TIMEOUT):
+                log.error("pool.close_timeout", left=[w.pid for w in self._all])
+            self._stopping = True
+            self._changed.notify_all()
+        if self._reaper.ident is not None:
+            self._reaper.join(_DEATH_TIMEOUT)
         _forkserver_release()
 
-    # ---- internals ------------------------------------------------------------------
+    # ---- internals: state ------------------------------------------------------------
 
-    def _spawn(self) -> None:
-        """Start one worker; the caller has counted it in ``_starting``."""
-        with self._lock:
-            closed = self._closed
-        try:
-            if closed:
-                raise TetherError("the pool is closed")
-            w = _Worker(self)
-        except BaseException:
-            with self._lock:
-                self._starting -= 1
-                self._changed.notify_all()
-            if closed:
-                return
-            raise
-        with self._lock:
-            self._all.add(w)
-        log.debug("worker.spawned", pid=w.pid)
-
-    def _replenish_locked(self) -> None:
-        """Start workers until ``size`` active plus a spare are running or starting."""
-        if self._closed or self._start_failures >= _MAX_START_FAILURES:
-            return
-        missing = self.size + 1 - len(self._active) - (self._spare is not None) - self._starting
-        for _ in range(missing):
-            self._starting += 1
-            threading.Thread(target=self._spawn, name="tether-pool-spawn", daemon=True).start()
+    def _wait_all_finished_locked(self, deadline: float) -> bool:
+        while self._all:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._changed.wait(left)
+        return True
 
     def _dispatch_locked(self) -> None:
         while self._queue:
-            w = next((w for w in self._active if w.job is None and not w.killing), None)
+            w = next((w for w in self._active if w.job is None), None)
             if w is None:
                 return
             job = next((j for j in self._queue if not j.frozen), None)
@@ -432,29 +488,59 @@ class Pool:
             self._queue.remove(job)
             w.job = job
             self._where[job.turn] = w
-            try:
-                w.channel.send(
-                    RunTurn(
-                        turn=job.turn,
-                        session=job.session,
-                        driver=job.driver,
-                        message=job.message,
-                        config=job.config,
-                        permissions=job.permissions,
-                        progress_every=job.progress_every,
-                        repeat=job.repeat,
-                    )
+            w.post(
+                RunTurn(
+                    turn=job.turn,
+                    session=job.session,
+                    driver=job.driver,
+                    message=job.message,
+                    config=job.config,
+                    permissions=job.permissions,
+                    progress_every=job.progress_every,
+                    repeat=job.repeat,
                 )
-                for frame in job.pending:
-                    w.channel.send(frame)
-                job.pending.clear()
-            except OSError:
-                return  # the worker is dying; its reader reports the turn as crashed
+            )
+            for frame in job.pending:
+                w.post(frame)
+            job.pending.clear()
+
+    def _doom_locked(self, w: _Worker) -> None:
+        """``w`` takes no more work; the reaper kills its tree and the spawner replaces it."""
+        if w.doomed:
+            return
+        w.doomed = True
+        if not w.ready.is_set():
+            self._starting -= 1
+            self._start_failed_locked()
+        if self._spare is w:
+            self._spare = None
+        elif w in self._active:
+            self._active.remove(w)
+            if self._spare is not None:  # the warm spare takes its place at once
+                self._active.append(self._spare)
+                self._spare = None
+        # Freeze it now, before anything else: a stopped tree cannot fork or react, and
+        # killpg needs no descriptor, so this holds even when the walk must wait.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.pid, signal.SIGSTOP)
+        self._doomed[w] = 0.0
+        self._probe_done.notify_all()
+        self._dispatch_locked()
+        self._changed.notify_all()
+
+    def _start_failed_locked(self) -> None:
+        self._failures += 1
+        retry_in = min(_BACKOFF_FIRST * 2 ** (self._failures - 1), _BACKOFF_MAX)
+        self._next_spawn = time.monotonic() + retry_in
+        log.error("worker.respawn_failed", failures=self._failures, retry_in=retry_in)
 
     def _on_ready(self, w: _Worker) -> None:
         with self._lock:
+            if w.doomed:
+                return
+            w.ready.set()
             self._starting -= 1
-            self._start_failures = 0
+            self._failures = 0
             if self._closed:
                 surplus = True
             elif len(self._active) < self.size:
@@ -465,11 +551,120 @@ class Pool:
                 surplus = False
             else:
                 surplus = True
+            if surplus:
+                w.post(Shutdown())
             self._dispatch_locked()
             self._changed.notify_all()
-        if surplus:
-            with contextlib.suppress(OSError):
-                w.channel.send(Shutdown())
+
+    # ---- internals: the spawner ------------------------------------------------------
+
+    def _missing_locked(self) -> int:
+        return self.size + 1 - len(self._active) - (self._spare is not None) - self._starting
+
+    def _spawn_loop(self) -> None:
+        """Keep ``size`` workers and a spare; a failed start is retried with backoff."""
+        while True:
+            with self._lock:
+                while not self._closed:
+                    if self._missing_locked() > 0:
+                        wait = self._next_spawn - time.monotonic()
+                        if wait <= 0:
+                            break
+                        self._changed.wait(wait)
+                    else:
+                        self._changed.wait()
+                if self._closed:
+                    return
+                self._starting += 1
+            self._spawn_one()
+
+    def _spawn_one(self) -> None:
+        """Start one worker (counted in ``_starting``); any failure is a failed start."""
+        try:
+            w = _Worker(self)
+        except Exception as exc:
+            with self._lock:
+                self._starting -= 1
+                self._start_failed_locked()
+            log.error("worker.spawn_error", error=repr(exc))
+            return
+        with self._lock:
+            self._all.add(w)
+        try:
+            w.reader.start()
+        except Exception as exc:  # no reader, nobody to see it end: stop it here
+            log.error("worker.spawn_error", pid=w.pid, error=repr(exc))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.pid, signal.SIGKILL)
+            w.process.join(_DEATH_TIMEOUT)
+            w.channel.close()
+            with self._lock:
+                self._all.discard(w)
+                self._starting -= 1
+                self._start_failed_locked()
+                self._changed.notify_all()
+            return
+        try:
+            w.sender.start()
+        except Exception as exc:  # its reader sees it die and reports it as usual
+            log.error("worker.spawn_error", pid=w.pid, error=repr(exc))
+            with self._lock:
+                self._doom_locked(w)
+            return
+        log.debug("worker.spawned", pid=w.pid)
+
+    # ---- internals: the reaper -------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        """Kill every doomed worker's tree; retry until it is dead, then finish it."""
+        while True:
+            with self._lock:
+                while True:
+                    if self._stopping and not self._doomed:
+                        return
+                    now = time.monotonic()
+                    due = [w for w, at in self._doomed.items() if at <= now]
+                    if due:
+                        break
+                    nxt = min(self._doomed.values(), default=None)
+                    self._changed.wait(None if nxt is None else nxt - now)
+            for w in due:
+                dead = self._kill_pass(w)
+                with self._lock:
+                    if dead:
+                        del self._doomed[w]
+                        w.tree_dead = True
+                    else:
+                        w.kill_tries += 1
+                        if w.kill_tries == _KILL_STUCK_TRIES:
+                            log.error("worker.kill_stuck", pid=w.pid, tries=w.kill_tries)
+                        retry_in = min(_BACKOFF_FIRST * 2**w.kill_tries, _BACKOFF_MAX)
+                        self._doomed[w] = time.monotonic() + retry_in
+                if dead:
+                    self._maybe_finish(w)
+
+    def _kill_pass(self, w: _Worker) -> bool:
+        """One attempt at ``w``'s whole tree; True when nothing of it is left alive."""
+        try:
+            # A living (frozen) worker is the root of its whole tree: orphans re-parent to
+            # it (a subreaper). Once it is gone its tree has dispersed: find it by its tag.
+            rooted = w.alive()
+            if rooted:
+                procs = kill_tree([w.pid], group=w.pid)
+            else:
+                procs = kill_tree([], group=w.pid, token=w.token)
+            if all_dead(procs, 0.2):
+                if rooted:
+                    return True  # the tree was frozen whole before the kill: nothing is new
+                # walk again: a pass that finds nothing alive is the proof
+                if not any(alive(p) for p in kill_tree([], group=w.pid, token=w.token)):
+                    return True
+            log.warning("worker.kill_retry", pid=w.pid, reason="processes still alive")
+        except OSError as exc:  # out of descriptors, typically: try again later
+            log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
+        return False
+
+    # ---- internals: the reader -------------------------------------------------------
 
     def _read_loop(self, w: _Worker) -> None:
         error: str | None = None
@@ -478,29 +673,25 @@ class Pool:
                 frame = w.channel.recv()
             except (EOFError, OSError):
                 break
-            except FrameTooLarge as exc:
-                log.error("frame.rejected", pid=w.pid, error=exc.message, fatal=True)
-                error = f"protocol error: {exc.message}"
-                self.kill_worker(w)
+            except Exception as exc:  # FrameError, and anything else a decoder may raise
+                detail = exc.message if isinstance(exc, FrameError) else repr(exc)
+                log.error("frame.rejected", pid=w.pid, error=detail)
+                error = f"protocol error: {detail}"
                 break
-            except FrameError as exc:
-                log.error("frame.rejected", pid=w.pid, error=exc.message, fatal=False)
-                continue
             try:
                 self._handle(w, frame)
             except Exception:  # a bug handling one frame must not kill the reader
                 log.exception("frame.failed", pid=w.pid)
-        self._on_exit(w, error)
-
-    def kill_worker(self, w: _Worker) -> None:
         with self._lock:
-            w.killing = True
-        kill_tree(w.pid, [])
+            w.reader_done = True
+            if w.error is None:
+                w.error = error
+            self._doom_locked(w)  # a reader that ends, ends its worker
+        self._maybe_finish(w)
 
     def _handle(self, w: _Worker, frame: WorkerFrame) -> None:
         match frame:
             case Ready():
-                w.ready.set()
                 self._on_ready(w)
             case Say():
                 job = self._job_of(w, frame.turn)
@@ -509,9 +700,7 @@ class Pool:
             case ToolCall():
                 job = self._job_of(w, frame.turn)
                 if job is not None:
-                    reply = self.host.on_tool_call(job, frame)
-                    with contextlib.suppress(OSError):  # a dead worker needs no answer
-                        self._reply(w, reply)
+                    self._reply(w, self.host.on_tool_call(job, frame))
             case Delivered():
                 job = self._job_of(w, frame.turn)
                 if job is not None:
@@ -531,7 +720,7 @@ class Pool:
             case TurnEnd():
                 with self._lock:
                     job = w.job
-                    if job is None or job.turn != frame.turn or w.killing:
+                    if job is None or job.turn != frame.turn or w.doomed:
                         return  # a kill is under way: the exit path reports this turn
                     w.job = None
                     del self._jobs[job.turn]
@@ -545,9 +734,9 @@ class Pool:
 
     def _reply(self, w: _Worker, reply: ToolReply) -> None:
         try:
-            w.channel.send(reply)
+            w.post(reply)
         except FrameError as exc:  # the driver waits for an answer: give it one it can read
-            w.channel.send(
+            w.post(
                 ToolReply(
                     turn=reply.turn,
                     call=reply.call,
@@ -560,51 +749,36 @@ class Pool:
         job = w.job
         return job if job is not None and job.turn == turn else None
 
-    def _on_exit(self, w: _Worker, error: str | None) -> None:
-        """The worker is gone: make sure its whole tree is, then report and replace it."""
-        kill_tree(w.pid, w.sweep)  # group members a crash left behind
-        try:
-            me = psutil.Process(w.pid)
-            tree = [me, *w.sweep]
-        except psutil.NoSuchProcess:
-            tree = list(w.sweep)
-        if not wait_dead(tree):
-            log.error("worker.tree_survived", pid=w.pid)
-        w.process.join(_DEATH_TIMEOUT)
-        for p in w.sweep:  # escapees re-parented to us (a subreaper host) are ours to reap
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(p.pid, os.WNOHANG)
-        code = w.process.exitcode
+    # ---- internals: the end ----------------------------------------------------------
+
+    def _maybe_finish(self, w: _Worker) -> None:
+        """Once its tree is dead and its reader done: report its turn, forget the worker.
+
+        The turn's end is reported before anything else may fail; replacing the worker
+        is the spawner's job, and needs nothing from this thread.
+        """
         with self._lock:
-            self._all.discard(w)
-            if not w.ready.is_set():
-                self._starting -= 1
-                self._start_failures += 1
-                if self._start_failures == _MAX_START_FAILURES:
-                    log.error("worker.start_failed", failures=self._start_failures)
-            was_spare = self._spare is w
-            if was_spare:
-                self._spare = None
-            elif w in self._active:
-                self._active.remove(w)
-                if self._spare is not None:
-                    self._active.append(self._spare)
-                    self._spare = None
-            job = w.job
-            w.job = None
+            if w.finished or not (w.tree_dead and w.reader_done):
+                return
+            w.finished = True
+            job, w.job = w.job, None
             if job is not None:
                 self._jobs.pop(job.turn, None)
                 self._where.pop(job.turn, None)
-            self._probe_done.notify_all()
-            self._replenish_locked()
-            self._dispatch_locked()
-            self._changed.notify_all()
+        w.stop_sending()
         w.channel.close()
+        w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the forkserver's report
+        code = w.process.exitcode
         if job is not None:
-            if error is None:
-                error = "killed" if w.killing else f"the worker exited with code {code}"
-            if w.killing:
+            error = w.error or ("killed" if w.killed else f"the worker exited with code {code}")
+            if w.killed:
                 log.debug("worker.reaped", pid=w.pid, turn=job.turn, exitcode=code)
             else:
                 log.warning("worker.crashed", pid=w.pid, turn=job.turn, exitcode=code)
-            job.sink.ended(job.turn, None, error)
+            try:
+                job.sink.ended(job.turn, None, error)
+            except Exception:
+                log.exception("worker.report_failed", pid=w.pid, turn=job.turn)
+        with self._lock:
+            self._all.discard(w)
+            self._changed.notify_all()

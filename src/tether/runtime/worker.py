@@ -18,7 +18,9 @@
     ◄──────────────────── TurnEnd             driver returned or raised
 
 The reader thread never runs driver code; the main thread never reads the socket. A
-frame for another turn than the current one is stale and dropped.
+frame for another turn than the current one is stale and dropped. When the channel ends
+(the host died), the reader kills every descendant, escapees included (the worker is
+their subreaper), and then its own process group.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -35,9 +38,8 @@ import time
 from typing import Any
 
 import msgspec
-import psutil
 
-from tether.runtime._procs import descendants
+from tether.runtime._procs import TREE_ENV, kill_tree, sweep
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, Preempted, TetherError, error_from_code
 from tether.wire.frames import (
@@ -329,20 +331,25 @@ class TurnContext:
             preempted_while_starting = st.preempt is not None
         if preempted_while_starting:
             _kill_tree(proc.pid)
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = bytearray(), bytearray()
         try:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc.pid)
-                out, err = proc.communicate()
+            _wait_exit(proc, {proc.stdout.fileno(): out, proc.stderr.fileno(): err}, timeout)
         finally:
+            # From here a preempt finds no command to kill: it is an accepted no-op.
             with st.lock:
                 st.tool = None
                 preempt, st.preempt = st.preempt, None
             _kill_leftovers()
+            _drain(proc.stdout.fileno(), out)  # nothing writes any more: read what is left
+            _drain(proc.stderr.fileno(), err)
+            proc.stdout.close()
+            proc.stderr.close()
             st.progress.in_tool = False
             self._progress()
-        if preempt is not None:
+        # A preempt that raced the command's own exit killed nothing: the command
+        # completed, and no ToolKilled (no "preempted" marker) may say otherwise.
+        if preempt is not None and proc.returncode == -signal.SIGKILL:
             self._worker.send(
                 ToolKilled(
                     turn=self.turn, reason=preempt.reason, origin=preempt.origin, by=preempt.by
@@ -362,27 +369,99 @@ class TurnContext:
         return tools.call_tool(self, name, arguments)
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and its descendants, deepest first, tolerating the already-gone."""
+def _wait_exit(
+    proc: subprocess.Popen[bytes], bufs: dict[int, bytearray], timeout: float | None
+) -> None:
+    """Collect the command's output until the command itself exits (or times out).
+
+    Not until its pipes close: a background child (``sleep 30 &``) keeps them open long
+    after the command is done, and a turn waiting for that has no boundary, so neither
+    cancel nor preempt could end it. What the command wrote last is read by ``_drain``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    exit_fd = _pidfd(proc.pid)
+    with selectors.DefaultSelector() as sel:
+        for fd in bufs:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        if exit_fd is not None:
+            sel.register(exit_fd, selectors.EVENT_READ)  # readable once the command exits
+        try:
+            while proc.poll() is None:
+                wait = _EXIT_POLL if exit_fd is None else None
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        _kill_tree(proc.pid)
+                        proc.wait()
+                        return
+                    wait = left if wait is None else min(wait, left)
+                for key, _ in sel.select(wait):
+                    if key.fd != exit_fd and not _read_some(key.fd, bufs[key.fd]):
+                        sel.unregister(key.fd)  # end of that pipe
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+
+
+_EXIT_POLL = 0.05  # without pidfd_open, how often to look for the command's exit
+
+
+def _pidfd(pid: int) -> int | None:
     try:
-        procs = [*reversed(descendants(pid)), psutil.Process(pid)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None  # an old kernel, or the command already exited and was reaped
+
+
+def _read_some(fd: int, buf: bytearray) -> bool:
+    """Read what is there; False at the end of the pipe."""
+    try:
+        chunk = os.read(fd, 65536)
+    except BlockingIOError:
+        return True
+    buf += chunk
+    return bool(chunk)
+
+
+def _drain(fd: int, buf: bytearray) -> None:
+    with contextlib.suppress(OSError):
+        os.set_blocking(fd, False)
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            buf += chunk
+
+
+def _kill_tree(pid: int) -> None:
+    """Freeze, then kill, ``pid`` and its descendants (see ``_procs``)."""
+    with contextlib.suppress(OSError):  # out of descriptors: the leftovers sweep retries
+        kill_tree([pid])
 
 
 def _kill_leftovers() -> None:
     """Kill and reap what a finished command left behind (re-parented to us, the subreaper)."""
     me = os.getpid()
-    left = descendants(me)
-    for p in reversed(left):  # deepest first
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    for p in left:  # ours to reap: children, and orphans re-parented to us
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(p.pid, 0)
+    with contextlib.suppress(OSError):
+        left = kill_tree([me])
+        for p in left:  # ours to reap: children, and orphans re-parented to us
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(p.pid, 0)
+
+
+def _sweep_and_exit() -> None:
+    """The host is gone: kill every descendant (escapees too), then our own group.
+
+    We are a subreaper, so whatever our tools left behind has re-parented to us and is
+    still below us; the walk runs until a pass finds nothing alive.
+    """
+    with contextlib.suppress(OSError):
+        sweep([os.getpid()], passes=_SWEEP_PASSES)
+    os.killpg(0, signal.SIGKILL)
+
+
+_SWEEP_PASSES = 50
 
 
 class _Worker:
@@ -405,10 +484,10 @@ class _Worker:
         while True:
             try:
                 frame = self.channel.recv()
-            except (EOFError, OSError):
-                # The host is gone (killed, or crashed): nobody will read this turn's
-                # result, so take the whole group down with us, tools included.
-                os.killpg(0, signal.SIGKILL)
+            except Exception:
+                # The host is gone (killed, or crashed) or talks nonsense: nobody will
+                # read this turn's result, so take our whole tree down with us.
+                _sweep_and_exit()
                 break
             match frame:
                 case RunTurn() | Probe():
@@ -440,6 +519,8 @@ class _Worker:
                             if busy and st.preempt is None:
                                 st.preempt = frame  # still starting: killed once it has a pid
                         if tool is not None:
+                            # run_command tells a kill from the command's own exit by
+                            # its status: SIGKILL means this kill landed
                             _kill_tree(tool.pid)
                 case Escalate(turn=turn):
                     st = self._state_for(turn)
@@ -508,10 +589,13 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def worker_main(sock: socket.socket) -> None:
+def worker_main(sock: socket.socket, token: str) -> None:
     """Entry point of a worker process (started by the pool through the forkserver)."""
     os.setsid()  # own session and process group: abort is one killpg
     set_subreaper()  # orphaned tool grandchildren come back to us, not to PID 1
+    # Inherited by every tool and escapee: if we die by SIGKILL and cannot sweep, the
+    # pool finds what our tree left behind by this tag.
+    os.environ[TREE_ENV] = token
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
     channel: Channel[HostFrame] = Channel(sock, HostFrame)
     worker = _Worker(channel)

@@ -1,8 +1,10 @@
 """Length-prefixed framing over a stream socket, with a size cap.
 
-A frame is a 4-byte big-endian length followed by that many bytes of msgpack. A payload
-that fails to decode was read whole, so the stream stays in step and the reader carries
-on; a length over the cap means the peer is broken, and the channel must be closed.
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. A frame
+that fails to decode, for any reason (malformed, wrong type, nested deeper than the
+decoder recurses), is a ``FrameError``; a length over the cap is ``FrameTooLarge``, after
+which the stream can no longer be trusted. What a bad frame means for its sender is the
+receiver's policy (the pool treats any bad frame as a faulty worker).
 """
 
 from __future__ import annotations
@@ -48,9 +50,21 @@ class Channel(Generic[In]):
     def send(self, frame: msgspec.Struct) -> None:
         self.send_bytes(self._encoder.encode(frame))
 
-    def send_bytes(self, payload: bytes) -> None:
+    def encode(self, frame: msgspec.Struct) -> bytes:
+        """``frame`` as the bytes ``send_bytes`` takes; FrameError if over the cap.
+
+        Lets a sender check and queue a frame now and write it later from another thread.
+        """
+        payload = self._encoder.encode(frame)
+        self._check(payload)
+        return payload
+
+    def _check(self, payload: bytes) -> None:
         if len(payload) > self._max:
             raise FrameError(f"frame of {len(payload)} bytes is over the {self._max}-byte cap")
+
+    def send_bytes(self, payload: bytes) -> None:
+        self._check(payload)
         with self._send_lock:
             self.sock.sendall(_HEADER.pack(len(payload)) + payload)
 
@@ -67,8 +81,9 @@ class Channel(Generic[In]):
             raise EOFError
         try:
             return self._decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise FrameError(f"undecodable frame of {length} bytes: {exc}") from None
+        except Exception as exc:  # DecodeError, and RecursionError for deep nesting, ...
+            detail = exc if isinstance(exc, msgspec.DecodeError) else repr(exc)
+            raise FrameError(f"undecodable frame of {length} bytes: {detail}") from None
 
     def close(self) -> None:
         self._reader.close()
