@@ -634,6 +634,10 @@ def test_unencodable_content_data_or_slug_is_invalid_params_and_records_nothing(
     c = _child(rt, root, slug="kid")
     rt.send(c, "first", authority=me)
     rt.wait(c, until="idle", timeout=10.0)
+    # The child's turn-end notice wakes the idle root: let that turn end too, or it
+    # writes to the root's transcript between two snapshots.
+    eventually(lambda: len(rt.turns(root)) == 1 or None, what="the root's notice turn")
+    rt.wait(root, until="idle", timeout=10.0)
 
     def snapshot() -> Any:
         return (
