@@ -188,9 +188,11 @@ def fill_and_confirm(
 
 def send(page: Page, text: str) -> str:
     """Send ``text`` with the composer; the new message's id."""
+    outcome = page.locator("#outcome")
+    before = outcome.inner_text()  # the previous send's answer must not be read as this one's
     page.get_by_label("Message", exact=True).fill(text)
     page.get_by_role("button", name="Send", exact=True).click()
-    outcome = page.locator("#outcome")
+    expect(outcome).not_to_have_text(before)
     expect(outcome).to_contain_text(re.compile(r"Sent m_\w+"))
     found = re.search(r"Sent (m_\w+)", outcome.inner_text())
     assert found, outcome.inner_text()

@@ -31,8 +31,10 @@ __all__ = [
     "all_dead",
     "descendant_pids",
     "descendants",
+    "freeze",
     "freeze_tree",
     "kill_tree",
+    "reap",
     "sweep",
     "tagged",
     "thaw_tree",
@@ -128,13 +130,13 @@ def _signal(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
 
 
-def kill_tree(
+def freeze(
     roots: Sequence[int], *, group: int | None = None, token: str | None = None
 ) -> list[psutil.Process]:
-    """One pass: freeze, then kill, ``roots``, their descendants, the process group
-    ``group`` and the processes tagged ``token``. Returns every process it found, for
-    the caller to check. This process itself is walked from but never signalled.
-    """
+    """The first half of a pass: SIGSTOP the process group ``group``, then ``roots``,
+    their descendants and the processes tagged ``token``, walking again until a walk
+    finds nothing new. Returns every process found, parents before children. This
+    process itself is walked from but never signalled."""
     me = os.getpid()
     if group is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -154,14 +156,31 @@ def kill_tree(
             fresh.append(p)
             _signal(p, signal.SIGSTOP)
         if not fresh:
-            break
-    procs = list(found.values())
+            return list(found.values())
+
+
+def kill_tree(
+    roots: Sequence[int], *, group: int | None = None, token: str | None = None
+) -> list[psutil.Process]:
+    """One pass: ``freeze``, then SIGKILL everything found, deepest first. Returns every
+    process it found, for the caller to check."""
+    procs = freeze(roots, group=group, token=token)
     for p in reversed(procs):  # deepest first
         _signal(p, signal.SIGKILL)
     if group is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
     return procs
+
+
+def reap(pids: Iterable[int]) -> None:
+    """Collect the zombies among ``pids`` that are this process's children: tools that
+    outlived their worker and were re-parented to us (a subreaper host). Only pids
+    found by a walk of a dead tree are passed here, so no other code path's child (a
+    worker, which multiprocessing reaps) is ever taken from it."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def alive(p: psutil.Process) -> bool:
@@ -202,24 +221,15 @@ def sweep(roots: Sequence[int], *, passes: int) -> bool:
 
 
 def freeze_tree(leader: int) -> list[int]:
-    """SIGSTOP ``leader``'s process group, then every descendant outside it (an escapee
-    that called ``setsid``), walking again until a walk finds nothing new: a process
-    forked while we walked is caught by the next walk. Returns the escapees stopped."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(leader, signal.SIGSTOP)
-    stopped: set[int] = set()
-    while True:
-        found = []
-        for p in descendants(leader):
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                if p.pid not in stopped and os.getpgid(p.pid) != leader:
-                    found.append(p.pid)
-        if not found:
-            return sorted(stopped)
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGSTOP)
-                stopped.add(pid)
+    """Pause: freeze the worker ``leader``'s whole tree with the abort's own walk (its
+    group and every escapee). Returns the escapees stopped, for ``thaw_tree``."""
+    procs = freeze([leader], group=leader)
+    escapees = []
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(p.pid) != leader:
+                escapees.append(p.pid)
+    return escapees
 
 
 def thaw_tree(leader: int, escapees: list[int]) -> None:

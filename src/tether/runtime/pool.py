@@ -68,7 +68,7 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
-from tether.runtime._procs import alive, all_dead, freeze_tree, kill_tree, thaw_tree
+from tether.runtime._procs import alive, all_dead, freeze_tree, kill_tree, reap, thaw_tree
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
@@ -212,6 +212,7 @@ class _Worker:
         self.killed = False  # doomed by kill(): its turn ends "killed"
         self.error: str | None = None  # why it was doomed, when the turn must say so
         self.tree_dead = False
+        self.tree_pids: set[int] = set()  # its tools found by kill passes, to reap
         self.kill_tries = 0
         self.frozen: list[int] = []  # escapees stopped by freeze (the group is stopped whole)
         self.reader_done = False
@@ -653,6 +654,7 @@ class Pool:
                 procs = kill_tree([w.pid], group=w.pid)
             else:
                 procs = kill_tree([], group=w.pid, token=w.token)
+            w.tree_pids.update(p.pid for p in procs if p.pid != w.pid)
             if all_dead(procs, 0.2):
                 if rooted:
                     return True  # the tree was frozen whole before the kill: nothing is new
@@ -768,6 +770,7 @@ class Pool:
         w.stop_sending()
         w.channel.close()
         w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the forkserver's report
+        reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
         code = w.process.exitcode
         if job is not None:
             error = w.error or ("killed" if w.killed else f"the worker exited with code {code}")
