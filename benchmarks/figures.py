@@ -122,6 +122,9 @@ FIGURES: list[Figure] = [
            Target(_LE, 100), "baseline.mp_pool_parent_cpu_us_per_task"),
     Figure("sends_per_s", "tether.sends", "sends_per_s", "p50", "/s",
            None, "baseline.sqlite_insert_commit_per_s", Target(_GE, 2)),
+    # The same durable sends from 8 caller threads: what group commit buys (context).
+    Figure("sends_8_callers_per_s", "tether.sends", "sends_8_per_s", "p50", "/s",
+           None, "baseline.sqlite_insert_commit_per_s"),
     Figure("interrupt_call_p50_us_100", "tether.sessions_100", "interrupt_call_us", "p50", "us",
            Target(_LE, 150)),
     # Paired with the 100-session figure: the ratio is the "no scan" check (within 1.5x).

@@ -118,10 +118,27 @@ MAX_PAGE = 1000  # entries one read returns at most
 _CHECKPOINT_EVERY = 0.5  # seconds between background passive WAL checkpoints
 _WAL_LIMIT = 64 * 1024 * 1024  # bytes: past this the writer truncates the WAL
 _PREVIEW = 200
+_WAL_CHECK_EVERY = 0.25  # seconds between looks at the WAL's size ...
+_WAL_CHECK_OPS = 64  # ... or writes, whichever comes first
 _LINGER = 0.0005  # seconds the writer thread waits before committing what it was woken for
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
+
+class _Statement:
+    """A write that is one SQL statement: alone in its batch, it needs no BEGIN/COMMIT
+    (SQLite commits a lone statement by itself), which saves two round trips through
+    SQLite, and two hand-backs of the GIL, on a lone durable send."""
+
+    __slots__ = ("params", "sql")
+
+    def __init__(self, sql: str, params: tuple[Any, ...]) -> None:
+        self.sql = sql
+        self.params = params
+
+    def __call__(self, db: sqlite3.Connection) -> object:
+        return db.execute(self.sql, self.params)
+
 
 Op = Callable[[sqlite3.Connection], object]
 
@@ -166,8 +183,11 @@ class Ticket:
 class Store:
     """Catalog, inboxes with claim state, turn records and transcripts."""
 
-    def __init__(self, path: str | None = None, *, durability: str = "normal") -> None:
+    def __init__(
+        self, path: str | None = None, *, durability: str = "normal", wal_limit: int = _WAL_LIMIT
+    ) -> None:
         self.path = path
+        self._wal_limit = wal_limit
         self._db = sqlite3.connect(
             path or ":memory:", check_same_thread=False, isolation_level=None
         )
@@ -177,6 +197,8 @@ class Store:
         self._queue: list[Op] = []
         self._ticket = Ticket(self)  # the batch being filled
         self._stopping = False
+        self._wal_checked = 0.0
+        self._unchecked = 0
         if path is not None:
             # Small pages: a commit appends every page it touched to the WAL, and a turn
             # boundary touches a few pages to write a few hundred bytes.
@@ -185,7 +207,7 @@ class Store:
             # Checkpoints move off the committers to a connection of their own, except
             # the truncating one that bounds the WAL (see _maybe_truncate).
             self._db.execute("PRAGMA wal_autocheckpoint=0")
-            self._db.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT}")
+            self._db.execute(f"PRAGMA journal_size_limit={wal_limit}")
             self._db.execute("PRAGMA busy_timeout=5000")
         sync = "FULL" if durability == "full" else "NORMAL"
         self._db.execute(f"PRAGMA synchronous={sync}")
@@ -244,7 +266,7 @@ class Store:
                 done, self._ticket = self._ticket, Ticket(self)
             if batch:
                 done.set(self._commit(batch))
-                self._maybe_truncate()
+                self._maybe_truncate(len(batch))
             else:
                 done.set()
 
@@ -264,6 +286,9 @@ class Store:
     def _commit(self, batch: list[Op]) -> BaseException | None:
         with self._lock:
             try:
+                if len(batch) == 1 and isinstance(batch[0], _Statement):
+                    batch[0](self._db)  # autocommit: one statement is its own transaction
+                    return None
                 self._db.execute("BEGIN")
                 for op in batch:
                     op(self._db)
@@ -275,14 +300,22 @@ class Store:
                 log.error("store.commit_failed", ops=len(batch), error=repr(exc))
                 return exc
 
-    def _maybe_truncate(self) -> None:
-        if self.path is None:
+    def _maybe_truncate(self, ops: int) -> None:
+        """Look at the WAL's size every so many writes (or so often): cheap, and soon
+        enough that it never runs far past the limit."""
+        self._unchecked += ops
+        now = time.monotonic()
+        if self.path is None or (
+            self._unchecked < _WAL_CHECK_OPS and now - self._wal_checked < _WAL_CHECK_EVERY
+        ):
             return
+        self._wal_checked = now
+        self._unchecked = 0
         try:
             size = os.path.getsize(self.path + "-wal")
         except OSError:
             return
-        if size > _WAL_LIMIT:
+        if size > self._wal_limit:
             with self._lock, contextlib.suppress(sqlite3.Error):
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 log.info("store.wal_truncated", bytes=size)
@@ -370,12 +403,12 @@ class Store:
             _dump(row.stall),
         )
         return self.submit(
-            waited=True,
-            op=lambda db: db.execute(
+            _Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
                 " created_at, stall) VALUES (?,?,?,?,?,?,?,?,?)",
                 params,
             ),
+            waited=True,
         )
 
     def sessions(self) -> list[SessionHeader]:
@@ -431,7 +464,7 @@ class Store:
             self._next_key += 1
             params = (key, session, content, blob, kind, sender, now)
             ticket = self._submit_locked(
-                lambda db: db.execute(
+                _Statement(
                     "INSERT INTO messages (id, session, content, data, kind, sender, created_at)"
                     " VALUES (?,?,?,?,?,?,?)",
                     params,
@@ -471,9 +504,7 @@ class Store:
         """A message accepted just as its inbox closed goes the way of the inbox."""
         key = message_key(message_id)
         self.submit(
-            lambda db: db.execute(
-                "UPDATE messages SET state='closed' WHERE id=? AND state='pending'", (key,)
-            )
+            _Statement("UPDATE messages SET state='closed' WHERE id=? AND state='pending'", (key,))
         )
 
     def pending_count(self, session: str) -> int:
@@ -605,7 +636,7 @@ class Store:
             seq = next(self._entry_seqs)
             params = (seq, session, turn, kind, text, action, origin, by, reason, blob, now)
             self._submit_locked(
-                lambda db: db.execute(
+                _Statement(
                     "INSERT INTO entries (seq, session, turn, kind, text, action, origin, by,"
                     " reason, data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     params,
