@@ -30,7 +30,7 @@ def test_the_wal_stays_bounded_under_sustained_writes_and_reads(tmp_path: object
     biggest = 0
     try:
         text = "x" * 2000
-        for batch in range(200):
+        for _batch in range(200):
             for _ in range(100):
                 store.append_entry("s_a", "assistant", text)
             store.flush()
