@@ -313,6 +313,17 @@ class Session:
         log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
         return t.id
 
+    def from_worker(self, frame: Delivered | ToolKilled | Escalating | Progress) -> None:
+        match frame:
+            case Delivered():
+                self.delivered(frame)
+            case ToolKilled():
+                self.tool_killed(frame)
+            case Escalating():
+                self.escalating(frame)
+            case Progress():
+                self.progress(frame)
+
     def delivered(self, frame: Delivered) -> None:
         t = self.turn
         if t is None or t.id != frame.turn:

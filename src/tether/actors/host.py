@@ -148,15 +148,12 @@ class _Notice:
 
 
 @dataclass(frozen=True, slots=True)
-class _Delivered:
-    session: str
-    frame: Delivered
+class _Frame:
+    """A report from the session's worker: a delivery, a killed tool, progress, or the
+    answer to an Escalate."""
 
-
-@dataclass(frozen=True, slots=True)
-class _ToolKilled:
     session: str
-    frame: ToolKilled
+    frame: Delivered | ToolKilled | Progress | Escalating
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,18 +162,6 @@ class _Ended:
     turn: str
     end: TurnEnd | None
     error: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Progress:
-    session: str
-    frame: Progress
-
-
-@dataclass(frozen=True, slots=True)
-class _Escalating:
-    session: str
-    frame: Escalating
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,19 +222,19 @@ class _Sink:
         self._session = session
 
     def delivered(self, frame: Delivered) -> None:
-        _tell(self._ref, _Delivered(self._session, frame))
+        _tell(self._ref, _Frame(self._session, frame))
 
     def tool_killed(self, frame: ToolKilled) -> None:
-        _tell(self._ref, _ToolKilled(self._session, frame))
+        _tell(self._ref, _Frame(self._session, frame))
 
     def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
         _tell(self._ref, _Ended(self._session, turn, end, error))
 
     def progress(self, frame: Progress) -> None:
-        _tell(self._ref, _Progress(self._session, frame))
+        _tell(self._ref, _Frame(self._session, frame))
 
     def escalating(self, frame: Escalating) -> None:
-        _tell(self._ref, _Escalating(self._session, frame))
+        _tell(self._ref, _Frame(self._session, frame))
 
 
 class Dispatcher:
@@ -373,20 +358,16 @@ class SessionHost(pykka.ThreadingActor):
                 self._adopt(session)
             case _Notice(parent=parent, notice=notice):
                 self._notice(parent, notice)
-            case _Delivered(session=sid, frame=frame):
-                self._on(sid, lambda s: s.delivered(frame))
-            case _ToolKilled(session=sid, frame=frame):
-                self._on(sid, lambda s: s.tool_killed(frame))
+            case _Frame(session=sid, frame=Progress() as frame):
+                s = self._live.get(sid)
+                if s is not None:  # changes nothing shown: no publish
+                    s.progress(frame)
+            case _Frame(session=sid, frame=frame):
+                self._on(sid, lambda s: s.from_worker(frame))
             case _Ended(session=sid, turn=turn, end=end, error=error):
                 self._on(sid, lambda s: s.ended(turn, end, error))
             case _Timer(session=sid, turn=turn, which=which, gen=gen):
                 self._on(sid, lambda s: s.timer(turn, which, gen))
-            case _Progress(session=sid, frame=frame):
-                s = self._live.get(sid)
-                if s is not None:  # changes nothing shown: no publish
-                    s.progress(frame)
-            case _Escalating(session=sid, frame=frame):
-                self._on(sid, lambda s: s.escalating(frame))
             case DisposeOp():
                 self._dispose(message)
 
