@@ -400,3 +400,45 @@ def kill_token(token: str) -> None:
     for p in token_procs(token):
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+
+class Hostile:
+    """Writes hostile bytes on its own channel to the host (issue 10: fuzzing the
+    worker -> host frame decoder), then ends as ``data["then"]`` says.
+
+    ``data``: ``hex`` (the bytes, hex-encoded: data is stored as JSON), ``how``:
+
+    * ``framed`` — the bytes as one well-framed payload (``send_bytes``);
+    * ``raw`` — the bytes straight onto the socket, no length prefix;
+    * ``header`` — only a length prefix of ``data["length"]`` (e.g. over the cap);
+    * ``truncated`` — a length prefix of ``data["length"]`` and then only the bytes.
+
+    ``then``: ``return`` (answer ``survived``), ``exit`` (``os._exit(0)``: the peer
+    dies mid-stream) or ``hang`` (boundaries until stopped). It first says its pid, so
+    that a test can tell whether its worker was replaced.
+    """
+
+    def run(self, ctx: Any) -> str | None:
+        data = ctx.message.data or {}
+        ctx.say(f"pid {os.getpid()}")
+        channel = ctx._worker.channel
+        payload = bytes.fromhex(data.get("hex", ""))
+        how = data.get("how", "framed")
+        with channel._send_lock:  # whole, between the worker's own frames
+            if how == "framed":
+                channel.sock.sendall(struct.pack(">I", len(payload)) + payload)
+            elif how == "raw":
+                channel.sock.sendall(payload)
+            elif how == "header":
+                channel.sock.sendall(struct.pack(">I", int(data["length"])))
+            elif how == "truncated":
+                channel.sock.sendall(struct.pack(">I", int(data["length"])) + payload)
+        then = data.get("then", "return")
+        if then == "exit":
+            os._exit(0)
+        if then == "hang":
+            while True:
+                ctx.checkpoint()
+                if ctx.cancel_requested:
+                    return "stopped"
+                time.sleep(0.01)
+        return "survived"
