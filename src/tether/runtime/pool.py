@@ -213,6 +213,7 @@ class _Worker:
         self.error: str | None = None  # why it was doomed, when the turn must say so
         self.tree_dead = False
         self.tree_pids: set[int] = set()  # its tools found by kill passes, to reap
+        self.last_turn: str | None = None
         self.kill_tries = 0
         self.frozen: list[int] = []  # escapees stopped by freeze (the group is stopped whole)
         self.reader_done = False
@@ -488,6 +489,7 @@ class Pool:
                 return
             self._queue.remove(job)
             w.job = job
+            w.last_turn = job.turn
             self._where[job.turn] = w
             w.post(
                 RunTurn(
@@ -693,6 +695,8 @@ class Pool:
 
     def _handle(self, w: _Worker, frame: WorkerFrame) -> None:
         match frame:
+            case Ready() if w.ready.is_set():
+                log.warning("frame.rejected", pid=w.pid, error="a second Ready")
             case Ready():
                 self._on_ready(w)
             case Say():
@@ -748,8 +752,15 @@ class Pool:
             )
 
     def _job_of(self, w: _Worker, turn: str) -> TurnJob | None:
+        """The job a frame from ``w`` names. A frame for any other turn is dropped (a
+        worker never speaks for another session's turn); only a late one for the turn it
+        just ran (an answer crossing its end) goes unlogged."""
         job = w.job
-        return job if job is not None and job.turn == turn else None
+        if job is not None and job.turn == turn:
+            return job
+        if turn != w.last_turn:
+            log.warning("frame.rejected", pid=w.pid, turn=turn, error="not this worker's turn")
+        return None
 
     # ---- internals: the end ----------------------------------------------------------
 

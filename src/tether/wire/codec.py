@@ -69,16 +69,19 @@ class Channel(Generic[In]):
             self.sock.sendall(_HEADER.pack(len(payload)) + payload)
 
     def recv(self) -> In:
-        """The next frame. EOFError at a clean end; FrameError for a bad frame."""
+        """The next frame. EOFError at a clean end (between frames); FrameError for a
+        bad frame, a frame cut short included."""
         header = self._reader.read(_HEADER.size)
-        if len(header) < _HEADER.size:
+        if not header:
             raise EOFError
+        if len(header) < _HEADER.size:
+            raise FrameError(f"frame cut short: {len(header)} of {_HEADER.size} header bytes")
         (length,) = _HEADER.unpack(header)
         if length > self._max:
             raise FrameTooLarge(f"frame of {length} bytes is over the {self._max}-byte cap")
         payload = self._reader.read(length)
         if len(payload) < length:
-            raise EOFError
+            raise FrameError(f"frame cut short: {len(payload)} of {length} bytes")
         try:
             return self._decoder.decode(payload)
         except Exception as exc:  # DecodeError, and RecursionError for deep nesting, ...
