@@ -969,3 +969,36 @@ def test_data_with_integers_past_64_bits_is_invalid_params(rt: tether.Runtime) -
         with pytest.raises(tether.InvalidParams):
             rt.spawn(root, SCRIPTED, config={"n": value})
     assert rt.inbox(root) == [] and rt.list_agents(root) == []
+
+
+def test_steers_sent_before_dispatch_are_in_force_at_the_first_boundary(
+    rt: tether.Runtime,
+) -> None:
+    """A steer (and then a cancel) issued while the turn waits for a worker must be there
+    at the driver's very first boundary: sent after RunTurn, they could reach the worker
+    only once the driver had passed it."""
+    root = rt.open_session(SCRIPTED)
+    me = User(parent=root)
+    blockers = [_child(rt, root, slug=f"b{i}") for i in range(2)]
+    for b in blockers:
+        rt.send(b, "hold", authority=me, data=steps({"op": "hang"}))
+        rt.wait(b, until="running", timeout=10.0)
+    for i in range(20):
+        c = _child(rt, root, slug=f"late{i}")
+        rt.send(c, "go", authority=me, data=steps({"op": "say", "text": "first step"}))
+        assert rt.status(c).dispatched is False
+        turn = rt.interrupt(c, authority=me, kind="steer", reason=f"before dispatch {i}")
+        assert turn is not None
+        # free a worker: a blocker's turn is aborted and it hangs again behind the others
+        b = blockers[i % 2]
+        rt.interrupt(b, authority=me, kind="abort")
+        rt.wait(c, until="idle", timeout=10.0)
+        said = texts(rt, c, "assistant")
+        assert said[0].startswith("<steer") and f"before dispatch {i}" in said[0], said
+        rt.wait(b, until="parked", timeout=10.0)
+        rt.send(b, "hold", authority=me, data=steps({"op": "hang"}))
+        rt.wait(b, until="running", timeout=10.0)
+        eventually(lambda b=b: rt.status(b).dispatched, what="the blocker back on a worker")
+    for b in blockers:
+        rt.interrupt(b, authority=me, kind="abort")
+        rt.wait(b, timeout=10.0)

@@ -73,6 +73,7 @@ from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
+    CancelFrame,
     Delivered,
     Escalating,
     HostFrame,
@@ -83,6 +84,7 @@ from tether.wire.frames import (
     RunTurn,
     Say,
     Shutdown,
+    SteerFrame,
     ToolCall,
     ToolKilled,
     ToolReply,
@@ -491,6 +493,10 @@ class Pool:
             w.job = job
             w.last_turn = job.turn
             self._where[job.turn] = w
+            # Steers and a cancel issued before dispatch travel inside RunTurn, so the
+            # driver has them at its very first boundary (sent after it, they could reach
+            # the worker's reader only once the driver had passed that boundary).
+            held = [f for f in job.pending if isinstance(f, SteerFrame | CancelFrame)]
             w.post(
                 RunTurn(
                     turn=job.turn,
@@ -501,10 +507,12 @@ class Pool:
                     permissions=job.permissions,
                     progress_every=job.progress_every,
                     repeat=job.repeat,
+                    held=held,
                 )
             )
             for frame in job.pending:
-                w.post(frame)
+                if not isinstance(frame, SteerFrame | CancelFrame):
+                    w.post(frame)
             job.pending.clear()
 
     def _doom_locked(self, w: _Worker) -> None:

@@ -464,6 +464,19 @@ def _sweep_and_exit() -> None:
 _SWEEP_PASSES = 50
 
 
+def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
+    """A steer joins the pending ones; a cancel stands, and discards them (SPEC §5)."""
+    with st.lock:
+        if st.cancel is not None:
+            return
+        if isinstance(frame, SteerFrame):
+            st.steers.append(frame.steer)
+            return
+        st.cancel = frame.cancel
+        st.steers.clear()
+    st.cancel_event.set()
+
+
 class _Worker:
     def __init__(self, channel: Channel[HostFrame]) -> None:
         self.channel = channel
@@ -494,22 +507,14 @@ class _Worker:
                     with self.lock:
                         if isinstance(frame, RunTurn):
                             self.current = _TurnState(frame)
+                            for held in frame.held:  # before the driver's first boundary
+                                _apply(self.current, held)
                         self.runs.append(frame)
                         self.runs_ready.notify()
-                case SteerFrame(turn=turn, steer=steer):
+                case SteerFrame(turn=turn) | CancelFrame(turn=turn):
                     st = self._state_for(turn)
                     if st is not None:
-                        with st.lock:
-                            if st.cancel is None:
-                                st.steers.append(steer)
-                case CancelFrame(turn=turn, cancel=cancel):
-                    st = self._state_for(turn)
-                    if st is not None:
-                        with st.lock:
-                            if st.cancel is None:
-                                st.cancel = cancel
-                                st.steers.clear()  # a stop discards pending steers
-                        st.cancel_event.set()
+                        _apply(st, frame)
                 case Preempt(turn=turn):
                     st = self._state_for(turn)
                     if st is not None:

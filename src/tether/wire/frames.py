@@ -76,6 +76,9 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     # The same tool called with the same arguments this many times in a row is a loop:
     # it counts as no progress (SPEC §14.5).
     repeat: int | None = None
+    # Steers and a cancel issued before a worker took the turn, in order: in force before
+    # the driver's first boundary.
+    held: list[SteerFrame | CancelFrame] = []
 
 
 class SteerFrame(msgspec.Struct, frozen=True, tag="steer"):
