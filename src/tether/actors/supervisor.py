@@ -19,7 +19,7 @@ import structlog
 from tether.actors.agent import Session
 from tether.actors.authority import MAX_DEPTH, Authority, Host
 from tether.actors.directory import Directory
-from tether.actors.host import Adopt, Dispatcher, DisposeOp, notice_text
+from tether.actors.host import Adopt, Dispatcher, DisposeOp, notice_text, simple_inbox
 from tether.actors.ports import AgentStore, Durable, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
@@ -93,6 +93,8 @@ class Recover:
 
 
 class SupervisorActor(pykka.ThreadingActor):
+    _create_actor_inbox = staticmethod(simple_inbox)
+
     def __init__(
         self,
         *,

@@ -197,6 +197,7 @@ class Store:
         self._queue: list[Op] = []
         self._ticket = Ticket(self)  # the batch being filled
         self._stopping = False
+        self._wake_pending = False  # the writer thread was told of writes nobody waits for
         self._wal_checked = 0.0
         self._unchecked = 0
         if path is not None:
@@ -248,7 +249,8 @@ class Store:
         if self._stopping:
             raise RuntimeError("the store is closed")
         self._queue.append(op)
-        if not waited:
+        if not waited and not self._wake_pending:
+            self._wake_pending = True  # one wake-up for however many writes queue meanwhile
             self._cond.notify()
         return self._ticket
 
@@ -264,6 +266,7 @@ class Store:
             with self._cond:
                 batch, self._queue = self._queue, []
                 done, self._ticket = self._ticket, Ticket(self)
+                self._wake_pending = False
             if batch:
                 done.set(self._commit(batch))
                 self._maybe_truncate(len(batch))
@@ -271,10 +274,11 @@ class Store:
                 done.set()
 
     def _write_loop(self) -> None:
-        """Commit what nobody waits for, woken by each such write."""
+        """Commit what nobody waits for, woken once for however many such writes queue
+        before a commit takes them."""
         while True:
             with self._cond:
-                if not self._queue and not self._stopping:
+                while not self._wake_pending and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
