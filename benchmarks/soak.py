@@ -1162,6 +1162,50 @@ def _machine() -> str:
             f"{platform.python_version()}, load {os.getloadavg()[0]:.1f}")
 
 
+def table(runs: list[dict[str, Any]]) -> str:
+    """The README's table: one column per run."""
+    def stop(f: dict[str, Any], kind: str) -> str:
+        x = f["stops"].get(kind, {})
+        return f"{x.get('n', 0)}: {x.get('p50_ms', 0):g} / {x.get('p99_ms', 0):g} / " \
+               f"{x.get('max_ms', 0):g} ms"
+
+    def ops(f: dict[str, Any], prefix: str) -> int:
+        return sum(v for k, v in f["operations"].items()
+                   if k.startswith(prefix) and ".wrong_authority." not in k)
+
+    def cnt(f: dict[str, Any], prefix: str, suffix: str, wrong: bool = False) -> int:
+        return sum(v for k, v in f["operations"].items() if k.startswith(prefix)
+                   and k.endswith(suffix) and (wrong or ".wrong_authority." not in k))
+
+    rows = [
+        ("seed", lambda f: str(f["seed"])),
+        ("date", lambda f: f["date"]),
+        ("chaos / total", lambda f: f"{f['chaos_s'] / 60:g} min / {f['duration_s']:.0f} s"),
+        ("sessions", lambda f: str(f["sessions"])),
+        ("sends accepted / refused", lambda f: f"{ops(f, 'send.accepted')} / "
+         f"{ops(f, 'send.refused')}"),
+        ("interrupts accepted / refused", lambda f: f"{cnt(f, 'interrupt', '.accepted')} / "
+         f"{cnt(f, 'interrupt', '.refused')}"),
+        ("wrong-authority calls refused / accepted no-op", lambda f: (
+            f"{cnt(f, '', '.wrong_authority.refused', wrong=True)} / "
+            f"{cnt(f, '', '.wrong_authority.accepted', wrong=True)}")),
+        ("pauses / releases / disposals", lambda f: f"{ops(f, 'pause.accepted')} / "
+         f"{ops(f, 'release.accepted')} / {ops(f, 'dispose.accepted')}"),
+        ("abort: n: p50 / p99 / max", lambda f: stop(f, "abort")),
+        ("cancel: n: p50 / p99 / max", lambda f: stop(f, "cancel")),
+        ("turns (completed / cancelled / aborted / crashed)", lambda f: " / ".join(
+            str(f["turn_outcomes"].get(k, 0))
+            for k in ("completed", "cancelled", "aborted", "crashed"))),
+        ("host kills / worker kills", lambda f: f"{f['host_kills']} / {f['worker_kills']}"),
+        ("violations", lambda f: str(f["violations"])),
+    ]
+    out = ["| | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |",
+           "|---|" + "---|" * len(runs)]
+    for name, fn in rows:
+        out.append(f"| {name} | " + " | ".join(fn(f) for f in runs) + " |")
+    return "\n".join(out)
+
+
 def run_soak(seconds: float, seed: int, **kw: Any) -> SoakResult:
     return Soak(seconds, seed, **kw).run()
 
@@ -1172,7 +1216,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     ap.add_argument("--ledger", default=None, help="write the whole ledger here (JSON lines)")
+    ap.add_argument("--table", action="store_true", help="print the README table of --json")
     ns = ap.parse_args(argv)
+    if ns.table:
+        print(table(json.loads(Path(ns.json).read_text())["runs"]))
+        return 0
     res = run_soak(ns.minutes * 60, ns.seed)
     print(json.dumps(res.figures, indent=2))
     if ns.ledger:
