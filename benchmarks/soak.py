@@ -1266,6 +1266,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(e, default=str) + "\n")
     if ns.json:
         path = Path(ns.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
         runs: dict[str, Any] = {}
         if path.exists():
             try:
