@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint browser bench bench-full clean
+.PHONY: demo test lint browser bench bench-full soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks --json benchmarks/results/latest.json
+
+# The chaos run of issue 10 (benchmarks/soak.py): 10 minutes, checked against its ledger;
+# figures in benchmarks/results/soak.json. SEED=2 make soak for another seed.
+SEED    ?= 1
+MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --minutes $(MINUTES) --seed $(SEED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
