@@ -64,8 +64,6 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="runtime bug found by the soak: a paused worker "
-                   "never sweeps its tree when its host dies (SPEC §14.3/§14.4)")
 @pytest.mark.timeout(60)
 def test_paused_turn_dies_with_its_host(tmp_path: Path) -> None:
     tag = f"soakfind-{os.getpid()}-{time.monotonic_ns()}"

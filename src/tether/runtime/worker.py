@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import multiprocessing.forkserver
 import os
 import selectors
 import signal
@@ -69,15 +70,20 @@ from tether.wire.records import AgentInfo, Entry, Message
 __all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def set_subreaper() -> bool:
     """Make this process a child subreaper (Linux); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 _drivers: dict[str, type[Any]] = {}
@@ -598,6 +604,18 @@ def worker_main(sock: socket.socket, token: str) -> None:
     """Entry point of a worker process (started by the pool through the forkserver)."""
     os.setsid()  # own session and process group: abort is one killpg
     set_subreaper()  # orphaned tool grandchildren come back to us, not to PID 1
+    # Our parent is the forkserver. A paused (stopped) worker runs nothing, so it could
+    # never see its host channel close and sweep its tree: the kernel continues it when
+    # the forkserver goes, and the sweep runs. The forkserver exits once its "alive" pipe
+    # has no writer left; every forkserver child inherits that writer, so we drop ours
+    # (we never start processes through the forkserver), and the host's is the last.
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGCONT)
+    server: Any = multiprocessing.forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        server._forkserver_alive_fd = None
     # Inherited by every tool and escapee: if we die by SIGKILL and cannot sweep, the
     # pool finds what our tree left behind by this tag.
     os.environ[TREE_ENV] = token
