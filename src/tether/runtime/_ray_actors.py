@@ -180,9 +180,13 @@ class _Child:
         payload = self._reader.read(length)
         return payload if len(payload) == length else None
 
-    def write(self, payload: bytes) -> None:
+    def write(self, *payloads: bytes) -> None:
+        """Frames in one ``sendall``: a RunTurn and the frames held for it arrive
+        together, so the worker's reader takes them all before its turn reaches a
+        boundary (it reads from its buffer without letting go of the GIL)."""
+        data = b"".join(_HEADER.pack(len(p)) + p for p in payloads)
         with self.wlock:
-            self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+            self.sock.sendall(data)
 
     def kill(self) -> int | None:
         """Kill its whole tree and reap it; its exit code."""
@@ -270,15 +274,14 @@ class Slot:
             return
         with self.lock:
             st = self.inbound.setdefault(turn, _Inbound())
-            try:
-                child.write(start)
-                for payload in pending:
-                    child.write(payload)
-            except OSError:
-                pass  # it died: the read below says so
             st.next = len(pending)
+            held = []
+            while st.next in st.held:  # sent before the turn started here: in order
+                held.append(st.held.pop(st.next))
+                st.next += 1
             st.live = True
-            self._flush(turn, st)
+            with contextlib.suppress(OSError):  # it died: the read below says so
+                child.write(start, *pending, *held)
         error = None
         try:
             while True:
