@@ -104,15 +104,23 @@ def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
 def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
     """Freeze, then kill, the tree of ``root`` (its group, its descendants, the escapees
     tagged with ``token``), walking again until a walk finds nothing alive. True when
-    nothing is left (a zombie counts as dead); False if something outlived ``timeout``."""
+    nothing is left (a zombie counts as dead); False if something outlived ``timeout``.
+
+    While the root (a subreaper) is alive and frozen, every escapee is below it, so the
+    walk finds them all; the tag scan (every process's environment) is needed only when
+    the root is already gone."""
     deadline = time.monotonic() + timeout
-    scan = False
     while True:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(root, signal.SIGSTOP)
         seen: dict[int, psutil.Process] = {}
+        scan = False
         while True:  # freeze: walk until a walk finds nothing new
-            new = [p for p in _tree(root, token, scan=scan) if p.pid not in seen]
+            found = _tree(root, token, scan=scan)
+            if not seen and root not in {p.pid for p in found}:
+                scan = True  # the root is gone: look for its tree by the tag
+                found = _tree(root, token, scan=True)
+            new = [p for p in found if p.pid not in seen]
             if not new:
                 break
             for p in new:
@@ -124,15 +132,14 @@ def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
         for p in reversed(list(seen.values())):  # deepest first
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        pause = 0.0005
+        pause = 0.0002
         while _live(list(seen.values())) and time.monotonic() < deadline:
             time.sleep(pause)  # no event tells us another process's child died
-            pause = min(pause * 2, 0.01)
-        if scan and not _live(_tree(root, token, scan=True)):
+            pause = min(pause * 2, 0.005)
+        if not _live(list(seen.values())) and not _live(_tree(root, token, scan=scan)):
             return True
         if time.monotonic() > deadline:
-            return not _live(_tree(root, token, scan=True))
-        scan = True  # the last pass also looks for escapees by their tag
+            return False
 
 
 # ---- the turn child ----------------------------------------------------------------------
