@@ -5,7 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint browser bench bench-full soak clean
+RAY_STAMP := $(VENV)/.installed-ray
+
+.PHONY: demo test test-ray test-ray-ci lint browser bench bench-full bench-ray soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +22,23 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy --strict src
 
+# The Ray cases (marker `ray`, `ray_cluster`) run under `make test-ray`, which installs
+# the extra tether[ray]; `make test` leaves them out (without Ray they would only skip).
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not ray and not ray_cluster"
+
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench,ray]'
+	touch $(RAY_STAMP)
+
+# Every Ray case: the interrupt and core suites on Ray, tests/test_ray.py, and the
+# two-node cluster tests. One Ray instance for the session (ray.init takes seconds).
+test-ray: $(RAY_STAMP)
+	$(BIN)/python -m pytest -m "ray or ray_cluster"
+
+# What CI runs on Ray: the interrupt suite and the Ray-specific tests (a few minutes).
+test-ray-ci: $(RAY_STAMP)
+	$(BIN)/python -m pytest -m "ray or ray_cluster" tests/test_interrupts.py tests/test_ray.py
 
 # Debian's headless Chromium for the browser tests (tests/test_console.py). Playwright
 # drives it through executable_path: `playwright install` cannot download browsers here.
@@ -48,6 +65,9 @@ SEED    ?= 1
 MINUTES ?= 10
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --minutes $(MINUTES) --seed $(SEED)
+
+bench-ray: $(RAY_STAMP)
+	$(BIN)/python -m benchmarks --quick --only 'ray_*' --json benchmarks/results/ray.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -94,6 +94,8 @@ CASES: dict[str, Case] = {
         _c("peer.pykka", "peers:pykka_peer", (3, 7), (30, 120), optional=True),
         _c("peer.thespian", "peers:thespian_peer", (3, 7), (60, 300), optional=True),
         _c("peer.ray", "peers:ray_peer", (3, 5), (150, 600), optional=True),
+        # Tether on Ray (issue 12); skipped with a note when Ray (tether[ray]) is absent.
+        _c("tether.ray", "ray_cases:ray_backend", (2, 5), (300, 900), optional=True),
     )
 }
 
@@ -148,6 +150,13 @@ FIGURES: list[Figure] = [
     Figure("resume_p50_ms", "tether.pause_resume", "resume_ms", "p50", "ms", Target(_LE, 10)),
     Figure("watchdog_overhead_pct", "tether.watchdog_overhead", "overhead_pct", "p50", "%",
            Target(_LE, 5)),
+    # Issue 12, backend="ray": no targets of their own; read them next to the local rows
+    # and next to peer.ray_cancel_force_p50_ms (Ray's own stop, which leaves escapees).
+    Figure("ray_turn_p50_ms", "tether.ray", "turn_ms", "p50", "ms"),
+    Figure("ray_abort_p50_ms", "tether.ray", "abort_ms", "p50", "ms",
+           baseline="peer.ray_cancel_force_p50_ms"),
+    Figure("ray_abort_p99_ms", "tether.ray", "abort_ms", "p99", "ms",
+           baseline="baseline.killpg_reap_p99_ms"),
     # --- baselines (floors measured in the same run) ---
     Figure("baseline.killpg_reap_p50_ms", "baseline.killpg", "kill_ms", "p50", "ms"),
     Figure("baseline.killpg_reap_p99_ms", "baseline.killpg", "kill_ms", "p99", "ms"),

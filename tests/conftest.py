@@ -2,13 +2,20 @@
 
 Every test runs with real worker processes and real SQLite. Teardown closes the runtime
 and then checks with psutil that no process the test started is left running.
+
+Backends: the ``rt`` fixture runs on ``backend`` (``"local"`` unless a module lists
+``BACKENDS = ("local", "ray")``, which runs each of its ``rt`` tests on both). Ray is
+started once per test session (``ray_session``); without Ray installed the Ray cases
+skip, naming the extra ``tether[ray]``; with Ray installed but broken they error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -18,11 +25,30 @@ import tether
 _LEAK_TIMEOUT = 5.0
 
 
+# The session-wide Ray instance's own processes (its daemons, recorded when it started,
+# and the idle workers its raylet keeps and starts at will) are not the test's: they are
+# the only allowance. Slot and reaper actors ("ray::Slot", "ray::Reaper") and turn
+# children are the test's, and must be gone at teardown like any worker.
+_ray_daemons: set[int] = set()
+
+
+def _ray_own(p: psutil.Process) -> bool:
+    if p.pid in _ray_daemons:
+        return True
+    with contextlib.suppress(psutil.Error):
+        cmd = p.cmdline()
+        head = cmd[0] if cmd else ""
+        return head.startswith("ray::IDLE") or (
+            "default_worker.py" in " ".join(cmd) and not head.startswith("ray::")
+        )
+    return False
+
+
 def _live_children() -> set[int]:
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            if p.status() != psutil.STATUS_ZOMBIE and not (_ray_daemons and _ray_own(p)):
                 out.add(p.pid)
         except psutil.NoSuchProcess:
             pass
@@ -41,7 +67,11 @@ def no_leaked_processes() -> Iterator[None]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(pid))
         _, alive = psutil.wait_procs(procs, timeout=_LEAK_TIMEOUT)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p
+            for p in alive
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not _ray_own(p)
+        ]
         if alive:
             names = [f"{p.pid}:{' '.join(p.cmdline())[:80]}" for p in alive]
             for p in alive:
@@ -49,10 +79,56 @@ def no_leaked_processes() -> Iterator[None]:
             pytest.fail(f"processes leaked past teardown: {names}")
 
 
+RAY_MISSING = "the Ray backend needs the extra tether[ray] (pip install -e '.[ray]')"
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """One Ray instance for the whole test session (ray.init takes seconds)."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip(RAY_MISSING)
+    import ray  # installed: an error here is a broken install, and fails the test
+
+    from tether.runtime.ray_backend import ensure_ray
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    # The test drivers (tests/drivers.py) must import on the cluster too, as a user's
+    # drivers must: here through the job's runtime_env.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    started = ensure_ray(
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        init_options={"num_cpus": 2, "object_store_memory": 100 * 2**20},
+    )
+    _ray_daemons.update(p.pid for p in psutil.Process().children(recursive=True))
+    _ray_daemons.difference_update(before)
+    yield ray
+    if started:
+        ray.shutdown()
+    _ray_daemons.clear()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        names = getattr(metafunc.module, "BACKENDS", ("local",))
+        if len(names) > 1 or names[0] != "local":
+            params = [pytest.param(n, marks=pytest.mark.ray) if n == "ray" else n for n in names]
+            metafunc.parametrize("backend", params, indirect=True)
+
+
 @pytest.fixture
-def rt() -> Iterator[tether.Runtime]:
+def backend(request: pytest.FixtureRequest) -> str:
+    """The worker backend of ``rt``: "local", or "ray" (Ray started once per session)."""
+    name: str = getattr(request, "param", "local")
+    if name == "ray":
+        request.getfixturevalue("ray_session")
+    return name
+
+
+@pytest.fixture
+def rt(backend: str) -> Iterator[tether.Runtime]:
     """An in-memory runtime with two workers and a short grace."""
-    with tether.Runtime(workers=2, grace=1.0) as runtime:
+    with tether.Runtime(workers=2, grace=1.0, backend=backend) as runtime:
         yield runtime
 
 

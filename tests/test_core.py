@@ -42,6 +42,7 @@ from tether import Ancestor, User
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tether"
 TESTS = Path(__file__).resolve().parent
+BACKENDS = ("local", "ray")  # every test taking `rt` runs on both (conftest.py)
 
 
 _PAIR = (("user", "m"), ("assistant", "done "))

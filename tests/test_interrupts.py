@@ -31,6 +31,7 @@ from tether import Ancestor, User
 GHOST = "s_00000000000000000000000000"
 SH_TREE = ["sh", "-c", "sleep 30 & sleep 30; wait"]
 KINDS = ("steer", "cancel", "abort", "preempt")
+BACKENDS = ("local", "ray")  # every test taking `rt` runs on both (conftest.py)
 
 
 def _child(rt: tether.Runtime, parent: str, **kwargs: object) -> str:

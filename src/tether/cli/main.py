@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
+from tether.wire.errors import TetherError
 
 __all__ = ["main"]
 
@@ -369,16 +370,31 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return serve(
-        path=args.path,
-        host=args.host,
-        port=args.port,
-        token=args.token,
-        workers=args.workers,
-        grace=args.grace,
-        max_body=args.max_body,
-        max_streams=args.max_streams,
-        fd_reserve=args.fd_reserve,
+    if args.ray_address is not None and args.backend != "ray":
+        print("tether serve: usage error: --ray-address needs --backend ray", file=sys.stderr)
+        return 2
+    try:
+        return _run_serve(serve, args)
+    except TetherError as exc:  # e.g. --backend ray without the extra tether[ray]
+        print(f"tether serve: {exc.message}", file=sys.stderr)
+        return 1
+
+
+def _run_serve(serve: Any, args: argparse.Namespace) -> int:
+    return int(
+        serve(
+            path=args.path,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            workers=args.workers,
+            grace=args.grace,
+            backend=args.backend,
+            ray_address=args.ray_address,
+            max_body=args.max_body,
+            max_streams=args.max_streams,
+            fd_reserve=args.fd_reserve,
+        )
     )
 
 
@@ -606,6 +622,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=os.environ.get("TETHER_TOKEN"), help="require this bearer token"
     )
     p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="where turns run: local worker processes, or a Ray cluster (tether[ray])",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (e.g. ray://head:10001 or auto; default: start one)",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
     p.add_argument(

@@ -40,7 +40,8 @@ from tether.actors.host import (
 from tether.actors.ports import Executor, TurnJob
 from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
 from tether.runtime._log import configure_logging
-from tether.runtime.pool import Pool, PoolHost
+from tether.runtime.backend import Backend, BackendFactory, check_backend, make_backend
+from tether.runtime.pool import PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
@@ -187,12 +188,20 @@ class Runtime:
         workers: int = 2,
         grace: float = 5.0,
         subreaper: bool = False,
+        backend: str | BackendFactory = "local",
+        ray_address: str | None = None,
+        ray_options: dict[str, Any] | None = None,
     ) -> None:
+        """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the forkserver pool),
+        ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
+        none starts a local one; ``ray_options`` are RayBackend's settings), or a
+        factory ``(workers, host) -> Backend``."""
         configure_logging()
         if subreaper:
             set_subreaper()
         if workers < 1:
             raise InvalidParams("workers must be at least 1")
+        check_backend(backend, ray_address)
         self.grace = float(grace)
         self._closed = False
         self._events = _EventBus()
@@ -205,8 +214,10 @@ class Runtime:
         self._dir = Directory(self._store.boot())
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
-        self._pool = Pool(workers, _Host(self))
-        executor: Executor = self._pool  # the pool is checked against the actors' Protocol
+        self._pool: Backend = make_backend(
+            backend, workers, _Host(self), ray_address=ray_address, ray_options=ray_options
+        )
+        executor: Executor = self._pool
         try:
             for _ in range(_HOSTS):
                 self._dispatcher.refs.append(
@@ -588,9 +599,7 @@ class Runtime:
         turn: str | None = self._dispatcher.ask(op.target, op)
         return turn
 
-    def _dispose(
-        self, session_id: str, authority: Authority | Host, *, wait: bool = True
-    ) -> None:
+    def _dispose(self, session_id: str, authority: Authority | Host, *, wait: bool = True) -> None:
         self._check_id(session_id)
         order: list[str] = self._ask(DisposeReq(session_id, authority, self.grace))
         if not wait:

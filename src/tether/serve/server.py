@@ -695,6 +695,8 @@ def serve(
     token: str | None = None,
     workers: int = 2,
     grace: float = 5.0,
+    backend: str = "local",
+    ray_address: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     max_streams: int = DEFAULT_MAX_STREAMS,
     fd_reserve: int = DEFAULT_FD_RESERVE,
@@ -708,7 +710,14 @@ def serve(
     soft, hard = raise_descriptor_limit()
     log.info("serve.descriptors", soft=soft, hard=hard, reserve=fd_reserve)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rt = Runtime(str(path), workers=workers, grace=grace, subreaper=True)
+    rt = Runtime(
+        str(path),
+        workers=workers,
+        grace=grace,
+        subreaper=True,
+        backend=backend,
+        ray_address=ray_address,
+    )
     try:
         hub = EventHub()
         fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"

@@ -1,0 +1,374 @@
+"""The Ray side of the Ray backend: a slot actor per worker, a reaper actor per node.
+
+Imported by ``ray_backend`` (in the host) and by Ray's workers (to run the actors).
+
+::
+
+    host (Ray driver)                         Slot actor (a Ray worker, its own group)
+    ─────────────────                         ─────────────────────────────────────────
+    run(turn, RunTurn, pending) ─ "turn" ──►  write RunTurn + pending to the child,
+                                              then relay every child frame back as one
+    ◄──────── streaming generator ──────────    item of the stream, up to its TurnEnd
+    send(turn, seq, frame) ───── "ctl" ─────► in seq order (held until the turn starts,
+                                              dropped after it ended)
+                                                 │ socketpair, length-prefixed msgpack
+                                                 ▼
+                                              turn child: worker_main (own session and
+                                              group, subreaper, TETHER_TREE=token)
+    Reaper actor (num_cpus=0, pinned to the node): freeze / kill / thaw a child's tree,
+    escapees included, and answer only once it is dead.
+
+Ray runs methods of different concurrency groups of one actor in no particular order,
+which is why host→worker frames carry sequence numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import psutil
+import ray
+
+from tether.runtime._procs import descendants, freeze_tree, thaw_tree
+from tether.wire.codec import MAX_FRAME
+from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
+
+__all__ = ["NODE_ENV", "TREE_ENV", "Reaper", "Slot", "reap_tree"]
+
+TREE_ENV = "TETHER_TREE"  # every process of a turn child's tree carries its token
+NODE_ENV = "TETHER_NODE"  # the Ray node id, for drivers and tests that want to know
+_HEADER = struct.Struct(">I")
+_START_TIMEOUT = 30.0
+_KILL_TIMEOUT = 5.0
+
+_decoder = msgspec.msgpack.Decoder(WorkerFrame)
+_encoder = msgspec.msgpack.Encoder()
+
+
+# ---- process trees (used by both actors) ------------------------------------------------
+
+
+def _tagged(token: str) -> list[psutil.Process]:
+    """Every process of ours whose environment carries ``TREE_ENV=token``."""
+    out = []
+    me = os.getuid()
+    for p in psutil.process_iter(["uids"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if p.info["uids"] is None or p.info["uids"].real != me:
+                continue
+            if p.environ().get(TREE_ENV) == token:
+                out.append(p)
+    return out
+
+
+def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
+    """The root (if it is still the one carrying ``token``), its descendants, and with
+    ``scan`` every process tagged with ``token`` (escapees whose root is gone)."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        p = psutil.Process(root)
+        if p.environ().get(TREE_ENV) == token:
+            found[root] = p
+            for d in descendants(root):
+                found[d.pid] = d
+    except (psutil.Error, OSError):
+        pass
+    if scan or root not in found:
+        for t in _tagged(token):
+            found.setdefault(t.pid, t)
+    return list(found.values())
+
+
+def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
+    """Freeze, then kill, the tree of ``root`` (its group, its descendants, the escapees
+    tagged with ``token``), walking again until a walk finds nothing alive. True when
+    nothing is left (a zombie counts as dead); False if something outlived ``timeout``.
+
+    While the root (a subreaper) is alive and frozen, every escapee is below it, so the
+    walk finds them all; the tag scan (every process's environment) is needed only when
+    the root is already gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(root, signal.SIGSTOP)
+        seen: dict[int, psutil.Process] = {}
+        scan = False
+        while True:  # freeze: walk until a walk finds nothing new
+            found = _tree(root, token, scan=scan)
+            if not seen and root not in {p.pid for p in found}:
+                scan = True  # the root is gone: look for its tree by the tag
+                found = _tree(root, token, scan=True)
+            new = [p for p in found if p.pid not in seen]
+            if not new:
+                break
+            for p in new:
+                seen[p.pid] = p
+                with contextlib.suppress(psutil.Error):
+                    p.suspend()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(root, signal.SIGKILL)
+        for p in reversed(list(seen.values())):  # deepest first
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        pause = 0.0002
+        while _live(list(seen.values())) and time.monotonic() < deadline:
+            time.sleep(pause)  # no event tells us another process's child died
+            pause = min(pause * 2, 0.005)
+        if not _live(list(seen.values())) and not _live(_tree(root, token, scan=scan)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+
+
+# ---- the turn child ----------------------------------------------------------------------
+
+
+class _FrameTooLarge(Exception):
+    pass
+
+
+class _Child:
+    """One worker process (worker.py's turn loop) and this end of its socket."""
+
+    def __init__(self, node: str) -> None:
+        self.token = secrets.token_hex(8)
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env[TREE_ENV] = self.token
+        env[NODE_ENV] = node
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tether.runtime._ray_child", str(theirs.fileno()), self.token],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.pid = self.proc.pid
+        self.sock = mine
+        self._reader = mine.makefile("rb")
+        self.wlock = threading.Lock()
+        mine.settimeout(_START_TIMEOUT)
+        first = self.read()
+        mine.settimeout(None)
+        if first is None or not isinstance(_decoder.decode(first), Ready):
+            self.kill()
+            raise RuntimeError("the turn worker did not start")
+
+    def read(self) -> bytes | None:
+        """The next frame's bytes; None at the end of the stream."""
+        header = self._reader.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_FRAME:
+            raise _FrameTooLarge(f"frame of {length} bytes is over the {MAX_FRAME}-byte cap")
+        payload = self._reader.read(length)
+        return payload if len(payload) == length else None
+
+    def write(self, *payloads: bytes) -> None:
+        """Frames in one ``sendall``: a RunTurn and the frames held for it arrive
+        together, so the worker's reader takes them all before its turn reaches a
+        boundary (it reads from its buffer without letting go of the GIL)."""
+        data = b"".join(_HEADER.pack(len(p)) + p for p in payloads)
+        with self.wlock:
+            self.sock.sendall(data)
+
+    def kill(self) -> int | None:
+        """Kill its whole tree and reap it; its exit code."""
+        reap_tree(self.pid, self.token)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(_KILL_TIMEOUT)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        return self.proc.returncode
+
+
+class _Inbound:
+    """Host→worker frames of one turn, released in sequence order."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.held: dict[int, bytes] = {}
+        self.live = False
+
+
+class Slot:
+    """One worker slot: runs turns, one at a time, in its own child process."""
+
+    def __init__(self) -> None:
+        self.node = str(ray.get_runtime_context().get_node_id())
+        self.lock = threading.Lock()
+        self.inbound: dict[str, _Inbound] = {}
+        self.ended: deque[str] = deque(maxlen=4096)
+        self.ended_set: set[str] = set()
+        self.child: _Child | None = _Child(self.node)
+
+    def info(self) -> dict[str, Any]:
+        child = self.child
+        return {
+            "pid": os.getpid(),
+            "node": self.node,
+            "child": None if child is None else child.pid,
+            "token": None if child is None else child.token,
+        }
+
+    @ray.method(concurrency_group="turn")
+    def restart(self) -> dict[str, Any]:
+        """A new child after the last one died (or was killed)."""
+        old, self.child = self.child, None
+        if old is not None:
+            old.kill()
+        self.child = _Child(self.node)
+        return self.info()
+
+    @ray.method(concurrency_group="turn")
+    def shutdown(self) -> None:
+        """Stop the child (and anything it left), so that the actor can be killed."""
+        child, self.child = self.child, None
+        if child is None:
+            return
+        with contextlib.suppress(OSError):
+            child.write(_encoder.encode(Shutdown()))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(2.0)
+        child.kill()
+
+    @ray.method(concurrency_group="turn")
+    def probe(self, driver: str) -> str | None:
+        """Ask the idle child to import ``driver``; its error, or None."""
+        child = self.child
+        if child is None:
+            raise RuntimeError("no worker in this slot")
+        child.write(_encoder.encode(Probe(driver=driver)))
+        while True:
+            payload = child.read()
+            if payload is None:
+                raise RuntimeError("the worker died while checking the driver")
+            frame = _decoder.decode(payload)
+            if isinstance(frame, ProbeReply) and frame.driver == driver:
+                return frame.error
+
+    @ray.method(num_returns="streaming", concurrency_group="turn")
+    def run(self, turn: str, start: bytes, pending: list[bytes]) -> Iterator[Any]:
+        """Run one turn; yield each worker frame's bytes up to its TurnEnd, or, when the
+        child died, ``{"exit": code, "error": ...}`` once its whole tree is dead."""
+        child = self.child
+        payload: bytes | None
+        if child is None:
+            yield {"exit": None, "error": "no worker in this slot"}
+            return
+        with self.lock:
+            st = self.inbound.setdefault(turn, _Inbound())
+            st.next = len(pending)
+            held = []
+            while st.next in st.held:  # sent before the turn started here: in order
+                held.append(st.held.pop(st.next))
+                st.next += 1
+            st.live = True
+            with contextlib.suppress(OSError):  # it died: the read below says so
+                child.write(start, *pending, *held)
+        error = None
+        try:
+            while True:
+                try:
+                    payload = child.read()
+                except _FrameTooLarge as exc:
+                    error = f"protocol error: {exc}"
+                    break
+                except OSError:
+                    payload = None
+                if payload is None:
+                    break
+                yield payload
+                with contextlib.suppress(Exception):
+                    frame = _decoder.decode(payload)
+                    if isinstance(frame, TurnEnd) and frame.turn == turn:
+                        return
+            # The child is gone (killed, crashed) or must go (a bad stream): its tree is
+            # dead before the end is reported.
+            self.child = None
+            code = child.kill()
+            yield {"exit": code, "error": error}
+        finally:
+            with self.lock:
+                self.inbound.pop(turn, None)
+                self.ended.append(turn)
+                self.ended_set.add(turn)
+                if len(self.ended_set) > len(self.ended):
+                    self.ended_set = set(self.ended)
+
+    @ray.method(concurrency_group="ctl")
+    def send(self, turn: str, seq: int, payload: bytes) -> None:
+        """A host→worker frame of ``turn``, the ``seq``-th (from 0) of that turn."""
+        with self.lock:
+            if turn in self.ended_set:
+                return  # the turn is over: a late frame is dropped
+            st = self.inbound.setdefault(turn, _Inbound())
+            st.held[seq] = payload
+            if st.live:
+                self._flush(turn, st)
+
+    def _flush(self, turn: str, st: _Inbound) -> None:
+        child = self.child
+        while st.next in st.held:
+            payload = st.held.pop(st.next)
+            st.next += 1
+            if child is not None:
+                with contextlib.suppress(OSError):
+                    child.write(payload)
+
+
+class Reaper:
+    """Per node, pinned to it: freezes and kills turn trees for the host, so that an
+    abort never depends on the slot (which may be frozen or gone)."""
+
+    def node(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def kill_tree(self, root: int, token: str) -> bool:
+        return reap_tree(root, token)
+
+    def kill_pids(self, pids: list[int], grace: float = 0.0) -> bool:
+        """SIGKILL these processes (slot actors) unless they exit within ``grace``."""
+        procs = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
+        deadline = time.monotonic() + grace
+        while _live(procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for p in _live(procs):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        deadline = time.monotonic() + _KILL_TIMEOUT
+        while _live(procs) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not _live(procs)
+
+    def freeze(self, root: int) -> list[int]:
+        return freeze_tree(root)
+
+    def thaw(self, root: int, escapees: list[int]) -> None:
+        thaw_tree(root, escapees)

@@ -1,0 +1,100 @@
+"""Worker backends: where a turn's worker process lives and how its frames travel.
+
+The agents need an :class:`~tether.actors.ports.Executor` (submit, signal, kill, freeze,
+thaw, accepting, dispatched); the ``Runtime`` facade needs four more things of the same
+object (probe a driver, drain, close, list worker pids). That is a :class:`Backend`. A
+backend is built with ``(workers, host)``: ``host`` answers the worker's ``say`` and tool
+calls (the store and authority stay in the host process whatever the backend).
+
+Two ship: ``"local"``, the forkserver :class:`~tether.runtime.pool.Pool` (the default),
+and ``"ray"``, :class:`~tether.runtime.ray_backend.RayBackend` (the optional extra
+``tether[ray]``, imported only when asked for). Every backend keeps the contract of
+SPEC §14.6: a turn's end is reported only once its whole process tree is dead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tether.actors.ports import Executor
+from tether.runtime.pool import Pool, PoolHost
+from tether.wire.errors import InvalidParams, TetherError
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendFactory",
+    "WorkerHost",
+    "check_backend",
+    "make_backend",
+]
+
+BACKENDS = ("local", "ray")
+
+# What a backend asks of the runtime for a worker's frames (``say``, tool calls).
+WorkerHost = PoolHost
+
+
+class Backend(Executor, Protocol):
+    """An :class:`Executor` the ``Runtime`` can also probe, drain, close and list."""
+
+    def probe(self, driver: str) -> None:
+        """Check that a worker can load ``driver`` (DriverNotFound otherwise); the host
+        never imports driver code itself."""
+
+    def drain(self) -> None:
+        """Take no new turns (the runtime is closing); running ones go on."""
+
+    def close(self) -> None:
+        """Stop every worker: no process and nothing remote is left when it returns;
+        whatever is still queued is reported as ended."""
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the processes that run turns (for tests and benchmarks)."""
+
+
+BackendFactory = Callable[[int, WorkerHost], Backend]
+
+
+def _local(workers: int, host: WorkerHost) -> Backend:
+    return Pool(workers, host)  # mypy checks here that the pool is a Backend
+
+
+def check_backend(backend: str | BackendFactory, ray_address: str | None) -> None:
+    """Refuse a backend that cannot be built, before anything is started."""
+    if callable(backend):
+        return
+    if backend not in BACKENDS:
+        raise InvalidParams(f"backend must be one of {', '.join(BACKENDS)} or a factory")
+    if backend == "local" and ray_address is not None:
+        raise InvalidParams("ray_address needs backend='ray'")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise TetherError(
+            "backend='ray' needs Ray, which is not installed: install the extra "
+            "tether[ray] (pip install 'tether-runtime[ray]')"
+        )
+
+
+def make_backend(
+    backend: str | BackendFactory,
+    workers: int,
+    host: WorkerHost,
+    *,
+    ray_address: str | None = None,
+    ray_options: dict[str, Any] | None = None,
+) -> Backend:
+    """Build the backend named by ``backend`` (or call a factory)."""
+    check_backend(backend, ray_address)
+    if callable(backend):
+        return backend(workers, host)
+    if backend == "local":
+        return _local(workers, host)
+    if backend == "ray":
+        # Ray is present: an error importing it is a broken install, and says so itself.
+        from tether.runtime.ray_backend import RayBackend
+
+        ray_backend: Backend = RayBackend(workers, host, address=ray_address, **(ray_options or {}))
+        return ray_backend
+    raise InvalidParams(f"backend must be one of {', '.join(BACKENDS)} or a factory")

@@ -1,0 +1,740 @@
+"""The Ray backend (SPEC §14.6): the same turns and the same interrupt contract, on Ray.
+
+::
+
+    host process (the Ray driver)                      a node of the cluster
+    ─────────────────────────────────────────          ───────────────────────────────
+    agents ─► RayBackend: FIFO queue, dispatch         Slot actor (max_restarts=0,
+                 │ run(turn) ─────────────────────────►  max_task_retries=0)
+                 │ one thread per turn reads the   ◄────   streaming generator: the
+                 │   turn's stream: Say, ToolCall,          worker's frames, one item
+                 │   Delivered, TurnEnd, or exit            each
+                 │ tool calls answered here, ToolReply ─►  send(turn, seq, frame):
+                 │ signal(turn) ─ seq-numbered ───────────►  in order, held until the
+                 │                                            turn starts, dropped after
+                 │                                          └ turn child: worker.py's
+                 │                                            turn loop, own session
+                 │ kill(turn) ────────────────────────►  Reaper actor (num_cpus=0,
+                 │   report `aborted` only on its answer      pinned): freeze, then kill
+                 ▼                                            the child's tree, escapees
+    store, inbox, authority: host-only                        included; answers when dead
+
+The host stays the Ray driver and opens no port: tool calls travel up the turn's own
+stream and their replies down the slot's ``send``. ``workers=N`` slots take turns and one
+warm spare waits (a new actor takes seconds to start). After an abort, a slot whose
+stream ended starts a new child (its tree is dead) and becomes the spare; a slot that
+does not answer within ``abort_timeout`` (frozen with SIGSTOP, say) is killed by the
+reaper, then ``ray.kill``-ed, and replaced. A slot lost mid-turn ends the turn
+``crashed``; Ray never retries it (retries would run claimed work twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import structlog
+
+from tether.actors.ports import TurnJob
+from tether.runtime.pool import PoolHost
+from tether.wire.codec import MAX_FRAME
+from tether.wire.errors import DriverNotFound, TetherError
+from tether.wire.frames import (
+    Delivered,
+    Escalating,
+    HostFrame,
+    Progress,
+    RunTurn,
+    Say,
+    ToolCall,
+    ToolKilled,
+    ToolReply,
+    TurnEnd,
+    WorkerFrame,
+)
+
+__all__ = ["RayBackend", "ray_stdout_to_stderr"]
+
+log = structlog.get_logger("tether.ray")
+
+_START_TIMEOUT = 60.0  # a slot actor (a Ray worker process) to start and report
+_CALL_TIMEOUT = 10.0  # a control call on a live slot or reaper
+_ABORT_TIMEOUT = 2.0
+_init_lock = threading.Lock()
+
+
+def _ray() -> Any:
+    import ray  # the optional extra tether[ray]: imported only when this backend is used
+
+    return ray
+
+
+@contextlib.contextmanager
+def ray_stdout_to_stderr() -> Iterator[None]:
+    """Ray prints to stdout (and so do the processes it starts), even with
+    ``log_to_driver=False``: point file descriptor 1 at stderr meanwhile, so that
+    ``tether serve``'s and the CLI's stdout stay clean. Processes started here (Ray's
+    own daemons) keep stderr as their stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def ensure_ray(
+    address: str | None = None,
+    *,
+    runtime_env: dict[str, Any] | None = None,
+    init_options: dict[str, Any] | None = None,
+) -> bool:
+    """Connect to (or start) Ray unless this process already is a driver; True when
+    this call did it (and the caller should ``ray.shutdown()`` at the end)."""
+    ray = _ray()
+    with _init_lock:
+        if ray.is_initialized():
+            return False
+        # Ray logs the refs it never saw fetched (our fire-and-forget sends) on stderr.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+        options: dict[str, Any] = {
+            "address": address,
+            "log_to_driver": False,
+            "include_dashboard": False,
+            "logging_level": logging.WARNING,
+            "runtime_env": runtime_env,
+        }
+        options.update(init_options or {})
+        with ray_stdout_to_stderr():
+            ray.init(**options)
+        _errors_to_stderr()
+        return True
+
+
+def _errors_to_stderr() -> None:
+    """Ray's driver prints the errors it hears of (a worker that died, say) to
+    ``sys.stdout``; send them to stderr, where a host's diagnostics belong."""
+    try:
+        from ray._private import worker as ray_worker
+    except ImportError:  # pragma: no cover - a Ray without that module prints nothing
+        return
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_tether", False):
+        return
+
+    def to_stderr(data: dict[str, Any], ignore_prefix: bool) -> None:
+        original({**data, "is_err": True}, ignore_prefix)
+
+    to_stderr._tether = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = to_stderr
+
+
+class _Slot:
+    """The host's view of one slot actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.pid = 0  # the actor's process (on its node)
+        self.node = ""
+        self.child: int | None = None  # the turn child's pid (on that node)
+        self.token = ""
+        self.job: TurnJob | None = None
+        self.seq = 0  # the next host→worker frame number of the current turn
+        self.killing = False
+        self.stream_done = threading.Event()
+        self.lost = False
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.pid = int(info["pid"])
+        self.node = str(info["node"])
+        self.child = None if info["child"] is None else int(info["child"])
+        self.token = str(info["token"] or "")
+
+
+class RayBackend:
+    """``size`` Ray actor slots plus one warm spare; FIFO dispatch across sessions.
+
+    Settings: ``address`` (the cluster; None starts a local one, unless this process
+    is already a Ray driver), ``slot_options`` (Ray actor options for each slot, e.g.
+    ``{"num_cpus": 1}`` or ``{"resources": {...}}``; default ``num_cpus=0`` and
+    ``scheduling_strategy="SPREAD"``), ``runtime_env`` and ``init_options`` (passed to
+    ``ray.init`` when this backend starts or joins Ray), ``abort_timeout`` (seconds an
+    abort waits for the reaper before ``ray.kill``, and for a slot to answer before it
+    is replaced).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        host: PoolHost,
+        *,
+        address: str | None = None,
+        slot_options: dict[str, Any] | None = None,
+        runtime_env: dict[str, Any] | None = None,
+        init_options: dict[str, Any] | None = None,
+        abort_timeout: float = _ABORT_TIMEOUT,
+    ) -> None:
+        if size < 1:
+            raise ValueError("a backend needs at least one worker")
+        ray = _ray()
+        from tether.runtime import _ray_actors
+
+        self.size = size
+        self.host = host
+        self.abort_timeout = float(abort_timeout)
+        self._owns_ray = ensure_ray(address, runtime_env=runtime_env, init_options=init_options)
+        self._actors = _ray_actors
+        options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
+        options.update(slot_options or {})
+        options.update(max_restarts=0, max_task_retries=0)  # never run claimed work twice
+        self._slot_cls = ray.remote(concurrency_groups={"turn": 1, "ctl": 1})(
+            _ray_actors.Slot
+        ).options(**options)
+        self._reaper_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(
+            _ray_actors.Reaper
+        )
+        self._decoder = msgspec.msgpack.Decoder(WorkerFrame)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._active: list[_Slot] = []
+        self._spare: _Slot | None = None
+        self._all: set[_Slot] = set()
+        self._starting = 0
+        self._failures = 0
+        self._queue: deque[TurnJob] = deque()
+        self._jobs: dict[str, TurnJob] = {}
+        self._where: dict[str, _Slot] = {}
+        self._frozen: dict[str, list[int]] = {}
+        self._reapers: dict[str, Any] = {}
+        self._probed: set[str] = set()
+        self._probe_lock = threading.Lock()
+        self._closed = False
+        self._draining = False
+        try:
+            with self._lock:
+                for _ in range(size + 1):
+                    self._start_slot_locked()
+                deadline = time.monotonic() + _START_TIMEOUT
+                while len(self._active) < size or self._spare is None:
+                    left = deadline - time.monotonic()
+                    if self._failures >= 3:
+                        raise TetherError("Ray slots fail to start (see the Ray logs)")
+                    if left <= 0:
+                        raise TetherError("Ray slots did not start in time")
+                    self._changed.wait(left)
+                reapers = list(self._reapers.values())
+            # an abort must not wait for a reaper to start: they answer once before we do
+            ray.get([r.node.remote() for r in reapers], timeout=_START_TIMEOUT)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- Executor ---------------------------------------------------------------------
+
+    def submit(self, job: TurnJob) -> None:
+        with self._lock:
+            if self._closed:
+                raise TetherError("the runtime is closed")
+            self._jobs[job.turn] = job
+            self._queue.append(job)
+            self._dispatch_locked()
+
+    def accepting(self) -> bool:
+        return not self._draining
+
+    def dispatched(self, turn: str) -> bool:
+        return turn in self._where
+
+    def signal(self, turn: str, frame: HostFrame) -> None:
+        with self._lock:
+            job = self._jobs.get(turn)
+            if job is None:
+                return
+            s = self._where.get(turn)
+            if s is None:
+                job.pending.append(frame)
+                return
+            if s.killing:
+                return
+            seq = s.seq
+            s.seq += 1
+        self._send(s, turn, seq, self._encoder.encode(frame))
+
+    def kill(self, turn: str) -> None:
+        with self._lock:
+            job = self._jobs.get(turn)
+            if job is None:
+                return
+            s = self._where.get(turn)
+            if s is None:
+                self._queue.remove(job)
+                del self._jobs[turn]
+            elif s.killing:
+                return
+            else:
+                s.killing = True
+        if s is None:
+            job.sink.ended(turn, None, "killed before a worker took it")
+            return
+        threading.Thread(
+            target=self._abort, args=(s, job), name="tether-ray-abort", daemon=True
+        ).start()
+
+    def freeze(self, turn: str) -> None:
+        with self._lock:
+            job = self._jobs.get(turn)
+            if job is None:
+                return
+            s = self._where.get(turn)
+            if s is None:
+                job.frozen = True  # dispatch passes it over until thawed
+                return
+            if s.killing or s.child is None:
+                return
+            reaper = self._reaper_locked(s.node)
+        ray = _ray()
+        try:
+            escapees = ray.get(reaper.freeze.remote(s.child), timeout=_CALL_TIMEOUT)
+        except Exception as exc:
+            raise TetherError(f"could not freeze the turn on its Ray node: {exc}") from None
+        with self._lock:
+            self._frozen[turn] = list(escapees)
+
+    def thaw(self, turn: str) -> None:
+        with self._lock:
+            job = self._jobs.get(turn)
+            if job is None:
+                return
+            s = self._where.get(turn)
+            if s is None:
+                job.frozen = False
+                self._dispatch_locked()
+                return
+            escapees = self._frozen.pop(turn, [])
+            if s.child is None:
+                return
+            reaper = self._reaper_locked(s.node)
+        ray = _ray()
+        with contextlib.suppress(Exception):
+            ray.get(reaper.thaw.remote(s.child, escapees), timeout=_CALL_TIMEOUT)
+
+    # ---- what the Runtime needs besides ---------------------------------------------
+
+    def drain(self) -> None:
+        self._draining = True
+
+    def probe(self, driver: str) -> None:
+        """The spare slot's child imports ``driver``: the host never runs driver code."""
+        if driver in self._probed:
+            return
+        ray = _ray()
+        with self._probe_lock:
+            for _ in range(3):
+                with self._lock:
+                    deadline = time.monotonic() + _CALL_TIMEOUT
+                    while self._spare is None:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self._closed:
+                            raise TetherError("no spare worker to check the driver")
+                        self._changed.wait(left)
+                    target = self._spare
+                try:
+                    error = ray.get(target.actor.probe.remote(driver), timeout=_CALL_TIMEOUT)
+                except Exception:
+                    continue  # that slot died meanwhile: ask another
+                if error is not None:
+                    raise DriverNotFound(error)
+                self._probed.add(driver)
+                return
+        raise TetherError("workers kept dying while checking the driver")
+
+    def worker_pids(self) -> list[int]:
+        """The turn children's pids (on their nodes), spare included."""
+        with self._lock:
+            slots = [*self._active, *([self._spare] if self._spare else [])]
+            return [s.child for s in slots if s.child is not None]
+
+    def slot_pids(self) -> list[int]:
+        """The slot actors' own pids (on their nodes)."""
+        with self._lock:
+            return [s.pid for s in self._all if s.pid]
+
+    def close(self) -> None:
+        """Stop every slot and reaper: no actor and no process is left (a Ray started
+        by this backend is shut down too); whatever is queued is reported as ended."""
+        ray = _ray()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            deadline = time.monotonic() + _START_TIMEOUT
+            while self._starting > 0 and time.monotonic() < deadline:
+                self._changed.wait(deadline - time.monotonic())
+            slots = list(self._all)
+            orphans = list(self._queue)
+            self._queue.clear()
+        for job in orphans:
+            self._jobs.pop(job.turn, None)
+            job.sink.ended(job.turn, None, "the runtime closed before a worker took it")
+        stops = [s.actor.shutdown.remote() for s in slots]
+        with contextlib.suppress(Exception):
+            ray.wait(stops, num_returns=len(stops), timeout=5.0)
+        for s in slots:
+            with contextlib.suppress(Exception):
+                ray.kill(s.actor, no_restart=True)
+        with self._lock:
+            reapers = dict(self._reapers)
+        by_node: dict[str, list[_Slot]] = {}
+        for s in slots:
+            by_node.setdefault(s.node, []).append(s)
+        for node, reaper in reapers.items():
+            kids = by_node.get(node, [])
+            with contextlib.suppress(Exception):  # their processes gone, not just "killed"
+                ray.get(
+                    reaper.kill_pids.remote([s.pid for s in kids if s.pid], 2.0),
+                    timeout=_CALL_TIMEOUT,
+                )
+            for s in kids:
+                if s.child is not None:
+                    with contextlib.suppress(Exception):
+                        ray.get(reaper.kill_tree.remote(s.child, s.token), timeout=_CALL_TIMEOUT)
+        for reaper in reapers.values():
+            with contextlib.suppress(Exception):
+                ray.kill(reaper, no_restart=True)
+        if self._owns_ray:
+            with ray_stdout_to_stderr():
+                ray.shutdown()
+
+    # ---- slots ------------------------------------------------------------------------
+
+    def _start_slot_locked(self) -> None:
+        self._starting += 1
+        threading.Thread(target=self._start_slot, name="tether-ray-slot", daemon=True).start()
+
+    def _start_slot(self) -> None:
+        ray = _ray()
+        s: _Slot | None = None
+        try:
+            s = _Slot(self._slot_cls.remote())
+            info = ray.get(s.actor.info.remote(), timeout=_START_TIMEOUT)
+            s.update(info)
+        except Exception as exc:
+            log.error("ray.slot_start_failed", error=repr(exc))
+            if s is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(s.actor, no_restart=True)
+            with self._lock:
+                self._starting -= 1
+                self._failures += 1
+                self._changed.notify_all()
+                if not self._closed and self._failures < 3:
+                    self._start_slot_locked()
+            return
+        with self._lock:
+            self._starting -= 1
+            self._failures = 0
+            self._all.add(s)
+            self._reaper_locked(s.node)
+            self._place_locked(s)
+        log.debug("ray.slot_started", pid=s.pid, node=s.node, child=s.child)
+
+    def _place_locked(self, s: _Slot) -> None:
+        """A ready slot joins the active set, or becomes the spare, or is surplus."""
+        if self._closed:
+            pass  # close() stops it with the others
+        elif len(self._active) < self.size:
+            self._active.append(s)
+        elif self._spare is None:
+            self._spare = s
+        else:
+            self._retire_locked(s)
+        self._dispatch_locked()
+        self._changed.notify_all()
+
+    def _leave_locked(self, s: _Slot) -> None:
+        """``s`` stops taking turns; the spare takes its place at once."""
+        if self._spare is s:
+            self._spare = None
+        elif s in self._active:
+            self._active.remove(s)
+            if self._spare is not None:
+                self._active.append(self._spare)
+                self._spare = None
+
+    def _retire_locked(self, s: _Slot) -> None:
+        """Kill ``s`` for good (in the background) and start a replacement if needed."""
+        self._leave_locked(s)
+        self._all.discard(s)
+        s.lost = True
+        threading.Thread(
+            target=self._kill_slot, args=(s,), name="tether-ray-retire", daemon=True
+        ).start()
+        self._replenish_locked()
+
+    def _replenish_locked(self) -> None:
+        if self._closed or self._failures >= 3:
+            return
+        restarting = sum(1 for s in self._all if s not in self._active and s is not self._spare)
+        missing = self.size + 1 - len(self._active) - (self._spare is not None)
+        for _ in range(missing - self._starting - restarting):
+            self._start_slot_locked()
+
+    def _kill_slot(self, s: _Slot) -> None:
+        """The last resort: the reaper SIGKILLs the actor's process (frozen or not),
+        then ``ray.kill`` tells Ray."""
+        ray = _ray()
+        with self._lock:
+            reaper = self._reapers.get(s.node)
+        if reaper is not None and s.pid:
+            with contextlib.suppress(Exception):
+                ray.get(reaper.kill_pids.remote([s.pid]), timeout=_CALL_TIMEOUT)
+        with contextlib.suppress(Exception):
+            ray.kill(s.actor, no_restart=True)
+        log.debug("ray.slot_retired", pid=s.pid, node=s.node)
+
+    def _restart(self, s: _Slot) -> None:
+        """A new child in a slot whose last one is dead; the slot rejoins, or is replaced."""
+        ray = _ray()
+        try:
+            info = ray.get(s.actor.restart.remote(), timeout=_START_TIMEOUT)
+        except Exception as exc:
+            log.warning("ray.slot_restart_failed", pid=s.pid, error=repr(exc))
+            with self._lock:
+                if s in self._all:
+                    self._retire_locked(s)
+            return
+        with self._lock:
+            s.update(info)
+            s.killing = False
+            if s not in self._all or s.lost:
+                return
+            if self._closed:
+                return
+            self._place_locked(s)
+
+    def _reaper_locked(self, node: str) -> Any:
+        reaper = self._reapers.get(node)
+        if reaper is None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            reaper = self._reaper_cls.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote()
+            self._reapers[node] = reaper
+        return reaper
+
+    # ---- turns ------------------------------------------------------------------------
+
+    def _dispatch_locked(self) -> None:
+        while self._queue:
+            s = next((s for s in self._active if s.job is None and not s.killing), None)
+            if s is None:
+                return
+            job = next((j for j in self._queue if not j.frozen), None)
+            if job is None:
+                return
+            self._queue.remove(job)
+            s.job = job
+            s.stream_done.clear()
+            pending = [self._encoder.encode(f) for f in job.pending]
+            job.pending.clear()
+            s.seq = len(pending)
+            self._where[job.turn] = s
+            start = self._encoder.encode(
+                RunTurn(
+                    turn=job.turn,
+                    session=job.session,
+                    driver=job.driver,
+                    message=job.message,
+                    config=job.config,
+                    permissions=job.permissions,
+                    progress_every=job.progress_every,
+                    repeat=job.repeat,
+                )
+            )
+            threading.Thread(
+                target=self._stream,
+                args=(s, job, start, pending),
+                name=f"tether-ray-turn-{job.turn}",
+                daemon=True,
+            ).start()
+
+    def _send(self, s: _Slot, turn: str, seq: int, payload: bytes) -> None:
+        with contextlib.suppress(Exception):  # a lost slot: its stream reports the turn
+            s.actor.send.remote(turn, seq, payload)
+
+    def _stream(self, s: _Slot, job: TurnJob, start: bytes, pending: list[bytes]) -> None:
+        """One turn's stream: the worker's frames, then its end (or the slot's loss)."""
+        ray = _ray()
+        exit_item: dict[str, Any] | None = None
+        lost: str | None = None
+        try:
+            for ref in s.actor.run.remote(job.turn, start, pending):
+                item = ray.get(ref)
+                if isinstance(item, dict):
+                    exit_item = item
+                    break
+                if self._frame(s, job, item):
+                    break
+        except Exception as exc:  # the actor died (SIGKILL, node lost): RayActorError & co
+            lost = f"the Ray slot running this turn was lost: {type(exc).__name__}"
+        s.stream_done.set()
+        if exit_item is None and lost is None:
+            return  # the turn ended with its TurnEnd: reported already
+        with self._lock:
+            killing = s.killing
+        if killing:
+            return  # the abort reports this turn, once its tree is dead
+        if lost is not None:
+            self._crashed_slot(s, job, lost)
+        else:
+            assert exit_item is not None
+            self._crashed_child(s, job, exit_item)
+
+    def _frame(self, s: _Slot, job: TurnJob, payload: bytes) -> bool:
+        """Handle one worker frame; True at the turn's end."""
+        try:
+            frame = self._decoder.decode(payload)
+        except Exception as exc:
+            log.error("frame.rejected", pid=s.child, error=str(exc), fatal=False)
+            return False
+        if frame is None or getattr(frame, "turn", job.turn) != job.turn:
+            return False
+        try:
+            match frame:
+                case Say():
+                    self.host.on_say(job, frame)
+                case ToolCall():
+                    reply = self.host.on_tool_call(job, frame)
+                    self._reply(s, job, reply)
+                case Delivered():
+                    job.sink.delivered(frame)
+                case Progress():
+                    job.sink.progress(frame)
+                case Escalating():
+                    job.sink.escalating(frame)
+                case ToolKilled():
+                    job.sink.tool_killed(frame)
+                case TurnEnd():
+                    with self._lock:
+                        if s.job is not job or s.killing:
+                            return True  # a kill is under way: the abort reports it
+                        s.job = None
+                        self._jobs.pop(job.turn, None)
+                        self._where.pop(job.turn, None)
+                        self._frozen.pop(job.turn, None)
+                        self._dispatch_locked()
+                    job.sink.ended(job.turn, frame, None)
+                    return True
+        except Exception:  # a bug handling one frame must not end the stream
+            log.exception("frame.failed", pid=s.child)
+        return False
+
+    def _reply(self, s: _Slot, job: TurnJob, reply: ToolReply) -> None:
+        payload = self._encoder.encode(reply)
+        if len(payload) > MAX_FRAME:  # the driver waits for an answer: one it can read
+            payload = self._encoder.encode(
+                ToolReply(
+                    turn=reply.turn,
+                    call=reply.call,
+                    code="invalid-params",
+                    message=f"the result is too large to return: {len(payload)} bytes",
+                )
+            )
+        with self._lock:
+            if s.job is not job or s.killing:
+                return
+            seq = s.seq
+            s.seq += 1
+        self._send(s, job.turn, seq, payload)
+
+    def _forget_locked(self, s: _Slot, job: TurnJob) -> None:
+        if s.job is job:
+            s.job = None
+        self._jobs.pop(job.turn, None)
+        self._where.pop(job.turn, None)
+        self._frozen.pop(job.turn, None)
+
+    def _crashed_child(self, s: _Slot, job: TurnJob, item: dict[str, Any]) -> None:
+        """The turn's child died on its own; the slot killed what it left and answered."""
+        error = item.get("error")
+        if error is not None:
+            log.error("frame.rejected", pid=s.child, error=error, fatal=True)
+        else:
+            error = f"the worker exited with code {item.get('exit')}"
+        log.warning("worker.crashed", pid=s.child, turn=job.turn, error=error)
+        with self._lock:
+            self._forget_locked(s, job)
+            s.child = None
+            self._leave_locked(s)
+            self._dispatch_locked()
+        job.sink.ended(job.turn, None, error)
+        self._restart(s)
+
+    def _crashed_slot(self, s: _Slot, job: TurnJob, error: str) -> None:
+        """The slot actor is gone mid-turn: make sure the turn's tree is, then report."""
+        ray = _ray()
+        with self._lock:
+            reaper = self._reapers.get(s.node)
+            child, token = s.child, s.token
+        if reaper is not None and child is not None:
+            try:
+                ray.get(reaper.kill_tree.remote(child, token), timeout=self.abort_timeout)
+            except Exception as exc:
+                log.error("ray.tree_unconfirmed", turn=job.turn, error=repr(exc))
+        log.warning("ray.slot_lost", pid=s.pid, turn=job.turn)
+        with self._lock:
+            self._forget_locked(s, job)
+            s.child = None
+            if s in self._all:
+                self._retire_locked(s)
+            self._dispatch_locked()
+        job.sink.ended(job.turn, None, error)
+
+    def _abort(self, s: _Slot, job: TurnJob) -> None:
+        """Kill the turn's tree on its node; report ``aborted`` only once it is dead."""
+        ray = _ray()
+        with self._lock:
+            reaper = self._reaper_locked(s.node)
+            child, token = s.child, s.token
+        dead = False
+        if child is not None:
+            try:
+                dead = bool(
+                    ray.get(reaper.kill_tree.remote(child, token), timeout=self.abort_timeout)
+                )
+            except Exception as exc:
+                log.error("ray.reaper_failed", node=s.node, error=repr(exc))
+        if not dead:  # the last resort: Ray kills the actor (its child follows on EOF)
+            log.error("ray.tree_unconfirmed", turn=job.turn, pid=child, node=s.node)
+            with contextlib.suppress(Exception):
+                ray.kill(s.actor, no_restart=True)
+        with self._lock:
+            self._forget_locked(s, job)
+            s.child = None
+            self._leave_locked(s)  # the spare takes over now
+            self._dispatch_locked()
+        job.sink.ended(job.turn, None, "killed")
+        # The slot itself: a new child if it answers, else (frozen, lost) a replacement.
+        if dead and s.stream_done.wait(self.abort_timeout):
+            with self._lock:
+                lost = s.lost or s not in self._all
+            if not lost:
+                self._restart(s)
+                return
+        with self._lock:
+            if s in self._all:
+                self._retire_locked(s)

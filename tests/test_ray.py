@@ -1,0 +1,276 @@
+"""Issue 12, the Ray backend: what only Ray can get wrong (SPEC §14.6).
+
+The interrupt and core suites run on Ray too (``BACKENDS`` in those modules); these are
+the Ray-specific promises: an abort reports only a dead tree, escapees included; a frozen
+or lost slot never wedges a turn; frames keep their order across Ray's concurrency
+groups. Every process here is real: slots are Ray actors on the session's Ray instance,
+turns run in their children, and the tests read the process table with psutil.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+import tether
+from drivers import (
+    HANG,
+    SCRIPTED,
+    Recorder,
+    alive,
+    entries,
+    eventually,
+    refilled,
+    steps,
+    texts,
+    tree_of,
+    worker_with_tool,
+)
+from tether import User
+
+BACKENDS = ("ray",)
+pytestmark = pytest.mark.ray
+
+ESCAPEE_TREE = ["sh", "-c", "setsid sleep 30 & sleep 30; wait"]
+ABORT_TIMEOUT = 1.0
+
+
+@pytest.fixture
+def ray_rt(ray_session: Any) -> Iterator[tether.Runtime]:
+    """Two Ray slots and a spare, with a short abort timeout."""
+    with tether.Runtime(
+        workers=2, grace=1.0, backend="ray", ray_options={"abort_timeout": ABORT_TIMEOUT}
+    ) as runtime:
+        yield runtime
+
+
+def _family(rt: tether.Runtime) -> tuple[str, str, User]:
+    root = rt.open_session(SCRIPTED)
+    child = rt.spawn(root, SCRIPTED, slug="child")
+    assert isinstance(child, str)
+    return root, child, User(parent=root)
+
+
+def _slot_of(worker: psutil.Process) -> psutil.Process:
+    """The slot actor running ``worker`` (its parent: a Ray worker process)."""
+    slot = worker.parent()
+    assert slot is not None and slot.cmdline()[0].startswith("ray::Slot")
+    return slot
+
+
+def test_abort_with_a_setsid_escapee_reports_aborted_only_once_every_process_is_dead(
+    ray_rt: tether.Runtime,
+) -> None:
+    rt = ray_rt
+    rec = Recorder(rt)
+    _root, child, me = _family(rt)
+    rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ESCAPEE_TREE}))
+    worker = worker_with_tool(rt, "sleep", count=2)
+    tree = tree_of(worker)
+    escapees = [p for p in tree if os.getsid(p.pid) != os.getsid(worker.pid)]
+    assert escapees, "the tool did not escape its worker's session"
+
+    at_end: list[list[int]] = []
+
+    def on_event(ev: tether.Event) -> None:  # runs when the end is reported
+        if ev.name == "turn.ended" and ev.session == child:
+            at_end.append([p.pid for p in tree if alive(p)])
+
+    rt.subscribe(on_event)
+    start = time.monotonic()
+    rt.interrupt(child, authority=me, kind="abort", reason="runaway")
+    ended = rec.turn_ended(child, timeout=2.0)
+    assert time.monotonic() - start < 2.0
+    assert (ended["outcome"], ended["reason"]) == ("aborted", "runaway")
+    assert at_end == [[]], f"reported aborted while alive: {at_end}"
+    assert not any(alive(p) for p in tree)
+    rt.send(child, "next", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=10.0)["outcome"] == "completed"
+    refilled(rt)
+
+
+def test_a_slot_frozen_with_sigstop_still_ends_aborted_in_time_and_the_next_turn_runs(
+    ray_rt: tether.Runtime,
+) -> None:
+    rt = ray_rt
+    rec = Recorder(rt)
+    _root, child, me = _family(rt)
+    rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ["sleep", "30"]}))
+    worker = worker_with_tool(rt, "sleep")
+    slot = _slot_of(worker)
+    tree = [slot, *tree_of(worker)]
+    os.kill(slot.pid, signal.SIGSTOP)  # the slot answers nothing from now on
+
+    start = time.monotonic()
+    rt.interrupt(child, authority=me, kind="abort", reason="frozen slot")
+    ended = rec.turn_ended(child, timeout=ABORT_TIMEOUT + 1.0)
+    assert time.monotonic() - start < ABORT_TIMEOUT + 1.0
+    assert ended["outcome"] == "aborted"
+    eventually(
+        lambda: not any(alive(p) for p in tree),
+        timeout=ABORT_TIMEOUT + 3.0,
+        what="the frozen slot and its turn's tree to be gone",
+    )
+    rt.send(child, "next", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=10.0)["outcome"] == "completed"
+    refilled(rt)
+
+
+def test_a_slot_killed_mid_turn_ends_the_turn_crashed_runs_its_step_once_and_is_replaced(
+    ray_rt: tether.Runtime,
+) -> None:
+    rt = ray_rt
+    rec = Recorder(rt)
+    _root, child, me = _family(rt)
+    refilled(rt)
+    rt.send(
+        child,
+        "A",
+        authority=me,
+        data=steps({"op": "say", "text": "claimed step"}, {"op": "tool", "argv": ["sleep", "30"]}),
+    )
+    worker = worker_with_tool(rt, "sleep")
+    tools = tree_of(worker)
+    slot = _slot_of(worker)
+    before = set(rt.worker_pids)
+    os.kill(slot.pid, signal.SIGKILL)
+
+    ended = rec.turn_ended(child, timeout=10.0)
+    assert ended["outcome"] == "crashed"
+    assert ended["error"] is not None and "lost" in ended["error"]
+    eventually(lambda: not any(alive(p) for p in tools), timeout=2.0, what="the tree to die")
+    eventually(
+        lambda: len(rt.worker_pids) == 3 and worker.pid not in rt.worker_pids,
+        timeout=20.0,
+        what="the lost slot to be replaced",
+    )
+    assert len(before - set(rt.worker_pids)) == 1
+    time.sleep(0.5)  # a retry, if Ray made one, would say the step again by now
+    assert texts(rt, child, "assistant").count("claimed step") == 1
+    assert len(rt.turns(child)) == 1 and rt.status(child).state == "parked"
+    rt.send(child, "next", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=10.0)["outcome"] == "completed"
+
+
+def test_fifty_steers_back_to_back_arrive_in_order(ray_rt: tether.Runtime) -> None:
+    rt = ray_rt
+    rec = Recorder(rt)
+    _root, child, me = _family(rt)
+    rt.send(child, "A", authority=me, data=steps({"op": "say", "text": "up"}, {"op": "hang"}))
+    eventually(lambda: "up" in texts(rt, child, "assistant"), timeout=5.0, what="the turn")
+    for i in range(50):
+        rt.interrupt(child, authority=me, kind="steer", reason=f"steer {i}")
+    rec.wait_for(lambda e: e.name == "marker" and e.session == child, count=50, timeout=10.0)
+    got = [e.reason for e in entries(rt, child, "marker") if e.action == "steered"]
+    assert got == [f"steer {i}" for i in range(50)]
+    rt.interrupt(child, authority=me, kind="cancel")
+    assert rec.turn_ended(child, timeout=5.0)["outcome"] == "cancelled"
+
+
+def test_a_steer_sent_before_dispatch_arrives_at_the_first_boundary(ray_session: Any) -> None:
+    with tether.Runtime(workers=1, grace=1.0, backend="ray") as rt:
+        rec = Recorder(rt)
+        root = rt.open_session(SCRIPTED)
+        busy = rt.spawn(root, SCRIPTED)
+        waiting = rt.spawn(root, SCRIPTED)
+        assert isinstance(busy, str) and isinstance(waiting, str)
+        me = User(parent=root)
+        rt.send(busy, "hold the only slot", authority=me, data=HANG)
+        rt.wait(busy, until="running", timeout=5.0)
+        eventually(lambda: rt.status(busy).dispatched, timeout=5.0, what="busy to dispatch")
+        rt.send(
+            waiting,
+            "B",
+            authority=me,
+            data=steps({"op": "say", "text": "first step"}, {"op": "say", "text": "second"}),
+        )
+        assert rt.status(waiting).state == "running" and not rt.status(waiting).dispatched
+        rt.interrupt(waiting, authority=me, kind="steer", reason="before dispatch")
+        rt.interrupt(busy, authority=me, kind="abort")
+        assert rec.turn_ended(waiting, timeout=10.0)["outcome"] == "completed"
+        said = texts(rt, waiting, "assistant")
+        assert "before dispatch" in said[0] and said[1:] == ["first step", "second"]
+
+
+def test_pause_freezes_the_turn_tree_on_its_node_and_resume_thaws_it(
+    ray_rt: tether.Runtime,
+) -> None:
+    rt = ray_rt
+    rec = Recorder(rt)
+    root, child, me = _family(rt)
+    rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ESCAPEE_TREE}))
+    worker = worker_with_tool(rt, "sleep", count=2)
+    tree = tree_of(worker)
+    assert rt.pause(child, authority=me) != []
+    eventually(
+        lambda: all(p.status() == psutil.STATUS_STOPPED for p in tree),
+        timeout=2.0,
+        what="the whole tree, escapee included, to be stopped",
+    )
+    assert rt.status(child).state == "paused"
+    rt.resume(child, authority=me)
+    eventually(
+        lambda: all(p.status() != psutil.STATUS_STOPPED for p in tree),
+        timeout=2.0,
+        what="the whole tree to run again",
+    )
+    rt.interrupt(child, authority=me, kind="abort")
+    assert rec.turn_ended(child, timeout=3.0)["outcome"] == "aborted"
+    assert not any(alive(p) for p in tree)
+    assert root
+
+
+def test_close_leaves_no_actor_and_no_process(ray_session: Any) -> None:
+    rt = tether.Runtime(workers=2, grace=0.5, backend="ray")
+    try:
+        root = rt.open_session(SCRIPTED)
+        child = rt.spawn(root, SCRIPTED)
+        assert isinstance(child, str)
+        rt.send(
+            child,
+            "A",
+            authority=User(parent=root),
+            data=steps({"op": "tool", "argv": ESCAPEE_TREE}),
+        )
+        worker = worker_with_tool(rt, "sleep", count=2)
+        slots = {_slot_of(psutil.Process(pid)).pid for pid in rt.worker_pids}
+        everything = [*tree_of(worker), *(psutil.Process(pid) for pid in slots)]
+    finally:
+        rt.close()
+    left = [p.pid for p in everything if alive(p)]
+    assert left == [], f"left running after close(): {left}"
+
+    def actors() -> list[int]:
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if alive(p) and p.cmdline()[0].startswith(("ray::Slot", "ray::Reaper")):
+                    out.append(p.pid)
+        return out
+
+    eventually(lambda: actors() == [], timeout=5.0, what="no slot or reaper actor left")
+
+
+def test_backend_ray_without_ray_raises_an_error_naming_the_extra() -> None:
+    # A real interpreter in which `import ray` finds nothing (sys.modules["ray"] = None).
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import tether\n"
+        "try:\n"
+        "    tether.Runtime(backend='ray')\n"
+        "except tether.TetherError as exc:\n"
+        "    print(exc.message)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "tether[ray]" in out.stdout, out
