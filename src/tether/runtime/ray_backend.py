@@ -48,12 +48,14 @@ from tether.runtime.pool import PoolHost
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import DriverNotFound, TetherError
 from tether.wire.frames import (
+    CancelFrame,
     Delivered,
     Escalating,
     HostFrame,
     Progress,
     RunTurn,
     Say,
+    SteerFrame,
     ToolCall,
     ToolKilled,
     ToolReply,
@@ -549,7 +551,14 @@ class RayBackend:
             self._queue.remove(job)
             s.job = job
             s.stream_done.clear()
-            pending = [self._encoder.encode(f) for f in job.pending]
+            # Steers and a cancel held for the turn ride inside RunTurn (in force at the
+            # first boundary); anything else follows it in order.
+            held = [f for f in job.pending if isinstance(f, SteerFrame | CancelFrame)]
+            pending = [
+                self._encoder.encode(f)
+                for f in job.pending
+                if not isinstance(f, SteerFrame | CancelFrame)
+            ]
             job.pending.clear()
             s.seq = len(pending)
             self._where[job.turn] = s
@@ -563,6 +572,7 @@ class RayBackend:
                     permissions=job.permissions,
                     progress_every=job.progress_every,
                     repeat=job.repeat,
+                    held=held,
                 )
             )
             threading.Thread(
