@@ -772,6 +772,12 @@ class Pool:
 
     # ---- internals: the end ----------------------------------------------------------
 
+    def _report(self, w: _Worker, job: TurnJob, error: str) -> None:
+        try:
+            job.sink.ended(job.turn, None, error)
+        except Exception:
+            log.exception("worker.report_failed", pid=w.pid, turn=job.turn)
+
     def _maybe_finish(self, w: _Worker) -> None:
         """Once its tree is dead and its reader done: report its turn, forget the worker.
 
@@ -788,19 +794,19 @@ class Pool:
                 self._where.pop(job.turn, None)
         w.stop_sending()
         w.channel.close()
+        if job is not None and w.killed:
+            # The tree is dead (that is what reporting waits for): a killed turn's end
+            # needs nothing from the forkserver's exit report, so it goes first.
+            self._report(w, job, w.error or "killed")
+            job = None
         w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the forkserver's report
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
         code = w.process.exitcode
         if job is not None:
-            error = w.error or ("killed" if w.killed else f"the worker exited with code {code}")
-            if w.killed:
-                log.debug("worker.reaped", pid=w.pid, turn=job.turn, exitcode=code)
-            else:
-                log.warning("worker.crashed", pid=w.pid, turn=job.turn, exitcode=code)
-            try:
-                job.sink.ended(job.turn, None, error)
-            except Exception:
-                log.exception("worker.report_failed", pid=w.pid, turn=job.turn)
+            log.warning("worker.crashed", pid=w.pid, turn=job.turn, exitcode=code)
+            self._report(w, job, w.error or f"the worker exited with code {code}")
+        elif w.killed:
+            log.debug("worker.reaped", pid=w.pid, exitcode=code)
         with self._lock:
             self._all.discard(w)
             self._changed.notify_all()
