@@ -440,7 +440,7 @@ class Pool:
 
     def worker_pids(self) -> list[int]:
         with self._lock:
-            return [w.pid for w in self._all]
+            return [w.pid for w in self._all if not w.finished]  # finished: dead, reported
 
     def close(self) -> None:
         """Stop every worker; whatever is still queued is reported as ended."""
