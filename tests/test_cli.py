@@ -39,6 +39,10 @@ def ok(server: LiveServer, *args: str) -> str:
     return done.stdout.strip()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Streaming:
     """A long-running ``tether`` command whose output lines are read on a thread."""
 
@@ -48,6 +52,9 @@ class Streaming:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # As in a terminal, Ctrl-C must reach the command: a test run started in the
+            # background of a shell inherits SIGINT ignored, and Python keeps it ignored.
+            preexec_fn=_default_sigint,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

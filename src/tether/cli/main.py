@@ -8,7 +8,6 @@ and ``--json`` (machine-readable output).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -677,10 +676,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tether: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # how --follow and watch are meant to end
-        # End at once: the event stream's reader thread may be blocked in a read, and
-        # once (in a CI run) the interpreter's shutdown did not finish within 15 s after
-        # Ctrl-C; nothing is left to clean up but our own output.
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(0)
+        return 0
