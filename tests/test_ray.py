@@ -91,6 +91,8 @@ def test_abort_with_a_setsid_escapee_reports_aborted_only_once_every_process_is_
     ended = rec.turn_ended(child, timeout=2.0)
     assert time.monotonic() - start < 2.0
     assert (ended["outcome"], ended["reason"]) == ("aborted", "runaway")
+    # the recorder's callback runs before ours, on the same emitting thread: wait for ours
+    eventually(lambda: at_end or None, what="our turn.ended callback")
     assert at_end == [[]], f"reported aborted while alive: {at_end}"
     assert not any(alive(p) for p in tree)
     rt.send(child, "next", authority=me)
