@@ -232,6 +232,23 @@ def test_history_reaches_the_driver(rt: tether.Runtime) -> None:
     assert json.loads(second) == [["user", "first"], ["assistant", first], ["user", "second"]]
 
 
+def test_history_longer_than_a_page_reaches_the_driver_whole_and_in_order(
+    rt: tether.Runtime,
+) -> None:
+    """ctx.history pages through the transcript (issue 10): 1,203 entries, three pages."""
+    rec = Recorder(rt)
+    root = rt.open_session("drivers:HistoryRecorder")
+    for i in range(1201):  # written straight to the store: a long past, quickly
+        rt._store.append_entry(root, "assistant", f"old {i}")
+    rt.prompt(root, "now")
+    rec.turn_ended(root, timeout=20.0)
+    [said] = [t for t in texts(rt, root, "assistant") if t.startswith("[")]
+    seen = json.loads(said)
+    assert len(seen) == 1202  # the 1,201 old entries and this turn's message
+    assert seen[0] == ["assistant", "old 0"] and seen[1200] == ["assistant", "old 1200"]
+    assert seen[-1] == ["user", "now"]
+
+
 # ---- discovery ----------------------------------------------------------------------------
 
 

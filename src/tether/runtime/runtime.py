@@ -68,6 +68,7 @@ MAX_CONTENT = 1_000_000  # characters in one message
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
+_HISTORY_PAGE = 500  # entries per `history` call from a worker (ctx.history pages)
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
 
@@ -701,7 +702,11 @@ class Runtime:
 
         match name:
             case "history":
-                return msgspec.to_builtins(self._store.entries(caller))
+                after = args.get("after", 0)
+                if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+                    raise InvalidParams("after must be a non-negative entry sequence number")
+                page = self._store.entries(caller, after=after, limit=_HISTORY_PAGE)
+                return msgspec.to_builtins(page)
             case "spawn_agent":
                 gate("spawn")
                 # The host sets what loads code and widens authority: a child runs its

@@ -70,6 +70,7 @@ from tether.wire.records import AgentInfo, Entry, Message
 __all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
+_HISTORY_PAGE = 500  # transcript entries per host call (the host caps a page at this)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -226,8 +227,17 @@ class TurnContext:
     def history(self) -> list[Entry]:
         """The session's transcript before this turn's own entries; fetched on first use."""
         if self._history is None:
-            raw = self._host_call("history", {})
-            self._history = msgspec.convert(raw, list[Entry])
+            # Page by page (an SQL LIMIT on an index each): a long transcript never has
+            # to fit in one frame.
+            history: list[Entry] = []
+            while True:
+                after = history[-1].seq if history else 0
+                raw = self._host_call("history", {"after": after})
+                page = msgspec.convert(raw, list[Entry])
+                history.extend(page)
+                if len(page) < _HISTORY_PAGE:
+                    break
+            self._history = history
         return self._history
 
     # ---- tools ----------------------------------------------------------------------
