@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +109,35 @@ def ray_session() -> Iterator[Any]:
     if started:
         ray.shutdown()
     _ray_daemons.clear()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[dict[str, Any]]:
+    """A two-node ``ray.cluster_utils.Cluster`` (tests/cluster_child.py, in its own
+    process): ``{"address", "nodes": [head, worker], "launcher": pid}``. Each node has one
+    unit of the resource ``tether_slot``."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip(RAY_MISSING)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_child.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    daemons: set[int] = set()
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the Ray cluster did not start (see stderr)")
+        info: dict[str, Any] = json.loads(line)
+        daemons = set(info["daemons"]) | {proc.pid}
+        _ray_daemons.update(daemons)
+        yield {**info, "launcher": proc.pid}
+    finally:
+        proc.stdin.close()
+        proc.wait(60.0)
+        proc.stdout.close()
+        _ray_daemons.difference_update(daemons)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -210,10 +210,10 @@ def all_dead(procs: Iterable[psutil.Process], timeout: float) -> bool:
         pause = min(pause * 2, 0.005)
 
 
-def sweep(roots: Sequence[int], *, passes: int) -> bool:
+def sweep(roots: Sequence[int], *, passes: int, token: str | None = None) -> bool:
     """Passes of ``kill_tree`` until one finds nothing alive (True), at most ``passes``."""
     for _ in range(passes):
-        live = [p for p in kill_tree(roots) if alive(p)]
+        live = [p for p in kill_tree(roots, token=token) if alive(p)]
         if not live:
             return True
         all_dead(live, 0.2)  # then walk again: nothing may be left

@@ -175,6 +175,8 @@ class _Child:
         if first is None or not isinstance(_decoder.decode(first), Ready):
             self.kill()
             raise RuntimeError("the turn worker did not start")
+        # its keeper (see _ray_child), tagged like the rest of its tree
+        self.keeper = next((p.pid for p in _tagged(self.token) if p.pid != self.pid), None)
 
     def read(self) -> bytes | None:
         """The next frame's bytes; None at the end of the stream."""
@@ -232,6 +234,7 @@ class Slot:
             "node": self.node,
             "child": None if child is None else child.pid,
             "token": None if child is None else child.token,
+            "keeper": None if child is None else child.keeper,
         }
 
     @ray.method(concurrency_group="turn")
@@ -269,6 +272,20 @@ class Slot:
             frame = _decoder.decode(payload)
             if isinstance(frame, ProbeReply) and frame.driver == driver:
                 return frame.error
+
+    @ray.method(concurrency_group="check")
+    def check(self, driver: str) -> str | None:
+        """``probe`` for a busy slot: a new process on this node imports ``driver``."""
+        done = subprocess.run(
+            [sys.executable, "-m", "tether.runtime._ray_child", "--check", driver],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=_START_TIMEOUT,
+        )
+        if done.returncode == 0:
+            return None
+        return done.stdout.strip() or f"checking the driver failed: {done.stderr.strip()[-500:]}"
 
     @ray.method(num_returns="streaming", concurrency_group="turn")
     def run(self, turn: str, start: bytes, pending: list[bytes]) -> Iterator[Any]:

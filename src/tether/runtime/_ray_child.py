@@ -4,26 +4,63 @@
 socketpair. ``worker_main`` puts the process in its own session and process group (a
 Ray worker is a group leader itself, so the slot never signals its own group) and makes
 it a subreaper for its tools. Ray is not imported here.
+
+Before that, it starts the tree's *keeper*. When a Ray worker exits (its job's driver,
+our host, died, say), Ray SIGKILLs that worker's children: the turn's worker dies with
+no chance to sweep its tree, and a tool that left its session would outlive it. The
+keeper waits on a pipe that only the worker holds open; when the pipe closes (the
+worker is gone, however it died) it kills every process tagged with the tree's TOKEN,
+then exits. It is started by a double fork, before the worker becomes a subreaper, so
+that it is in no one's tree of ours: Ray's kill of the slot's children misses it, and
+so do the worker's own sweeps of what a command left behind. Its parent is the nearest
+subreaper above the slot (the host, when the host started Ray) or init.
+
+``python -m tether.runtime._ray_child --check DRIVER``: import the driver and exit 0, or
+print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers so).
 """
 
 from __future__ import annotations
 
-import inspect
+import os
 import socket
 import sys
-from typing import Any
 
-from tether.runtime.worker import worker_main
+from tether.runtime._procs import sweep
+from tether.runtime.worker import load_driver, worker_main
+from tether.wire.errors import DriverNotFound
+
+_KEEPER_PASSES = 50
+
+
+def _start_keeper(token: str, channel: int) -> None:
+    """Start the keeper of this worker's tree (see the module's docstring)."""
+    done, held = os.pipe()  # not inheritable: the worker's tools never hold ``held``
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(held)
+            os.close(channel)  # the slot must see EOF when the worker dies, not wait on us
+            os.setsid()
+            if os.fork() == 0:
+                os.read(done, 1)  # returns once the worker is gone
+                sweep([], passes=_KEEPER_PASSES, token=token)
+        finally:
+            os._exit(0)
+    os.close(done)
+    os.waitpid(middle, 0)  # the keeper has its new parent once the middle one is reaped
 
 
 def main() -> None:
+    if sys.argv[1] == "--check":
+        try:
+            load_driver(sys.argv[2])
+        except DriverNotFound as exc:
+            print(exc.message)
+            sys.exit(1)
+        return
     fd, token = int(sys.argv[1]), sys.argv[2]
-    sock = socket.socket(fileno=fd)
-    entry: Any = worker_main
-    if "token" in inspect.signature(worker_main).parameters:  # the tree tag, where taken
-        entry(sock, token)
-    else:
-        entry(sock)
+    _start_keeper(token, fd)
+    worker_main(socket.socket(fileno=fd), token)
 
 
 if __name__ == "__main__":

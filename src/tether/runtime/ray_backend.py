@@ -20,9 +20,10 @@
     store, inbox, authority: host-only                        included; answers when dead
 
 The host stays the Ray driver and opens no port: tool calls travel up the turn's own
-stream and their replies down the slot's ``send``. ``workers=N`` slots take turns and one
-warm spare waits (a new actor takes seconds to start). After an abort, a slot whose
-stream ended starts a new child (its tree is dead) and becomes the spare; a slot that
+stream and their replies down the slot's ``send``. ``workers=N`` slots take turns and
+``spare`` warm ones wait (a new actor takes seconds to start; default one). After an
+abort, a slot whose stream ended starts a new child (its tree is dead) and becomes a
+spare; a slot that
 does not answer within ``abort_timeout`` (frozen with SIGSTOP, say) is killed by the
 reaper, then ``ray.kill``-ed, and replaced. A slot lost mid-turn ends the turn
 ``crashed``; Ray never retries it (retries would run claimed work twice).
@@ -41,6 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
@@ -70,6 +72,7 @@ log = structlog.get_logger("tether.ray")
 _START_TIMEOUT = 60.0  # a slot actor (a Ray worker process) to start and report
 _CALL_TIMEOUT = 10.0  # a control call on a live slot or reaper
 _ABORT_TIMEOUT = 2.0
+_KEEPER_WAIT = 2.0  # at close, for the keepers of ours to exit (they sweep, then exit)
 _init_lock = threading.Lock()
 
 
@@ -125,6 +128,15 @@ def ensure_ray(
         return True
 
 
+def _driver_node() -> str | None:
+    """The Ray node this process (the driver) is on; None where Ray cannot say (a
+    Ray Client driver is on no node)."""
+    try:
+        return str(_ray().get_runtime_context().get_node_id())
+    except Exception:
+        return None
+
+
 def _errors_to_stderr() -> None:
     """Ray's driver prints the errors it hears of (a worker that died, say) to
     ``sys.stdout``; send them to stderr, where a host's diagnostics belong."""
@@ -152,6 +164,7 @@ class _Slot:
         self.node = ""
         self.child: int | None = None  # the turn child's pid (on that node)
         self.token = ""
+        self.keeper: int | None = None  # the child's keeper (see _ray_child), on that node
         self.job: TurnJob | None = None
         self.seq = 0  # the next host→worker frame number of the current turn
         self.killing = False
@@ -163,10 +176,11 @@ class _Slot:
         self.node = str(info["node"])
         self.child = None if info["child"] is None else int(info["child"])
         self.token = str(info["token"] or "")
+        self.keeper = None if info.get("keeper") is None else int(info["keeper"])
 
 
 class RayBackend:
-    """``size`` Ray actor slots plus one warm spare; FIFO dispatch across sessions.
+    """``size`` Ray actor slots plus ``spare`` warm ones; FIFO dispatch across sessions.
 
     Settings: ``address`` (the cluster; None starts a local one, unless this process
     is already a Ray driver), ``slot_options`` (Ray actor options for each slot, e.g.
@@ -174,7 +188,9 @@ class RayBackend:
     ``scheduling_strategy="SPREAD"``), ``runtime_env`` and ``init_options`` (passed to
     ``ray.init`` when this backend starts or joins Ray), ``abort_timeout`` (seconds an
     abort waits for the reaper before ``ray.kill``, and for a slot to answer before it
-    is replaced).
+    is replaced), ``spare`` (warm slots beyond ``size``, default 1: each holds its
+    ``slot_options`` resources while it waits, so 0 suits a slot that claims a GPU; a
+    lost slot is then replaced cold, in seconds).
     """
 
     def __init__(
@@ -187,21 +203,27 @@ class RayBackend:
         runtime_env: dict[str, Any] | None = None,
         init_options: dict[str, Any] | None = None,
         abort_timeout: float = _ABORT_TIMEOUT,
+        spare: int = 1,
     ) -> None:
         if size < 1:
             raise ValueError("a backend needs at least one worker")
+        if spare < 0:
+            raise ValueError("spare must be 0 or more")
         ray = _ray()
         from tether.runtime import _ray_actors
 
         self.size = size
+        self.spare = spare
         self.host = host
         self.abort_timeout = float(abort_timeout)
         self._owns_ray = ensure_ray(address, runtime_env=runtime_env, init_options=init_options)
+        self._node = _driver_node()
+        self._keepers: set[int] = set()  # our children: see _adopt_keeper
         self._actors = _ray_actors
         options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
         options.update(slot_options or {})
         options.update(max_restarts=0, max_task_retries=0)  # never run claimed work twice
-        self._slot_cls = ray.remote(concurrency_groups={"turn": 1, "ctl": 1})(
+        self._slot_cls = ray.remote(concurrency_groups={"turn": 1, "ctl": 1, "check": 1})(
             _ray_actors.Slot
         ).options(**options)
         self._reaper_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(
@@ -212,7 +234,7 @@ class RayBackend:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._active: list[_Slot] = []
-        self._spare: _Slot | None = None
+        self._spares: deque[_Slot] = deque()
         self._all: set[_Slot] = set()
         self._starting = 0
         self._failures = 0
@@ -227,10 +249,10 @@ class RayBackend:
         self._draining = False
         try:
             with self._lock:
-                for _ in range(size + 1):
+                for _ in range(size + spare):
                     self._start_slot_locked()
                 deadline = time.monotonic() + _START_TIMEOUT
-                while len(self._active) < size or self._spare is None:
+                while len(self._active) < size or len(self._spares) < spare:
                     left = deadline - time.monotonic()
                     if self._failures >= 3:
                         raise TetherError("Ray slots fail to start (see the Ray logs)")
@@ -339,22 +361,26 @@ class RayBackend:
         self._draining = True
 
     def probe(self, driver: str) -> None:
-        """The spare slot's child imports ``driver``: the host never runs driver code."""
+        """A slot's idle child imports ``driver`` (the host never runs driver code): a
+        spare's, else an idle slot's, else (every slot busy, ``spare=0``) a new process
+        beside a busy slot's turn."""
         if driver in self._probed:
             return
         ray = _ray()
         with self._probe_lock:
             for _ in range(3):
                 with self._lock:
-                    deadline = time.monotonic() + _CALL_TIMEOUT
-                    while self._spare is None:
-                        left = deadline - time.monotonic()
-                        if left <= 0 or self._closed:
-                            raise TetherError("no spare worker to check the driver")
-                        self._changed.wait(left)
-                    target = self._spare
+                    if self._closed:
+                        raise TetherError("the runtime is closed")
+                    idle = [*self._spares, *(s for s in self._active if self._idle_locked(s))]
+                    slots = idle or list(self._active)
+                    if not slots:
+                        raise TetherError("no Ray slot to check the driver on")
+                    # submitted under the lock: no turn can be dispatched to it before
+                    target = slots[0]
+                    call = (target.actor.probe if idle else target.actor.check).remote(driver)
                 try:
-                    error = ray.get(target.actor.probe.remote(driver), timeout=_CALL_TIMEOUT)
+                    error = ray.get(call, timeout=_CALL_TIMEOUT)
                 except Exception:
                     continue  # that slot died meanwhile: ask another
                 if error is not None:
@@ -363,10 +389,14 @@ class RayBackend:
                 return
         raise TetherError("workers kept dying while checking the driver")
 
+    @staticmethod
+    def _idle_locked(s: _Slot) -> bool:
+        return s.job is None and not s.killing and s.child is not None
+
     def worker_pids(self) -> list[int]:
         """The turn children's pids (on their nodes), spare included."""
         with self._lock:
-            slots = [*self._active, *([self._spare] if self._spare else [])]
+            slots = [*self._active, *self._spares]
             return [s.child for s in slots if s.child is not None]
 
     def slot_pids(self) -> list[int]:
@@ -419,6 +449,7 @@ class RayBackend:
         if self._owns_ray:
             with ray_stdout_to_stderr():
                 ray.shutdown()
+        self._reap_keepers(wait=_KEEPER_WAIT)
 
     # ---- slots ------------------------------------------------------------------------
 
@@ -433,6 +464,7 @@ class RayBackend:
             s = _Slot(self._slot_cls.remote())
             info = ray.get(s.actor.info.remote(), timeout=_START_TIMEOUT)
             s.update(info)
+            self._adopt_keeper(s)
         except Exception as exc:
             log.error("ray.slot_start_failed", error=repr(exc))
             if s is not None:
@@ -459,8 +491,8 @@ class RayBackend:
             pass  # close() stops it with the others
         elif len(self._active) < self.size:
             self._active.append(s)
-        elif self._spare is None:
-            self._spare = s
+        elif len(self._spares) < self.spare:
+            self._spares.append(s)
         else:
             self._retire_locked(s)
         self._dispatch_locked()
@@ -468,13 +500,12 @@ class RayBackend:
 
     def _leave_locked(self, s: _Slot) -> None:
         """``s`` stops taking turns; the spare takes its place at once."""
-        if self._spare is s:
-            self._spare = None
+        if s in self._spares:
+            self._spares.remove(s)
         elif s in self._active:
             self._active.remove(s)
-            if self._spare is not None:
-                self._active.append(self._spare)
-                self._spare = None
+            if self._spares:
+                self._active.append(self._spares.popleft())
 
     def _retire_locked(self, s: _Slot) -> None:
         """Kill ``s`` for good (in the background) and start a replacement if needed."""
@@ -489,8 +520,8 @@ class RayBackend:
     def _replenish_locked(self) -> None:
         if self._closed or self._failures >= 3:
             return
-        restarting = sum(1 for s in self._all if s not in self._active and s is not self._spare)
-        missing = self.size + 1 - len(self._active) - (self._spare is not None)
+        restarting = sum(1 for s in self._all if s not in self._active and s not in self._spares)
+        missing = self.size + self.spare - len(self._active) - len(self._spares)
         for _ in range(missing - self._starting - restarting):
             self._start_slot_locked()
 
@@ -513,6 +544,9 @@ class RayBackend:
         try:
             info = ray.get(s.actor.restart.remote(), timeout=_START_TIMEOUT)
         except Exception as exc:
+            with self._lock:
+                if self._closed:
+                    return  # close() stopped it meanwhile
             log.warning("ray.slot_restart_failed", pid=s.pid, error=repr(exc))
             with self._lock:
                 if s in self._all:
@@ -520,12 +554,46 @@ class RayBackend:
             return
         with self._lock:
             s.update(info)
+        self._adopt_keeper(s)
+        self._reap_keepers()
+        with self._lock:
             s.killing = False
             if s not in self._all or s.lost:
                 return
             if self._closed:
                 return
             self._place_locked(s)
+
+    def _adopt_keeper(self, s: _Slot) -> None:
+        """A keeper on this host's own node whose parent is this process (the host
+        started Ray and is a subreaper) is ours to reap once it exits."""
+        if s.keeper is None or s.node != self._node:
+            return
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(s.keeper).ppid() == os.getpid():
+                with self._lock:
+                    self._keepers.add(s.keeper)
+
+    def _reap_keepers(self, wait: float = 0.0) -> None:
+        """Collect the keepers of ours that have exited (each a zombie until then);
+        ``wait``: up to that long for the others to exit too."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self._lock:
+                pids = list(self._keepers)
+            for pid in pids:
+                try:
+                    done = os.waitpid(pid, os.WNOHANG)[0] != 0
+                except ChildProcessError:
+                    done = True
+                if done:
+                    with self._lock:
+                        self._keepers.discard(pid)
+            with self._lock:
+                left = bool(self._keepers)
+            if not left or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)  # no event tells us that another process's child exited
 
     def _reaper_locked(self, node: str) -> Any:
         reaper = self._reapers.get(node)
@@ -618,9 +686,10 @@ class RayBackend:
         """Handle one worker frame; True at the turn's end."""
         try:
             frame = self._decoder.decode(payload)
-        except Exception as exc:
-            log.error("frame.rejected", pid=s.child, error=str(exc), fatal=False)
-            return False
+        except Exception as exc:  # SPEC §14.3: the worker is faulty, its turn crashed
+            log.error("frame.rejected", pid=s.child, error=str(exc), fatal=True)
+            self._fault(s, job, f"protocol error: {exc}")
+            return True
         if frame is None or getattr(frame, "turn", job.turn) != job.turn:
             return False
         try:
@@ -714,8 +783,20 @@ class RayBackend:
             self._dispatch_locked()
         job.sink.ended(job.turn, None, error)
 
-    def _abort(self, s: _Slot, job: TurnJob) -> None:
-        """Kill the turn's tree on its node; report ``aborted`` only once it is dead."""
+    def _fault(self, s: _Slot, job: TurnJob, error: str) -> None:
+        """The turn's worker spoke nonsense: kill its tree as an abort does, and end the
+        turn with ``error`` (crashed) once the tree is dead."""
+        with self._lock:
+            if s.job is not job or s.killing:
+                return
+            s.killing = True
+        threading.Thread(
+            target=self._abort, args=(s, job, error), name="tether-ray-fault", daemon=True
+        ).start()
+
+    def _abort(self, s: _Slot, job: TurnJob, error: str = "killed") -> None:
+        """Kill the turn's tree on its node; report its end (``killed``: ``aborted``)
+        only once it is dead."""
         ray = _ray()
         with self._lock:
             reaper = self._reaper_locked(s.node)
@@ -737,7 +818,7 @@ class RayBackend:
             s.child = None
             self._leave_locked(s)  # the spare takes over now
             self._dispatch_locked()
-        job.sink.ended(job.turn, None, "killed")
+        job.sink.ended(job.turn, None, error)
         # The slot itself: a new child if it answers, else (frozen, lost) a replacement.
         if dead and s.stream_done.wait(self.abort_timeout):
             with self._lock:

@@ -87,6 +87,11 @@ def set_subreaper() -> bool:
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
+def set_parent_death_signal(sig: int) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux)."""
+    return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
 _drivers: dict[str, type[Any]] = {}
 
 
@@ -619,7 +624,7 @@ def worker_main(sock: socket.socket, token: str) -> None:
     # the forkserver goes, and the sweep runs. The forkserver exits once its "alive" pipe
     # has no writer left; every forkserver child inherits that writer, so we drop ours
     # (we never start processes through the forkserver), and the host's is the last.
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGCONT)
+    set_parent_death_signal(signal.SIGCONT)
     server: Any = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if alive is not None:
