@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: demo test test-ray test-ray-ci lint browser bench bench-full bench-ray soak clean
+.PHONY: demo test test-ray lint browser bench bench-full bench-ray soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,14 +31,11 @@ $(RAY_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench,ray]'
 	touch $(RAY_STAMP)
 
-# Every Ray case: the interrupt and core suites on Ray, tests/test_ray.py, and the
-# two-node cluster tests. One Ray instance for the session (ray.init takes seconds).
+# Every Ray case: the interrupt and core suites on Ray, tests/test_ray.py (one Ray
+# instance for the session: ray.init takes seconds), and the two-node cluster tests
+# (tests/test_ray_cluster.py, a ray.cluster_utils.Cluster of their own). CI runs it.
 test-ray: $(RAY_STAMP)
 	$(BIN)/python -m pytest -m "ray or ray_cluster"
-
-# What CI runs on Ray: the interrupt suite and the Ray-specific tests (a few minutes).
-test-ray-ci: $(RAY_STAMP)
-	$(BIN)/python -m pytest -m "ray or ray_cluster" tests/test_interrupts.py tests/test_ray.py
 
 # Debian's headless Chromium for the browser tests (tests/test_console.py). Playwright
 # drives it through executable_path: `playwright install` cannot download browsers here.

@@ -10,6 +10,7 @@ turns run in their children, and the tests read the process table with psutil.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -231,8 +232,90 @@ def test_pause_freezes_the_turn_tree_on_its_node_and_resume_thaws_it(
     assert root
 
 
+def test_with_no_spare_a_new_driver_is_checked_beside_a_busy_slot_and_an_abort_refills_it(
+    ray_session: Any,
+) -> None:
+    with tether.Runtime(workers=1, grace=1.0, backend="ray", ray_options={"spare": 0}) as rt:
+        rec = Recorder(rt)
+        root, busy, me = _family(rt)
+        assert len(rt.worker_pids) == 1  # the one slot, no spare
+        rt.send(busy, "hold the only slot", authority=me, data=HANG)
+        eventually(lambda: rt.status(busy).dispatched, timeout=5.0, what="busy to dispatch")
+        # drivers no slot has checked yet, while no slot is idle
+        assert isinstance(rt.spawn(root, "drivers:Obedient"), str)
+        with pytest.raises(tether.DriverNotFound, match="NoSuchDriver"):
+            rt.spawn(root, "drivers:NoSuchDriver")
+        assert rt.status(busy).state == "running"
+        rt.interrupt(busy, authority=me, kind="abort")
+        assert rec.turn_ended(busy, timeout=5.0)["outcome"] == "aborted"
+        rt.send(busy, "next", authority=me)  # the slot's new child takes it
+        assert rec.turn_ended(busy, count=2, timeout=20.0)["outcome"] == "completed"
+        assert len(rt.worker_pids) == 1
+
+
+def _keepers() -> list[psutil.Process]:
+    """The turn trees' keepers (see _ray_child): a ``_ray_child`` process whose parent
+    is not a slot (init adopts them, or a subreaper host that started Ray)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            parent = p.parent()
+            if "tether.runtime._ray_child" in (p.info["cmdline"] or ()) and not (
+                parent is not None and parent.cmdline()[0].startswith("ray::Slot")
+            ):
+                out.append(p)
+    return out
+
+
+_SUBREAPER_HOST = """
+import contextlib, json, os, time, psutil, tether
+
+def mine():
+    out = []
+    for p in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # a zombie has no command line
+            if "tether.runtime._ray_child" in p.cmdline():
+                out.append(p.pid)
+    return out
+
+with tether.Runtime(workers=1, grace=0.5, backend="ray", subreaper=True) as rt:
+    root = rt.open_session("tether:Scripted")
+    kid = rt.spawn(root, "tether:Scripted")
+    me = tether.User(parent=root)
+    adopted = mine()
+    for i in range(2):  # each abort ends a worker, so its keeper exits
+        rt.send(kid, "hang", authority=me, data={"steps": [{"op": "hang"}]})
+        deadline = time.monotonic() + 30.0
+        while not rt.status(kid).dispatched and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rt.interrupt(kid, authority=me, kind="abort")
+        rt.wait(kid, until="parked", timeout=30.0)
+        adopted += [pid for pid in mine() if pid not in adopted]
+zombies = [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+print(json.dumps({"adopted": adopted, "zombies": zombies}))
+"""
+
+
+def test_a_subreaper_host_that_started_ray_reaps_the_keepers_that_come_back_to_it() -> None:
+    # Its own interpreter and its own Ray: Ray's daemons must be forked after the host
+    # became a subreaper for the keepers to come back to it (as under `tether serve`).
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run(
+        [sys.executable, "-c", _SUBREAPER_HOST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["adopted"]) >= 2, got  # the two slots' first keepers, at least
+    assert got["zombies"] == [], got
+
+
 def test_close_leaves_no_actor_and_no_process(ray_session: Any) -> None:
     rt = tether.Runtime(workers=2, grace=0.5, backend="ray")
+    keepers = []
     try:
         root = rt.open_session(SCRIPTED)
         child = rt.spawn(root, SCRIPTED)
@@ -246,10 +329,14 @@ def test_close_leaves_no_actor_and_no_process(ray_session: Any) -> None:
         worker = worker_with_tool(rt, "sleep", count=2)
         slots = {_slot_of(psutil.Process(pid)).pid for pid in rt.worker_pids}
         everything = [*tree_of(worker), *(psutil.Process(pid) for pid in slots)]
+        keepers = _keepers()
+        assert len(keepers) == 3  # two slots and the spare, one keeper each
     finally:
         rt.close()
     left = [p.pid for p in everything if alive(p)]
     assert left == [], f"left running after close(): {left}"
+    # the keepers exited once their workers did, and were reaped: not even a zombie
+    eventually(lambda: not [p.pid for p in keepers if p.is_running()], timeout=2.0, what="keepers")
 
     def actors() -> list[int]:
         out = []
