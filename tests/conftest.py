@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 import tether
+from drivers import ray_idle_worker
 
 _LEAK_TIMEOUT = 5.0
 
@@ -36,15 +37,7 @@ _ray_daemons: set[int] = set()
 
 
 def _ray_own(p: psutil.Process) -> bool:
-    if p.pid in _ray_daemons:
-        return True
-    with contextlib.suppress(psutil.Error):
-        cmd = p.cmdline()
-        head = cmd[0] if cmd else ""
-        return head.startswith("ray::IDLE") or (
-            "default_worker.py" in " ".join(cmd) and not head.startswith("ray::")
-        )
-    return False
+    return p.pid in _ray_daemons or ray_idle_worker(p)
 
 
 def _live_children() -> set[int]:

@@ -395,6 +395,17 @@ def token_procs(token: str) -> list[psutil.Process]:
     return out
 
 
+def ray_idle_worker(p: psutil.Process) -> bool:
+    """A worker process a raylet keeps (or starts) for any job: Ray's, not a test's."""
+    with contextlib.suppress(psutil.Error):
+        cmd = p.cmdline()
+        head = cmd[0] if cmd else ""
+        return head.startswith("ray::IDLE") or (
+            "default_worker.py" in " ".join(cmd) and not head.startswith("ray::")
+        )
+    return False
+
+
 def kill_token(token: str) -> None:
     """Clean-up after a failed escapee test: nothing marked ``token`` may outlive it."""
     for p in token_procs(token):

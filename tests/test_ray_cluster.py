@@ -25,22 +25,11 @@ from typing import Any
 import psutil
 import pytest
 
-from drivers import alive, eventually, kill_token, token_procs
+from drivers import alive, eventually, kill_token, ray_idle_worker, token_procs
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(180)]
 
 HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_cluster_host.py")
-
-
-def _ray_idle(p: psutil.Process) -> bool:
-    """A worker process the raylet keeps (or starts) for any job: Ray's, not ours."""
-    with contextlib.suppress(psutil.Error):
-        cmd = p.cmdline()
-        head = cmd[0] if cmd else ""
-        return head.startswith("ray::IDLE") or (
-            "default_worker.py" in " ".join(cmd) and not head.startswith("ray::")
-        )
-    return False
 
 
 def _tree_tag(p: psutil.Process) -> str | None:
@@ -54,7 +43,7 @@ def leftovers(cluster: dict[str, Any], token: str) -> list[str]:
     turn children and every tool below them, and the escapees marked ``token``."""
     daemons = set(cluster["daemons"])
     procs = psutil.Process(cluster["launcher"]).children(recursive=True)
-    ours = [p for p in procs if p.pid not in daemons and alive(p) and not _ray_idle(p)]
+    ours = [p for p in procs if p.pid not in daemons and alive(p) and not ray_idle_worker(p)]
     # and anything of a turn's tree that left every tree (a keeper, an escapee)
     tagged = [p for p in psutil.process_iter() if _tree_tag(p) and alive(p)]
     out = []
