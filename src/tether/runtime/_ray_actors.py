@@ -42,13 +42,12 @@ import msgspec
 import psutil
 import ray
 
-from tether.runtime._procs import descendants, freeze_tree, thaw_tree
+from tether.runtime._procs import TREE_ENV, descendants, freeze_tree, tagged, thaw_tree
 from tether.wire.codec import MAX_FRAME
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
 
 __all__ = ["NODE_ENV", "TREE_ENV", "Reaper", "Slot", "reap_tree"]
 
-TREE_ENV = "TETHER_TREE"  # every process of a turn child's tree carries its token
 NODE_ENV = "TETHER_NODE"  # the Ray node id, for drivers and tests that want to know
 _HEADER = struct.Struct(">I")
 _START_TIMEOUT = 30.0
@@ -59,19 +58,6 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 # ---- process trees (used by both actors) ------------------------------------------------
-
-
-def _tagged(token: str) -> list[psutil.Process]:
-    """Every process of ours whose environment carries ``TREE_ENV=token``."""
-    out = []
-    me = os.getuid()
-    for p in psutil.process_iter(["uids"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if p.info["uids"] is None or p.info["uids"].real != me:
-                continue
-            if p.environ().get(TREE_ENV) == token:
-                out.append(p)
-    return out
 
 
 def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -95,9 +81,10 @@ def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
                 found[d.pid] = d
     except (psutil.Error, OSError):
         pass
-    if scan or root not in found:
-        for t in _tagged(token):
-            found.setdefault(t.pid, t)
+    if scan:
+        for pid in tagged(token):
+            with contextlib.suppress(psutil.Error):
+                found.setdefault(pid, psutil.Process(pid))
     return list(found.values())
 
 
@@ -117,7 +104,7 @@ def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
         scan = False
         while True:  # freeze: walk until a walk finds nothing new
             found = _tree(root, token, scan=scan)
-            if not seen and root not in {p.pid for p in found}:
+            if not scan and all(p.pid != root for p in found):
                 scan = True  # the root is gone: look for its tree by the tag
                 found = _tree(root, token, scan=True)
             new = [p for p in found if p.pid not in seen]
@@ -136,7 +123,11 @@ def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
         while _live(list(seen.values())) and time.monotonic() < deadline:
             time.sleep(pause)  # no event tells us another process's child died
             pause = min(pause * 2, 0.005)
-        if not _live(list(seen.values())) and not _live(_tree(root, token, scan=scan)):
+        # Found alive and frozen, the root's walk was whole: only a tree found by its tag
+        # may have had a member that the scan missed, so only such a tree is walked again.
+        if not _live(list(seen.values())) and not (
+            scan and _live(_tree(root, token, scan=True))
+        ):
             return True
         if time.monotonic() > deadline:
             return False
@@ -176,7 +167,7 @@ class _Child:
             self.kill()
             raise RuntimeError("the turn worker did not start")
         # its keeper (see _ray_child), tagged like the rest of its tree
-        self.keeper = next((p.pid for p in _tagged(self.token) if p.pid != self.pid), None)
+        self.keeper = next((pid for pid in tagged(self.token) if pid != self.pid), None)
 
     def read(self) -> bytes | None:
         """The next frame's bytes; None at the end of the stream."""
