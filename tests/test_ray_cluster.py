@@ -7,7 +7,8 @@ raylet), so psutil sees every process on either. The cluster runs in its own pro
 this test process may be the driver of the session's own Ray already, and the second
 test SIGKILLs the host. The host has two slots and no spare, each slot claiming the one
 ``tether_slot`` of a node: one slot per node, so a child's turn that starts while its
-parent's turn runs can only run on the other node.
+parent's turn runs can only run on the other node. The last test runs ``tether serve
+--backend ray --ray-address`` on the cluster, as a user would.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
 from drivers import alive, eventually, kill_token, ray_idle_worker, token_procs
+from tether_server import TETHER, running_server
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(180)]
 
@@ -38,16 +41,18 @@ def _tree_tag(p: psutil.Process) -> str | None:
     return None
 
 
-def leftovers(cluster: dict[str, Any], token: str) -> list[str]:
+def leftovers(cluster: dict[str, Any], token: str | None = None) -> list[str]:
     """What of the host's is alive on either node: its slot and reaper actors, their
-    turn children and every tool below them, and the escapees marked ``token``."""
+    turn children and every tool below them, anything carrying a turn tree's tag (a
+    keeper, an escapee), and the processes marked ``token`` in their command line."""
     daemons = set(cluster["daemons"])
     procs = psutil.Process(cluster["launcher"]).children(recursive=True)
     ours = [p for p in procs if p.pid not in daemons and alive(p) and not ray_idle_worker(p)]
     # and anything of a turn's tree that left every tree (a keeper, an escapee)
     tagged = [p for p in psutil.process_iter() if _tree_tag(p) and alive(p)]
     out = []
-    for p in {p.pid: p for p in [*ours, *token_procs(token), *tagged]}.values():
+    marked = token_procs(token) if token is not None else []
+    for p in {p.pid: p for p in [*ours, *marked, *tagged]}.values():
         with contextlib.suppress(psutil.Error):
             out.append(f"{p.pid}:{' '.join(p.cmdline())[:100]}")
     return out
@@ -136,3 +141,29 @@ def test_a_host_sigkill_leaves_nothing_on_either_node_within_two_seconds(
     )
     took = time.monotonic() - start
     assert took < 2.0, f"the host's processes took {took:.2f} s to die"
+
+
+def test_tether_serve_on_the_cluster_runs_turns_there_and_keeps_its_stdout_clean(
+    ray_cluster: dict[str, Any], tmp_path: Path
+) -> None:
+    where = json.dumps([{"op": "tool", "argv": ["sh", "-c", 'echo "node=$TETHER_NODE"']}])
+    args = ("--backend", "ray", "--ray-address", ray_cluster["address"], "--workers", "2")
+    with running_server(tmp_path, *args) as server:
+
+        def cli(*argv: str) -> str:
+            done = subprocess.run(
+                [TETHER, *argv, "--url", server.url], capture_output=True, text=True, timeout=30
+            )
+            assert done.returncode == 0, (argv, done.stderr)
+            return done.stdout.strip()
+
+        root = cli("open", "--slug", "lead")
+        child = cli("spawn", root, "--slug", "w", "--prompt", "where", "--steps", where)
+        server.wait_state(child, "idle", timeout=30.0)
+        node = cli("transcript", child).split("node=", 1)[1].split()[0]
+        assert node in ray_cluster["nodes"]
+    # Ray's own output went to stderr: stdout has the one line a script reads
+    assert server.out_path.read_text().splitlines() == [
+        f"tether: serving {server.url} (store {tmp_path / 'state.db'})"
+    ]
+    eventually(lambda: not leftovers(ray_cluster), timeout=5.0, what="the server's actors")
