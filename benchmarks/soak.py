@@ -74,7 +74,9 @@ class Reply:
 class HostProc:
     """One ``soak_host`` process: JSON lines over its stdin/stdout."""
 
-    def __init__(self, db: str, gen: int, grace: float, workers: int, log: Path) -> None:
+    def __init__(
+        self, db: str, gen: int, grace: float, workers: int, log: Path, backend: str = "local"
+    ) -> None:
         self.gen = gen
         self._lock = threading.Lock()
         self._next = 0
@@ -83,7 +85,7 @@ class HostProc:
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.soak_host", db, "--grace", str(grace),
-             "--workers", str(workers)],
+             "--workers", str(workers), "--backend", backend],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=ROOT,
         )
         assert self.proc.stdout is not None
@@ -226,10 +228,11 @@ def _pct(values: list[float], q: float) -> float:
 class Soak:
     def __init__(self, seconds: float, seed: int, *, workers: int = 3, grace: float = 1.0,
                  threads: int = 3, host_kills: int | None = None,
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None, backend: str = "local") -> None:
         self.seconds = seconds
         self.seed = seed
         self.workers = workers
+        self.backend = backend
         self.grace = grace
         self.threads = threads
         self.rng = random.Random(seed)
@@ -703,7 +706,9 @@ class Soak:
 
     def start_host(self) -> None:
         self.gen += 1
-        self.host = HostProc(self.db, self.gen, self.grace, self.workers, self.log)
+        self.host = HostProc(
+            self.db, self.gen, self.grace, self.workers, self.log, backend=self.backend
+        )
 
     def check_after_restart(self) -> None:
         """Recovery parks everything: no session runs, subagents are dormant."""
@@ -847,6 +852,7 @@ class Soak:
             "date": time.strftime("%Y-%m-%d %H:%M", time.localtime()),
             "machine": _machine(),
             "seed": self.seed,
+            "backend": self.backend,
             "duration_s": round(elapsed, 1),
             "chaos_s": self.seconds,
             "sessions": len(self.nodes),
@@ -1242,11 +1248,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     ap.add_argument("--ledger", default=None, help="write the whole ledger here (JSON lines)")
     ap.add_argument("--table", action="store_true", help="print the README table of --json")
+    ap.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="where turns run (ray: the host starts its own local Ray each time)")
     ns = ap.parse_args(argv)
     if ns.table:
         print(table(json.loads(Path(ns.json).read_text())["runs"]))
         return 0
-    res = run_soak(ns.minutes * 60, ns.seed)
+    res = run_soak(ns.minutes * 60, ns.seed, backend=ns.backend)
     print(json.dumps(res.figures, indent=2))
     if ns.ledger:
         with open(ns.ledger, "w") as f:
@@ -1263,7 +1271,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs = {}
         runs.setdefault("runs", [])
         runs["runs"] = [r for r in runs["runs"] if r.get("seed") != ns.seed
-                        or r.get("chaos_s") != res.figures["chaos_s"]] + [res.figures]
+                        or r.get("chaos_s") != res.figures["chaos_s"]
+                        or r.get("backend", "local") != ns.backend] + [res.figures]
         path.write_text(json.dumps(runs, indent=2) + "\n")
     if res.violations:
         print(res.explain(), file=sys.stderr)

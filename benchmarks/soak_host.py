@@ -42,9 +42,11 @@ def _auth(spec: dict[str, Any]) -> tether.User | tether.Ancestor:
 
 
 class Host:
-    def __init__(self, path: str, grace: float, workers: int) -> None:
+    def __init__(self, path: str, grace: float, workers: int, backend: str = "local") -> None:
         self.path = path
-        self.rt = tether.Runtime(path, workers=workers, grace=grace, subreaper=True)
+        self.rt = tether.Runtime(
+            path, workers=workers, grace=grace, subreaper=True, backend=backend
+        )
         self.out_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="soak-op")
 
@@ -165,8 +167,9 @@ def main() -> None:
     ap.add_argument("path")
     ap.add_argument("--grace", type=float, default=1.0)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--backend", default="local")
     ns = ap.parse_args()
-    host = Host(ns.path, ns.grace, ns.workers)
+    host = Host(ns.path, ns.grace, ns.workers, ns.backend)
     host.write({"ready": os.getpid()})
     closing = None
     for line in sys.stdin.buffer:

@@ -128,6 +128,43 @@ def test_a_slot_frozen_with_sigstop_still_ends_aborted_in_time_and_the_next_turn
     refilled(rt)
 
 
+def _reaper_of(slot: psutil.Process) -> psutil.Process:
+    """The reaper actor of the slot's node: a Ray worker of the same raylet."""
+    raylet = slot.parent()
+    assert raylet is not None
+    return next(p for p in raylet.children() if p.cmdline()[0].startswith("ray::Reaper"))
+
+
+def test_an_abort_whose_reaper_is_frozen_is_reported_only_once_a_new_reaper_saw_the_tree_dead(
+    ray_rt: tether.Runtime,
+) -> None:
+    rt = ray_rt
+    rec = Recorder(rt)
+    _root, child, me = _family(rt)
+    rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ESCAPEE_TREE}))
+    worker = worker_with_tool(rt, "sleep", count=2)
+    tree = tree_of(worker)
+    reaper = _reaper_of(_slot_of(worker))
+    os.kill(reaper.pid, signal.SIGSTOP)  # the node's reaper answers nothing from now on
+
+    at_end: list[list[int]] = []
+
+    def on_event(ev: tether.Event) -> None:  # runs when the end is reported
+        if ev.name == "turn.ended" and ev.session == child:
+            at_end.append([p.pid for p in tree if alive(p)])
+
+    rt.subscribe(on_event)
+    rt.interrupt(child, authority=me, kind="abort", reason="frozen reaper")
+    ended = rec.turn_ended(child, timeout=ABORT_TIMEOUT + 20.0)
+    assert (ended["outcome"], ended["reason"]) == ("aborted", "frozen reaper")
+    eventually(lambda: at_end or None, what="our turn.ended callback")
+    assert at_end == [[]], f"reported aborted while alive: {at_end}"
+    eventually(lambda: not alive(reaper), timeout=15.0, what="the frozen reaper to be gone")
+    rt.send(child, "next", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=20.0)["outcome"] == "completed"
+    refilled(rt)
+
+
 def test_a_slot_killed_mid_turn_ends_the_turn_crashed_runs_its_step_once_and_is_replaced(
     ray_rt: tether.Runtime,
 ) -> None:
@@ -253,15 +290,18 @@ def test_with_no_spare_a_new_driver_is_checked_beside_a_busy_slot_and_an_abort_r
         assert len(rt.worker_pids) == 1
 
 
-def _keepers() -> list[psutil.Process]:
-    """The turn trees' keepers (see _ray_child): a ``_ray_child`` process whose parent
-    is not a slot (init adopts them, or a subreaper host that started Ray)."""
+def _keepers(node: str) -> list[psutil.Process]:
+    """The turn trees' keepers (see _ray_child) on ``node``: a ``_ray_child`` process
+    whose parent is not a slot (init adopts them, or a subreaper host that started Ray).
+    Other Ray instances on this machine (another test run's) have keepers of their own."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             parent = p.parent()
-            if "tether.runtime._ray_child" in (p.info["cmdline"] or ()) and not (
-                parent is not None and parent.cmdline()[0].startswith("ray::Slot")
+            if (
+                "tether.runtime._ray_child" in (p.info["cmdline"] or ())
+                and not (parent is not None and parent.cmdline()[0].startswith("ray::Slot"))
+                and p.environ().get("TETHER_NODE") == node
             ):
                 out.append(p)
     return out
@@ -329,7 +369,7 @@ def test_close_leaves_no_actor_and_no_process(ray_session: Any) -> None:
         worker = worker_with_tool(rt, "sleep", count=2)
         slots = {_slot_of(psutil.Process(pid)).pid for pid in rt.worker_pids}
         everything = [*tree_of(worker), *(psutil.Process(pid) for pid in slots)]
-        keepers = _keepers()
+        keepers = _keepers(ray_session.get_runtime_context().get_node_id())
         assert len(keepers) == 3  # two slots and the spare, one keeper each
     finally:
         rt.close()

@@ -137,6 +137,14 @@ def _driver_node() -> str | None:
         return None
 
 
+def _node_alive(node: str) -> bool:
+    """Whether Ray still counts ``node`` as alive (True when it cannot tell)."""
+    try:
+        return any(n.get("NodeID") == node and n.get("Alive") for n in _ray().nodes())
+    except Exception:
+        return True
+
+
 def _errors_to_stderr() -> None:
     """Ray's driver prints the errors it hears of (a worker that died, say) to
     ``sys.stdout``; send them to stderr, where a host's diagnostics belong."""
@@ -765,15 +773,10 @@ class RayBackend:
 
     def _crashed_slot(self, s: _Slot, job: TurnJob, error: str) -> None:
         """The slot actor is gone mid-turn: make sure the turn's tree is, then report."""
-        ray = _ray()
         with self._lock:
-            reaper = self._reapers.get(s.node)
             child, token = s.child, s.token
-        if reaper is not None and child is not None:
-            try:
-                ray.get(reaper.kill_tree.remote(child, token), timeout=self.abort_timeout)
-            except Exception as exc:
-                log.error("ray.tree_unconfirmed", turn=job.turn, error=repr(exc))
+        if child is not None and not self._reap(s.node, child, token, self.abort_timeout):
+            self._last_resort(s, child, token, job.turn)
         log.warning("ray.slot_lost", pid=s.pid, turn=job.turn)
         with self._lock:
             self._forget_locked(s, job)
@@ -782,6 +785,42 @@ class RayBackend:
                 self._retire_locked(s)
             self._dispatch_locked()
         job.sink.ended(job.turn, None, error)
+
+    def _reap(self, node: str, child: int, token: str, timeout: float) -> bool:
+        """One try: the node's reaper kills the tree of ``child``; True once it saw it
+        dead, False if it said otherwise or did not answer within ``timeout``."""
+        ray = _ray()
+        with self._lock:
+            reaper = self._reaper_locked(node)
+        try:
+            return bool(ray.get(reaper.kill_tree.remote(child, token), timeout=timeout))
+        except Exception as exc:
+            log.error("ray.reaper_failed", node=node, error=repr(exc))
+            return False
+
+    def _last_resort(self, s: _Slot, child: int, token: str, turn: str) -> None:
+        """The node's reaper did not confirm the tree dead in time (frozen, overloaded,
+        gone): ``ray.kill`` the slot (its child dies with it, and the child's keeper
+        sweeps the rest), then return only once a new reaper saw the tree dead, or once
+        the node has left the cluster (nothing on it can be asked any more)."""
+        ray = _ray()
+        log.error("ray.tree_unconfirmed", turn=turn, pid=child, node=s.node)
+        with contextlib.suppress(Exception):
+            ray.kill(s.actor, no_restart=True)
+        pause = 0.05
+        while not self._closed:
+            with self._lock:
+                old = self._reapers.pop(s.node, None)
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(old, no_restart=True)
+            if self._reap(s.node, child, token, _START_TIMEOUT):  # a new actor: seconds
+                return
+            if not _node_alive(s.node):
+                log.error("ray.node_lost", node=s.node, turn=turn)
+                return
+            time.sleep(pause)  # a reaper that cannot start: try again, less often
+            pause = min(pause * 2, 2.0)
 
     def _fault(self, s: _Slot, job: TurnJob, error: str) -> None:
         """The turn's worker spoke nonsense: kill its tree as an abort does, and end the
@@ -797,22 +836,11 @@ class RayBackend:
     def _abort(self, s: _Slot, job: TurnJob, error: str = "killed") -> None:
         """Kill the turn's tree on its node; report its end (``killed``: ``aborted``)
         only once it is dead."""
-        ray = _ray()
         with self._lock:
-            reaper = self._reaper_locked(s.node)
             child, token = s.child, s.token
-        dead = False
-        if child is not None:
-            try:
-                dead = bool(
-                    ray.get(reaper.kill_tree.remote(child, token), timeout=self.abort_timeout)
-                )
-            except Exception as exc:
-                log.error("ray.reaper_failed", node=s.node, error=repr(exc))
-        if not dead:  # the last resort: Ray kills the actor (its child follows on EOF)
-            log.error("ray.tree_unconfirmed", turn=job.turn, pid=child, node=s.node)
-            with contextlib.suppress(Exception):
-                ray.kill(s.actor, no_restart=True)
+        dead = child is None or self._reap(s.node, child, token, self.abort_timeout)
+        if child is not None and not dead:
+            self._last_resort(s, child, token, job.turn)
         with self._lock:
             self._forget_locked(s, job)
             s.child = None
