@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,15 +25,18 @@ import pytest
 
 import tether
 from drivers import (
+    ESCAPEE,
     HANG,
     SCRIPTED,
     Recorder,
     alive,
     entries,
     eventually,
+    kill_token,
     refilled,
     steps,
     texts,
+    token_procs,
     tree_of,
     worker_with_tool,
 )
@@ -387,6 +391,50 @@ def test_close_leaves_no_actor_and_no_process(ray_session: Any) -> None:
         return out
 
     eventually(lambda: actors() == [], timeout=5.0, what="no slot or reaper actor left")
+
+
+_OWN_RAY_HOST = """
+import json, os, sys, threading, tether
+rt = tether.Runtime(workers=1, grace=0.5, backend="ray")
+root = rt.open_session("tether:Scripted")
+argv = [sys.executable, "-c", os.environ["ESCAPEE"], os.environ["TOKEN"]]
+rt.prompt(root, "escape", data={"steps": [{"op": "tool", "argv": argv}]})
+print(json.dumps({"host": os.getpid()}), flush=True)
+threading.Event().wait(120.0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_host_that_started_its_own_ray_takes_all_of_it_down_when_sigkilled() -> None:
+    # Ray's own reaper leaves its agents running after the driver that started Ray is
+    # SIGKILLed (a minute here): the host's guard kills them (see _ray_guard).
+    token = f"tether-own-ray-{uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(ESCAPEE=ESCAPEE, TOKEN=token)  # not in argv: that would mark the host
+    host = subprocess.Popen(
+        [sys.executable, "-c", _OWN_RAY_HOST], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert host.stdout is not None
+        json.loads(host.stdout.readline())
+        eventually(lambda: len(token_procs(token)) == 2, timeout=30.0, what="the escapees")
+        tree = tree_of(psutil.Process(host.pid))[1:]  # Ray, its guard, the slots, the turn
+        start = time.monotonic()
+        host.kill()
+        host.wait(5.0)
+        eventually(
+            lambda: not token_procs(token) and not any(alive(p) for p in tree),
+            timeout=10.0,
+            what="everything the host started to die",
+        )
+        took = time.monotonic() - start
+        assert took < 2.0, f"the host's processes took {took:.2f} s to die"
+    finally:
+        kill_token(token)
+        host.kill()
+        host.wait(5.0)
+        if host.stdout is not None:
+            host.stdout.close()
 
 
 def test_backend_ray_without_ray_raises_an_error_naming_the_extra() -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -65,7 +66,7 @@ from tether.wire.frames import (
     WorkerFrame,
 )
 
-__all__ = ["RayBackend", "ray_stdout_to_stderr"]
+__all__ = ["RayBackend", "ensure_ray", "ray_stdout_to_stderr", "shutdown_ray"]
 
 log = structlog.get_logger("tether.ray")
 
@@ -73,7 +74,9 @@ _START_TIMEOUT = 60.0  # a slot actor (a Ray worker process) to start and report
 _CALL_TIMEOUT = 10.0  # a control call on a live slot or reaper
 _ABORT_TIMEOUT = 2.0
 _KEEPER_WAIT = 2.0  # at close, for the keepers of ours to exit (they sweep, then exit)
+_GUARD_WAIT = 10.0  # for the guard of a Ray we started to exit, once Ray is shut down
 _init_lock = threading.Lock()
+_guard: subprocess.Popen[bytes] | None = None  # see _ray_guard
 
 
 def _ray() -> Any:
@@ -122,10 +125,44 @@ def ensure_ray(
             "runtime_env": runtime_env,
         }
         options.update(init_options or {})
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         with ray_stdout_to_stderr():
             ray.init(**options)
         _errors_to_stderr()
+        _guard_started_ray(before)
         return True
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, then let the guard of a Ray this host started go."""
+    global _guard
+    with _init_lock:
+        with ray_stdout_to_stderr():
+            _ray().shutdown()
+        guard, _guard = _guard, None
+    if guard is not None:
+        assert guard.stdin is not None
+        guard.stdin.close()  # EOF: it kills whatever of that Ray outlived the shutdown
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard.wait(_GUARD_WAIT)
+
+
+def _guard_started_ray(before: set[int]) -> None:
+    """If ``ray.init`` started a local Ray, its daemons are our new descendants: start
+    the guard that kills them when this process dies (see ``_ray_guard``)."""
+    global _guard
+    daemons = []
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                daemons.append(f"{p.pid}:{p.create_time()!r}")
+    if daemons:
+        _guard = subprocess.Popen(
+            [sys.executable, "-m", "tether.runtime._ray_guard", *daemons],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # out of the group that Ray's own reaper kills
+        )
 
 
 def _driver_node() -> str | None:
@@ -455,8 +492,7 @@ class RayBackend:
             with contextlib.suppress(Exception):
                 ray.kill(reaper, no_restart=True)
         if self._owns_ray:
-            with ray_stdout_to_stderr():
-                ray.shutdown()
+            shutdown_ray()
         self._reap_keepers(wait=_KEEPER_WAIT)
 
     # ---- slots ------------------------------------------------------------------------
