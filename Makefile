@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: demo test test-ray lint browser bench bench-full bench-ray soak clean
+.PHONY: demo test test-ray lint browser bench bench-full bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,11 +57,15 @@ bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks --json benchmarks/results/latest.json
 
 # The chaos run of issue 10 (benchmarks/soak.py): 10 minutes, checked against its ledger;
-# figures in benchmarks/results/soak.json. SEED=2 make soak for another seed.
+# figures in benchmarks/results/soak.json. SEED=2 make soak for another seed;
+# make soak-ray runs it on the Ray backend (each host starts its own Ray).
 SEED    ?= 1
 MINUTES ?= 10
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --minutes $(MINUTES) --seed $(SEED)
+
+soak-ray: $(RAY_STAMP)
+	$(BIN)/python -m benchmarks.soak --minutes $(MINUTES) --seed $(SEED) --backend ray
 
 bench-ray: $(RAY_STAMP)
 	$(BIN)/python -m benchmarks --quick --only 'ray_*' --json benchmarks/results/ray.json

@@ -1248,13 +1248,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     ap.add_argument("--ledger", default=None, help="write the whole ledger here (JSON lines)")
     ap.add_argument("--table", action="store_true", help="print the README table of --json")
+    ap.add_argument("--workdir", default=None,
+                    help="keep the store and the hosts' logs here (default: a temporary folder)")
     ap.add_argument("--backend", choices=("local", "ray"), default="local",
                     help="where turns run (ray: the host starts its own local Ray each time)")
     ns = ap.parse_args(argv)
     if ns.table:
         print(table(json.loads(Path(ns.json).read_text())["runs"]))
         return 0
-    res = run_soak(ns.minutes * 60, ns.seed, backend=ns.backend)
+    res = run_soak(ns.minutes * 60, ns.seed, backend=ns.backend, workdir=ns.workdir)
     print(json.dumps(res.figures, indent=2))
     if ns.ledger:
         with open(ns.ledger, "w") as f:

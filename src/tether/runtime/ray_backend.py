@@ -533,6 +533,8 @@ class RayBackend:
         """A ready slot joins the active set, or becomes the spare, or is surplus."""
         if self._closed:
             pass  # close() stops it with the others
+        elif s in self._active or s in self._spares:
+            pass  # placed already (an abort and a crash of one turn both restart its slot)
         elif len(self._active) < self.size:
             self._active.append(s)
         elif len(self._spares) < self.spare:
