@@ -72,6 +72,21 @@ def _slot_of(worker: psutil.Process) -> psutil.Process:
     return slot
 
 
+def _alive_when_ended(
+    rt: tether.Runtime, session: str, tree: list[psutil.Process]
+) -> list[list[int]]:
+    """Filled as each turn of ``session`` is reported ended: the pids of ``tree`` still
+    alive at that moment (the callback runs when the end is reported)."""
+    at_end: list[list[int]] = []
+
+    def on_event(ev: tether.Event) -> None:
+        if ev.name == "turn.ended" and ev.session == session:
+            at_end.append([p.pid for p in tree if alive(p)])
+
+    rt.subscribe(on_event)
+    return at_end
+
+
 def test_abort_with_a_setsid_escapee_reports_aborted_only_once_every_process_is_dead(
     ray_rt: tether.Runtime,
 ) -> None:
@@ -84,13 +99,7 @@ def test_abort_with_a_setsid_escapee_reports_aborted_only_once_every_process_is_
     escapees = [p for p in tree if os.getsid(p.pid) != os.getsid(worker.pid)]
     assert escapees, "the tool did not escape its worker's session"
 
-    at_end: list[list[int]] = []
-
-    def on_event(ev: tether.Event) -> None:  # runs when the end is reported
-        if ev.name == "turn.ended" and ev.session == child:
-            at_end.append([p.pid for p in tree if alive(p)])
-
-    rt.subscribe(on_event)
+    at_end = _alive_when_ended(rt, child, tree)
     start = time.monotonic()
     rt.interrupt(child, authority=me, kind="abort", reason="runaway")
     ended = rec.turn_ended(child, timeout=2.0)
@@ -151,13 +160,7 @@ def test_an_abort_whose_reaper_is_frozen_is_reported_only_once_a_new_reaper_saw_
     reaper = _reaper_of(_slot_of(worker))
     os.kill(reaper.pid, signal.SIGSTOP)  # the node's reaper answers nothing from now on
 
-    at_end: list[list[int]] = []
-
-    def on_event(ev: tether.Event) -> None:  # runs when the end is reported
-        if ev.name == "turn.ended" and ev.session == child:
-            at_end.append([p.pid for p in tree if alive(p)])
-
-    rt.subscribe(on_event)
+    at_end = _alive_when_ended(rt, child, tree)
     rt.interrupt(child, authority=me, kind="abort", reason="frozen reaper")
     ended = rec.turn_ended(child, timeout=ABORT_TIMEOUT + 20.0)
     assert (ended["outcome"], ended["reason"]) == ("aborted", "frozen reaper")
