@@ -748,7 +748,8 @@ class Soak:
                          {"target": sid, "kind": "abort", "token": tok, "wrong": None,
                           "guard": None, "drain": True})
             for sid in running:
-                self.call("wait", target=sid, timeout=20.0, **{})
+                # ``seconds``, not ``timeout``: that name is the call's own deadline
+                self.call("wait", target=sid, seconds=20.0)
         self.violate("drain", "sessions still running after 10 abort rounds")
 
     # ---- the checks --------------------------------------------------------------------

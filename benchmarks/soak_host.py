@@ -112,9 +112,9 @@ class Host:
     def op_ref(self, target: str) -> Any:
         return self.rt.agent_ref(target)
 
-    def op_wait(self, target: str, timeout: float) -> Any:
+    def op_wait(self, target: str, seconds: float) -> Any:
         return self.rt.wait(target, until=("idle", "parked", "dormant", "settled"),
-                            timeout=timeout)
+                            timeout=seconds)
 
     def op_worker_pids(self) -> list[int]:
         return self.rt.worker_pids
