@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tether.wire.frames import Delivered, Escalating, HostFrame, Progress, ToolKilled, TurnEnd
+from tether.wire.frames import (
+    CancelFrame,
+    Delivered,
+    Escalating,
+    HostFrame,
+    Progress,
+    RunTurn,
+    SteerFrame,
+    ToolKilled,
+    TurnEnd,
+)
 from tether.wire.records import Message, SessionHeader
 
 __all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSink"]
@@ -46,6 +56,30 @@ class TurnJob:
     progress_every: float | None = None  # see RunTurn
     repeat: int | None = None
     frozen: bool = False  # paused before a worker took it: held back until thawed
+
+    def start(self) -> tuple[RunTurn, list[HostFrame]]:
+        """The frame that starts this turn on a worker, and the frames held for it that
+        follow it, in order; ``pending`` is left empty. Steers and a cancel issued before
+        dispatch ride inside RunTurn, so the driver has them at its very first boundary
+        (sent after it, they could reach the worker's reader only once the driver had
+        passed that boundary)."""
+        held = [f for f in self.pending if isinstance(f, SteerFrame | CancelFrame)]
+        rest: list[HostFrame] = [
+            f for f in self.pending if not isinstance(f, SteerFrame | CancelFrame)
+        ]
+        self.pending.clear()
+        run = RunTurn(
+            turn=self.turn,
+            session=self.session,
+            driver=self.driver,
+            message=self.message,
+            config=self.config,
+            permissions=self.permissions,
+            progress_every=self.progress_every,
+            repeat=self.repeat,
+            held=held,
+        )
+        return run, rest
 
 
 class Executor(Protocol):

@@ -73,7 +73,6 @@ from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
-    CancelFrame,
     Delivered,
     Escalating,
     HostFrame,
@@ -81,10 +80,8 @@ from tether.wire.frames import (
     ProbeReply,
     Progress,
     Ready,
-    RunTurn,
     Say,
     Shutdown,
-    SteerFrame,
     ToolCall,
     ToolKilled,
     ToolReply,
@@ -493,27 +490,9 @@ class Pool:
             w.job = job
             w.last_turn = job.turn
             self._where[job.turn] = w
-            # Steers and a cancel issued before dispatch travel inside RunTurn, so the
-            # driver has them at its very first boundary (sent after it, they could reach
-            # the worker's reader only once the driver had passed that boundary).
-            held = [f for f in job.pending if isinstance(f, SteerFrame | CancelFrame)]
-            w.post(
-                RunTurn(
-                    turn=job.turn,
-                    session=job.session,
-                    driver=job.driver,
-                    message=job.message,
-                    config=job.config,
-                    permissions=job.permissions,
-                    progress_every=job.progress_every,
-                    repeat=job.repeat,
-                    held=held,
-                )
-            )
-            for frame in job.pending:
-                if not isinstance(frame, SteerFrame | CancelFrame):
-                    w.post(frame)
-            job.pending.clear()
+            run, rest = job.start()
+            for frame in (run, *rest):
+                w.post(frame)
 
     def _doom_locked(self, w: _Worker) -> None:
         """``w`` takes no more work; the reaper kills its tree and the spawner replaces it."""

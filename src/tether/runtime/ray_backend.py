@@ -51,14 +51,11 @@ from tether.runtime.pool import PoolHost
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import DriverNotFound, TetherError
 from tether.wire.frames import (
-    CancelFrame,
     Delivered,
     Escalating,
     HostFrame,
     Progress,
-    RunTurn,
     Say,
-    SteerFrame,
     ToolCall,
     ToolKilled,
     ToolReply,
@@ -665,30 +662,11 @@ class RayBackend:
             self._queue.remove(job)
             s.job = job
             s.stream_done.clear()
-            # Steers and a cancel held for the turn ride inside RunTurn (in force at the
-            # first boundary); anything else follows it in order.
-            held = [f for f in job.pending if isinstance(f, SteerFrame | CancelFrame)]
-            pending = [
-                self._encoder.encode(f)
-                for f in job.pending
-                if not isinstance(f, SteerFrame | CancelFrame)
-            ]
-            job.pending.clear()
+            run, rest = job.start()
+            start = self._encoder.encode(run)
+            pending = [self._encoder.encode(f) for f in rest]
             s.seq = len(pending)
             self._where[job.turn] = s
-            start = self._encoder.encode(
-                RunTurn(
-                    turn=job.turn,
-                    session=job.session,
-                    driver=job.driver,
-                    message=job.message,
-                    config=job.config,
-                    permissions=job.permissions,
-                    progress_every=job.progress_every,
-                    repeat=job.repeat,
-                    held=held,
-                )
-            )
             threading.Thread(
                 target=self._stream,
                 args=(s, job, start, pending),
