@@ -42,7 +42,7 @@ import msgspec
 import psutil
 import ray
 
-from tether.runtime._procs import TREE_ENV, descendants, freeze_tree, tagged, thaw_tree
+from tether.runtime._procs import TREE_ENV, alive, descendants, freeze_tree, tagged, thaw_tree
 from tether.wire.codec import MAX_FRAME
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
 
@@ -61,12 +61,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-    return out
+    return [p for p in procs if alive(p)]
 
 
 def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
@@ -125,9 +120,7 @@ def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
             pause = min(pause * 2, 0.005)
         # Found alive and frozen, the root's walk was whole: only a tree found by its tag
         # may have had a member that the scan missed, so only such a tree is walked again.
-        if not _live(list(seen.values())) and not (
-            scan and _live(_tree(root, token, scan=True))
-        ):
+        if not _live(list(seen.values())) and not (scan and _live(_tree(root, token, scan=True))):
             return True
         if time.monotonic() > deadline:
             return False
