@@ -378,6 +378,8 @@ def test_close_leaves_no_actor_and_no_process(ray_session: Any) -> None:
         everything = [*tree_of(worker), *(psutil.Process(pid) for pid in slots)]
         keepers = _keepers(ray_session.get_runtime_context().get_node_id())
         assert len(keepers) == 3  # two slots and the spare, one keeper each
+        # untagged, so that no sweep of its tree (one cut short, say) ever stops it
+        assert all("TETHER_TREE" not in p.environ() for p in keepers)
     finally:
         rt.close()
     left = [p.pid for p in everything if alive(p)]

@@ -35,21 +35,24 @@ pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(180)]
 HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_cluster_host.py")
 
 
-def _tree_tag(p: psutil.Process) -> str | None:
+def _of_a_turn(p: psutil.Process, nodes: list[str]) -> bool:
+    """Part of a turn's tree (its tag) or of a turn on one of ``nodes`` (a keeper)."""
     with contextlib.suppress(psutil.Error):
-        return p.environ().get("TETHER_TREE")
-    return None
+        env = p.environ()
+        return "TETHER_TREE" in env or env.get("TETHER_NODE") in nodes
+    return False
 
 
 def leftovers(cluster: dict[str, Any], token: str | None = None) -> list[str]:
     """What of the host's is alive on either node: its slot and reaper actors, their
-    turn children and every tool below them, anything carrying a turn tree's tag (a
-    keeper, an escapee), and the processes marked ``token`` in their command line."""
+    turn children and every tool below them, anything carrying a turn tree's tag (an
+    escapee) or naming one of the cluster's nodes (a keeper, which carries no tag), and
+    the processes marked ``token`` in their command line."""
     daemons = set(cluster["daemons"])
     procs = psutil.Process(cluster["launcher"]).children(recursive=True)
     ours = [p for p in procs if p.pid not in daemons and alive(p) and not ray_idle_worker(p)]
-    # and anything of a turn's tree that left every tree (a keeper, an escapee)
-    tagged = [p for p in psutil.process_iter() if _tree_tag(p) and alive(p)]
+    # and what left every tree (an escapee, a keeper)
+    tagged = [p for p in psutil.process_iter() if _of_a_turn(p, cluster["nodes"]) and alive(p)]
     out = []
     marked = token_procs(token) if token is not None else []
     for p in {p.pid: p for p in [*ours, *marked, *tagged]}.values():

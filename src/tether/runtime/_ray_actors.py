@@ -83,6 +83,15 @@ def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
     return list(found.values())
 
 
+def _keeper_of(token: str) -> int | None:
+    """The keeper of the tree ``token`` (see _ray_child): it runs ``--keep TOKEN FD``."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "tether.runtime._ray_child" in cmd and cmd[-3:-1] == ["--keep", token]:
+            return p.pid
+    return None
+
+
 def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
     """Freeze, then kill, the tree of ``root`` (its group, its descendants, the escapees
     tagged with ``token``), walking again until a walk finds nothing alive. True when
@@ -159,8 +168,7 @@ class _Child:
         if first is None or not isinstance(_decoder.decode(first), Ready):
             self.kill()
             raise RuntimeError("the turn worker did not start")
-        # its keeper (see _ray_child), tagged like the rest of its tree
-        self.keeper = next((pid for pid in tagged(self.token) if pid != self.pid), None)
+        self.keeper = _keeper_of(self.token)
 
     def read(self) -> bytes | None:
         """The next frame's bytes; None at the end of the stream."""

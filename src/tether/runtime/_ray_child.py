@@ -13,7 +13,10 @@ worker is gone, however it died) it kills every process tagged with the tree's T
 then exits. It is started by a double fork, before the worker becomes a subreaper, so
 that it is in no one's tree of ours: Ray's kill of the slot's children misses it, and
 so do the worker's own sweeps of what a command left behind. Its parent is the nearest
-subreaper above the slot (the host, when the host started Ray) or init.
+subreaper above the slot (the host, when the host started Ray) or init. It then execs
+itself (``--keep TOKEN FD``) without the tree's tag in its environment, so that no sweep
+by that tag ever takes it: a sweeper killed between its freeze and its kill (a slot or
+a reaper that Ray kills meanwhile) would leave a tagged keeper stopped for good.
 
 ``python -m tether.runtime._ray_child --check DRIVER``: import the driver and exit 0, or
 print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers so).
@@ -25,7 +28,7 @@ import os
 import socket
 import sys
 
-from tether.runtime._procs import sweep
+from tether.runtime._procs import TREE_ENV, sweep
 from tether.runtime.worker import load_driver, worker_main
 from tether.wire.errors import DriverNotFound
 
@@ -33,24 +36,41 @@ _KEEPER_PASSES = 50
 
 
 def _start_keeper(token: str, channel: int) -> None:
-    """Start the keeper of this worker's tree (see the module's docstring)."""
+    """Start the keeper of this worker's tree (see the module's docstring); return once
+    it has exec'd (its command line names it for the slot to find)."""
     done, held = os.pipe()  # not inheritable: the worker's tools never hold ``held``
+    execd, execing = os.pipe()  # close-on-exec: EOF once the keeper has exec'd
     middle = os.fork()
     if middle == 0:
         try:
             os.close(held)
+            os.close(execd)
             os.close(channel)  # the slot must see EOF when the worker dies, not wait on us
             os.setsid()
             if os.fork() == 0:
-                os.read(done, 1)  # returns once the worker is gone
-                sweep([], passes=_KEEPER_PASSES, token=token)
+                os.set_inheritable(done, True)
+                env = {k: v for k, v in os.environ.items() if k != TREE_ENV}
+                argv = [sys.executable, "-m", "tether.runtime._ray_child", "--keep", token]
+                os.execve(sys.executable, [*argv, str(done)], env)
         finally:
             os._exit(0)
     os.close(done)
+    os.close(execing)
     os.waitpid(middle, 0)  # the keeper has its new parent once the middle one is reaped
+    os.read(execd, 1)
+    os.close(execd)
+
+
+def _keep(token: str, done: int) -> None:
+    """The keeper, once exec'd: wait for the worker to be gone, then sweep its tree."""
+    os.read(done, 1)  # returns (empty) once the worker's end of the pipe is closed
+    sweep([], passes=_KEEPER_PASSES, token=token)
 
 
 def main() -> None:
+    if sys.argv[1] == "--keep":
+        _keep(sys.argv[2], int(sys.argv[3]))
+        return
     if sys.argv[1] == "--check":
         try:
             load_driver(sys.argv[2])
