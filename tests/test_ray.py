@@ -186,6 +186,9 @@ def test_a_slot_killed_mid_turn_ends_the_turn_crashed_runs_its_step_once_and_is_
         data=steps({"op": "say", "text": "claimed step"}, {"op": "tool", "argv": ["sleep", "30"]}),
     )
     worker = worker_with_tool(rt, "sleep")
+    # the step's words travel up the slot's stream apart from the tool starting: have
+    # them recorded before the slot dies, so that the count below counts runs of the step
+    eventually(lambda: "claimed step" in texts(rt, child, "assistant"), what="the step")
     tools = tree_of(worker)
     slot = _slot_of(worker)
     before = set(rt.worker_pids)
