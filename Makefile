@@ -12,7 +12,7 @@ RAY_STAMP := $(VENV)/.installed-ray
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,agents]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,7 +28,7 @@ test: lint
 	$(BIN)/python -m pytest -m "not ray and not ray_cluster"
 
 $(RAY_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[dev,bench,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,ray]'
 	touch $(RAY_STAMP)
 
 # Every Ray case: the interrupt and core suites on Ray, tests/test_ray.py (one Ray

@@ -40,6 +40,9 @@ from tether.wire.records import (
     Event,
     Message,
     PendingMessage,
+    ProcessFate,
+    StopReport,
+    ToolFate,
     TurnRecord,
 )
 
@@ -60,10 +63,13 @@ __all__ = [
     "ParentOffline",
     "PendingMessage",
     "Preempted",
+    "ProcessFate",
     "Runtime",
     "Scripted",
     "Steer",
+    "StopReport",
     "TetherError",
+    "ToolFate",
     "TurnContext",
     "TurnFailed",
     "TurnRecord",

@@ -22,7 +22,7 @@ from tether.wire.frames import (
     ToolKilled,
     TurnEnd,
 )
-from tether.wire.records import Message, SessionHeader
+from tether.wire.records import Message, ProcessFate, SessionHeader
 
 __all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSink"]
 
@@ -56,6 +56,11 @@ class TurnJob:
     progress_every: float | None = None  # see RunTurn
     repeat: int | None = None
     frozen: bool = False  # paused before a worker took it: held back until thawed
+    # Filled by the executor when it kills the turn's tree, before it reports the end
+    # (the stop report, SPEC §15.6): how the tree was killed ("cgroup" or "walk") and
+    # every process signalled, with its fate.
+    kill_via: str | None = None
+    kill_procs: list[ProcessFate] = field(default_factory=list)
 
     def start(self) -> tuple[RunTurn, list[HostFrame]]:
         """The frame that starts this turn on a worker, and the frames held for it that
@@ -139,6 +144,8 @@ class AgentStore(Protocol):
         reason: str | None = None,
         error: str | None = None,
         final: str | None = None,
+        usage: dict[str, int] | None = None,
+        resources: dict[str, float] | None = None,
     ) -> None: ...
     def append_entry(
         self,

@@ -42,6 +42,7 @@ from tether.wire.records import (
     Message,
     PendingMessage,
     SessionHeader,
+    StopReport,
     TurnRecord,
     message_key,
 )
@@ -95,7 +96,9 @@ CREATE TABLE IF NOT EXISTS turns (
     forced      INTEGER NOT NULL DEFAULT 0,
     escalated   INTEGER NOT NULL DEFAULT 0,
     reason      TEXT,
-    error       TEXT
+    error       TEXT,
+    usage       BLOB,
+    resources   BLOB
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, seq);
 CREATE TABLE IF NOT EXISTS entries (
@@ -112,6 +115,11 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at  REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_session ON entries (session, seq);
+CREATE TABLE IF NOT EXISTS stop_reports (
+    turn        TEXT PRIMARY KEY,
+    session     TEXT NOT NULL,
+    report      BLOB NOT NULL    -- a StopReport, JSON
+);
 """
 
 MAX_PAGE = 1000  # entries one read returns at most
@@ -124,6 +132,7 @@ _LINGER = 0.0005  # seconds the writer thread waits before committing what it wa
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
+
 
 class _Statement:
     """A write that is one SQL statement: alone in its batch, it needs no BEGIN/COMMIT
@@ -216,6 +225,10 @@ class Store:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
         if "stall" not in columns:  # a store written before the stall watchdog
             self._db.execute("ALTER TABLE sessions ADD COLUMN stall BLOB")
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
+        for column in ("usage", "resources"):  # a store written before v3
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} BLOB")
         self._next_key = self._max("messages", "id") + 1  # the next message's key
         self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
         self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
@@ -568,6 +581,8 @@ class Store:
         reason: str | None = None,
         error: str | None = None,
         final: str | None = None,
+        usage: dict[str, int] | None = None,
+        resources: dict[str, float] | None = None,
     ) -> None:
         """Record a turn's end (and its final text as an assistant entry)."""
         now = time.time()
@@ -587,8 +602,20 @@ class Store:
                     )
                 db.execute(
                     "UPDATE turns SET ended_at=?, outcome=?, cause=?, by=?, forced=?,"
-                    " escalated=?, reason=?, error=? WHERE seq=?",
-                    (now, outcome, cause, by, forced, escalated, reason, error, row),
+                    " escalated=?, reason=?, error=?, usage=?, resources=? WHERE seq=?",
+                    (
+                        now,
+                        outcome,
+                        cause,
+                        by,
+                        forced,
+                        escalated,
+                        reason,
+                        error,
+                        _dump(usage),
+                        _dump(resources),
+                        row,
+                    ),
                 )
 
             self._submit_locked(op)
@@ -596,7 +623,8 @@ class Store:
     def turns(self, session: str) -> list[TurnRecord]:
         rows = self._read(
             "SELECT id, session, message_id, outcome, cause, by, forced, escalated, reason,"
-            " error, started_at, ended_at FROM turns WHERE session=? ORDER BY seq",
+            " error, started_at, ended_at, usage, resources FROM turns WHERE session=?"
+            " ORDER BY seq",
             (session,),
         )
         return [
@@ -614,9 +642,30 @@ class Store:
                 error=r[9],
                 started_at=r[10],
                 ended_at=r[11],
+                usage=_load(r[12]),
+                resources=_load(r[13]),
             )
             for r in rows
         ]
+
+    # ---- stop reports (SPEC §15.6) --------------------------------------------------
+
+    def put_stop_report(self, report: StopReport) -> None:
+        """Record (or replace: a report is completed once the turn has ended) a turn's
+        stop report; queued like the turn's own records."""
+        blob = _enc.encode(report)
+
+        def op(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT OR REPLACE INTO stop_reports (turn, session, report) VALUES (?,?,?)",
+                (report.turn, report.session, blob),
+            )
+
+        self.submit(op)
+
+    def stop_report(self, turn: str) -> StopReport | None:
+        rows = self._read("SELECT report FROM stop_reports WHERE turn=?", (turn,))
+        return msgspec.json.decode(rows[0][0], type=StopReport) if rows else None
 
     # ---- transcripts --------------------------------------------------------------
 

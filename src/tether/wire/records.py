@@ -24,7 +24,10 @@ __all__ = [
     "Origin",
     "Outcome",
     "PendingMessage",
+    "ProcessFate",
     "SessionHeader",
+    "StopReport",
+    "ToolFate",
     "TurnRecord",
     "message_key",
 ]
@@ -128,6 +131,12 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     started_at: float = 0.0
     ended_at: float | None = None
+    # Token usage summed over the turn's model requests (SPEC §15.2), e.g.
+    # {"prompt_tokens": 12, "completion_tokens": 30}; None when nothing reported any.
+    usage: dict[str, int] | None = None
+    # What the turn's cgroup counted (SPEC §15.5): {"cpu_ms", "processes",
+    # "memory_peak_mb"}, each only where its controller is available; None without one.
+    resources: dict[str, float] | None = None
 
 
 class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,3 +183,47 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     lineage: tuple[str, ...] = ()
     data: dict[str, Any] = {}
     ts: float = 0.0
+
+
+class ProcessFate(msgspec.Struct, frozen=True, kw_only=True):
+    """One process a stop signalled (SPEC §15.6): who it was and whether it died."""
+
+    pid: int
+    started: float  # its start time (seconds since the epoch): tells it from a reused pid
+    argv: list[str] = []
+    signal: str = "SIGKILL"
+    fate: Literal["dead", "survived"] = "dead"
+
+
+class ToolFate(msgspec.Struct, frozen=True, kw_only=True):
+    """One tool call open when a stop landed, and how it ended (SPEC §15.6)."""
+
+    name: str
+    fate: Literal["returned", "preempted", "cancelled", "abandoned", "killed", "shielded"]
+    call: str | None = None  # the tool call's id where it has one (an MCP request id)
+
+
+class StopReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one stop did to one turn, durable (SPEC §15.6): ``rt.stop_report(turn)``.
+
+    ``requested_at`` is when the stop was accepted, ``effective_at`` when it took effect
+    (the boundary that delivered it, the await it cancelled, or the moment the kill was
+    confirmed); ``via`` says how: ``boundary``, ``cancel-at-await``, ``cgroup``, ``walk``.
+    """
+
+    turn: str
+    session: str
+    kind: str
+    origin: str
+    by: str
+    reason: str = ""
+    requested_at: float = 0.0
+    effective_at: float | None = None
+    latency_ms: float | None = None
+    outcome: str | None = None
+    forced: bool = False
+    escalated: bool = False
+    via: str | None = None
+    processes: list[ProcessFate] = []
+    tools: list[ToolFate] = []
+    partial: str | None = None
