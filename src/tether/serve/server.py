@@ -86,6 +86,7 @@ from tether.wire.rpc import (
     StatusParams,
     StopReportParams,
     StopReportResult,
+    SubtreeStopResult,
     Transcript,
     TranscriptParams,
     Turns,
@@ -167,7 +168,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         )
         return MessageAccepted(message=message)
 
-    def interrupt(p: InterruptParams) -> InterruptResult:
+    def interrupt(p: InterruptParams) -> InterruptResult | SubtreeStopResult:
         # The core primitive alone decides: User(parent) is compared with the target's
         # durable parent, and the turn is bound there, so nothing here looks anything up.
         auth = User(parent=p.address.parent)
@@ -182,7 +183,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
                 turn=p.turn,
                 scope="subtree",
             )
-            return InterruptResult(turn=None, turns=turns)
+            return SubtreeStopResult(turns=turns)
         turn = rt.interrupt(
             p.address.session,
             authority=auth,
@@ -192,7 +193,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             deadline=p.deadline,
             turn=p.turn,
         )
-        return InterruptResult(turn=turn, turns=[] if turn is None else [turn])
+        return InterruptResult(turn=turn)
 
     def pause(p: PauseParams) -> PauseResult:
         # Authority as for an interrupt: the runtime compares User(parent) with the

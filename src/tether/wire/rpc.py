@@ -50,6 +50,7 @@ __all__ = [
     "StatusParams",
     "StopReportParams",
     "StopReportResult",
+    "SubtreeStopResult",
     "Transcript",
     "TranscriptParams",
     "Turns",
@@ -241,14 +242,17 @@ class MessageAccepted(msgspec.Struct, frozen=True):
 
 
 class InterruptResult(msgspec.Struct, frozen=True):
-    """The turn the signal was bound to; ``turn`` None is an accepted no-op (SPEC §14.2).
-
-    ``turns`` lists every turn stopped: ``[turn]`` or ``[]`` for one session, and for a
-    subtree stop all of them, pre-order (``turn`` is then None).
-    """
+    """The turn the signal was bound to; ``turn`` None is an accepted no-op (SPEC §14.2)."""
 
     accepted: bool = True
     turn: str | None = None
+
+
+class SubtreeStopResult(msgspec.Struct, frozen=True):
+    """A subtree stop's answer: every turn stopped, the target's own first, then its
+    descendants' in pre-order; ``[]`` is an accepted no-op (nothing was running)."""
+
+    accepted: bool = True
     turns: list[str] = msgspec.field(default_factory=list)
 
 
