@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,39 @@ def test_a_watchdog_step_leaves_a_report_of_origin_watchdog(rt: tether.Runtime) 
     )
     assert r.reason.startswith("no progress for")
     _check_times(r)
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_racing_a_turns_natural_end_always_leaves_a_complete_report(
+    rt: tether.Runtime,
+) -> None:
+    _, kid, me = _family(rt)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        bound = 0
+        for n in range(100):
+            rt.send(kid, f"quick {n}", authority=me)  # ends at once, by itself
+            kind = "cancel" if n % 2 else "abort"
+            turn = rt.interrupt(kid, authority=me, kind=kind, reason=f"race {n}")
+            info = rt.wait(kid)
+            last = rt.turns(kid)[-1]
+            if turn is None:  # the turn had ended (or not started): nothing was stopped
+                assert rt.stop_report(last.id) is None
+                assert last.outcome == "completed"
+            else:
+                bound += 1
+                r = _final(rt, turn)
+                assert (r.kind, r.reason) == (kind, f"race {n}")
+                assert r.outcome == ("cancelled" if kind == "cancel" else "aborted")
+                assert r.outcome == last.outcome and last.id == turn
+                _check_times(r)
+            if info.state == "parked":
+                rt.send(kid, "wake", authority=me)
+                rt.wait(kid)
+    finally:
+        sys.setswitchinterval(old)
+    assert bound > 0  # the race was run, not only lost
 
 
 def test_no_report_for_a_turn_no_stop_reached(rt: tether.Runtime) -> None:

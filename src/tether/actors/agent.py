@@ -125,6 +125,7 @@ class _Cut:
 
 Clock = Literal["grace", "deadline", "escalate", "watchdog"]
 _ESCALATE_WAIT = 1.0  # seconds to wait for a worker's answer to Escalate before killing
+_PREEMPTS_KEPT = 16  # preempts remembered per turn, to date the one a ToolKilled reports
 
 
 @dataclass(slots=True)
@@ -321,6 +322,7 @@ class Session:
                 if t.preempts is None:
                     t.preempts = []
                 t.preempts.append((i.origin, i.by, i.reason, time.time()))
+                del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
             case "cancel":
                 if t.stop is not None:
                     return t.id  # one pending stop per turn: the first one stands
