@@ -602,6 +602,7 @@ class Session:
             effective_at=now,
             latency_ms=_ms(now - at),
             via=frame.via,
+            processes=list(frame.processes),
             tools=tools,
         )
         t.preempt_report = report

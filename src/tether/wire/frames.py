@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.wire.records import Message
+from tether.wire.records import Message, ProcessFate
 from tether.wire.text import render_frame
 
 __all__ = [
@@ -164,15 +164,17 @@ class Delivered(msgspec.Struct, frozen=True, tag="delivered"):
 
 
 class ToolKilled(msgspec.Struct, frozen=True, tag="tool_killed"):
-    """A preempt took effect: the running command's tree is dead (``via`` says how the
-    tool was stopped, for the stop report: its tree killed by a ``walk``, or the await
-    on it cancelled, ``cancel-at-await``)."""
+    """A preempt took effect: the running command's tree is dead. For the stop report:
+    ``via`` says how the tool was stopped (its tree killed by a ``walk``, or the await on
+    it cancelled, ``cancel-at-await``), ``processes`` what the kill signalled, where the
+    worker noted it."""
 
     turn: str
     reason: str
     origin: str
     by: str
     via: str = "walk"
+    processes: list[ProcessFate] = []
 
 
 class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
