@@ -529,3 +529,68 @@ def test_the_page_is_served_from_the_package_without_a_cdn(tmp_path: Path) -> No
         rpc = b'{"jsonrpc":"2.0","id":1,"method":"subagent.list","params":{"root":"x"}}'
         assert server.request("POST", "/rpc", rpc, auth=False)[0] == 401
         assert server.request("HEAD", "/health", auth=False)[0] in (401, 405)
+
+
+# ---- stop reports and subtree stops (issue 19) --------------------------------------------
+
+
+def test_a_stop_marker_opens_to_its_report(loopback: LiveServer, page: Page) -> None:
+    server = loopback
+    root = open_root(server)
+    kid = spawn(server, root, "wedged", {"steps": [{"op": "tool", "argv": ["sleep", "300"]}]})
+    wait_until(
+        lambda: next((p for p in descendants(server) if p.name() == "sleep"), None),
+        what="the sleep tool",
+    )
+    turn = server.wait_state(kid, "running")["turn"]
+    console(page, server, root)
+    select(page, "wedged")
+    stop(page, "Abort", "stuck in sleep")
+    expect(state(page)).to_have_text("parked")
+    marker = transcript(page).locator("li.marker.action-aborted")
+    expect(marker).to_contain_text("⊘ Aborted by user")
+    report = page.get_by_role("region", name=f"Stop report of {turn}")
+    expect(report).to_be_hidden()
+    marker.locator("summary").click()
+    expect(report).to_be_visible()
+    expect(report).to_contain_text(f"abort by user ({root}): stuck in sleep")
+    expect(report).to_contain_text("aborted")
+    expect(report).to_contain_text("Tool calls (1)")
+    expect(report.locator(".report-tools li")).to_have_text(["run_command · killed"])
+    expect(report).to_contain_text(re.compile(r"Effective.*\d+\.\d ms"))
+    marker.locator("summary").click()  # closes again
+    expect(report).to_be_hidden()
+
+
+def test_stop_subtree_aborts_every_running_turn_below_an_idle_parent(
+    loopback: LiveServer, page: Page
+) -> None:
+    server = loopback
+    root = open_root(server)
+    kids = {slug: spawn(server, root, slug) for slug in ("scout", "coder")}
+    kids["deep"] = spawn(server, kids["coder"], "deep")
+    turns = {slug: server.wait_state(sid, "running")["turn"] for slug, sid in kids.items()}
+    console(page, server, root)
+    select(page, "lead")
+    expect(state(page)).to_have_text("idle")
+    # The lead runs nothing, but the sessions below it do: Stop offers the subtree only.
+    page.get_by_role("button", name="Stop", exact=True).click()
+    expect(page.get_by_role("menuitem", name="Abort", exact=True)).to_be_hidden()
+    page.get_by_role("menuitem", name="Stop subtree…", exact=True).click()
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_contain_text("its running descendants")
+    dialog.get_by_label("Abort").check()
+    fill_and_confirm(page, "wrong plan")
+    outcome = page.locator("#outcome")
+    expect(outcome).to_contain_text("Stop subtree: issued to turn")
+    for slug, sid in kids.items():
+        expect(outcome).to_contain_text(turns[slug])
+        expect(row_state(page, slug)).to_have_text("parked")
+        last = server.call("subagent.turns", {"session": sid})["turns"][-1]
+        assert (last["id"], last["outcome"], last["reason"]) == (
+            turns[slug],
+            "aborted",
+            "wrong plan",
+        )
+    # Nothing runs below it any more: Stop is off again.
+    expect(page.get_by_role("button", name="Stop", exact=True)).to_be_disabled()

@@ -19,6 +19,7 @@ NAMES = [
     "interrupt_agent",
     "pause_agent",
     "resume_agent",
+    "stop_report",
     "run_command",
 ]
 

@@ -40,7 +40,9 @@ from tether.wire.frames import (
     Progress,
     Steer,
     SteerFrame,
+    ToolFateName,
     ToolKilled,
+    ToolMark,
     TurnEnd,
 )
 from tether.wire.records import (
@@ -48,6 +50,8 @@ from tether.wire.records import (
     ChildTurnEnded,
     Message,
     SessionHeader,
+    StopReport,
+    ToolFate,
     message_key,
 )
 from tether.wire.text import marker_text
@@ -106,10 +110,22 @@ class _Stop:
     by: str
     reason: str
     grace: float
+    at: float = 0.0  # wall clock at acceptance: the report's requested_at
+
+
+@dataclass(slots=True)
+class _Cut:
+    """A tool call a stop found open (or that opened before the stop took effect)."""
+
+    name: str
+    call: str | None
+    fate: ToolFateName | None = None  # None while it is open
+    late: bool = False  # opened after the stop took effect: listed only if it was cut
 
 
 Clock = Literal["grace", "deadline", "escalate", "watchdog"]
 _ESCALATE_WAIT = 1.0  # seconds to wait for a worker's answer to Escalate before killing
+_PREEMPTS_KEPT = 16  # preempts remembered per turn, to date the one a ToolKilled reports
 
 
 @dataclass(slots=True)
@@ -135,6 +151,16 @@ class _Turn:
     stepped_at: float = 0.0
     step: int = 0
     in_tool: bool = False
+    # For the stop report (SPEC §15.6): the tool calls open now (number -> name, call),
+    # those the stop found open, when and how the cancel reached the driver, and the
+    # preempts issued and not yet seen to land (origin, by, reason, accepted at).
+    tools: dict[int, tuple[str, str | None]] | None = None
+    cut: dict[int, _Cut] | None = None
+    delivered_at: float | None = None
+    delivered_via: str = "boundary"
+    preempts: list[tuple[str, str, str, float]] | None = None
+    preempted: list[ToolFate] | None = None  # calls a preempt cut, for its ToolKilled
+    preempt_report: StopReport | None = None
 
 
 class Session:
@@ -293,23 +319,29 @@ class Session:
                 ex.signal(t.id, SteerFrame(t.id, Steer(i.reason, i.origin, i.by)))
             case "preempt":
                 ex.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
+                if t.preempts is None:
+                    t.preempts = []
+                t.preempts.append((i.origin, i.by, i.reason, time.time()))
+                del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
             case "cancel":
                 if t.stop is not None:
                     return t.id  # one pending stop per turn: the first one stands
-                t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace)
+                t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, time.time())
                 # the signal first, the bookkeeping after
                 ex.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
                 self._marker(t, "cancelled", i.origin, i.by, i.reason)
+                self._stop_accepted(t, t.stop)
                 if i.deadline is not None:
                     self._arm(t, i.deadline, "deadline")
             case "abort":
                 if t.stop is not None and t.stop.kind == "abort":
                     return t.id
-                t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace)
+                t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, time.time())
                 self._cancel_timer(t)
                 t.held = None
                 ex.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
                 self._marker(t, "aborted", i.origin, i.by, i.reason)
+                self._stop_accepted(t, t.stop)
         log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
         return t.id
 
@@ -332,6 +364,8 @@ class Session:
             self._marker(t, "steered", steer.origin, steer.by, steer.text)
         if frame.cancel and not t.delivered and t.stop is not None:
             t.delivered = True
+            t.delivered_at = time.time()
+            t.delivered_via = frame.via
             if t.stop.kind == "cancel" and not t.escalate:
                 # A boundary took the cancel: no escalation; the grace clock starts.
                 self._arm(t, t.stop.grace, "grace")
@@ -340,6 +374,7 @@ class Session:
         t = self.turn
         if t is not None and t.id == frame.turn:
             self._marker(t, "preempted", frame.origin, frame.by, frame.reason)
+            self._preempt_report(t, frame)
 
     def escalating(self, frame: Escalating) -> None:
         """The worker will never hand the cancel over now: escalate to an abort."""
@@ -442,6 +477,10 @@ class Session:
         t = self.turn
         if t is None or t.id != frame.turn:
             return
+        if frame.tools:
+            self._tool_marks(t, frame.tools)
+        if not frame.beat:
+            return  # only tool calls opening or closing: the meter's reports are progress
         t.in_tool = frame.in_tool
         if not frame.looping:  # the same tool call over and over is no progress
             t.last_progress = time.monotonic()
@@ -489,6 +528,132 @@ class Session:
         if self._host.events.wants("watchdog.step"):
             self._emit("watchdog.step", {"turn": t.id, "step": t.step, "kind": kind, "idle": idle})
         self.interrupt(Interrupt(kind, "watchdog", "watchdog", text, grace))
+
+    # ---- stop reports (SPEC §15.6) ------------------------------------------------------
+
+    def _tool_marks(self, t: _Turn, marks: list[ToolMark]) -> None:
+        """The worker's tool calls opening and closing: which ones a stop finds open."""
+        for m in marks:
+            if m.name is not None:
+                if t.tools is None:
+                    t.tools = {}
+                t.tools[m.id] = (m.name, m.call)
+                if t.stop is not None:  # opened while a stop is pending, or after it
+                    if t.cut is None:
+                        t.cut = {}
+                    late = t.stop.kind == "cancel" and t.delivered
+                    t.cut[m.id] = _Cut(m.name, m.call, late=late)
+            elif m.fate is not None:
+                opened = t.tools.pop(m.id, None) if t.tools is not None else None
+                cut = t.cut.get(m.id) if t.cut is not None else None
+                if cut is not None:
+                    cut.fate = m.fate
+                if m.fate == "preempted" and opened is not None:
+                    if t.preempted is None:
+                        t.preempted = []
+                    t.preempted.append(ToolFate(name=opened[0], fate="preempted", call=opened[1]))
+
+    def _stop_accepted(self, t: _Turn, stop: _Stop) -> None:
+        """A cancel or abort bound to ``t``: note the tool calls it finds open and write
+        the first version of its report (completed when the turn ends)."""
+        if t.cut is None:
+            t.cut = {}
+        for number, (name, call) in (t.tools or {}).items():
+            t.cut.setdefault(number, _Cut(name, call))
+        self._host.store.put_stop_report(
+            self._report(t, stop.kind, stop.origin, stop.by, stop.reason, stop.at)
+        )
+
+    def _report(
+        self, t: _Turn, kind: str, origin: str, by: str, reason: str, at: float, **more: Any
+    ) -> StopReport:
+        return StopReport(
+            turn=t.id,
+            session=self.header.id,
+            kind=kind,
+            origin=origin,
+            by=by,
+            reason=reason,
+            requested_at=at,
+            **more,
+        )
+
+    def _preempt_report(self, t: _Turn, frame: ToolKilled) -> None:
+        """A preempt landed: its report, unless the turn's own stop has one (a turn has
+        one report, and the stop that ends it is the one that matters)."""
+        tools, t.preempted = t.preempted or [], None
+        now = time.time()
+        at = now
+        pending = t.preempts or []
+        for n, (origin, by, reason, when) in enumerate(pending):
+            if (origin, by, reason) == (frame.origin, frame.by, frame.reason):
+                at = when
+                del pending[: n + 1]  # the ones before it were no-ops, or the same tool's
+                break
+        if t.stop is not None:
+            return
+        report = self._report(
+            t,
+            "preempt",
+            frame.origin,
+            frame.by,
+            frame.reason,
+            at,
+            effective_at=now,
+            latency_ms=_ms(now - at),
+            via=frame.via,
+            processes=list(frame.processes),
+            tools=tools,
+        )
+        t.preempt_report = report
+        self._host.store.put_stop_report(report)
+
+    def _final_report(
+        self,
+        t: _Turn,
+        stop: _Stop,
+        *,
+        killed: bool,
+        outcome: str,
+        forced: bool,
+        escalated: bool,
+        partial: str | None,
+    ) -> None:
+        """Complete the stop's report once the turn has ended: when and how the stop took
+        effect, what it killed, what became of each tool call it found open."""
+        now = time.time()
+        effective: float
+        via: str | None
+        if stop.kind == "cancel" and t.delivered_at is not None and not escalated:
+            effective, via = t.delivered_at, t.delivered_via  # the driver took it
+        elif killed:
+            effective, via = now, t.job.kill_via  # the kill, confirmed by the executor
+        else:  # the driver ended the turn on its own once the stop had reached it
+            effective, via = now, "boundary"
+        tools: list[ToolFate] = []
+        for cut in (t.cut or {}).values():
+            fate: ToolFateName = cut.fate or ("killed" if killed else "abandoned")
+            if cut.late and fate == "returned":
+                continue  # a wrap-up call the stop did not touch
+            tools.append(ToolFate(name=cut.name, fate=fate, call=cut.call))
+        report = self._report(
+            t,
+            stop.kind,
+            stop.origin,
+            stop.by,
+            stop.reason,
+            stop.at,
+            effective_at=effective,
+            latency_ms=_ms(effective - stop.at),
+            outcome=outcome,
+            forced=forced,
+            escalated=escalated,
+            via=via,
+            processes=list(t.job.kill_procs) if killed else [],
+            tools=tools,
+            partial=partial,
+        )
+        self._host.store.put_stop_report(report)
 
     def _marker(self, t: _Turn, action: str, origin: str, by: str, reason: str) -> None:
         text = marker_text(action, origin, by, reason)
@@ -542,6 +707,7 @@ class Session:
             outcome = "failed" if end.outcome == "failed" else "completed"
             cause = by = reason = None
         final = end.final if end is not None else None
+        partial = final if final is not None else t.job.last_say
         self.turn = None
         if outcome != "completed":
             self.hold = not t.wake_latch  # park the inbox unless a waking send latched
@@ -556,6 +722,19 @@ class Session:
             error=error,
             final=final,
         )
+        if stop is not None:
+            self._final_report(
+                t,
+                stop,
+                killed=killed,
+                outcome=outcome,
+                forced=forced,
+                escalated=escalated,
+                partial=partial,
+            )
+        elif t.preempt_report is not None:
+            report = msgspec.structs.replace(t.preempt_report, outcome=outcome, partial=partial)
+            host.store.put_stop_report(report)
         record = {
             "turn": t.id,
             "outcome": outcome,
@@ -579,7 +758,7 @@ class Session:
                 turn=t.id,
                 outcome=outcome,
                 cause=cause,
-                partial=final if final is not None else t.job.last_say,
+                partial=partial,
             )
             host.notify_parent(h.parent, notice)
         if h.mode == "one-shot" or self.disposing:
@@ -650,6 +829,10 @@ class Session:
 
     def _emit(self, name: str, data: dict[str, Any]) -> None:
         self._host.events.emit(name, self.header.id, self.lineage, data)
+
+
+def _ms(seconds: float) -> float:
+    return round(max(seconds, 0.0) * 1000.0, 3)
 
 
 def _progress_every(stall: dict[str, Any]) -> float:

@@ -179,17 +179,17 @@ class Directory:
                 raise Unauthorized(f"{auth.agent.id} is not an ancestor of {target}")
         return live
 
-    def authorize_subtree(self, target: str, auth: Authority | Host) -> Node:
+    def authorize_subtree(self, target: str, auth: Authority | Host, what: str = "pause") -> Node:
         """Authority over ``target`` as for an interrupt (SPEC §6), checked against the
         catalog so that it holds whether or not ``target`` itself is live: a subtree
-        pause or resume then applies to every session below it."""
+        pause, resume or stop then applies to every session below it."""
         node = self.catalog.get(target)
         if isinstance(auth, Host):
             return node
         if isinstance(auth, Ancestor):
             self.check_ref(auth)
             if auth.agent.id == target:
-                raise Unauthorized("a session cannot pause itself")
+                raise Unauthorized(f"a session cannot {what} itself")
             if auth.agent.id not in self.catalog.lineage(target):
                 raise Unauthorized(f"{auth.agent.id} is not an ancestor of {target}")
         elif owner_address(node.header) != auth.parent:

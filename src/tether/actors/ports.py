@@ -22,7 +22,7 @@ from tether.wire.frames import (
     ToolKilled,
     TurnEnd,
 )
-from tether.wire.records import Message, ProcessFate, SessionHeader
+from tether.wire.records import Message, ProcessFate, SessionHeader, StopReport
 
 __all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSink"]
 
@@ -161,6 +161,8 @@ class AgentStore(Protocol):
         data: dict[str, Any] | None = None,
     ) -> Any: ...
     def settle(self, session: str) -> Durable: ...
+    def put_stop_report(self, report: StopReport) -> None:
+        """Queue a turn's stop report (SPEC §15.6), replacing the turn's earlier one."""
 
 
 class EventSink(Protocol):

@@ -13,6 +13,7 @@ import os
 import queue
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -210,8 +211,18 @@ def _interrupt(kind: str) -> Command:
             params["deadline"] = args.deadline
         if args.turn is not None:
             params["turn"] = args.turn
+        subtree = bool(getattr(args, "subtree", False))
+        if subtree:
+            params["scope"] = "subtree"
         result = client.call("subagent.interrupt", params)
-        if "turn" not in result:  # an older server does not say which turn
+        if subtree:
+            turns = list(result.get("turns") or [])
+            text = (
+                "\n".join(f"{_DONE[kind]} {turn}" for turn in turns)
+                if turns
+                else "no-op: no running turn in the subtree"
+            )
+        elif "turn" not in result:  # an older server does not say which turn
             text = f"{kind} accepted for {args.id}"
         elif result["turn"] is not None:
             text = f"{_DONE[kind]} {result['turn']}"
@@ -246,6 +257,50 @@ def _pause(resume: bool) -> Command:
         return 0
 
     return run
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    stamp = datetime.fromtimestamp(ts, tz=UTC)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S.") + f"{stamp.microsecond // 1000:03d} UTC"
+
+
+def report_lines(r: dict[str, Any]) -> Iterator[str]:
+    """A stop report (SPEC §15.6) as a person reads it."""
+    head = f"{r['turn']} ({r['session']}): {r['kind']} by {r['origin']} ({r['by']})"
+    yield head + (f": {_one_line(r['reason'], 200)}" if r.get("reason") else "")
+    yield f"  requested  {_when(r.get('requested_at'))}"
+    if r.get("effective_at") is None:
+        yield "  effective  not yet (the turn is still ending)"
+    else:
+        how = f"{r['latency_ms']:.1f} ms after the request, via {r.get('via') or 'unknown'}"
+        yield f"  effective  {_when(r['effective_at'])}  ({how})"
+    flags = [f for f in ("forced", "escalated") if r.get(f)]
+    yield f"  outcome    {r.get('outcome') or 'running'}" + "".join(f"  [{f}]" for f in flags)
+    procs = r.get("processes") or []
+    yield f"  processes  {len(procs) or 'none listed'}"
+    for p in procs:
+        argv = _one_line(" ".join(p.get("argv") or []), 80)
+        yield f"    pid {p['pid']}  {p.get('signal', '')}  {p.get('fate', '')}  {argv}"
+    tools = r.get("tools") or []
+    yield f"  tools      {len(tools) or 'none open'}"
+    for t in tools:
+        call = f"  ({t['call']})" if t.get("call") else ""
+        yield f"    {t['name']}  {t['fate']}{call}"
+    if r.get("partial"):
+        yield f"  partial    {_one_line(r['partial'], 200)}"
+
+
+def _report(args: argparse.Namespace, client: Client) -> int:
+    report = client.call("subagent.stopReport", {"turn": args.turn})["report"]
+    if args.json:
+        _out(args, {"report": report})
+    elif report is None:
+        print(f"no stop reached {args.turn}")
+    else:
+        print("\n".join(report_lines(report)))
+    return 0
 
 
 def _tree_lines(root: dict[str, Any], agents: list[dict[str, Any]]) -> Iterator[str]:
@@ -523,6 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--turn", help="act only if this turn is still the running one (else a no-op)"
         )
+        if kind in ("cancel", "abort"):
+            p.add_argument(
+                "--subtree",
+                action="store_true",
+                help="stop every running descendant too, each on its own turn",
+            )
 
     for resume in (False, True):
         name = "resume" if resume else "pause"
@@ -556,6 +617,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("turns", "list a session's turns and how they ended", "tether turns s_01J…", _turns)
     p.add_argument("id", help="session id")
+
+    p = command(
+        "report",
+        "show what a stop did to a turn: when, how, the processes killed, the tools cut",
+        "tether report t_01J…",
+        _report,
+    )
+    p.add_argument("turn", help="turn id (t_…)")
 
     p = command(
         "inbox",

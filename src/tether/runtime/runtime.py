@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgspec
 import pykka
@@ -54,6 +54,7 @@ from tether.wire.records import (
     Event,
     PendingMessage,
     SessionHeader,
+    StopReport,
     TurnRecord,
 )
 from tether.wire.text import cap
@@ -319,6 +320,34 @@ class Runtime:
         self._check_message(content, data)
         return self._send(target, content, authority, data, bool(wake))
 
+    @overload
+    def interrupt(
+        self,
+        target: str,
+        *,
+        authority: Authority,
+        kind: str = ...,
+        reason: str = ...,
+        grace: float | None = ...,
+        deadline: float | None = ...,
+        turn: str | None = ...,
+        scope: Literal["session"] = ...,
+    ) -> str | None: ...
+
+    @overload
+    def interrupt(
+        self,
+        target: str,
+        *,
+        authority: Authority,
+        kind: str = ...,
+        reason: str = ...,
+        grace: float | None = ...,
+        deadline: float | None = ...,
+        turn: str | None = ...,
+        scope: Literal["subtree"],
+    ) -> list[str]: ...
+
     def interrupt(
         self,
         target: str,
@@ -329,14 +358,25 @@ class Runtime:
         grace: float | None = None,
         deadline: float | None = None,
         turn: str | None = None,
-    ) -> str | None:
+        scope: str = "session",
+    ) -> str | list[str] | None:
         """Authorize, issue, return at once: accepted means "signal issued" (SPEC §5).
 
         Returns the id of the turn the signal was bound to, or None for an accepted
         no-op (no running turn, or ``turn`` given and no longer the running one). The
         stop lands on that turn and on no other (SPEC §14.2).
+
+        ``scope="subtree"`` (a ``cancel`` or an ``abort`` only) stops the running turn of
+        ``target`` and of every continuable session below it, each bound to its own
+        turn, and returns the list of their ids (``[]``: nothing was running). The
+        authority is checked once, at the top, as for a subtree pause; ``turn`` guards
+        the target's own turn only.
         """
         self._check_authority(authority)
+        if scope not in ("session", "subtree"):
+            raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
+        if scope == "subtree" and kind not in ("cancel", "abort"):
+            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {kind!r}")
         if kind not in KINDS:
             raise InvalidParams(f"kind must be one of {KINDS}, not {kind!r}")
         if not isinstance(reason, str):
@@ -352,8 +392,50 @@ class Runtime:
         if turn is not None and not isinstance(turn, str):
             raise InvalidParams("turn must be a turn id")
         g = self.grace if grace is None else float(grace)
+        if scope == "subtree":
+            return self._interrupt_subtree(target, authority, kind, cap(reason), g, deadline, turn)
         op = InterruptOp(target, authority, kind, cap(reason), g, deadline, turn)
         return self._interrupt(op)
+
+    def _interrupt_subtree(
+        self,
+        target: str,
+        auth: Authority,
+        kind: str,
+        reason: str,
+        grace: float,
+        deadline: float | None,
+        turn: str | None,
+    ) -> list[str]:
+        """Stop every running turn from ``target`` down, top first (so a stopped parent
+        is parked before its children's turn-end notices reach it)."""
+        self._check_open()
+        self._check_id(target)
+        self._dir.authorize_subtree(target, auth, what="stop")
+        # Authorized at the top: below it, the same person or ancestor acts on each.
+        delegate = Host(auth.origin, auth.by)
+        nodes = self._dir.catalog.nodes
+        ids = [target, *self._dir.catalog.preorder(target)]
+        turns: list[str] = []
+        for sid in ids:
+            node = nodes.get(sid)
+            if node is None or node.header.mode == "one-shot":
+                continue  # a one-shot belongs to its handle's holder, not to the subtree
+            guard = turn if sid == target else None  # the guard names the target's turn
+            op = InterruptOp(sid, delegate, kind, reason, grace, deadline, guard)
+            bound = self._dispatcher.ask(sid, op)
+            if bound is not None:
+                turns.append(str(bound))
+        return turns
+
+    def stop_report(self, turn: str) -> StopReport | None:
+        """What the stop that reached ``turn`` did (SPEC §15.6), durable; None when no
+        stop reached it. While the turn still runs, the report says what is known so
+        far (``effective_at`` and ``outcome`` None)."""
+        if not isinstance(turn, str):
+            raise InvalidParams("turn must be a turn id")
+        self._check_open()
+        return self._store.stop_report(turn)
 
     def pause(
         self,
@@ -743,12 +825,26 @@ class Runtime:
             case "interrupt_agent":
                 auth = gate("interrupt")
                 target = str(self._ask(Resolve(caller, str(args.get("agent_id", "")))))
-                return self.interrupt(
-                    target,
-                    authority=auth,
-                    kind=args.get("kind") or "cancel",
-                    reason=args.get("reason") or "",
-                )
+                kind = args.get("kind") or "cancel"
+                reason = args.get("reason") or ""
+                if (args.get("scope") or "session") == "subtree":
+                    return self.interrupt(
+                        target, authority=auth, kind=kind, reason=reason, scope="subtree"
+                    )
+                return self.interrupt(target, authority=auth, kind=kind, reason=reason)
+            case "stop_report":
+                # A report is read only over the caller's own subtree: its own turns and
+                # those of the sessions below it.
+                report = self.stop_report(str(args.get("turn", "")))
+                if report is None:
+                    return None
+                node = self._dir.catalog.nodes.get(report.session)
+                if node is None or (
+                    report.session != caller
+                    and caller not in self._dir.catalog.lineage(report.session)
+                ):
+                    raise Unauthorized(f"turn {report.turn} is not in {caller}'s subtree")
+                return msgspec.to_builtins(report)
             case "pause_agent" | "resume_agent":
                 # Pausing is stopping in place: the interrupt permission gates both.
                 auth = gate("interrupt")

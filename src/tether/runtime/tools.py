@@ -14,7 +14,7 @@ A driver wrapping any model needs no glue of its own::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, overload
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -30,6 +30,7 @@ __all__ = [
     "RunCommandArgs",
     "SendMessageArgs",
     "SpawnAgentArgs",
+    "StopReportArgs",
     "ToolHost",
     "call_tool",
     "schemas",
@@ -63,9 +64,22 @@ class ToolHost(Protocol):
 
     def list_agents(self, *, scope: str = ...) -> Sequence[Any]: ...
 
+    @overload
     def interrupt_agent(
-        self, agent_id: str, *, kind: str = ..., reason: str = ...
+        self,
+        agent_id: str,
+        *,
+        kind: str = ...,
+        reason: str = ...,
+        scope: Literal["session"] = ...,
     ) -> str | None: ...
+
+    @overload
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = ..., reason: str = ..., scope: Literal["subtree"]
+    ) -> Sequence[str]: ...
+
+    def stop_report(self, turn: str) -> Any: ...
 
     def pause_agent(
         self, agent_id: str, *, scope: str = ..., reason: str = ...
@@ -157,6 +171,13 @@ class InterruptAgentArgs(_Args):
     reason: Annotated[
         str, Meta(max_length=2000, description="Why; for a steer, the guidance itself.")
     ] = ""
+    scope: Annotated[
+        Literal["session", "subtree"],
+        Meta(
+            description="session (default): that agent's turn; subtree: with cancel or "
+            "abort, that agent's turn and the turns of every agent below it."
+        ),
+    ] = "session"
 
 
 _Scope = Annotated[
@@ -183,6 +204,15 @@ class ResumeAgentArgs(_Args):
 
     agent: AgentName
     scope: _Scope = "session"
+
+
+class StopReportArgs(_Args):
+    """What a stop (cancel, abort, preempt) did to one turn of an agent below you (or
+    yours): who asked and when, how long it took to land, how, every process it killed
+    and whether it died, every tool call it cut and how that ended, and the partial
+    reply. Returns {"report": null} if no stop reached that turn."""
+
+    turn: Annotated[str, Meta(min_length=1, description="The turn's id (t_…).")]
 
 
 class RunCommandArgs(_Args):
@@ -220,8 +250,16 @@ def _list(host: ToolHost, a: ListAgentsArgs) -> dict[str, Any]:
 
 
 def _interrupt(host: ToolHost, a: InterruptAgentArgs) -> dict[str, Any]:
+    if a.scope == "subtree":
+        turns = host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason, scope="subtree")
+        return {"accepted": True, "turns": list(turns)}
     turn = host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason)
     return {"accepted": True, "turn": turn}
+
+
+def _stop_report(host: ToolHost, a: StopReportArgs) -> dict[str, Any]:
+    report = host.stop_report(a.turn)
+    return {"report": None if report is None else msgspec.to_builtins(report)}
 
 
 def _pause(host: ToolHost, a: PauseAgentArgs) -> dict[str, Any]:
@@ -248,6 +286,7 @@ TOOLS: dict[str, tuple[type[_Args], _Impl]] = {
     "interrupt_agent": (InterruptAgentArgs, _interrupt),
     "pause_agent": (PauseAgentArgs, _pause),
     "resume_agent": (ResumeAgentArgs, _resume),
+    "stop_report": (StopReportArgs, _stop_report),
     "run_command": (RunCommandArgs, _run),
 }
 

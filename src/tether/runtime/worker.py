@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import itertools
 import multiprocessing.forkserver
 import os
 import selectors
@@ -36,7 +37,8 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import msgspec
 
@@ -61,11 +63,13 @@ from tether.wire.frames import (
     Steer,
     SteerFrame,
     ToolCall,
+    ToolFateName,
     ToolKilled,
+    ToolMark,
     ToolReply,
     TurnEnd,
 )
-from tether.wire.records import AgentInfo, Entry, Message
+from tether.wire.records import AgentInfo, Entry, Message, StopReport
 
 __all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
 
@@ -123,8 +127,10 @@ class CommandResult(msgspec.Struct, frozen=True):
 class _TurnState:
     """What the reader thread shares with the main thread for the current turn."""
 
-    def __init__(self, run: RunTurn) -> None:
+    def __init__(self, run: RunTurn, send: Callable[[msgspec.Struct], None]) -> None:
         self.turn = run.turn
+        self._send = send
+        self._tools = itertools.count(1)
         self.lock = threading.Lock()
         self.steers: list[Steer] = []
         self.cancel: Cancel | None = None
@@ -137,6 +143,23 @@ class _TurnState:
         self.tool: subprocess.Popen[bytes] | None = None
         self.tool_starting = False  # between Popen's fork and our holding its handle
         self.preempt: Preempt | None = None
+
+    # ---- open tool calls, for the host's stop reports (SPEC §15.6) ---------------------
+
+    def tool_opened(self, name: str, call: str | None = None) -> int:
+        """Tell the host a tool call started; its number, for ``tool_closed``.
+
+        Every way of running a tool (``run_command``, an async or MCP call) brackets the
+        call with these two, so the host knows which calls a stop finds open.
+        """
+        tool = next(self._tools)  # itertools.count is atomic under the GIL
+        self._send(Progress(turn=self.turn, beat=False, tools=[ToolMark(tool, name, call=call)]))
+        return tool
+
+    def tool_closed(self, tool: int, fate: ToolFateName = "returned") -> None:
+        """Tell the host how tool call ``tool`` ended (``returned``, ``preempted``,
+        ``cancelled``, ``abandoned``, ``shielded``; ``killed`` is the host's to say)."""
+        self._send(Progress(turn=self.turn, beat=False, tools=[ToolMark(tool, fate=fate)]))
 
 
 class _ProgressMeter:
@@ -293,13 +316,39 @@ class TurnContext:
         raw = self._host_call("list_agents", {"scope": scope})
         return msgspec.convert(raw, list[AgentInfo])
 
+    @overload
     def interrupt_agent(
-        self, agent_id: str, *, kind: str = "cancel", reason: str = ""
-    ) -> str | None:
-        """Interrupt an agent below; the turn it was bound to, or None (a no-op)."""
+        self,
+        agent_id: str,
+        *,
+        kind: str = ...,
+        reason: str = ...,
+        scope: Literal["session"] = ...,
+    ) -> str | None: ...
+
+    @overload
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = ..., reason: str = ..., scope: Literal["subtree"]
+    ) -> list[str]: ...
+
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = "cancel", reason: str = "", scope: str = "session"
+    ) -> str | list[str] | None:
+        """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
+        ``scope="subtree"`` (cancel or abort), that agent and every one below it: the
+        list of the turns stopped."""
         args = {"agent_id": agent_id, "kind": kind, "reason": reason}
+        if scope != "session":
+            args["scope"] = scope
+            return [str(t) for t in self._host_call("interrupt_agent", args)]
         turn = self._host_call("interrupt_agent", args)
         return None if turn is None else str(turn)
+
+    def stop_report(self, turn: str) -> StopReport | None:
+        """What a stop did to ``turn`` (a turn of this session or of one below it), or
+        None when no stop reached it (SPEC §15.6)."""
+        raw = self._host_call("stop_report", {"turn": turn})
+        return None if raw is None else msgspec.convert(raw, StopReport)
 
     def pause_agent(self, agent_id: str, *, scope: str = "session", reason: str = "") -> list[str]:
         """Freeze an agent below (``subtree``: and its running descendants) in place;
@@ -328,6 +377,7 @@ class TurnContext:
         st = self._state
         st.progress.in_tool = True
         self._progress(("run_command", repr((argv, cwd))))
+        tool = st.tool_opened("run_command")
         with st.lock:
             st.tool_starting = True
         try:
@@ -340,6 +390,7 @@ class TurnContext:
             )
         except BaseException as exc:
             st.progress.in_tool = False
+            st.tool_closed(tool)  # it never ran: nothing of it was cut
             with st.lock:
                 st.tool_starting = False
                 st.preempt = None
@@ -370,7 +421,9 @@ class TurnContext:
             self._progress()
         # A preempt that raced the command's own exit killed nothing: the command
         # completed, and no ToolKilled (no "preempted" marker) may say otherwise.
-        if preempt is not None and proc.returncode == -signal.SIGKILL:
+        preempted = preempt is not None and proc.returncode == -signal.SIGKILL
+        st.tool_closed(tool, "preempted" if preempted else "returned")
+        if preempt is not None and preempted:
             self._worker.send(
                 ToolKilled(
                     turn=self.turn, reason=preempt.reason, origin=preempt.origin, by=preempt.by
@@ -527,7 +580,7 @@ class _Worker:
                 case RunTurn() | Probe():
                     with self.lock:
                         if isinstance(frame, RunTurn):
-                            self.current = _TurnState(frame)
+                            self.current = _TurnState(frame, self.send)
                             for held in frame.held:  # before the driver's first boundary
                                 _apply(self.current, held)
                         self.runs.append(frame)

@@ -84,6 +84,9 @@ from tether.wire.rpc import (
     SessionResult,
     SpawnParams,
     StatusParams,
+    StopReportParams,
+    StopReportResult,
+    SubtreeStopResult,
     Transcript,
     TranscriptParams,
     Turns,
@@ -165,12 +168,25 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         )
         return MessageAccepted(message=message)
 
-    def interrupt(p: InterruptParams) -> InterruptResult:
+    def interrupt(p: InterruptParams) -> InterruptResult | SubtreeStopResult:
         # The core primitive alone decides: User(parent) is compared with the target's
         # durable parent, and the turn is bound there, so nothing here looks anything up.
+        auth = User(parent=p.address.parent)
+        if p.scope == "subtree":
+            turns = rt.interrupt(
+                p.address.session,
+                authority=auth,
+                kind=p.kind,
+                reason=p.reason,
+                grace=p.grace,
+                deadline=p.deadline,
+                turn=p.turn,
+                scope="subtree",
+            )
+            return SubtreeStopResult(turns=turns)
         turn = rt.interrupt(
             p.address.session,
-            authority=User(parent=p.address.parent),
+            authority=auth,
             kind=p.kind,
             reason=p.reason,
             grace=p.grace,
@@ -211,6 +227,9 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def inbox(p: InboxParams) -> Inbox:
         return Inbox(rt.inbox(p.session))
 
+    def stop_report(p: StopReportParams) -> StopReportResult:
+        return StopReportResult(rt.stop_report(p.turn))
+
     def dispose(p: DisposeParams) -> Accepted:
         # Accepted once the supervisor has checked the authority and marked the subtree
         # disposing; the sessions' hosts carry the disposal on by themselves (cancel,
@@ -234,6 +253,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         "subagent.turns": turns,
         "subagent.inbox": inbox,
         "subagent.dispose": dispose,
+        "subagent.stopReport": stop_report,
     }
 
 

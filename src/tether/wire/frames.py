@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.wire.records import Message
+from tether.wire.records import Message, ProcessFate
 from tether.wire.text import render_frame
 
 __all__ = [
@@ -31,7 +31,9 @@ __all__ = [
     "Steer",
     "SteerFrame",
     "ToolCall",
+    "ToolFateName",
     "ToolKilled",
+    "ToolMark",
     "ToolReply",
     "TurnEnd",
     "WorkerFrame",
@@ -148,20 +150,31 @@ class ToolCall(msgspec.Struct, frozen=True, tag="call"):
 
 
 class Delivered(msgspec.Struct, frozen=True, tag="delivered"):
-    """Frames handed to the driver at a boundary: the host writes their markers."""
+    """Frames handed to the driver at a boundary: the host writes their markers.
+
+    ``via`` says where the cancel reached the driver, for its stop report: at a
+    ``checkpoint()`` (``boundary``), or at whatever an async driver was awaiting
+    (``cancel-at-await``, SPEC §15.1).
+    """
 
     turn: str
     steers: list[Steer]
     cancel: bool = False
+    via: Literal["boundary", "cancel-at-await"] = "boundary"
 
 
 class ToolKilled(msgspec.Struct, frozen=True, tag="tool_killed"):
-    """A preempt took effect: the running command's tree is dead."""
+    """A preempt took effect: the running command's tree is dead. For the stop report:
+    ``via`` says how the tool was stopped (its tree killed by a ``walk``, or the await on
+    it cancelled, ``cancel-at-await``), ``processes`` what the kill signalled, where the
+    worker noted it."""
 
     turn: str
     reason: str
     origin: str
     by: str
+    via: str = "walk"
+    processes: list[ProcessFate] = []
 
 
 class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
@@ -171,16 +184,36 @@ class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
     error: str | None = None
 
 
+ToolFateName = Literal["returned", "preempted", "cancelled", "abandoned", "killed", "shielded"]
+
+
+class ToolMark(msgspec.Struct, frozen=True, array_like=True):
+    """A tool call opened (``name`` set) or closed (``fate`` set), numbered per turn."""
+
+    id: int
+    name: str | None = None
+    fate: ToolFateName | None = None
+    call: str | None = None  # the call's own id where it has one (an MCP request id)
+
+
 class Progress(msgspec.Struct, frozen=True, tag="progress"):
     """The turn made progress since the last report (rate-limited by ``progress_every``).
 
     ``looping``: its last ``repeat`` tool calls were identical, which is no progress.
     ``in_tool``: a ``run_command`` is running now.
+
+    ``tools``: tool calls that opened or closed, so that the host knows which are open
+    when a stop lands (the stop report, SPEC §15.6). Sent whether or not the session has
+    a watchdog, as they happen, in frames of their own with ``beat=False``: the watchdog
+    reads only ``beat`` frames (rate-limited) as progress. (Tool calls ride on
+    Progress because every backend already routes it to the session.)
     """
 
     turn: str
     looping: bool = False
     in_tool: bool = False
+    beat: bool = True
+    tools: list[ToolMark] = []
 
 
 class Escalating(msgspec.Struct, frozen=True, tag="escalating"):

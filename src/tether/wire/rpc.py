@@ -12,7 +12,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from tether.wire.records import AgentInfo, Entry, PendingMessage, TurnRecord
+from tether.wire.records import AgentInfo, Entry, PendingMessage, StopReport, TurnRecord
 
 __all__ = [
     "APPLICATION_ERROR",
@@ -48,6 +48,9 @@ __all__ = [
     "SessionResult",
     "SpawnParams",
     "StatusParams",
+    "StopReportParams",
+    "StopReportResult",
+    "SubtreeStopResult",
     "Transcript",
     "TranscriptParams",
     "Turns",
@@ -148,7 +151,11 @@ class SendParams(_Params):
 
 
 class InterruptParams(_Params):
-    """``turn`` is a guard: act only if that turn is still the running one (SPEC §14.2)."""
+    """``turn`` is a guard: act only if that turn is still the running one (SPEC §14.2).
+
+    ``scope="subtree"`` (a cancel or an abort) stops the running turn of ``address``
+    and of every continuable session below it, each bound to its own turn (SPEC §15.6).
+    """
 
     address: Address
     kind: InterruptKind = "cancel"
@@ -156,6 +163,7 @@ class InterruptParams(_Params):
     grace: Annotated[float, msgspec.Meta(ge=0)] | None = None
     deadline: Annotated[float, msgspec.Meta(gt=0)] | None = None
     turn: TurnId | None = None
+    scope: PauseScope = "session"
 
 
 class PauseParams(_Params):
@@ -204,6 +212,16 @@ class DisposeParams(_Params):
     address: Address
 
 
+class StopReportParams(_Params):
+    turn: TurnId
+
+
+class StopReportResult(msgspec.Struct, frozen=True):
+    """What the stop that reached the turn did (SPEC §15.6); None: no stop reached it."""
+
+    report: StopReport | None = None
+
+
 class FailParams(_Params):
     """``debug.fail`` takes nothing; it exists only with fault injection enabled."""
 
@@ -228,6 +246,14 @@ class InterruptResult(msgspec.Struct, frozen=True):
 
     accepted: bool = True
     turn: str | None = None
+
+
+class SubtreeStopResult(msgspec.Struct, frozen=True):
+    """A subtree stop's answer: every turn stopped, the target's own first, then its
+    descendants' in pre-order; ``[]`` is an accepted no-op (nothing was running)."""
+
+    accepted: bool = True
+    turns: list[str] = msgspec.field(default_factory=list)
 
 
 class PauseResult(msgspec.Struct, frozen=True):
@@ -313,4 +339,5 @@ METHODS: Final[dict[str, type[_Params]]] = {
     "subagent.turns": TurnsParams,
     "subagent.inbox": InboxParams,
     "subagent.dispose": DisposeParams,
+    "subagent.stopReport": StopReportParams,
 }

@@ -247,7 +247,10 @@ function onEvent(ev) {
     renderFacts();
     scheduleView();
   }
-  if (store.selected && (ev.session === store.selected || ev.session === session(store.selected).parent)) {
+  // The selected session, its parent (Send needs it live) and the sessions below it
+  // (Stop subtree is offered while any of them runs).
+  const sel = store.selected;
+  if (sel && (ev.session === sel || ev.session === session(sel).parent || ev.lineage.includes(sel))) {
     updateComposer();
   }
 }

@@ -41,6 +41,21 @@ export const STOP_ITEMS = [
     hint: "Kills only the running command; the turn goes on.",
   },
   {
+    name: "Stop subtree…",
+    kind: "subtree",
+    done: "stopped",
+    subtree: true,
+    hint: "Stops this session's running turn and the running turn of every session below it, each on its own turn. Cancel lets each wrap up (killed after the grace); Abort kills every tree now.",
+    run: (params) =>
+      call("subagent.interrupt", {
+        address: params.address,
+        kind: $("subtree-abort").checked ? "abort" : "cancel",
+        reason: params.reason,
+        turn: params.turn,
+        scope: "subtree",
+      }),
+  },
+  {
     name: "Pause",
     kind: "pause",
     done: "paused",
@@ -107,17 +122,33 @@ export function updateComposer() {
   const stop = $("stop");
   stop.hidden = !hasStop(info);
   const running = Boolean(info.turn) && info.state !== "settled";
-  stop.disabled = !running;
-  stop.title = running ? `stop turn ${info.turn}` : "nothing is running";
+  const below = runningBelow(info.id);
+  stop.disabled = !running && !below;
+  stop.title = running ? `stop turn ${info.turn}` : below ? "sessions below are running" : "nothing is running";
   showItems(info);
   if (stop.hidden || stop.disabled) closeMenu(false);
 }
 
-/** Offer only the items that apply to the session as it is now (Pause, or Resume). */
+/** Whether a session below `id` (as far as the console knows) has a turn running. */
+function runningBelow(id) {
+  for (const other of store.sessions.values()) {
+    if (!other.turn || other.mode === "one-shot" || other.state === "settled") continue;
+    const seen = new Set();
+    for (let up = other.parent; up && !seen.has(up); up = store.sessions.get(up)?.parent) {
+      if (up === id) return true;
+      seen.add(up);
+    }
+  }
+  return false;
+}
+
+/** Offer only the items that apply to the session as it is now (Pause, or Resume; with
+ * only its descendants running, Stop subtree alone). */
 function showItems(info) {
+  const running = Boolean(info.turn) && info.state !== "settled";
   for (const item of STOP_ITEMS) {
     const button = $("stop-menu").querySelector(`[data-kind="${item.kind}"]`);
-    const shown = !item.shown || item.shown(info);
+    const shown = (!item.shown || item.shown(info)) && (running || Boolean(item.subtree));
     button.parentElement.hidden = !shown;
     button.disabled = !shown;
   }
@@ -177,7 +208,7 @@ function toggleMenu() {
     return;
   }
   const info = store.sessions.get(store.selected);
-  if (!info || !info.turn) return;
+  if (!info || (!info.turn && !runningBelow(info.id))) return;
   // The turn on screen now is the one this Stop is for, whatever runs later.
   target = { id: info.id, parent: info.parent, turn: info.turn, name: label(info), info };
   showItems(info);
@@ -214,11 +245,14 @@ function choose(item) {
     return;
   }
   chosen = item;
-  setText($("reason-title"), `${item.name} ${target.name}, turn ${target.turn}`);
+  const turn = target.turn ? `, turn ${target.turn}` : ", its running descendants";
+  setText($("reason-title"), `${item.name.replace("…", "")} ${target.name}${turn}`);
   setText($("reason-hint"), item.hint);
   $("reason").value = "";
   $("reason").required = Boolean(item.needsText);
-  $("cancel-fields").hidden = !item.timing;
+  $("subtree-fields").hidden = !item.subtree;
+  $("subtree-cancel").checked = true;
+  $("cancel-fields").hidden = !item.timing && !item.subtree;
   $("grace").value = "";
   $("deadline").value = "";
   updateConfirm();
@@ -239,8 +273,8 @@ async function confirm() {
   if (!chosen || !target || $("confirm").disabled) return;
   const item = chosen;
   const stopped = target;
-  const params = { address: address(stopped.info), kind: item.kind, reason: $("reason").value, turn: stopped.turn };
-  if (item.timing) {
+  const params = { address: address(stopped.info), kind: item.kind, reason: $("reason").value, turn: stopped.turn || undefined };
+  if (item.timing || item.subtree) {
     const grace = number($("grace"));
     const deadline = number($("deadline"));
     if (grace !== undefined) params.grace = grace;
@@ -255,8 +289,10 @@ async function act(item, stopped, params) {
     const answer = item.run ? await item.run(params) : await call("subagent.interrupt", params);
     // An interrupt names its turn; a pause or a resume lists the turns it acted on.
     const turns = answer.turns || (answer.turn ? [answer.turn] : []);
-    if (turns.length) say(`${item.name}: issued to turn ${turns.join(", ")} of ${stopped.name}.`);
+    const what = item.name.replace("…", "");
+    if (turns.length) say(`${what}: issued to turn ${turns.join(", ")} of ${stopped.name}${item.subtree ? " and below" : ""}.`);
     else if (item.kind === "resume") say(`nothing to resume: ${stopped.name} is not paused.`);
+    else if (item.subtree) say(`nothing was running in the subtree of ${stopped.name}, so nothing was stopped.`);
     else say(`already finished: turn ${stopped.turn} of ${stopped.name} is no longer running, so nothing was ${item.done}.`);
     refreshView();
   } catch (err) {

@@ -140,17 +140,74 @@ function appendEntries(v, entries) {
   if (atBottom) pane.scrollTop = pane.scrollHeight;
 }
 
+// Markers of a stop that may have a report (SPEC §15.6): expanding one shows it.
+const STOPS = new Set(["cancelled", "aborted", "preempted", "forced", "escalated"]);
+
 function renderEntry(entry) {
   const kind = entry.kind;
   const text = kind === "marker" ? markerText(entry) : entry.text;
   const classes = ["entry", kind];
   if (kind === "marker" && entry.action) classes.push(`action-${entry.action}`);
+  const body =
+    kind === "marker" && STOPS.has(entry.action) && entry.turn
+      ? stopMarker(entry, text)
+      : h("span", { class: "text" }, text);
   return h(
     "li",
     { class: classes.join(" "), "data-seq": entry.seq, "data-turn": entry.turn || "" },
     h("span", { class: "kind" }, kind),
-    h("span", { class: "text" }, text),
+    body,
   );
+}
+
+/** A stop marker that opens to its turn's stop report, read when it is opened (so a
+ * report completed since, once the turn ended, shows as it is now). */
+function stopMarker(entry, text) {
+  const report = h("div", { class: "report", role: "region", "aria-label": `Stop report of ${entry.turn}` });
+  const details = h("details", { class: "text stop-marker" }, h("summary", {}, text), report);
+  details.addEventListener("toggle", () => {
+    if (!details.open) return;
+    fill(report, h("p", { class: "quiet" }, "reading the stop report…"));
+    call("subagent.stopReport", { turn: entry.turn })
+      .then((got) => fill(report, reportBody(got.report)))
+      .catch((err) => fill(report, h("p", { class: "error" }, String(err))));
+  });
+  return details;
+}
+
+function when(ts) {
+  return ts === null || ts === undefined ? "—" : new Date(ts * 1000).toISOString().replace("T", " ").replace("Z", " UTC");
+}
+
+function reportBody(r) {
+  if (!r) return h("p", { class: "quiet" }, "No stop report: no stop took effect on this turn.");
+  const rows = [
+    ["Stop", `${r.kind} by ${r.origin} (${r.by})${r.reason ? `: ${r.reason}` : ""}`],
+    ["Requested", when(r.requested_at)],
+    [
+      "Effective",
+      r.effective_at === null || r.effective_at === undefined
+        ? "not yet: the turn is still ending"
+        : `${when(r.effective_at)} (${r.latency_ms.toFixed(1)} ms, via ${r.via || "unknown"})`,
+    ],
+    ["Outcome", [r.outcome || "running", r.forced ? "forced" : "", r.escalated ? "escalated" : ""].filter(Boolean).join(" · ")],
+  ];
+  const dl = h("dl", { class: "report-fields" });
+  for (const [name, value] of rows) dl.append(h("dt", {}, name), h("dd", {}, value));
+  const procs = r.processes || [];
+  const tools = r.tools || [];
+  return [
+    dl,
+    h("h4", {}, `Processes (${procs.length})`),
+    procs.length
+      ? h("ul", { class: "report-processes" }, ...procs.map((p) => h("li", {}, `pid ${p.pid} · ${p.signal} · ${p.fate} · ${(p.argv || []).join(" ")}`)))
+      : h("p", { class: "quiet" }, "none listed"),
+    h("h4", {}, `Tool calls (${tools.length})`),
+    tools.length
+      ? h("ul", { class: "report-tools" }, ...tools.map((t) => h("li", {}, `${t.name} · ${t.fate}${t.call ? ` · ${t.call}` : ""}`)))
+      : h("p", { class: "quiet" }, "none open"),
+    r.partial ? h("p", { class: "report-partial" }, `Partial: ${r.partial}`) : "",
+  ];
 }
 
 function renderTurns(turns) {
