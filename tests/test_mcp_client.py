@@ -23,6 +23,7 @@ import pytest
 
 from tether import InvalidParams
 from tether.agents import McpResult, McpTimeout, McpTools
+from tether.runtime._procs import TREE_ENV
 from tether.testing.mcp_server import LOG_ENV, read_log
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -405,3 +406,64 @@ def test_a_tools_policy_is_its_most_specific_matches() -> None:
     assert migrate.preempt == "never" and migrate.grace == 2
     assert tools.policy("mcp__files__read").preempt == "cooperative"
     assert tools.policy("spawn_agent").max_duration is None
+
+
+def test_a_stdio_server_runs_in_the_callers_process_group_with_the_tree_tag_only(
+    log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's group stop (pause) and tag sweep reach the server; the worker's other
+    # variables (an API key) do not.
+    monkeypatch.setenv(TREE_ENV, "tree-under-test")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+
+    async def main() -> None:
+        tools = McpTools({"t": stdio_server(log)})
+        try:
+            await tools.call("mcp__t__echo", {"text": "x"})
+            server = psutil.Process(tools.server_pids()["t"])
+            assert os.getpgid(server.pid) == os.getpgrp()
+            assert server.ppid() == os.getpid()
+            env = server.environ()
+            assert env[TREE_ENV] == "tree-under-test" and "OPENAI_API_KEY" not in env
+        finally:
+            await tools.aclose()
+
+    run(main())
+
+
+def test_a_cancel_repeated_during_the_stop_still_ends_with_the_server_killed(log: Path) -> None:
+    async def main() -> None:
+        tools = McpTools({"t": stdio_server(log)}, grace=1.0)
+        try:
+            task, _ = await started(tools, "mcp__t__stubborn", {"seconds": 60}, log)
+            pid = tools.server_pids()["t"]
+            task.cancel()
+            for _ in range(5):  # more cancels while it waits out the grace
+                await asyncio.sleep(0.05)
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert tools.last_fate == "abandoned" and gone(pid)
+        finally:
+            await tools.aclose()
+
+    run(main())
+
+
+def test_a_never_tool_cancelled_anyway_is_stopped_cooperatively(log: Path) -> None:
+    # `never` is the caller's to honour (it shields the call); if a cancel reaches the
+    # call regardless, the call still stops the ordinary way.
+    async def main() -> None:
+        tools = McpTools({"t": stdio_server(log)}, policies={"mcp:t/hang": {"preempt": "never"}})
+        try:
+            assert tools.policy("mcp__t__hang").preempt == "never"
+            task, request = await started(tools, "mcp__t__hang", {"seconds": 60}, log)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert tools.last_fate == "cancelled"
+            await logged(log, cancel_of(request["id"]))
+        finally:
+            await tools.aclose()
+
+    run(main())
