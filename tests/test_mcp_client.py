@@ -467,3 +467,29 @@ def test_a_never_tool_cancelled_anyway_is_stopped_cooperatively(log: Path) -> No
             await tools.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("server", "says"),
+    [
+        ({"command": ["/nonexistent/mcp-server"]}, "No such file or directory"),
+        ({"command": [sys.executable, "-c", "pass"]}, "Connection closed (it exited with code 0)"),
+        ({"command": ["sleep", "600"], "connect_timeout": 1}, "timed out"),
+        ({"url": "http://127.0.0.1:9/mcp", "connect_timeout": 5}, "could not start"),
+    ],
+)
+def test_a_server_that_cannot_start_is_a_one_line_error_and_leaves_no_process(
+    server: dict[str, Any], says: str
+) -> None:
+    async def main() -> None:
+        tools = McpTools({"s": server})
+        try:
+            result = await tools.call("mcp__s__echo", {"text": "x"})
+            assert result.is_error and "\n" not in result.text
+            assert result.text.startswith("mcp server 's' could not start: ")
+            assert says in result.text
+            assert tools.server_pids() == {}  # nothing half-started is kept (or left)
+        finally:
+            await tools.aclose()
+
+    run(main())

@@ -402,6 +402,15 @@ def _one_line(text: str) -> str:
     return line if len(line) <= _ERROR_CAP else line[: _ERROR_CAP - 1] + "…"
 
 
+def _reason(exc: BaseException) -> str:
+    """One line saying why: the first real error inside the SDK's exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return _one_line(str(exc) or type(exc).__name__)
+
+
 def _result_text(result: mcp_types.CallToolResult) -> str:
     parts = []
     for item in result.content:
@@ -485,6 +494,8 @@ class McpTools:
         spec = self._specs[server]
         conn = _Conn(server)
         ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
+        # an outcome that arrives after we stopped waiting (a timeout) is nobody's news
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         conn.owner = asyncio.create_task(self._own(spec, conn, ready), name=f"mcp:{server}")
         try:
             async with asyncio.timeout(spec.connect_timeout):
@@ -492,8 +503,13 @@ class McpTools:
         except BaseException as exc:
             await self._retire(conn)
             if isinstance(exc, Exception):
-                reason = "timed out" if isinstance(exc, TimeoutError) else _one_line(str(exc))
-                raise McpUnavailable(f"mcp server {server!r} could not start: {reason}") from exc
+                code = conn.proc.returncode if conn.proc is not None else None
+                how = (
+                    f" (it exited with code {code})" if code is not None and not conn.killed else ""
+                )
+                raise McpUnavailable(
+                    f"mcp server {server!r} could not start: {_reason(exc)}{how}"
+                ) from exc
             raise
         return conn
 
@@ -577,9 +593,8 @@ class McpTools:
                         if not cursor:
                             break
             except (MCPError, TimeoutError) as exc:
-                reason = "timed out" if isinstance(exc, TimeoutError) else _one_line(str(exc))
                 raise McpUnavailable(
-                    f"mcp server {server!r} did not list its tools: {reason}"
+                    f"mcp server {server!r} did not list its tools: {_reason(exc)}"
                 ) from exc
         return specs
 
