@@ -9,6 +9,7 @@ prove which processes are gone.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 
 from tether import InvalidParams
 from tether.agents import McpResult, McpTimeout, McpTools
+from tether.runtime import _procs
 from tether.runtime._procs import TREE_ENV
 from tether.testing.mcp_server import LOG_ENV, read_log
 
@@ -493,3 +495,63 @@ def test_a_server_that_cannot_start_is_a_one_line_error_and_leaves_no_process(
             await tools.aclose()
 
     run(main())
+
+
+PAUSED_CALLER = """
+import asyncio, json, sys
+import structlog
+from tether.agents import McpTools, McpTimeout
+
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+async def main() -> None:
+    server = json.loads(sys.argv[1])
+    policies = {"mcp:t/progress": {"idle_timeout": 1.5, "max_duration": 6.0}}
+    tools = McpTools({"t": server}, policies=policies)
+    try:
+        await tools.call("mcp__t__echo", {"text": "up"})
+        print("ready", flush=True)
+        result = await tools.call("mcp__t__progress", {"steps": 10, "every": 0.3})
+        print(json.dumps({"text": result.text}), flush=True)
+    except McpTimeout as exc:
+        print(json.dumps({"timeout": exc.kind}), flush=True)
+    finally:
+        await tools.aclose()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_pause_of_the_caller_and_its_server_is_not_charged_to_the_calls_limits(
+    log: Path,
+) -> None:
+    # The worker and its stdio server frozen together for longer than the call's idle
+    # timeout (and, with the call's own running time, its max_duration) go on after the
+    # resume as if nothing happened: a pause must not turn into a timeout.
+    caller = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_CALLER, json.dumps(stdio_server(log))],
+        env={**os.environ, "PYTHONPATH": _env(log)["PYTHONPATH"]},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert caller.stdout is not None
+        assert caller.stdout.readline().strip() == "ready"
+        run(logged(log, call_of("progress")))
+        escapees = _procs.freeze_tree(caller.pid)
+        frozen = [caller.pid, *_procs.descendant_pids([caller.pid])]
+        deadline = time.monotonic() + WAIT
+        while not all(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in frozen):
+            assert time.monotonic() < deadline, "the tree did not stop"
+            time.sleep(0.01)
+        time.sleep(5.0)  # the pause itself: longer than the idle timeout
+        _procs.thaw_tree(caller.pid, escapees)
+        outcome = json.loads(caller.stdout.readline())
+        assert outcome == {"text": "10 steps"}
+    finally:
+        caller.kill()
+        caller.wait(timeout=WAIT)
+        if caller.stdout is not None:
+            caller.stdout.close()

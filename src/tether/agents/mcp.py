@@ -69,6 +69,7 @@ _POLICY_KEY = re.compile(r"^mcp:[^/]+/.+$")
 _CONNECT_TIMEOUT = 30.0  # start (or reach) a server and finish the handshake
 _KILL_WAIT = 2.0  # a SIGKILLed tree is gone within this; only an unkillable one runs it out
 _CLOSE_WAIT = 5.0  # a connection's owner task unwinds within this, or is cancelled
+_EXIT_WAIT = 1.0  # a server that closed its stdout, to exit on its own (for its code)
 _LIST_PAGES = 100  # a paginator that never ends cannot hang list_tools
 _ERROR_CAP = 500
 
@@ -225,6 +226,41 @@ class _CallState:
     partial: str = ""
 
 
+class _RunClock:
+    """Seconds of this process's running time: ``loop.time()`` less the time it stood
+    stopped (a pause SIGSTOPs the worker and its servers; a call's limits must not fire
+    the moment it resumes). A wait sliced to ``_TICK`` that woke ``_STOPPED`` or more
+    late was a stop (or a starvation as long, which no limit should be charged either)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._stopped = 0.0
+
+    def now(self) -> float:
+        return self._loop.time() - self._stopped
+
+    async def wait(self, task: asyncio.Task[Any], timeout: float | None) -> None:
+        """Wait for ``task`` up to ``timeout`` running seconds."""
+        if timeout is None:  # no limit to keep: nothing to measure
+            await asyncio.wait({task})
+            return
+        left = timeout
+        while not task.done() and left > 0:
+            tick = min(_TICK, left)
+            began = self._loop.time()
+            await asyncio.wait({task}, timeout=tick)
+            took = self._loop.time() - began
+            late = took - tick
+            if late >= _STOPPED:
+                self._stopped += late
+                took = tick
+            left -= took
+
+
+_TICK = 0.25
+_STOPPED = 1.0
+
+
 # The call whose tools/call the current task is writing: the tap reads it to learn the
 # request id the SDK chose (it has no public way to say), which a stop and a test need.
 _CALL: contextvars.ContextVar[_CallState | None] = contextvars.ContextVar("mcp_call", default=None)
@@ -286,6 +322,15 @@ async def _wait_dead(procs: list[psutil.Process], timeout: float) -> bool:
         await asyncio.sleep(0.005)
 
 
+async def _exited(conn: _Conn, timeout: float) -> None:
+    """Wait (bounded) for a stdio server to exit on its own."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while conn.proc is not None and conn.proc.returncode is None:
+        if asyncio.get_running_loop().time() >= deadline:
+            return
+        await asyncio.sleep(0.01)
+
+
 @dataclass(eq=False)
 class _Conn:
     server: str
@@ -301,18 +346,21 @@ class _Conn:
 
 
 async def _kill(conn: _Conn) -> None:
-    """Kill a stdio server's tree now and wait (bounded) for it to be gone."""
+    """Kill a stdio server's tree now and wait (bounded) for it to be gone. ``killed``
+    says that we ended it: a server that had already exited keeps its own exit code."""
     conn.dead = True
     if conn.proc is not None and not conn.killed:
-        conn.killed = True
         pid = conn.proc.pid
+        with contextlib.suppress(psutil.NoSuchProcess):
+            conn.killed = _procs.alive(psutil.Process(pid))
         procs = _kill_tree(pid)
         if not await _wait_dead(procs, _KILL_WAIT):
             log.warning("mcp.kill_survivors", server=conn.server, pid=pid)
         # tools re-parented to us (a subreaper) are ours to collect; the server itself is
         # asyncio's child and is reaped by its watcher
         _procs.reap(p.pid for p in procs if p.pid != pid)
-        log.info("mcp.server_killed", server=conn.server, pid=pid, processes=len(procs))
+        if conn.killed:
+            log.info("mcp.server_killed", server=conn.server, pid=pid, processes=len(procs))
     conn.stop.set()
 
 
@@ -331,7 +379,10 @@ async def _stdio(spec: _Stdio, conn: _Conn) -> AsyncIterator[TransportStreams]:
     read_in, read_out = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_in, write_out = anyio.create_memory_object_stream[SessionMessage](0)
 
+    closed_stdout = False
+
     async def reader() -> None:
+        nonlocal closed_stdout
         assert proc.stdout is not None
         buffer = b""
         async with read_in:
@@ -351,6 +402,7 @@ async def _stdio(spec: _Stdio, conn: _Conn) -> AsyncIterator[TransportStreams]:
                         except ValueError as exc:
                             item = exc  # the session reports it; the connection goes on
                         await read_in.send(item)
+                closed_stdout = True
 
     async def writer() -> None:
         assert proc.stdin is not None
@@ -370,6 +422,8 @@ async def _stdio(spec: _Stdio, conn: _Conn) -> AsyncIterator[TransportStreams]:
                 yield read_out, write_in
             finally:
                 with anyio.CancelScope(shield=True):
+                    if closed_stdout:  # it is most often exiting: let it, for its code
+                        await _exited(conn, _EXIT_WAIT)
                     if proc.returncode is None:
                         await _kill(conn)
                     with anyio.move_on_after(_KILL_WAIT):
@@ -625,10 +679,11 @@ class McpTools:
         except McpUnavailable as exc:
             return McpResult(exc.message, is_error=True)
         assert conn.client is not None
-        state = _CallState(last_progress=loop.time())
+        clock = _RunClock(loop)
+        state = _CallState(last_progress=clock.now())
 
         async def progressed(progress: float, total: float | None, message: str | None) -> None:
-            state.last_progress = loop.time()
+            state.last_progress = clock.now()
             of = f"/{total:g}" if total is not None else ""
             state.partial = f"progress {progress:g}{of}" + (f": {message}" if message else "")
             if on_progress is not None:
@@ -642,11 +697,11 @@ class McpTools:
         finally:
             _CALL.reset(token)
         inner.add_done_callback(_retrieve)
-        started = loop.time()
+        started = clock.now()
         kind: Literal["max_duration", "idle_timeout"]
         try:
             while True:
-                now = loop.time()
+                now = clock.now()
                 limits: list[tuple[float, Literal["max_duration", "idle_timeout"]]] = []
                 if policy.max_duration is not None:
                     limits.append((started + policy.max_duration, "max_duration"))
@@ -656,7 +711,7 @@ class McpTools:
                 if due is not None and due[0] <= now:
                     kind = due[1]
                     break
-                await asyncio.wait({inner}, timeout=None if due is None else due[0] - now)
+                await clock.wait(inner, None if due is None else due[0] - now)
                 if inner.done():
                     return self._ended(conn, inner, state)
         except asyncio.CancelledError:
