@@ -349,6 +349,7 @@ async def _kill(conn: _Conn) -> None:
     """Kill a stdio server's tree now and wait (bounded) for it to be gone. ``killed``
     says that we ended it: a server that had already exited keeps its own exit code."""
     conn.dead = True
+    conn.stop.set()  # first: a cancel of the wait below must not leave the owner waiting
     if conn.proc is not None and not conn.killed:
         pid = conn.proc.pid
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -361,7 +362,6 @@ async def _kill(conn: _Conn) -> None:
         _procs.reap(p.pid for p in procs if p.pid != pid)
         if conn.killed:
             log.info("mcp.server_killed", server=conn.server, pid=pid, processes=len(procs))
-    conn.stop.set()
 
 
 @asynccontextmanager
@@ -434,7 +434,7 @@ async def _stdio(spec: _Stdio, conn: _Conn) -> AsyncIterator[TransportStreams]:
         for stream in (read_in, read_out, write_in, write_out):
             stream.close()
         # close the pipes and the asyncio transport now, not at garbage collection
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), anyio.move_on_after(_KILL_WAIT, shield=True):
             await proc.aclose()
 
 
