@@ -555,3 +555,43 @@ def test_a_pause_of_the_caller_and_its_server_is_not_charged_to_the_calls_limits
         caller.wait(timeout=WAIT)
         if caller.stdout is not None:
             caller.stdout.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_cancel_racing_a_calls_natural_end_never_returns_its_result(log: Path) -> None:
+    # The cancel lands at every point of a short call's life (before the request is
+    # written, while it is in flight, as its answer arrives): whenever the cancel was
+    # accepted the call raises CancelledError, never its result, and the server stays
+    # usable; whenever the call had already ended, its result is whole.
+    async def main() -> None:
+        tools = McpTools({"t": stdio_server(log)}, grace=10.0)
+        try:
+            await tools.call("mcp__t__echo", {"text": "warm"})
+            pid = tools.server_pids()["t"]
+            outcomes = {"cancelled": 0, "returned": 0}
+            for i in range(300):
+                tools.last_fate = None
+                task = asyncio.create_task(tools.call("mcp__t__echo", {"text": f"n{i}"}))
+                if i % 2:  # within the first few steps of the call
+                    for _ in range(i % 40):
+                        await asyncio.sleep(0)
+                else:  # 0-19 ms: in flight, answering, or done (a round trip is ~4 ms)
+                    await asyncio.sleep((i % 40) / 2000)
+                accepted = task.cancel()
+                try:
+                    result = await task
+                except asyncio.CancelledError:
+                    assert accepted
+                    # None: cancelled before the call began (asyncio never ran it)
+                    assert tools.last_fate in ("cancelled", None)
+                    outcomes["cancelled"] += tools.last_fate == "cancelled"
+                else:
+                    assert not accepted and result.text == f"n{i}"
+                    outcomes["returned"] += 1
+            assert outcomes["cancelled"] > 0 and outcomes["returned"] > 0, outcomes
+            assert tools.server_pids() == {"t": pid}  # cooperative stops all along
+            assert (await tools.call("mcp__t__echo", {"text": "end"})).text == "end"
+        finally:
+            await tools.aclose()
+
+    run(main())

@@ -674,6 +674,7 @@ class McpTools:
         server, tool = self._split(name)
         policy = self.policy(name)
         loop = asyncio.get_running_loop()
+        self.last_fate = None
         try:
             conn = await self._conn(server)
         except McpUnavailable as exc:
