@@ -5,7 +5,8 @@ One ``McpTools`` lives as long as the worker: it starts each stdio server on fir
 (as a child of this process, so the turn's abort kills it and a pause freezes it) and
 keeps it across calls and turns; an HTTP server is a Streamable HTTP connection. Each
 connection is owned by one asyncio task (the SDK's task groups must be entered and left
-by the same task); calls are made from the caller's task through its session.
+by the same task); each call's request runs in a task of its own, so that a stop can
+cancel the request while the caller's task waits out the grace.
 
 Stopping a call (the awaiting task is cancelled, or a policy limit fires):
 
@@ -19,7 +20,9 @@ Stopping a call (the awaiting task is cancelled, or a policy limit fires):
 3. not ended by then: the call is abandoned (its late result is dropped by the SDK, never
    returned) and a stdio server's tree is killed at once; the next use starts a new one.
 
-Every wait has a deadline: connect, grace, kill, close.
+Every wait of ours has a deadline (connect, grace, kill, close); a call itself waits as
+long as its policy allows (no limit: until it ends or is stopped). The limits count the
+process's running time, so a pause of the worker is not charged to them.
 """
 
 from __future__ import annotations
