@@ -102,8 +102,9 @@ def mcp_cancel(cfg: Cfg) -> Iterator[Samples]:
             for _ in range(20):  # warm up both ends
                 loop.run_until_complete(_one_echo(tools))
             while True:
-                cancels = [loop.run_until_complete(_one_cancel(tools, tail))
-                           for _ in range(cfg.n(20, 100))]
+                cancels = [
+                    loop.run_until_complete(_one_cancel(tools, tail)) for _ in range(cfg.n(20, 100))
+                ]
                 echoes = [loop.run_until_complete(_one_echo(tools)) for _ in range(cfg.n(50, 200))]
                 yield {"cancel_ms": cancels, "echo_rtt_ms": echoes}
         finally:
