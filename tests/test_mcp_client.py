@@ -360,6 +360,27 @@ def test_over_http_a_cancel_closes_the_requests_stream_and_the_server_sees_it(
     run(main())
 
 
+def test_over_http_a_stubborn_call_is_abandoned_after_grace_and_its_late_result_dropped(
+    log: Path, http_url: str
+) -> None:
+    async def main() -> None:
+        tools = McpTools({"web": {"url": http_url}}, grace=0.5)
+        try:
+            task, request = await started(tools, "mcp__web__stubborn", {"seconds": 3}, log)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert tools.last_fate == "abandoned"  # no process of ours to kill
+            rid = request["id"]
+            # the server answers it later, on a stream we closed; the next call gets its own
+            await logged(log, lambda r: r["event"] == "returned" and r["id"] == rid)
+            assert (await tools.call("mcp__web__echo", {"text": "own"})).text == "own"
+        finally:
+            await tools.aclose()
+
+    run(main())
+
+
 @pytest.mark.parametrize(
     ("servers", "policies", "message"),
     [

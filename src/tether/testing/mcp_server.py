@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", args.http))
+    sock.listen(128)  # before the URL is printed: a client that connects at once waits
     port = sock.getsockname()[1]
     app = _record_disconnects(server.streamable_http_app(), os.environ.get(LOG_ENV))
     config = uvicorn.Config(app, log_level="warning")
