@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 import pytest
@@ -41,6 +42,14 @@ def _env(log: Path) -> dict[str, str]:
 
 def stdio_server(log: Path) -> dict[str, Any]:
     return {"command": [sys.executable, "-m", "tether.testing.mcp_server"], "env": _env(log)}
+
+
+def read_line(stream: IO[str], timeout: float = WAIT) -> str:
+    """The next line a child prints, waiting at most ``timeout`` for it to start."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        assert sel.select(timeout), "the child printed nothing in time"
+    return stream.readline()
 
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -97,7 +106,7 @@ def http_url(log: Path) -> Iterator[str]:
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline().strip()  # the server prints its URL once listening
+        line = read_line(proc.stdout).strip()  # the server prints its URL once listening
         assert line.startswith("http://127.0.0.1:"), line
         yield line
     finally:
@@ -559,7 +568,7 @@ def test_a_pause_of_the_caller_and_its_server_is_not_charged_to_the_calls_limits
     )
     try:
         assert caller.stdout is not None
-        assert caller.stdout.readline().strip() == "ready"
+        assert read_line(caller.stdout).strip() == "ready"
         run(logged(log, call_of("progress")))
         escapees = _procs.freeze_tree(caller.pid)
         frozen = [caller.pid, *_procs.descendant_pids([caller.pid])]
@@ -569,7 +578,7 @@ def test_a_pause_of_the_caller_and_its_server_is_not_charged_to_the_calls_limits
             time.sleep(0.01)
         time.sleep(5.0)  # the pause itself: longer than the idle timeout
         _procs.thaw_tree(caller.pid, escapees)
-        outcome = json.loads(caller.stdout.readline())
+        outcome = json.loads(read_line(caller.stdout))
         assert outcome == {"text": "10 steps"}
     finally:
         caller.kill()
