@@ -82,6 +82,8 @@ CASES: dict[str, Case] = {
            fresh=True, full_only=True),
         _c("tether.pause_resume", "tether_cases:pause_resume", (3, 7), (60, 300)),
         _c("tether.watchdog_overhead", "tether_cases:watchdog_overhead", (3, 7), (120, 600)),
+        # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
+        _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
         _c("baseline.mp_pool", "baselines:mp_pool", (3, 7), (60, 300)),
@@ -157,7 +159,12 @@ FIGURES: list[Figure] = [
            baseline="peer.ray_cancel_force_p50_ms"),
     Figure("ray_abort_p99_ms", "tether.ray", "abort_ms", "p99", "ms",
            baseline="baseline.killpg_reap_p99_ms"),
+    # Issue 18: cancel of an MCP call → the stdio server received notifications/cancelled
+    # for it; paired, for context, with a whole echo call's round trip on the same pipe.
+    Figure("mcp_cancel_p50_ms", "tether.mcp_cancel", "cancel_ms", "p50", "ms",
+           Target(_LE, 20), "baseline.mcp_echo_rtt_p50_ms"),
     # --- baselines (floors measured in the same run) ---
+    Figure("baseline.mcp_echo_rtt_p50_ms", "tether.mcp_cancel", "echo_rtt_ms", "p50", "ms"),
     Figure("baseline.killpg_reap_p50_ms", "baseline.killpg", "kill_ms", "p50", "ms"),
     Figure("baseline.killpg_reap_p99_ms", "baseline.killpg", "kill_ms", "p99", "ms"),
     Figure("baseline.msgspec_socketpair_rtt_p50_us", "baseline.msgspec_rtt", "rtt_us", "p50",

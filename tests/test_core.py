@@ -655,6 +655,10 @@ def test_layering_wire_imports_nothing_of_ours_and_actors_imports_only_wire() ->
         # the engine never reaches out to its outside faces (the server, the command)
         "runtime": (*engine, "tether.tools"),
         "serve": ("tether.serve", *engine, "tether"),
+        # the agent kit stands on the engine (the kill walk, the errors); the test
+        # services stand on nothing of ours
+        "agents": ("tether.agents", *engine, "tether"),
+        "testing": ("tether.testing",),
     }
     checked = 0
     for layer, allowed in layers.items():
@@ -668,6 +672,10 @@ def test_layering_wire_imports_nothing_of_ours_and_actors_imports_only_wire() ->
     assert checked >= 20
     # The check itself sees imports (it would not pass vacuously).
     assert "tether.wire.errors" in _imports(SRC / "actors" / "authority.py")
+    # and no room of the engine reaches up into the agent kit
+    for layer in ("wire", "actors", "runtime"):
+        for path in (SRC / layer).glob("*.py"):
+            assert not {m for m in _imports(path) if m.startswith("tether.agents")}, path
 
 
 def test_logs_use_stable_event_names(rt: tether.Runtime) -> None:
