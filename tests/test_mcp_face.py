@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -347,3 +348,23 @@ def test_serve_without_the_agents_extra_says_so_on_mcp_and_a2a(tmp_path: Path) -
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 1 and "tether[agents]" in done.stderr, done.stderr
+
+
+def test_the_server_and_the_command_import_neither_sdk_until_a_face_is_built() -> None:
+    code = (
+        "import sys, tether.serve.server, tether.cli.main\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('mcp', 'a2a'))\n"
+        "assert not loaded, loaded\n"
+        "import tether.serve.faces as f, tether\n"
+        "rt = tether.Runtime(workers=1)\n"
+        "try:\n"
+        "    paths = [r.path for face in f.build_faces(rt, f.FaceOptions()) for r in face.routes]\n"
+        "finally:\n"
+        "    rt.close()\n"
+        "assert {'/mcp', '/a2a', '/.well-known/agent-card.json'} <= set(paths), paths\n"
+        "assert 'mcp.server.lowlevel' in sys.modules and 'a2a.server.routes' in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ
+    )
+    assert done.returncode == 0, done.stderr
