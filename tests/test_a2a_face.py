@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -37,10 +38,10 @@ HANG = [{"op": "hang"}]
 _ids = iter(range(1, 1 << 30))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    workdir = tmp_path_factory.mktemp("a2a")
-    with running_server(workdir, "--cancel-deadline", "10") as live:
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LiveServer]:
+    # One server a test: the leak check counts the server's workers as the test's.
+    with running_server(tmp_path, "--cancel-deadline", "2") as live:
         yield live
 
 
@@ -209,6 +210,27 @@ def test_cancel_task_ends_a_working_task_canceled_with_its_partial_output(
     anyio.run(body)
 
 
+def test_cancel_task_escalates_to_an_abort_when_no_boundary_comes_by_the_deadline(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            steps = [{"op": "say", "text": "sleeping"}, {"op": "tool", "argv": ["sleep", "60"]}]
+            (answer,) = await send(client, message("work", steps=steps), immediately=True)
+            task = answer.task.id
+            await working_with(client, task, "sleeping")
+            ended = await client.cancel_task(CancelTaskRequest(id=task))  # --cancel-deadline 2
+            assert ended.status.state == TaskState.TASK_STATE_CANCELED
+            turns = server.call("subagent.turns", {"session": ended.context_id})["turns"]
+            assert (turns[-1]["outcome"], turns[-1]["escalated"]) == ("aborted", True)
+            assert [m.metadata["tether"]["action"] for m in ended.history if m.metadata] == [
+                "cancelled",
+                "escalated",
+            ]
+
+    anyio.run(body)
+
+
 def test_a_steer_message_reaches_the_running_turn_and_a_plain_one_queues_behind_it(
     server: LiveServer,
 ) -> None:
@@ -275,7 +297,7 @@ async def _async(value: T) -> T:
     return value
 
 
-def test_a2a_needs_the_token_when_one_is_set(tmp_path: Any) -> None:
+def test_a2a_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
     async def body(server: LiveServer) -> None:
         async with a2a(server, token="s3cret") as client:
             (answer,) = await send(client, message("hi"))

@@ -34,13 +34,13 @@ _ENV = {
 
 @asynccontextmanager
 async def stdio_session(
-    path: Path, *args: str, errlog: Path | None = None
+    path: Path, *args: str, errlog: Path | None = None, env: dict[str, str] | None = None
 ) -> AsyncIterator[ClientSession]:
     """``tether mcp`` in a subprocess, with an initialized client session over stdio."""
     params = StdioServerParameters(
         command=TETHER,
         args=["mcp", "--path", str(path), "--workers", "2", "--grace", "1", *args],
-        env=_ENV,
+        env={**_ENV, **(env or {})},
     )
     with (errlog or path.with_suffix(".err")).open("w") as err:
         async with (
@@ -145,6 +145,13 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
 
             await until(steered, "the steer to reach a boundary")
 
+            paused = await ok(mcp, "pause_agent", agent=child, reason="let me look")
+            assert paused == {"accepted": True, "turns": [turn]}
+            listed = (await ok(mcp, "list_agents", agent=root))["agents"]
+            assert [(a["id"], a["state"]) for a in listed] == [(child, "paused")]
+            resumed = await ok(mcp, "resume_agent", agent=child)
+            assert resumed == {"accepted": True, "turns": [turn]}
+
             stale = await ok(mcp, "interrupt_agent", agent=child, kind="cancel", turn="t_stale")
             assert stale == {"accepted": True, "turn": None}
             assert await running_turn(mcp, root, child) == turn  # the stale guard did nothing
@@ -158,7 +165,12 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
 
             seen = await entries(mcp, child)
             actions = [(e["action"], e["turn"]) for e in seen if e["kind"] == "marker"]
-            assert actions == [("steered", turn), ("cancelled", turn)]
+            assert actions == [
+                ("steered", turn),
+                ("paused", turn),
+                ("resumed", turn),
+                ("cancelled", turn),
+            ]
             assert seen[-1]["text"].startswith("cancelled after")
             page = await ok(mcp, "read_transcript", agent=child, limit=1)
             assert len(page["entries"]) == 1 and page["more"] is True
@@ -368,3 +380,24 @@ def test_the_server_and_the_command_import_neither_sdk_until_a_face_is_built() -
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_tether_mcp_keeps_what_drivers_and_tools_print_off_the_protocol_stream(
+    tmp_path: Path,
+) -> None:
+    errlog = tmp_path / "mcp.err"
+    tests = str(Path(__file__).parent)
+
+    async def body() -> None:
+        env = {"PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), tests])}
+        chatty = ("--driver", "face_drivers:Chatty")
+        async with stdio_session(tmp_path / "state.db", *chatty, errlog=errlog, env=env) as mcp:
+            done = await ok(mcp, "spawn_agent", prompt="talk", wait=True, timeout=30)
+            assert done["outcome"] == "completed"
+            assert done["text"] == "said on the transcript"
+            assert (await ok(mcp, "list_agents"))["agents"][0]["id"] == done["agent"]
+
+    anyio.run(body)
+    stderr = errlog.read_text()
+    for noise in ("noise from print", "noise from fd 1", "noise from a child"):
+        assert noise in stderr, noise  # on stderr, so not on the protocol stream
