@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Struct, Value
 
-from tether_server import LiveServer, running_server
+from tether_server import LiveServer, running_server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -316,3 +317,36 @@ def test_a2a_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
         assert card["supportedInterfaces"][0]["url"].endswith("/a2a")
         assert "bearer" in card["securitySchemes"]
         anyio.run(body, server)
+
+
+def test_a_blocking_send_whose_caller_hangs_up_stops_waiting_and_the_turn_goes_on(
+    tmp_path: Path,
+) -> None:
+    env = {"TETHER_LOG": "info", "TETHER_LOG_FORMAT": "json"}
+    with running_server(tmp_path, env=env) as server:
+        doc = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": "m1",
+                    "role": "ROLE_USER",
+                    "parts": [{"text": "work"}, {"data": {"steps": HANG}}],
+                }
+            },
+        }
+        headers = {"A2A-Version": "1.0"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/a2a", json=doc, headers=headers, timeout=2.0)
+
+        def gone() -> dict[str, Any] | None:
+            for line in server.log_text().splitlines():
+                if line.startswith("{") and '"a2a.caller_gone"' in line:
+                    found: dict[str, Any] = json.loads(line)
+                    return found
+            return None
+
+        event = wait_until(gone, timeout=20, what="the server to notice the caller left")
+        info = server.call("subagent.status", {"session": event["session"]})
+        assert info["state"] == "running" and info["turn"] == event["task"]

@@ -26,6 +26,7 @@ server's bearer token, or loopback, is the access control.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -39,7 +40,7 @@ import structlog
 from a2a.server.context import ServerCallContext
 from a2a.server.events.event_queue import Event
 from a2a.server.request_handlers.request_handler import RequestHandler
-from a2a.server.routes import create_jsonrpc_routes
+from a2a.server.routes import DefaultServerCallContextBuilder, create_jsonrpc_routes
 from a2a.types.a2a_pb2 import (
     AgentCapabilities,
     AgentCard,
@@ -245,6 +246,7 @@ class TetherA2A(RequestHandler):
         self.options = options
         self._tasks: dict[str, _Known] = {}
         self._contexts: set[str] = set()  # the sessions this face has sent to
+        self._contexts_lock = threading.Lock()  # added to on the loop, read on threads
         self._lane = anyio.CapacityLimiter(32)
         self._stop_lane = anyio.CapacityLimiter(4)  # a cancel never waits behind other calls
 
@@ -262,7 +264,9 @@ class TetherA2A(RequestHandler):
         queued behind another turn) is looked for in the contexts it has served."""
         known = self._tasks.get(task)
         if known is None:
-            for session in list(self._contexts):
+            with self._contexts_lock:
+                contexts = list(self._contexts)
+            for session in contexts:
                 if any(t.id == task for t in self.rt.turns(session)):
                     known = self._tasks[task] = _Known(session, 0)
                     break
@@ -352,7 +356,8 @@ class TetherA2A(RequestHandler):
             after = 0
             log.info("a2a.context_opened", session=session)
         sent: str = await self._run(lambda: rt.prompt(session, content, data=data))
-        self._contexts.add(session)
+        with self._contexts_lock:
+            self._contexts.add(session)
         # Asked after the prompt, the session's host answers after it has queued it: a
         # turn named here that claimed another message means ours waits behind it.
         running = (await self._run(rt.status, session)).turn
@@ -366,15 +371,25 @@ class TetherA2A(RequestHandler):
                 return _queued(session, sent, str(running))
             await anyio.sleep(_POLL)
 
-    async def _until_ended(self, task: str, timeout: float | None = None) -> None:
+    async def _until_ended(
+        self, task: str, timeout: float | None = None, context: ServerCallContext | None = None
+    ) -> bool:
+        """Wait for the task's turn to end (True), the timeout, or the caller to hang up
+        (False either way: the turn goes on, nobody is left to tell)."""
         known = await self._run(self._known, task)
         deadline = None if timeout is None else time.monotonic() + timeout
+        request = None if context is None else context.state.get("request")
+        looks = 0
         while True:
             record = await self._run(turn_record, self.rt, known.session, task)
             if record is None or record.outcome is not None:
-                return
+                return True
             if deadline is not None and time.monotonic() > deadline:
-                return
+                return False
+            looks += 1
+            if isinstance(request, Request) and looks % 10 == 0 and await request.is_disconnected():
+                log.info("a2a.caller_gone", session=known.session, task=task)
+                return False
             await anyio.sleep(_POLL)
 
     async def _snapshot_task(self, task: str, history_length: int | None = None) -> Task:
@@ -390,7 +405,7 @@ class TetherA2A(RequestHandler):
         if isinstance(task, Message):
             return task
         if not immediate and not _steer(params.message):
-            await self._until_ended(task)
+            await self._until_ended(task, context=context)
         length = params.configuration.history_length or None
         return await self._snapshot_task(task, length)
 
@@ -549,6 +564,16 @@ def _a2a_error(exc: TetherError) -> A2AError:
     return InternalError(message=f"internal error (id {error_id})")
 
 
+class _Context(DefaultServerCallContextBuilder):
+    """The SDK's call context, also holding the request, so that a blocking call can
+    see its caller hang up."""
+
+    def build(self, request: Request) -> ServerCallContext:
+        context = super().build(request)
+        context.state["request"] = request
+        return context
+
+
 class A2aHttp:
     """``/a2a`` (JSON-RPC) and the Agent Card on ``tether serve``."""
 
@@ -560,7 +585,7 @@ class A2aHttp:
             return JSONResponse(doc)
 
         self.routes: list[BaseRoute] = [
-            *create_jsonrpc_routes(self.handler, "/a2a"),
+            *create_jsonrpc_routes(self.handler, "/a2a", context_builder=_Context()),
             Route("/.well-known/agent-card.json", card, methods=["GET"]),
         ]
 
