@@ -183,9 +183,13 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
                 assert report["report"]["turn"] == turn
                 assert report["report"]["kind"] == "cancel"
 
-            # The same client sees its root and the child under it.
+            # A child spawned with wait answers with its first turn's outcome and words.
+            quick = await ok(mcp, "spawn_agent", parent=root, prompt="quick", wait=True)
+            assert (quick["outcome"], quick["text"]) == ("completed", "ok: quick")
+
+            # The same client sees its root and the children under it.
             listed = (await ok(mcp, "list_agents", scope="descendants"))["agents"]
-            assert [a["id"] for a in listed] == [root, child]
+            assert [a["id"] for a in listed] == [root, child, quick["agent"]]
 
     anyio.run(body)
 
@@ -401,3 +405,18 @@ def test_tether_mcp_keeps_what_drivers_and_tools_print_off_the_protocol_stream(
     stderr = errlog.read_text()
     for noise in ("noise from print", "noise from fd 1", "noise from a child"):
         assert noise in stderr, noise  # on stderr, so not on the protocol stream
+
+
+def test_a_driver_config_that_cannot_be_read_stops_both_commands_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "agent.json"
+    bad.write_text("[1, 2]")
+    for command in (["mcp"], ["serve", "--port", "0"]):
+        done = subprocess.run(
+            [TETHER, *command, "--path", str(tmp_path / "z.db"), "--config", str(bad)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 1, (command, done.stderr)
+        assert "agent.json" in done.stderr and "JSON object" in done.stderr, done.stderr

@@ -366,6 +366,18 @@ class McpFace:
                 await self._progress(call, started, timeout, note[:200])
             await anyio.sleep(_POLL)
 
+    async def _first_message(self, agent: str) -> str:
+        """The id of a new child's first message: pending in its inbox, or claimed by its
+        first turn (between the two, for a moment, neither shows it: look again)."""
+        while True:
+            turns = await self._run(self.rt.turns, agent)
+            if turns:
+                return str(turns[0].message)
+            inbox = await self._run(self.rt.inbox, agent)
+            if inbox:
+                return str(inbox[0].id)
+            await anyio.sleep(_POLL)
+
     # ---- the tools ---------------------------------------------------------------------
 
     async def _spawn(self, call: _Call, a: SpawnArgs) -> dict[str, Any]:
@@ -400,12 +412,8 @@ class McpFace:
             agent = child.id if isinstance(child, OneShot) else str(child)
             self._parents[agent] = parent
             message = None
-            if prompt is not None:  # its first message is the first turn's
-                turns = await self._run(rt.turns, agent)
-                message = turns[0].message if turns else None
-                if message is None:
-                    inbox = await self._run(rt.inbox, agent)
-                    message = inbox[0].id if inbox else None
+            if prompt is not None and a.wait:
+                message = await self._first_message(agent)
         result: dict[str, Any] = {"agent": agent}
         if a.wait and message is not None:
             result |= await self._wait_turn(call, agent, message, 0, a.timeout)
