@@ -10,6 +10,9 @@
     browser ─GET /──► the web console (static files in serve/web/); the page then uses
                       only /rpc and /events, with the bearer token when there is one
 
+    MCP / A2A clients ─/mcp, /a2a──► the protocol faces (faces.py builds them when the
+                      extra tether[agents] is installed), behind the same guard
+
 The RPC caller is a person at the host: it acts as ``User(parent=address.parent)`` and
 the runtime alone decides authority. Runtime calls block (actor asks), so they run on
 threads, never on the event loop, and on lanes (``_Lanes``): a stop never waits behind
