@@ -432,19 +432,24 @@ class McpFace:
 
     async def _interrupt(self, call: _Call, a: InterruptArgs) -> dict[str, Any]:
         user = await self._user(call, a.agent)
-        turn = await self._run(
-            lambda: self.rt.interrupt(
-                a.agent,
-                authority=user,
-                kind=a.kind,
-                reason=a.reason,
-                grace=_given(a.grace),
-                deadline=_given(a.deadline),
-                turn=_given(a.turn),
-            ),
+        options: dict[str, Any] = {
+            "grace": _given(a.grace),
+            "deadline": _given(a.deadline),
+            "turn": _given(a.turn),
+        }
+        # tether.tools' interrupt_agent takes a scope where the runtime has subtree stops
+        # (SPEC §15.6); the field, and the runtime's keyword, come together.
+        subtree = getattr(a, "scope", "session") == "subtree"
+        if subtree:
+            options["scope"] = "subtree"
+        interrupt: Callable[..., Any] = self.rt.interrupt
+        bound = await self._run(
+            lambda: interrupt(a.agent, authority=user, kind=a.kind, reason=a.reason, **options),
             stop=True,
         )
-        return {"accepted": True, "turn": turn}
+        if subtree:
+            return {"accepted": True, "turns": list(bound)}
+        return {"accepted": True, "turn": bound}
 
     async def _pause(self, call: _Call, a: PauseArgs) -> dict[str, Any]:
         user = await self._user(call, a.agent)
