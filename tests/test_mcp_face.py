@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import anyio
 import httpx2
+import psutil
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
@@ -420,3 +422,35 @@ def test_a_driver_config_that_cannot_be_read_stops_both_commands_at_start(tmp_pa
         )
         assert done.returncode == 1, (command, done.stderr)
         assert "agent.json" in done.stderr and "JSON object" in done.stderr, done.stderr
+
+
+def test_tether_mcp_drains_and_exits_on_sigterm_leaving_no_process(tmp_path: Path) -> None:
+    errlog = tmp_path / "mcp.err"
+    with errlog.open("w") as err:
+        proc = subprocess.Popen(
+            [TETHER, "mcp", "--path", str(tmp_path / "state.db"), "--workers", "2"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **_ENV},
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "mcp.stdio_serving" not in errlog.read_text():
+            assert proc.poll() is None, errlog.read_text()
+            assert time.monotonic() < deadline, "tether mcp never started serving"
+            time.sleep(0.05)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert tree, "the runtime's workers should be running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, errlog.read_text()
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+        assert proc.stdout is not None and proc.stdout.read() == b""  # nothing but protocol
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()

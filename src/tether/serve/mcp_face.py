@@ -25,6 +25,7 @@ handler's scope); the agent goes on: stopping it is ``interrupt_agent``.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -548,6 +549,48 @@ class McpHttp:
             yield
 
 
+class _StdinLines:
+    """The protocol's input: lines from the process's stdin, read without a thread.
+
+    The SDK's own reader blocks a thread in ``readline`` until a line or end of file
+    comes, so a SIGTERM could not end a server whose client is silent. This one waits on
+    the descriptor in the event loop, where a cancellation reaches it. As the SDK does,
+    fd 0 then points at the null device: a worker or a tool that reads its stdin gets
+    end of file, never the client's bytes.
+    """
+
+    def __init__(self) -> None:
+        self._fd = os.dup(0)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.set_blocking(self._fd, False)
+        self._buffer = b""
+        self._eof = False
+
+    def __aiter__(self) -> _StdinLines:
+        return self
+
+    async def __anext__(self) -> str:
+        while True:
+            line, newline, rest = self._buffer.partition(b"\n")
+            if newline or (self._eof and line):
+                self._buffer = rest
+                return (line + newline).decode("utf-8", errors="replace")
+            if self._eof:
+                raise StopAsyncIteration
+            await anyio.wait_readable(self._fd)
+            try:
+                chunk = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            self._eof = not chunk
+            self._buffer += chunk
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 def run_stdio(
     *,
     path: str,
@@ -555,34 +598,40 @@ def run_stdio(
     grace: float = 5.0,
     options: FaceOptions | None = None,
 ) -> int:
-    """``tether mcp``: the runtime embedded, MCP on stdin/stdout until stdin closes.
+    """``tether mcp``: the runtime embedded, MCP on stdin/stdout until stdin closes or
+    SIGTERM/SIGINT comes; then the runtime drains (as ``tether serve``'s does).
 
     The SDK points fd 1 at stderr while it serves, and the runtime starts inside that,
     so nothing a worker, a driver or a tool prints can reach the protocol stream.
     """
     opts = options or FaceOptions()
 
+    async def on_signal(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                log.info("mcp.stdio_stopping")
+                scope.cancel()
+
     async def main() -> None:
-        async with stdio_server() as (read, write):
-            rt = await anyio.to_thread.run_sync(
-                lambda: Runtime(path, workers=workers, grace=grace, subreaper=True)
-            )
-            try:
-                server = McpFace(rt, opts, stdio=True).server()
-                log.info("mcp.stdio_serving", store=path, driver=opts.driver)
-                async with anyio.create_task_group() as tg:
-
-                    async def on_signal() -> None:
-                        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                            async for _ in signals:
-                                tg.cancel_scope.cancel()
-
-                    tg.start_soon(on_signal)
-                    await server.run(read, write, server.create_initialization_options())
-                    tg.cancel_scope.cancel()  # stdin closed: the client is gone
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(rt.close)
+        stdin = _StdinLines()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(on_signal, tg.cancel_scope)
+                stdin_file: Any = stdin  # the SDK only iterates it for lines
+                async with stdio_server(stdin=stdin_file) as (read, write):
+                    rt = await anyio.to_thread.run_sync(
+                        lambda: Runtime(path, workers=workers, grace=grace, subreaper=True)
+                    )
+                    try:
+                        server = McpFace(rt, opts, stdio=True).server()
+                        log.info("mcp.stdio_serving", store=path, driver=opts.driver)
+                        await server.run(read, write, server.create_initialization_options())
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(rt.close)
+                tg.cancel_scope.cancel()  # stdin closed, the client is gone: stop watching
+        finally:
+            stdin.close()
 
     anyio.run(main)
     return 0
