@@ -177,13 +177,13 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
             page = await ok(mcp, "read_transcript", agent=child, limit=1)
             assert len(page["entries"]) == 1 and page["more"] is True
 
-            # The stop report of that turn (SPEC §15.6), where the runtime has them.
-            report = await call(mcp, "stop_report", turn=turn)
-            if "error" in report:
-                assert report["error"] == "unavailable", report
-            else:
-                assert report["report"]["turn"] == turn
-                assert report["report"]["kind"] == "cancel"
+            # The stop report of that turn (SPEC §15.6).
+            report = (await ok(mcp, "stop_report", turn=turn))["report"]
+            assert (report["turn"], report["session"], report["kind"]) == (turn, child, "cancel")
+            assert report["origin"] == "user" and report["reason"] == "enough"
+            assert report["outcome"] == "cancelled" and report["partial"] == seen[-1]["text"]
+            first = (await ok(mcp, "read_transcript", agent=root))["entries"][0]["turn"]
+            assert await ok(mcp, "stop_report", turn=first) == {"report": None}
 
             # A child spawned with wait answers with its first turn's outcome and words.
             quick = await ok(mcp, "spawn_agent", parent=root, prompt="quick", wait=True)
@@ -227,6 +227,10 @@ def test_an_mcp_client_is_refused_agents_it_did_not_open(tmp_path: Path) -> None
                 assert bad["error"] == "invalid-params"
                 stopped = await ok(alice, "interrupt_agent", agent=child, kind="abort")
                 assert stopped["turn"] == turn
+                report = (await ok(alice, "stop_report", turn=turn))["report"]
+                assert report["kind"] == "abort" and report["session"] == child
+                refused = await call(bob, "stop_report", turn=turn)  # not bob's to read
+                assert refused["error"] == "subagent-unauthorized"
 
     anyio.run(body)
 
@@ -454,3 +458,19 @@ def test_tether_mcp_drains_and_exits_on_sigterm_leaving_no_process(tmp_path: Pat
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def test_an_mcp_subtree_cancel_stops_every_running_turn_below_the_agent(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with stdio_session(tmp_path / "state.db") as mcp:
+            root = (await ok(mcp, "spawn_agent"))["agent"]
+            a = (await ok(mcp, "spawn_agent", parent=root, prompt="w", data=HANG))["agent"]
+            b = (await ok(mcp, "spawn_agent", parent=a, prompt="w", data=HANG))["agent"]
+            turns = {await running_turn(mcp, root, a), await running_turn(mcp, root, b)}
+            stopped = await ok(mcp, "interrupt_agent", agent=a, kind="cancel", scope="subtree")
+            assert stopped["accepted"] is True and set(stopped["turns"]) == turns
+            for agent in (a, b):
+                assert (await ok(mcp, "wait_agent", agent=agent))["agent"]["state"] == "parked"
+            assert (await ok(mcp, "list_agents"))["agents"][0]["state"] == "idle"  # the root
+
+    anyio.run(body)

@@ -54,6 +54,7 @@ from tether.runtime.tools import (
     SpawnAgentArgs,
     parameters,
 )
+from tether.runtime.tools import StopReportArgs as ToolStopReportArgs
 from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_of_message
 from tether.wire.errors import InvalidParams, TetherError, Unauthorized
 
@@ -109,7 +110,8 @@ class InterruptArgs(InterruptAgentArgs):
     steer: redirect it at its next step with your text as guidance; cancel: ask it to
     wrap up and stop (keeps partial work); abort: kill its turn now; preempt: kill only
     its current command and let it go on. Returns the turn it was bound to (null: no-op,
-    e.g. nothing running, or turn given and no longer the running one).
+    e.g. nothing running, or turn given and no longer the running one); with scope
+    subtree (cancel or abort), the turns of that agent and of every agent below it.
     """
 
     agent: _AgentId
@@ -170,12 +172,11 @@ class ReadTranscriptArgs(_Args):
     limit: Annotated[int, Meta(ge=1, le=500, description="Entries at most (default 100).")] = 100
 
 
-class StopReportArgs(_Args):
-    """What a stop did to one turn: when it was asked and took effect, how (boundary,
-    cancel at an await, cgroup, walk), the processes it killed and whether they died,
-    the tool calls it cut, and the partial output. Null when no stop reached the turn."""
-
-    turn: Annotated[str, Meta(min_length=1, max_length=256, description="The turn's id.")]
+class StopReportArgs(ToolStopReportArgs):
+    """What a stop (cancel, abort, preempt) did to one turn of an agent you own (or one
+    below it): who asked and when, how long it took to land, how, every process it
+    killed and whether it died, every tool call it cut and how that ended, and the
+    partial reply. Returns {"report": null} if no stop reached that turn."""
 
 
 class WaitAgentArgs(_Args):
@@ -433,24 +434,21 @@ class McpFace:
 
     async def _interrupt(self, call: _Call, a: InterruptArgs) -> dict[str, Any]:
         user = await self._user(call, a.agent)
-        options: dict[str, Any] = {
+        common: dict[str, Any] = {
+            "authority": user,
+            "kind": a.kind,
+            "reason": a.reason,
             "grace": _given(a.grace),
             "deadline": _given(a.deadline),
             "turn": _given(a.turn),
         }
-        # tether.tools' interrupt_agent takes a scope where the runtime has subtree stops
-        # (SPEC §15.6); the field, and the runtime's keyword, come together.
-        subtree = getattr(a, "scope", "session") == "subtree"
-        if subtree:
-            options["scope"] = "subtree"
-        interrupt: Callable[..., Any] = self.rt.interrupt
-        bound = await self._run(
-            lambda: interrupt(a.agent, authority=user, kind=a.kind, reason=a.reason, **options),
-            stop=True,
-        )
-        if subtree:
-            return {"accepted": True, "turns": list(bound)}
-        return {"accepted": True, "turn": bound}
+        if a.scope == "subtree":  # every running turn below too, each bound to its own
+            turns = await self._run(
+                lambda: self.rt.interrupt(a.agent, scope="subtree", **common), stop=True
+            )
+            return {"accepted": True, "turns": list(turns)}
+        turn = await self._run(lambda: self.rt.interrupt(a.agent, **common), stop=True)
+        return {"accepted": True, "turn": turn}
 
     async def _pause(self, call: _Call, a: PauseArgs) -> dict[str, Any]:
         user = await self._user(call, a.agent)
@@ -493,18 +491,10 @@ class McpFace:
         return {"entries": msgspec.to_builtins(entries[: a.limit]), "more": len(entries) > a.limit}
 
     async def _stop_report(self, call: _Call, a: StopReportArgs) -> dict[str, Any]:
-        # rt.stop_report comes with the stop reports (SPEC §15.6); a runtime without it
-        # says so rather than pretending no stop reached the turn.
-        stop_report = getattr(self.rt, "stop_report", None)
-        if stop_report is None:
-            return {
-                "error": "unavailable",
-                "message": "stop reports are not available in this build of Tether",
-            }
-        report = await self._run(stop_report, a.turn)
+        report = await self._run(self.rt.stop_report, a.turn)
         if report is None:
             return {"report": None}
-        await self._user(call, report.session)
+        await self._user(call, report.session)  # a report is read by who may stop it
         return {"report": msgspec.to_builtins(report)}
 
     async def _wait_agent(self, call: _Call, a: WaitAgentArgs) -> dict[str, Any]:
