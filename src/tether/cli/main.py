@@ -435,6 +435,39 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _face_options(args: argparse.Namespace) -> Any:
+    """The driver and config of the roots MCP and A2A clients open (``--driver``,
+    ``--config FILE``), and the roots MCP clients hold from the start (``--root``)."""
+    from tether.serve.faces import FaceOptions, load_config
+
+    return FaceOptions(
+        driver=args.driver,
+        config=load_config(args.config),
+        roots=tuple(args.root or ()),
+        cancel_deadline=getattr(args, "cancel_deadline", None),
+    )
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    from tether.serve.faces import missing_extra
+
+    why = missing_extra("mcp")
+    if why is not None:
+        print(f"tether mcp: {why}", file=sys.stderr)
+        return 1
+    from tether.serve.mcp_face import run_stdio
+
+    try:
+        options = _face_options(args)
+        args.path.parent.mkdir(parents=True, exist_ok=True)
+        return run_stdio(
+            path=str(args.path), workers=args.workers, grace=args.grace, options=options
+        )
+    except TetherError as exc:
+        print(f"tether mcp: {exc.message}", file=sys.stderr)
+        return 1
+
+
 def _run_serve(serve: Any, args: argparse.Namespace) -> int:
     return int(
         serve(
@@ -449,6 +482,7 @@ def _run_serve(serve: Any, args: argparse.Namespace) -> int:
             max_body=args.max_body,
             max_streams=args.max_streams,
             fd_reserve=args.fd_reserve,
+            faces=_face_options(args),
         )
     )
 
@@ -493,6 +527,22 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="the stall watchdog's policy: after=60,every=30,steps=steer+cancel+abort"
         "[,nudge=TEXT][,repeat=N][,grace=S] (a child without one inherits its parent's)",
+    )
+
+
+def _add_face_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("MCP and A2A clients (the extra tether[agents])")
+    group.add_argument(
+        "--driver",
+        default="tether:Scripted",
+        help="driver import string of the root agents clients open (default tether:Scripted)",
+    )
+    group.add_argument("--config", metavar="FILE", help="their driver config, a JSON file")
+    group.add_argument(
+        "--root",
+        action="append",
+        metavar="ID",
+        help="a root session every MCP client holds from the start (repeatable)",
     )
 
 
@@ -713,6 +763,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="file descriptors kept for the runtime's workers (fewer free: 503)",
     )
+    _add_face_options(p)
+    p.add_argument(
+        "--cancel-deadline",
+        type=float,
+        default=30.0,
+        help="an A2A CancelTask that reaches no boundary this soon escalates to an abort",
+    )
+
+    p = sub.add_parser(
+        "mcp",
+        help="serve the runtime to an MCP client on stdin/stdout (tools: spawn_agent, ...)",
+        description="Run a Tether runtime embedded, speaking the Model Context Protocol on\n"
+        "stdin/stdout (stdout carries only the protocol; logs go to stderr). The client\n"
+        "owns the root agents it opens with spawn_agent (and those given with --root).\n"
+        "Needs the extra tether[agents].",
+        epilog="example (an MCP client's config):\n"
+        '  {"mcpServers": {"tether": {"command": "tether", "args": ["mcp", "--path", '
+        '"/home/me/.tether/state.db"]}}}',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--path",
+        type=Path,
+        default=Path(".tether") / "state.db",
+        help="the store (default ./.tether/state.db)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
+    _add_face_options(p)
 
     sub.add_parser(
         "demo",
@@ -734,6 +813,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("steer needs the guidance: TEXT or --reason")
     if args.command == "serve":
         return _serve(args)
+    if args.command == "mcp":
+        return _mcp(args)
     client = Client(args.url, token=args.token)
     try:
         return int(args.run(args, client))

@@ -33,6 +33,7 @@ __all__ = [
     "StopReportArgs",
     "ToolHost",
     "call_tool",
+    "parameters",
     "schemas",
 ]
 
@@ -291,7 +292,7 @@ TOOLS: dict[str, tuple[type[_Args], _Impl]] = {
 }
 
 
-def _definition(name: str, args: type[_Args]) -> tuple[str, dict[str, Any]]:
+def _definition(name: str, args: type[msgspec.Struct]) -> tuple[str, dict[str, Any]]:
     (_,), components = msgspec.json.schema_components([args], ref_template="#/$defs/{name}")
     params = dict(components.pop(args.__name__))
     params.pop("title", None)
@@ -299,6 +300,12 @@ def _definition(name: str, args: type[_Args]) -> tuple[str, dict[str, Any]]:
     if components:  # nested Structs stay resolvable inside the parameters schema
         params["$defs"] = components
     return description, params
+
+
+def parameters(args: type[msgspec.Struct]) -> tuple[str, dict[str, Any]]:
+    """An argument Struct's (description, JSON Schema): what ``schemas`` offers a model,
+    for other faces (the MCP server) that extend the same Structs."""
+    return _definition(args.__name__, args)
 
 
 def schemas(style: Literal["openai", "anthropic"] = "openai") -> list[dict[str, Any]]:

@@ -10,6 +10,9 @@
     browser ─GET /──► the web console (static files in serve/web/); the page then uses
                       only /rpc and /events, with the bearer token when there is one
 
+    MCP / A2A clients ─/mcp, /a2a──► the protocol faces (faces.py builds them when the
+                      extra tether[agents] is installed), behind the same guard
+
 The RPC caller is a person at the host: it acts as ``User(parent=address.parent)`` and
 the runtime alone decides authority. Runtime calls block (actor asks), so they run on
 threads, never on the event loop, and on lanes (``_Lanes``): a stop never waits behind
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -31,7 +35,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -50,6 +54,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tether import Event, Runtime, User
 from tether.runtime._log import configure_logging
+from tether.serve.faces import Face, FaceOptions, build_faces
 from tether.serve.sse import EventHub
 from tether.serve.web import console_routes, is_console_path
 from tether.wire.errors import NotFound, TetherError
@@ -590,9 +595,11 @@ def build_app(
     fault_injection: bool = False,
     max_streams: int = DEFAULT_MAX_STREAMS,
     fd_reserve: int = DEFAULT_FD_RESERVE,
+    faces: Sequence[Face] = (),
 ) -> ASGIApp:
-    """The ASGI app over ``rt``: ``POST /rpc``, ``GET /events``, ``GET /health``, and the
-    web console (``GET /``)."""
+    """The ASGI app over ``rt``: ``POST /rpc``, ``GET /events``, ``GET /health``, the
+    web console (``GET /``), and the routes of ``faces`` (MCP, A2A), all behind the
+    same guard."""
     dispatcher = RpcDispatcher(rt, fault_injection=fault_injection)
     lanes = dispatcher.lanes
 
@@ -647,7 +654,10 @@ def build_app(
 
         unsubscribe = rt.subscribe(deliver)
         try:
-            yield
+            async with contextlib.AsyncExitStack() as stack:
+                for face in faces:
+                    await stack.enter_async_context(face.lifespan())
+                yield
         finally:
             unsubscribe()
             hub.close()
@@ -658,6 +668,7 @@ def build_app(
         Route("/events", events, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         *console_routes(),
+        *[route for face in faces for route in face.routes],
     ]
     app = _Guard(Starlette(routes=routes, lifespan=lifespan), token=token)
     return _Limits(app, max_streams=max_streams, fd_reserve=fd_reserve)
@@ -720,8 +731,12 @@ def serve(
     max_body: int = DEFAULT_MAX_BODY,
     max_streams: int = DEFAULT_MAX_STREAMS,
     fd_reserve: int = DEFAULT_FD_RESERVE,
+    faces: FaceOptions | None = None,
 ) -> int:
-    """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code."""
+    """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code.
+
+    ``faces``: the driver and config of the roots that MCP and A2A clients open.
+    """
     if token is None and not is_loopback(host):
         raise ValueError(f"binding {host} (not loopback) requires a token")
     # The host's log is for machines first: one JSON object a line, unless asked otherwise.
@@ -749,6 +764,7 @@ def serve(
             fault_injection=fault_injection,
             max_streams=max_streams,
             fd_reserve=fd_reserve,
+            faces=build_faces(rt, dataclasses.replace(faces or FaceOptions(), bearer=bool(token))),
         )
         config = uvicorn.Config(
             app,

@@ -1,0 +1,594 @@
+"""The A2A face (SPEC §15.7): Tether's root sessions as A2A agents, with the official
+``a2a-sdk`` server (JSON-RPC binding at ``POST /a2a``, Agent Card at
+``/.well-known/agent-card.json``).
+
+::
+
+    A2A client ──SendMessage / SendStreamingMessage──► TetherA2A ─► rt.open_session / rt.prompt
+               ──GetTask / SubscribeToTask──────────►   (polls the turn and its entries)
+               ──CancelTask─────────────────────────►   rt.interrupt(cancel, turn=task id,
+                                                                     deadline=--cancel-deadline)
+
+A task is a turn (task id = turn id) and a context is a session (context id = session
+id): a message without a context opens a root session with the configured driver, a
+message to an existing context is the owner's prompt, which becomes a task once a turn
+claims it (at once, or after the turns queued before it). A message naming a working task
+with metadata ``{"tether": {"steer": true}}`` is a steer bound to that turn; without it,
+it is queued as the next message. States: a running or paused turn is ``working``; an
+ended turn is ``completed``, ``canceled`` (cancelled or aborted) or ``failed`` (failed or
+crashed), except that the last turn of a parked session with messages waiting (stopped,
+and its queue held until a new message) is ``input-required``. A task's history is its
+turn's transcript entries; its artifact ``result`` is its final (or partial) text.
+
+The caller is the owner of the root (``User(parent=<root id>)``), as on ``/rpc``: the
+server's bearer token, or loopback, is the access control.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+import structlog
+from a2a.server.context import ServerCallContext
+from a2a.server.events.event_queue import Event
+from a2a.server.request_handlers.request_handler import RequestHandler
+from a2a.server.routes import DefaultServerCallContextBuilder, create_jsonrpc_routes
+from a2a.types.a2a_pb2 import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    Artifact,
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    HTTPAuthSecurityScheme,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
+    ListTasksRequest,
+    ListTasksResponse,
+    Message,
+    Part,
+    Role,
+    SecurityRequirement,
+    SecurityScheme,
+    SendMessageRequest,
+    StringList,
+    SubscribeToTaskRequest,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskPushNotificationConfig,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+)
+from a2a.utils.constants import PROTOCOL_VERSION_1_0
+from a2a.utils.errors import (
+    A2AError,
+    InternalError,
+    InvalidParamsError,
+    InvalidRequestError,
+    PushNotificationNotSupportedError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.struct_pb2 import Struct
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from tether import AgentInfo, Entry, Runtime, TurnRecord, User
+from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_record
+from tether.wire.errors import TetherError
+
+__all__ = ["A2aHttp", "TetherA2A", "agent_card"]
+
+log = structlog.get_logger("tether.a2a")
+
+_POLL: Final = 0.05  # seconds between two looks at a turn being waited for or streamed
+_CANCEL_REASON: Final = "cancelled over A2A"
+_STOPPED: Final = {
+    "completed": TaskState.TASK_STATE_COMPLETED,
+    "cancelled": TaskState.TASK_STATE_CANCELED,
+    "aborted": TaskState.TASK_STATE_CANCELED,
+    "failed": TaskState.TASK_STATE_FAILED,
+    "crashed": TaskState.TASK_STATE_FAILED,
+}
+_TERMINAL: Final = frozenset(
+    {
+        TaskState.TASK_STATE_COMPLETED,
+        TaskState.TASK_STATE_CANCELED,
+        TaskState.TASK_STATE_FAILED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A task this server handed out: its session, and the transcript seq before its turn
+    (its entries come after it, so reading them never starts from the beginning)."""
+
+    session: str
+    after: int
+
+
+@dataclass
+class _Snapshot:
+    record: TurnRecord
+    info: AgentInfo
+    latest: bool  # the session's last turn
+
+
+def _struct(doc: dict[str, Any]) -> Struct:
+    out = Struct()
+    out.update(doc)
+    return out
+
+
+def _content(message: Message) -> tuple[str, dict[str, Any] | None]:
+    """Text parts joined are the content; data parts (objects) merged are the data."""
+    texts: list[str] = []
+    data: dict[str, Any] | None = None
+    for part in message.parts:
+        kind = part.WhichOneof("content")
+        if kind == "text":
+            texts.append(part.text)
+        elif kind == "data":
+            value = MessageToDict(part.data)
+            if not isinstance(value, dict):
+                raise InvalidParamsError(message="a data part must hold a JSON object")
+            data = {**(data or {}), **value}
+        else:
+            raise InvalidParamsError(message=f"a {kind} part is not supported: send text or data")
+    return "\n".join(texts), data
+
+
+def _steer(message: Message) -> bool:
+    meta = MessageToDict(message.metadata) if message.HasField("metadata") else {}
+    tether = meta.get("tether")
+    return isinstance(tether, dict) and tether.get("steer") is True
+
+
+def _entry_message(entry: Entry, task: str) -> Message:
+    role = Role.ROLE_USER if entry.kind == "user" else Role.ROLE_AGENT
+    message = Message(
+        message_id=f"{entry.session}:{entry.seq}",
+        context_id=entry.session,
+        task_id=task,
+        role=role,
+        parts=[Part(text=entry.text)],
+    )
+    if entry.kind not in ("user", "assistant"):
+        tether: dict[str, Any] = {"kind": entry.kind, "seq": entry.seq}
+        if entry.action is not None:
+            tether["action"] = entry.action
+        message.metadata.CopyFrom(_struct({"tether": tether}))
+    return message
+
+
+def _state(snap: _Snapshot) -> TaskState:
+    record, info = snap.record, snap.info
+    if record.outcome is None:
+        return TaskState.TASK_STATE_WORKING
+    # Parked with messages waiting (SPEC §3): the stop holds queued work until a person
+    # sends again. A stopped session with an empty inbox also reads parked; its task is
+    # simply over.
+    if snap.latest and info.state == "parked" and info.pending > 0:
+        return TaskState.TASK_STATE_INPUT_REQUIRED
+    return _STOPPED.get(record.outcome, TaskState.TASK_STATE_FAILED)
+
+
+def _status_note(snap: _Snapshot) -> str | None:
+    record, info = snap.record, snap.info
+    if record.outcome is None:
+        return "paused" if info.state == "paused" else None
+    if _state(snap) == TaskState.TASK_STATE_INPUT_REQUIRED:
+        return (
+            f"the turn ended {record.outcome}; {info.pending} message(s) wait: send a message "
+            "to this context to go on"
+        )
+    return record.error or record.reason
+
+
+def agent_card(base_url: str, options: FaceOptions) -> AgentCard:
+    """The card: one skill, the configured root driver; the bearer scheme when the
+    server asks for a token."""
+    card = AgentCard(
+        name="Tether",
+        description="Background agents you can steer, cancel, abort, preempt, pause and "
+        "resume without destroying them. A task is one turn; a context is one session.",
+        version="3",
+        supported_interfaces=[
+            AgentInterface(
+                url=base_url.rstrip("/") + "/a2a",
+                protocol_binding="JSONRPC",
+                protocol_version=PROTOCOL_VERSION_1_0,
+            )
+        ],
+        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        default_input_modes=["text/plain", "application/json"],
+        default_output_modes=["text/plain"],
+        skills=[
+            AgentSkill(
+                id=options.driver,
+                name=options.driver,
+                description=f"A root session running the driver {options.driver}. A message "
+                'with metadata {"tether": {"steer": true}} to a working task steers it.',
+                tags=["tether"],
+            )
+        ],
+    )
+    if options.bearer:
+        card.security_schemes["bearer"].CopyFrom(
+            SecurityScheme(http_auth_security_scheme=HTTPAuthSecurityScheme(scheme="bearer"))
+        )
+        card.security_requirements.append(SecurityRequirement(schemes={"bearer": StringList()}))
+    return card
+
+
+class TetherA2A(RequestHandler):
+    """The A2A request handler over one runtime."""
+
+    def __init__(self, rt: Runtime, options: FaceOptions) -> None:
+        self.rt = rt
+        self.options = options
+        self._tasks: dict[str, _Known] = {}
+        self._contexts: set[str] = set()  # the sessions this face has sent to
+        self._contexts_lock = threading.Lock()  # added to on the loop, read on threads
+        self._lane = anyio.CapacityLimiter(32)
+        self._stop_lane = anyio.CapacityLimiter(4)  # a cancel never waits behind other calls
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, stop: bool = False) -> Any:
+        lane = self._stop_lane if stop else self._lane
+        try:
+            return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=lane)
+        except TetherError as exc:
+            raise _a2a_error(exc) from None
+
+    # ---- reading a task ------------------------------------------------------------------
+
+    def _known(self, task: str) -> _Known:
+        """Where ``task`` lives. A turn this face did not see start (a message that was
+        queued behind another turn) is looked for in the contexts it has served."""
+        known = self._tasks.get(task)
+        if known is None:
+            with self._contexts_lock:
+                contexts = list(self._contexts)
+            for session in contexts:
+                if any(t.id == task for t in self.rt.turns(session)):
+                    known = self._tasks[task] = _Known(session, 0)
+                    break
+            else:
+                raise TaskNotFoundError(message=f"no task {task!r} on this server")
+        return known
+
+    def _snapshot(self, task: str, known: _Known) -> _Snapshot:
+        turns = self.rt.turns(known.session)
+        record = next((t for t in reversed(turns) if t.id == task), None)
+        if record is None:
+            raise TaskNotFoundError(message=f"no task {task!r} on this server")
+        info = self.rt.status(known.session)
+        return _Snapshot(record, info, latest=turns[-1].id == task)
+
+    def _entries(self, task: str, known: _Known) -> list[Entry]:
+        out: list[Entry] = []
+        cursor = known.after
+        while True:
+            entries, after = turn_entries(self.rt, known.session, task, cursor)
+            out.extend(entries)
+            if after == cursor:
+                return out
+            cursor = after
+
+    def _task(self, task: str, history_length: int | None = None) -> tuple[Task, _Snapshot]:
+        known = self._known(task)
+        snap = self._snapshot(task, known)
+        entries = self._entries(task, known)
+        state = _state(snap)
+        status = TaskStatus(state=state)
+        status.timestamp.FromSeconds(int(snap.record.ended_at or snap.record.started_at))
+        note = _status_note(snap)
+        if note:
+            status.message.CopyFrom(
+                Message(
+                    message_id=f"{task}:status",
+                    context_id=known.session,
+                    task_id=task,
+                    role=Role.ROLE_AGENT,
+                    parts=[Part(text=note)],
+                )
+            )
+        history = [_entry_message(e, task) for e in entries]
+        if history_length is not None and history_length > 0:
+            history = history[-history_length:]
+        out = Task(id=task, context_id=known.session, status=status, history=history)
+        final = next((e.text for e in reversed(entries) if e.kind == "assistant"), None)
+        if snap.record.outcome is not None and final is not None:
+            out.artifacts.append(_result(task, final))
+        return out, snap
+
+    # ---- sending -------------------------------------------------------------------------
+
+    async def _accept(self, params: SendMessageRequest, *, immediate: bool) -> str | Message:
+        """Act on a message: the task it concerns (the steered one, or the one its turn
+        became), or, asked to return at once for a message queued behind a running
+        turn, an acknowledgement naming the queued message."""
+        message = params.message
+        content, data = _content(message)
+        rt, opts = self.rt, self.options
+        session = message.context_id
+        if _steer(message):
+            if not session or not message.task_id:
+                raise InvalidParamsError(message="a steer names its context and its task")
+            known = await self._run(self._known, message.task_id)
+            if known.session != session:
+                raise InvalidParamsError(message="that task is not in that context")
+            if not content.strip():
+                raise InvalidParamsError(message="a steer needs text")
+            turn = await self._run(
+                lambda: rt.interrupt(
+                    session,
+                    authority=User(parent=session),
+                    kind="steer",
+                    reason=content,
+                    turn=message.task_id,
+                ),
+                stop=True,
+            )
+            log.info("a2a.steer", session=session, task=message.task_id, bound=turn)
+            return message.task_id
+        if session:
+            after = await self._run(last_seq, rt, session)
+        else:
+            session = await self._run(lambda: rt.open_session(opts.driver, config=opts.config))
+            after = 0
+            log.info("a2a.context_opened", session=session)
+        sent: str = await self._run(lambda: rt.prompt(session, content, data=data))
+        with self._contexts_lock:
+            self._contexts.add(session)
+        # Asked after the prompt, the session's host answers after it has queued it: a
+        # turn named here that claimed another message means ours waits behind it.
+        running = (await self._run(rt.status, session)).turn
+        while True:  # the task exists once a turn has claimed the message
+            turns: list[TurnRecord] = await self._run(rt.turns, session)
+            mine = next((t for t in reversed(turns) if t.message == sent), None)
+            if mine is not None:
+                self._tasks[mine.id] = _Known(session, after)
+                return mine.id
+            if immediate and any(t.id == running and t.message != sent for t in turns):
+                return _queued(session, sent, str(running))
+            await anyio.sleep(_POLL)
+
+    async def _until_ended(
+        self, task: str, timeout: float | None = None, context: ServerCallContext | None = None
+    ) -> bool:
+        """Wait for the task's turn to end (True), the timeout, or the caller to hang up
+        (False either way: the turn goes on, nobody is left to tell)."""
+        known = await self._run(self._known, task)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = None if context is None else context.state.get("request")
+        looks = 0
+        while True:
+            record = await self._run(turn_record, self.rt, known.session, task)
+            if record is None or record.outcome is not None:
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            looks += 1
+            if isinstance(request, Request) and looks % 10 == 0 and await request.is_disconnected():
+                log.info("a2a.caller_gone", session=known.session, task=task)
+                return False
+            await anyio.sleep(_POLL)
+
+    async def _snapshot_task(self, task: str, history_length: int | None = None) -> Task:
+        out, _ = await self._run(self._task, task, history_length)
+        result: Task = out
+        return result
+
+    async def on_message_send(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> Task | Message:
+        immediate = params.configuration.return_immediately
+        task = await self._accept(params, immediate=immediate)
+        if isinstance(task, Message):
+            return task
+        if not immediate and not _steer(params.message):
+            await self._until_ended(task, context=context)
+        length = params.configuration.history_length or None
+        return await self._snapshot_task(task, length)
+
+    async def on_message_send_stream(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Event]:
+        task = await self._accept(params, immediate=False)
+        assert isinstance(task, str)
+        async for event in self._stream(task):
+            yield event
+
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Event]:
+        first, _ = await self._run(self._task, params.id)
+        if first.status.state in _TERMINAL:
+            raise UnsupportedOperationError(
+                message=f"task {params.id} is in a terminal state: nothing more to stream"
+            )
+        async for event in self._stream(params.id, first):
+            yield event
+
+    async def _stream(self, task: str, first: Task | None = None) -> AsyncIterator[Event]:
+        """The task, then one status update per new entry of its turn, then its result
+        and its final status. Ends when the turn has ended."""
+        if first is None:
+            first, _ = await self._run(self._task, task)
+        yield first
+        known = await self._run(self._known, task)
+        seen = {m.message_id for m in first.history}
+        cursor = known.after
+        final: str | None = None
+        while True:
+            # Look at the record before the entries: an end seen here has all its
+            # entries written, so the last page read below holds them.
+            snap: _Snapshot = await self._run(self._snapshot, task, known)
+            while True:
+                entries, after = await self._run(turn_entries, self.rt, known.session, task, cursor)
+                for entry in entries:
+                    if entry.kind == "assistant":
+                        final = entry.text
+                    message = _entry_message(entry, task)
+                    if message.message_id in seen:
+                        continue
+                    seen.add(message.message_id)
+                    yield TaskStatusUpdateEvent(
+                        task_id=task,
+                        context_id=known.session,
+                        status=TaskStatus(state=TaskState.TASK_STATE_WORKING, message=message),
+                    )
+                if after == cursor:
+                    break
+                cursor = after
+            if snap.record.outcome is not None:
+                break
+            await anyio.sleep(_POLL)
+        if final is not None:
+            yield TaskArtifactUpdateEvent(
+                task_id=task,
+                context_id=known.session,
+                artifact=_result(task, final),
+                last_chunk=True,
+            )
+        last, _ = await self._run(self._task, task, 1)
+        yield TaskStatusUpdateEvent(task_id=task, context_id=known.session, status=last.status)
+
+    # ---- tasks -------------------------------------------------------------------------
+
+    async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task | None:
+        length = params.history_length if params.HasField("history_length") else None
+        return await self._snapshot_task(params.id, length)
+
+    async def on_cancel_task(
+        self, params: CancelTaskRequest, context: ServerCallContext
+    ) -> Task | None:
+        """A cancel bound to the task's turn; the configured deadline escalates it to an
+        abort when no boundary comes. Returns once the turn has ended."""
+        task = params.id
+        known = await self._run(self._known, task)
+        session = known.session
+        bound = await self._run(
+            lambda: self.rt.interrupt(
+                session,
+                authority=User(parent=session),
+                kind="cancel",
+                reason=_CANCEL_REASON,
+                deadline=self.options.cancel_deadline,
+                turn=task,
+            ),
+            stop=True,
+        )
+        if bound is None:  # the turn had already ended (or ended just now)
+            raise TaskNotCancelableError(message=f"task {task} has already ended")
+        log.info("a2a.cancel", session=session, task=task)
+        limit = self.rt.grace + (self.options.cancel_deadline or 0.0) + 10.0
+        await self._until_ended(task, limit)
+        return await self._snapshot_task(task)
+
+    async def on_list_tasks(
+        self, params: ListTasksRequest, context: ServerCallContext
+    ) -> ListTasksResponse:
+        raise UnsupportedOperationError(message="ListTasks is not supported: use GetTask")
+
+    async def on_create_task_push_notification_config(
+        self, params: TaskPushNotificationConfig, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_task_push_notification_config(
+        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_list_task_push_notification_configs(
+        self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
+    ) -> ListTaskPushNotificationConfigsResponse:
+        raise PushNotificationNotSupportedError
+
+    async def on_delete_task_push_notification_config(
+        self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> None:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_extended_agent_card(
+        self, params: GetExtendedAgentCardRequest, context: ServerCallContext
+    ) -> AgentCard:
+        raise UnsupportedOperationError(message="there is no extended agent card")
+
+
+def _queued(session: str, message: str, behind: str) -> Message:
+    """The answer to a message that waits behind a running turn: it becomes a task when
+    its own turn starts (SubscribeToTask or GetTask then find it by that turn's id)."""
+    return Message(
+        message_id=f"{session}:{message}",
+        context_id=session,
+        role=Role.ROLE_AGENT,
+        parts=[Part(text=f"queued as {message} behind task {behind}")],
+        metadata=_struct({"tether": {"queued": message, "behind": behind}}),
+    )
+
+
+def _result(task: str, text: str) -> Artifact:
+    return Artifact(artifact_id=f"{task}:result", name="result", parts=[Part(text=text)])
+
+
+def _a2a_error(exc: TetherError) -> A2AError:
+    match exc.code:
+        case "invalid-params" | "driver-not-found":
+            return InvalidParamsError(message=exc.message)
+        case "not-found":
+            return TaskNotFoundError(message=exc.message)
+        case "subagent-unauthorized" | "parent-offline":
+            return InvalidRequestError(message=exc.message)
+    error_id = "err_" + uuid.uuid4().hex[:16]
+    log.error("a2a.internal_error", error_id=error_id, code=exc.code, exc_info=exc)
+    return InternalError(message=f"internal error (id {error_id})")
+
+
+class _Context(DefaultServerCallContextBuilder):
+    """The SDK's call context, also holding the request, so that a blocking call can
+    see its caller hang up."""
+
+    def build(self, request: Request) -> ServerCallContext:
+        context = super().build(request)
+        context.state["request"] = request
+        return context
+
+
+class A2aHttp:
+    """``/a2a`` (JSON-RPC) and the Agent Card on ``tether serve``."""
+
+    def __init__(self, rt: Runtime, options: FaceOptions) -> None:
+        self.handler = TetherA2A(rt, options)
+
+        async def card(request: Request) -> Response:
+            doc = MessageToDict(agent_card(str(request.base_url), options))
+            return JSONResponse(doc)
+
+        self.routes: list[BaseRoute] = [
+            *create_jsonrpc_routes(self.handler, "/a2a", context_builder=_Context()),
+            Route("/.well-known/agent-card.json", card, methods=["GET"]),
+        ]
+
+    @asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        yield

@@ -1,0 +1,352 @@
+"""The A2A face, driven by the official ``a2a-sdk`` client against ``tether serve``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import pytest
+from a2a.client import Client, ClientConfig, create_client
+from a2a.types.a2a_pb2 import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageConfiguration,
+    SendMessageRequest,
+    StreamResponse,
+    SubscribeToTaskRequest,
+    Task,
+    TaskState,
+)
+from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
+from google.protobuf.json_format import MessageToDict, ParseDict
+from google.protobuf.struct_pb2 import Struct, Value
+
+from tether_server import LiveServer, running_server, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+T = TypeVar("T")
+HANG = [{"op": "hang"}]
+_ids = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LiveServer]:
+    # One server a test: the leak check counts the server's workers as the test's.
+    with running_server(tmp_path, "--cancel-deadline", "2") as live:
+        yield live
+
+
+@asynccontextmanager
+async def a2a(
+    server: LiveServer, *, streaming: bool = False, token: str | None = None
+) -> AsyncIterator[Client]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+        config = ClientConfig(httpx_client=http, streaming=streaming)
+        client = await create_client(server.url, client_config=config)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+def message(
+    text: str,
+    *,
+    steps: list[dict[str, Any]] | None = None,
+    context: str = "",
+    task: str = "",
+    steer: bool = False,
+) -> Message:
+    parts = [Part(text=text)]
+    if steps is not None:
+        parts.append(Part(data=ParseDict({"steps": steps}, Value())))
+    out = Message(
+        message_id=f"m{next(_ids)}",
+        role=Role.ROLE_USER,
+        parts=parts,
+        context_id=context,
+        task_id=task,
+    )
+    if steer:
+        meta = Struct()
+        meta.update({"tether": {"steer": True}})
+        out.metadata.CopyFrom(meta)
+    return out
+
+
+async def send(client: Client, msg: Message, *, immediately: bool = False) -> list[StreamResponse]:
+    config = SendMessageConfiguration(return_immediately=immediately)
+    request = SendMessageRequest(message=msg, configuration=config)
+    return [r async for r in client.send_message(request)]
+
+
+async def get(client: Client, task: str) -> Task:
+    return await client.get_task(GetTaskRequest(id=task))
+
+
+async def until(check: Callable[[], Awaitable[T | None]], what: str, timeout: float = 20.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await anyio.sleep(0.02)
+
+
+def texts(task: Task) -> list[tuple[str, str]]:
+    return [(Role.Name(m.role), m.parts[0].text) for m in task.history]
+
+
+async def working_with(client: Client, task: str, text: str) -> Task:
+    async def look() -> Task | None:
+        t = await get(client, task)
+        return t if any(text in said for _, said in texts(t)) else None
+
+    found = await until(look, f"{text!r} in task {task}")
+    assert found.status.state == TaskState.TASK_STATE_WORKING
+    return found
+
+
+def test_an_a2a_message_creates_a_task_that_completes_with_its_history(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            steps = [{"op": "say", "text": "first words"}]
+            (answer,) = await send(client, message("hello", steps=steps))
+            task = answer.task
+            assert task.status.state == TaskState.TASK_STATE_COMPLETED
+            assert task.id.startswith("t_") and task.context_id.startswith("s_")
+            assert texts(task) == [("ROLE_USER", "hello"), ("ROLE_AGENT", "first words")]
+            assert [a.parts[0].text for a in task.artifacts] == ["first words"]
+            # The context is a root session; the task is its turn.
+            info = server.call("subagent.status", {"session": task.context_id})
+            assert info["parent"] is None and info["state"] == "idle"
+            turns = server.call("subagent.turns", {"session": task.context_id})["turns"]
+            assert [t["id"] for t in turns] == [task.id]
+            assert MessageToDict(await get(client, task.id)) == MessageToDict(task)
+            # A second message in the same context is the next turn of that session.
+            (again,) = await send(client, message("more", context=task.context_id))
+            assert again.task.context_id == task.context_id and again.task.id != task.id
+            assert texts(again.task) == [("ROLE_USER", "more"), ("ROLE_AGENT", "ok: more")]
+            with pytest.raises(TaskNotFoundError):
+                await get(client, "t_nobody")
+
+    anyio.run(body)
+
+
+def test_a_streaming_a2a_message_yields_the_turns_events(server: LiveServer) -> None:
+    async def body() -> None:
+        steps = [
+            {"op": "work", "steps": 2, "every": 0.05},
+            {"op": "say", "text": "one"},
+            {"op": "work", "steps": 3, "every": 0.05},
+            {"op": "say", "text": "two"},
+        ]
+        async with a2a(server, streaming=True) as client:
+            events = await send(client, message("go", steps=steps))
+        kinds = [e.WhichOneof("payload") for e in events]
+        assert kinds[0] == "task" and kinds[-1] == "status_update", kinds
+        task = events[0].task
+        said = [
+            e.status_update.status.message.parts[0].text
+            for e in events
+            if e.HasField("status_update") and e.status_update.status.HasField("message")
+        ]
+        # The first event is the task as it stood; every later entry of the turn comes
+        # as a status update, each once, in order.
+        assert [text for _, text in texts(task)] + said == ["go", "one", "two"], said
+        assert said, "no entry came as an event"
+        artifacts = [e.artifact_update.artifact for e in events if e.HasField("artifact_update")]
+        assert [a.parts[0].text for a in artifacts] == ["two"]
+        for event in events[1:]:
+            update = getattr(event, event.WhichOneof("payload"))
+            assert (update.task_id, update.context_id) == (task.id, task.context_id)
+        assert events[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
+
+    anyio.run(body)
+
+
+def test_cancel_task_ends_a_working_task_canceled_with_its_partial_output(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            steps = [{"op": "say", "text": "half done"}, *HANG]
+            (answer,) = await send(client, message("work", steps=steps), immediately=True)
+            task = answer.task.id
+            await working_with(client, task, "half done")
+            ended = await client.cancel_task(CancelTaskRequest(id=task))
+            assert ended.status.state == TaskState.TASK_STATE_CANCELED
+            said = texts(ended)
+            assert ("ROLE_AGENT", "half done") in said
+            assert said[-1][1].startswith("cancelled after") and "cancelled over A2A" in said[-1][1]
+            assert [m.metadata["tether"]["action"] for m in ended.history if m.metadata] == [
+                "cancelled"
+            ]
+            assert ended.artifacts[0].parts[0].text == said[-1][1]  # the partial output
+            turns = server.call("subagent.turns", {"session": ended.context_id})["turns"]
+            assert turns[-1]["outcome"] == "cancelled" and turns[-1]["cause"] == "user"
+            # A task that has ended cannot be cancelled, whether by a stop or by finishing.
+            with pytest.raises(TaskNotCancelableError):
+                await client.cancel_task(CancelTaskRequest(id=task))
+            (done,) = await send(client, message("quick", context=ended.context_id))
+            assert done.task.status.state == TaskState.TASK_STATE_COMPLETED
+            with pytest.raises(TaskNotCancelableError):
+                await client.cancel_task(CancelTaskRequest(id=done.task.id))
+
+    anyio.run(body)
+
+
+def test_cancel_task_escalates_to_an_abort_when_no_boundary_comes_by_the_deadline(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            steps = [{"op": "say", "text": "sleeping"}, {"op": "tool", "argv": ["sleep", "60"]}]
+            (answer,) = await send(client, message("work", steps=steps), immediately=True)
+            task = answer.task.id
+            await working_with(client, task, "sleeping")
+            ended = await client.cancel_task(CancelTaskRequest(id=task))  # --cancel-deadline 2
+            assert ended.status.state == TaskState.TASK_STATE_CANCELED
+            turns = server.call("subagent.turns", {"session": ended.context_id})["turns"]
+            assert (turns[-1]["outcome"], turns[-1]["escalated"]) == ("aborted", True)
+            assert [m.metadata["tether"]["action"] for m in ended.history if m.metadata] == [
+                "cancelled",
+                "escalated",
+            ]
+
+    anyio.run(body)
+
+
+def test_a_steer_message_reaches_the_running_turn_and_a_plain_one_queues_behind_it(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            (answer,) = await send(client, message("work", steps=HANG), immediately=True)
+            task, context = answer.task.id, answer.task.context_id
+            (steered,) = await send(
+                client, message("go left", context=context, task=task, steer=True)
+            )
+            assert steered.task.id == task
+            found = await working_with(client, task, "go left</steer>")
+            steer = next(text for _, text in texts(found) if "</steer>" in text)
+            assert steer.startswith('<steer origin="user"')
+            # Without the steer flag the message waits behind the running turn.
+            (queued,) = await send(client, message("next", context=context), immediately=True)
+            assert queued.message.metadata["tether"]["behind"] == task
+            inbox = server.call("subagent.inbox", {"session": context})["messages"]
+            assert [m["preview"] for m in inbox] == ["next"]
+            # Stopping the turn holds that message: the session is parked and the task
+            # says so (input-required) until a new message comes.
+            stopped = await client.cancel_task(CancelTaskRequest(id=task))
+            assert stopped.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+            assert "1 message(s) wait" in stopped.status.message.parts[0].text
+            info = server.call("subagent.status", {"session": context})
+            assert info["state"] == "parked" and info["pending"] == 1
+            assert (await get(client, task)).status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+
+    anyio.run(body)
+
+
+def test_subscribe_to_task_streams_a_working_task_until_it_ends(server: LiveServer) -> None:
+    async def body() -> None:
+        async with a2a(server, streaming=True) as client:
+            steps = [{"op": "say", "text": "early"}, *HANG]
+            request = SendMessageRequest(
+                message=message("work", steps=steps),
+                configuration=SendMessageConfiguration(return_immediately=True),
+            )
+            stream = client.send_message(request)
+            first = await anext(stream)
+            await stream.aclose()
+            task = first.task.id
+            seen: list[StreamResponse] = []
+
+            async def follow() -> None:
+                async for event in client.subscribe(SubscribeToTaskRequest(id=task)):
+                    seen.append(event)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(follow)
+                await until(lambda: _async(bool(seen)), "the subscription's first event")
+                await client.cancel_task(CancelTaskRequest(id=task))
+            assert seen[0].task.id == task
+            assert seen[-1].status_update.status.state == TaskState.TASK_STATE_CANCELED
+            with pytest.raises(Exception, match="terminal"):
+                async for _ in client.subscribe(SubscribeToTaskRequest(id=task)):
+                    pass
+
+    anyio.run(body)
+
+
+async def _async(value: T) -> T:
+    return value
+
+
+def test_a2a_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
+    async def body(server: LiveServer) -> None:
+        async with a2a(server, token="s3cret") as client:
+            (answer,) = await send(client, message("hi"))
+            assert answer.task.status.state == TaskState.TASK_STATE_COMPLETED
+        with pytest.raises(Exception):  # noqa: B017 - the card cannot be read without it
+            async with a2a(server, token="wrong"):
+                pass
+
+    with running_server(tmp_path, "--token", "s3cret", "--driver", "tether:Scripted") as server:
+        assert server.request("GET", "/.well-known/agent-card.json", auth=False)[0] == 401
+        assert server.request("POST", "/a2a", b"{}", auth=False)[0] == 401
+        status, body_ = server.request("GET", "/.well-known/agent-card.json")
+        assert status == 200
+        card = httpx.Response(200, content=body_).json()
+        assert [s["id"] for s in card["skills"]] == ["tether:Scripted"]
+        assert card["supportedInterfaces"][0]["url"].endswith("/a2a")
+        assert "bearer" in card["securitySchemes"]
+        anyio.run(body, server)
+
+
+def test_a_blocking_send_whose_caller_hangs_up_stops_waiting_and_the_turn_goes_on(
+    tmp_path: Path,
+) -> None:
+    env = {"TETHER_LOG": "info", "TETHER_LOG_FORMAT": "json"}
+    with running_server(tmp_path, env=env) as server:
+        doc = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": "m1",
+                    "role": "ROLE_USER",
+                    "parts": [{"text": "work"}, {"data": {"steps": HANG}}],
+                }
+            },
+        }
+        headers = {"A2A-Version": "1.0"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/a2a", json=doc, headers=headers, timeout=2.0)
+
+        def gone() -> dict[str, Any] | None:
+            for line in server.log_text().splitlines():
+                if line.startswith("{") and '"a2a.caller_gone"' in line:
+                    found: dict[str, Any] = json.loads(line)
+                    return found
+            return None
+
+        event = wait_until(gone, timeout=20, what="the server to notice the caller left")
+        info = server.call("subagent.status", {"session": event["session"]})
+        assert info["state"] == "running" and info["turn"] == event["task"]
