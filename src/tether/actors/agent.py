@@ -38,6 +38,7 @@ from tether.wire.frames import (
     Escalating,
     Preempt,
     Progress,
+    Say,
     Steer,
     SteerFrame,
     ToolFateName,
@@ -355,6 +356,19 @@ class Session:
                 self.escalating(frame)
             case Progress():
                 self.progress(frame)
+
+    def said(self, frame: Say) -> None:
+        """The driver's entry, written here, in the order of its worker's reports: after
+        the marker of any steer or preempt the driver saw before it said this."""
+        h = self._host
+        entry = h.store.append_entry(
+            self.header.id, frame.kind, frame.text, turn=frame.turn, data=frame.data
+        )
+        t = self.turn
+        if frame.kind == "assistant" and t is not None and t.id == frame.turn:
+            t.job.last_say = frame.text
+        if h.events.wants("entry"):
+            self._emit("entry", {"entry": msgspec.to_builtins(entry)})
 
     def delivered(self, frame: Delivered) -> None:
         t = self.turn
