@@ -96,7 +96,8 @@ class Spawner:
 class ParallelCommands:
     """Two ``run_command`` calls in flight at once, from two threads (a model's parallel
     tool calls): a quick one that leaves a background child and a ``setsid`` escapee
-    behind, and a slow one that prints when done. Answers with both results as JSON."""
+    behind, and a slow one that prints when done (or the commands named in the
+    message's ``data``). Answers with the results as JSON."""
 
     QUICK: ClassVar[list[str]] = [
         "sh",
@@ -115,10 +116,10 @@ class ParallelCommands:
             except Exception as exc:
                 results[name] = f"error {exc!r}"
 
-        threads = [
-            threading.Thread(target=call, args=("slow", self.SLOW)),
-            threading.Thread(target=call, args=("quick", self.QUICK)),
-        ]
+        commands = (ctx.message.data or {}).get("commands")
+        if commands is None:
+            commands = {"slow": self.SLOW, "quick": self.QUICK}
+        threads = [threading.Thread(target=call, args=item) for item in commands.items()]
         for t in threads:
             t.start()
         for t in threads:

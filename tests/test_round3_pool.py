@@ -28,6 +28,7 @@ from drivers import (
     runtime,
     steps,
     wait_entry,
+    worker_with_tool,
 )
 from tether import User
 from tether.actors.ports import TurnJob
@@ -238,7 +239,6 @@ def test_a_turn_whose_start_frame_cannot_be_encoded_ends_and_strands_no_other_tu
 # ---- item 10: parallel run_command ------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="run_command's clean-up kills its siblings (next commit)")
 def test_parallel_commands_in_one_turn_each_clean_up_only_their_own_leftovers(
     rt: tether.Runtime,
 ) -> None:
@@ -265,6 +265,23 @@ def test_parallel_commands_in_one_turn_each_clean_up_only_their_own_leftovers(
 
     eventually(lambda: not leftovers(), what="the quick command's leftovers gone")
     assert ParallelCommands.QUICK  # (the driver's commands, for the reader)
+
+
+def test_a_preempt_kills_every_command_in_flight_and_each_reports_it(
+    rt: tether.Runtime,
+) -> None:
+    """A preempt stops the turn's running commands, all of them when the driver runs
+    several at once: each raises Preempted (none returns as if it completed)."""
+    rec = Recorder(rt)
+    sid = rt.open_session("drivers:ParallelCommands")
+    me = User(parent=sid)
+    rt.prompt(sid, "go", data={"commands": {"one": ["sleep", "30"], "two": ["sleep", "30"]}})
+    worker_with_tool(rt, "sleep", count=2)
+    assert rt.interrupt(sid, authority=me, kind="preempt", reason="enough") is not None
+    assert rec.turn_ended(sid, timeout=10.0)["outcome"] == "completed"
+    results = json.loads(entries(rt, sid, "assistant")[-1].text)
+    assert sorted(results) == ["one", "two"]
+    assert all(r.startswith("error Preempted") for r in results.values()), results
 
 
 # ---- item 11: a marker comes before the driver's reaction to it -------------------------
