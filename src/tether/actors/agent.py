@@ -541,7 +541,12 @@ class Session:
         log.info("watchdog.step", session=self.header.id, turn=t.id, kind=kind, idle=idle)
         if self._host.events.wants("watchdog.step"):
             self._emit("watchdog.step", {"turn": t.id, "step": t.step, "kind": kind, "idle": idle})
-        self.interrupt(Interrupt(kind, "watchdog", "watchdog", text, grace))
+        try:
+            self.interrupt(Interrupt(kind, "watchdog", "watchdog", text, grace))
+        except TetherError as exc:  # a steer refused (too much held): the ladder goes on
+            log.warning(
+                "watchdog.step_refused", session=self.header.id, turn=t.id, error=exc.message
+            )
 
     # ---- stop reports (SPEC §15.6) ------------------------------------------------------
 

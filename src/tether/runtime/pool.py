@@ -233,8 +233,10 @@ class _Worker:
         self.finished = False
         # Outbound frames, written by the sender thread: no caller ever blocks on this
         # worker's socket (a stopped worker stops reading, and its socket fills).
-        self._out: deque[bytes] = deque()
-        self._out_bytes = 0  # bounded for steers and preempts: see HELD_BYTES
+        # Each payload with the bytes it counts against HELD_BYTES (a steer's or a
+        # preempt's size; 0 for any other frame, a big start frame included).
+        self._out: deque[tuple[bytes, int]] = deque()
+        self._out_bytes = 0
         self._out_ready = threading.Condition(threading.Lock())
         self._out_closed = False
         self.reader = threading.Thread(
@@ -249,19 +251,20 @@ class _Worker:
         ``bounded``: InvalidParams if the worker has HELD_BYTES unread already."""
         payload = self.channel.encode(frame)
         with self._out_ready:
-            if bounded and self._out_bytes + len(payload) > HELD_BYTES:
+            counted = len(payload) if bounded else 0
+            if counted and self._out_bytes + counted > HELD_BYTES:
                 raise _held_over(frame, self._out_bytes)
-            self._queue_locked(payload)
+            self._queue_locked(payload, counted)
 
     def post_encoded(self, payloads: list[bytes]) -> None:
         with self._out_ready:
             for payload in payloads:
-                self._queue_locked(payload)
+                self._queue_locked(payload, 0)
 
-    def _queue_locked(self, payload: bytes) -> None:
+    def _queue_locked(self, payload: bytes, counted: int) -> None:
         if not self._out_closed:
-            self._out.append(payload)
-            self._out_bytes += len(payload)
+            self._out.append((payload, counted))
+            self._out_bytes += counted
             self._out_ready.notify()
 
     def _send_loop(self) -> None:
@@ -271,8 +274,8 @@ class _Worker:
                     self._out_ready.wait()
                 if self._out_closed:
                     return
-                payload = self._out.popleft()
-                self._out_bytes -= len(payload)
+                payload, counted = self._out.popleft()
+                self._out_bytes -= counted
             try:
                 self.channel.send_bytes(payload)
             except OSError:
