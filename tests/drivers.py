@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import psutil
 
@@ -91,6 +91,40 @@ class Spawner:
             return f"ok: {ctx.message.content}"
         child = ctx.spawn_agent(slug=data["slug"], prompt=data.get("prompt", "hello kid"))
         return f"spawned {child}"
+
+
+class ParallelCommands:
+    """Two ``run_command`` calls in flight at once, from two threads (a model's parallel
+    tool calls): a quick one that leaves a background child and a ``setsid`` escapee
+    behind, and a slow one that prints when done (or the commands named in the
+    message's ``data``). Answers with the results as JSON."""
+
+    QUICK: ClassVar[list[str]] = [
+        "sh",
+        "-c",
+        "setsid sleep 30 & sleep 30 & sleep 0.2; echo quick-done",
+    ]
+    SLOW: ClassVar[list[str]] = ["sh", "-c", "sleep 1.2; echo slow-done"]
+
+    def run(self, ctx: Any) -> str:
+        results: dict[str, str] = {}
+
+        def call(name: str, argv: list[str]) -> None:
+            try:
+                r = ctx.run_command(argv)
+                results[name] = f"exit {r.returncode}: {r.stdout.strip()}"
+            except Exception as exc:
+                results[name] = f"error {exc!r}"
+
+        commands = (ctx.message.data or {}).get("commands")
+        if commands is None:
+            commands = {"slow": self.SLOW, "quick": self.QUICK}
+        threads = [threading.Thread(target=call, args=item) for item in commands.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return json.dumps(results, sort_keys=True)
 
 
 class HistoryRecorder:
@@ -411,6 +445,7 @@ def kill_token(token: str) -> None:
     for p in token_procs(token):
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+
 
 class Hostile:
     """Writes hostile bytes on its own channel to the host (issue 10: fuzzing the

@@ -38,6 +38,7 @@ from tether.wire.frames import (
     Escalating,
     Preempt,
     Progress,
+    Say,
     Steer,
     SteerFrame,
     ToolFateName,
@@ -356,6 +357,19 @@ class Session:
             case Progress():
                 self.progress(frame)
 
+    def said(self, frame: Say) -> None:
+        """The driver's entry, written here, in the order of its worker's reports: after
+        the marker of any steer or preempt the driver saw before it said this."""
+        h = self._host
+        entry = h.store.append_entry(
+            self.header.id, frame.kind, frame.text, turn=frame.turn, data=frame.data
+        )
+        t = self.turn
+        if frame.kind == "assistant" and t is not None and t.id == frame.turn:
+            t.job.last_say = frame.text
+        if h.events.wants("entry"):
+            self._emit("entry", {"entry": msgspec.to_builtins(entry)})
+
     def delivered(self, frame: Delivered) -> None:
         t = self.turn
         if t is None or t.id != frame.turn:
@@ -527,7 +541,12 @@ class Session:
         log.info("watchdog.step", session=self.header.id, turn=t.id, kind=kind, idle=idle)
         if self._host.events.wants("watchdog.step"):
             self._emit("watchdog.step", {"turn": t.id, "step": t.step, "kind": kind, "idle": idle})
-        self.interrupt(Interrupt(kind, "watchdog", "watchdog", text, grace))
+        try:
+            self.interrupt(Interrupt(kind, "watchdog", "watchdog", text, grace))
+        except TetherError as exc:  # a steer refused (too much held): the ladder goes on
+            log.warning(
+                "watchdog.step_refused", session=self.header.id, turn=t.id, error=exc.message
+            )
 
     # ---- stop reports (SPEC §15.6) ------------------------------------------------------
 

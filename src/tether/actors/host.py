@@ -33,7 +33,7 @@ from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
-from tether.wire.frames import Delivered, Escalating, Progress, ToolKilled, TurnEnd
+from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd
 from tether.wire.records import AgentInfo, AgentRef, ChildTurnEnded, Message, SessionHeader
 
 __all__ = [
@@ -151,11 +151,11 @@ class _Notice:
 
 @dataclass(frozen=True, slots=True)
 class _Frame:
-    """A report from the session's worker: a delivery, a killed tool, progress, or the
-    answer to an Escalate."""
+    """A report from the session's worker: a driver's entry, a delivery, a killed tool,
+    progress, or the answer to an Escalate."""
 
     session: str
-    frame: Delivered | ToolKilled | Progress | Escalating
+    frame: Say | Delivered | ToolKilled | Progress | Escalating
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +222,9 @@ class _Sink:
     def __init__(self, ref: pykka.ActorRef[Any], session: str) -> None:
         self._ref = ref
         self._session = session
+
+    def said(self, frame: Say) -> None:
+        _tell(self._ref, _Frame(self._session, frame))
 
     def delivered(self, frame: Delivered) -> None:
         _tell(self._ref, _Frame(self._session, frame))
@@ -369,6 +372,10 @@ class SessionHost(pykka.ThreadingActor):
                 self._adopt(session)
             case _Notice(parent=parent, notice=notice):
                 self._notice(parent, notice)
+            case _Frame(session=sid, frame=Say() as frame):
+                s = self._live.get(sid)
+                if s is not None:  # an entry changes nothing shown: no publish
+                    s.said(frame)
             case _Frame(session=sid, frame=Progress() as frame):
                 s = self._live.get(sid)
                 if s is not None:  # changes nothing shown: no publish

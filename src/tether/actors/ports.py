@@ -18,6 +18,7 @@ from tether.wire.frames import (
     HostFrame,
     Progress,
     RunTurn,
+    Say,
     SteerFrame,
     ToolKilled,
     TurnEnd,
@@ -28,8 +29,14 @@ __all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSin
 
 
 class TurnSink(Protocol):
-    """Where the executor reports what happened to a turn (called from its threads)."""
+    """Where the executor reports what happened to a turn (called from its threads).
 
+    Every report of one turn, its driver's entries (``said``) included, goes through the
+    one sink in the order its worker sent it: the session's host then writes the
+    transcript alone, so a marker always precedes the driver's reaction to it.
+    """
+
+    def said(self, frame: Say) -> None: ...
     def delivered(self, frame: Delivered) -> None: ...
     def tool_killed(self, frame: ToolKilled) -> None: ...
     def progress(self, frame: Progress) -> None: ...
@@ -50,12 +57,13 @@ class TurnJob:
     permissions: dict[str, Any] | None
     sink: TurnSink
     pending: list[HostFrame] = field(default_factory=list)
-    # The turn's latest assistant text, kept by the host as the worker says it, so the
-    # turn's end can name its partial work without reading the store.
+    # The turn's latest assistant text, kept by the session's host as the worker says
+    # it, so the turn's end can name its partial work without reading the store.
     last_say: str | None = None
     progress_every: float | None = None  # see RunTurn
     repeat: int | None = None
     frozen: bool = False  # paused before a worker took it: held back until thawed
+    held_bytes: int = 0  # steers and preempts in ``pending``, encoded (bounded by the executor)
     # Filled by the executor when it kills the turn's tree, before it reports the end
     # (the stop report, SPEC §15.6): how the tree was killed ("cgroup" or "walk") and
     # every process signalled, with its fate.

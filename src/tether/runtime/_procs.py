@@ -29,6 +29,8 @@ __all__ = [
     "TREE_ENV",
     "alive",
     "all_dead",
+    "carries",
+    "child_pids",
     "descendant_pids",
     "descendants",
     "freeze",
@@ -63,6 +65,21 @@ def _children(pid: int) -> list[int]:
         except _GONE:
             continue  # that thread (or the process) ended meanwhile: the rest still count
     return kids
+
+
+def child_pids(pid: int) -> list[int]:
+    """``pid``'s children, or [] when it is gone."""
+    return _children(pid) if _HAS_CHILDREN_FILES else _psutil_children(pid)
+
+
+def carries(pid: int, name: str, value: str) -> bool:
+    """True when ``pid``'s environment has ``name=value`` (False once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except (*_GONE, PermissionError):
+        return False
+    return f"\0{name}={value}\0".encode() in b"\0" + env
 
 
 def descendant_pids(roots: Iterable[int]) -> list[int]:

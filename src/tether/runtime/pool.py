@@ -64,6 +64,7 @@ import time
 from collections import deque
 from typing import Any
 
+import msgspec
 import psutil
 import structlog
 
@@ -71,17 +72,19 @@ from tether.actors.ports import TurnJob
 from tether.runtime._procs import alive, all_dead, freeze_tree, kill_tree, reap, thaw_tree
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
-from tether.wire.errors import DriverNotFound, FrameError, TetherError
+from tether.wire.errors import DriverNotFound, FrameError, InvalidParams, TetherError
 from tether.wire.frames import (
     Delivered,
     Escalating,
     HostFrame,
+    Preempt,
     Probe,
     ProbeReply,
     Progress,
     Ready,
     Say,
     Shutdown,
+    SteerFrame,
     ToolCall,
     ToolKilled,
     ToolReply,
@@ -89,7 +92,7 @@ from tether.wire.frames import (
     WorkerFrame,
 )
 
-__all__ = ["Pool", "PoolHost"]
+__all__ = ["HELD_BYTES", "Pool", "PoolHost"]
 
 log = structlog.get_logger("tether.pool")
 
@@ -101,6 +104,12 @@ _MAX_START_FAILURES = 3  # at construction only: later, a failed start is retrie
 _BACKOFF_FIRST = 0.01  # seconds before the first retry (of a start, or of a kill) ...
 _BACKOFF_MAX = 1.0  # ... doubling up to this
 _KILL_STUCK_TRIES = 20  # a kill retried this often is logged as an error (escalation)
+# Steers and preempts waiting for a turn that cannot take them now (it waits for a
+# worker, or its worker is paused and stops reading), in encoded bytes: past this one is
+# refused when issued. It keeps a paused turn's memory bounded, and a turn's start frame
+# (which carries what was held) far under the frame cap.
+HELD_BYTES = 1 << 20
+_held_encoder = msgspec.msgpack.Encoder()
 
 _fs_lock = threading.Lock()
 _fs_users = 0
@@ -165,10 +174,11 @@ class _WorkerProcess(multiprocessing.context.ForkServerProcess):
 
 
 class PoolHost:
-    """What the pool asks of the runtime for a worker's frames (overridden by Runtime)."""
+    """What the pool asks of the runtime for a worker's frames (overridden by Runtime).
 
-    def on_say(self, job: TurnJob, frame: Say) -> None:
-        raise NotImplementedError
+    A driver's entries (``Say``) are not among them: they go to the turn's sink, in
+    order with its other reports, so that the session's host writes them.
+    """
 
     def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
         raise NotImplementedError
@@ -215,11 +225,18 @@ class _Worker:
         self.last_turn: str | None = None
         self.kill_tries = 0
         self.frozen: list[int] = []  # escapees stopped by freeze (the group is stopped whole)
+        # The turn whose pause stopped this worker; set and cleared under the pool's
+        # lock, with the group's SIGSTOP/SIGCONT, so a stop only ever lands on that turn
+        # and a stopped worker is never handed another (see ``Pool.freeze``).
+        self.frozen_for: str | None = None
         self.reader_done = False
         self.finished = False
         # Outbound frames, written by the sender thread: no caller ever blocks on this
         # worker's socket (a stopped worker stops reading, and its socket fills).
-        self._out: deque[bytes] = deque()
+        # Each payload with the bytes it counts against HELD_BYTES (a steer's or a
+        # preempt's size; 0 for any other frame, a big start frame included).
+        self._out: deque[tuple[bytes, int]] = deque()
+        self._out_bytes = 0
         self._out_ready = threading.Condition(threading.Lock())
         self._out_closed = False
         self.reader = threading.Thread(
@@ -229,13 +246,26 @@ class _Worker:
             target=self._send_loop, name=f"tether-pool-send-{self.pid}", daemon=True
         )
 
-    def post(self, frame: HostFrame) -> None:
-        """Queue ``frame`` for the worker; never blocks. FrameError if it is over the cap."""
+    def post(self, frame: HostFrame, *, bounded: bool = False) -> None:
+        """Queue ``frame`` for the worker; never blocks. FrameError if it is over the cap;
+        ``bounded``: InvalidParams if the worker has HELD_BYTES unread already."""
         payload = self.channel.encode(frame)
         with self._out_ready:
-            if not self._out_closed:
-                self._out.append(payload)
-                self._out_ready.notify()
+            counted = len(payload) if bounded else 0
+            if counted and self._out_bytes + counted > HELD_BYTES:
+                raise _held_over(frame, self._out_bytes)
+            self._queue_locked(payload, counted)
+
+    def post_encoded(self, payloads: list[bytes]) -> None:
+        with self._out_ready:
+            for payload in payloads:
+                self._queue_locked(payload, 0)
+
+    def _queue_locked(self, payload: bytes, counted: int) -> None:
+        if not self._out_closed:
+            self._out.append((payload, counted))
+            self._out_bytes += counted
+            self._out_ready.notify()
 
     def _send_loop(self) -> None:
         while True:
@@ -244,7 +274,8 @@ class _Worker:
                     self._out_ready.wait()
                 if self._out_closed:
                     return
-                payload = self._out.popleft()
+                payload, counted = self._out.popleft()
+                self._out_bytes -= counted
             try:
                 self.channel.send_bytes(payload)
             except OSError:
@@ -254,6 +285,7 @@ class _Worker:
         with self._out_ready:
             self._out_closed = True
             self._out.clear()
+            self._out_bytes = 0
             self._out_ready.notify()
 
     def alive(self) -> bool:
@@ -331,6 +363,11 @@ class Pool:
         return turn in self._where  # one dict read: no lock needed
 
     def freeze(self, turn: str) -> None:
+        """Stop ``turn``'s worker group under the lock, while it is still this turn's: a
+        ``TurnEnd`` handled after it finds the worker stopped and replaces it (its turn
+        is over; no other turn may wait on a stopped process). The walk for escapees
+        runs after, outside the lock; freeze and thaw of one turn come from its one
+        session host, in order."""
         with self._lock:
             job = self._jobs.get(turn)
             if job is None:
@@ -339,10 +376,18 @@ class Pool:
             if w is None:
                 job.frozen = True  # dispatch passes it over until thawed
                 return
-            if w.doomed:
+            if w.doomed or w.frozen_for == turn:
                 return
-        w.frozen = freeze_tree(w.pid)
-        log.debug("worker.frozen", pid=w.pid, turn=turn, escapees=len(w.frozen))
+            w.frozen_for = turn
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.pid, signal.SIGSTOP)
+        escapees = freeze_tree(w.pid)
+        with self._lock:
+            if w.frozen_for == turn and not w.doomed:
+                w.frozen = escapees
+            # else: the turn ended before the walk; its worker was doomed, and the
+            # reaper kills what the walk stopped
+        log.debug("worker.frozen", pid=w.pid, turn=turn, escapees=len(escapees))
 
     def thaw(self, turn: str) -> None:
         with self._lock:
@@ -354,10 +399,11 @@ class Pool:
                 job.frozen = False
                 self._dispatch_locked()
                 return
-            if w.doomed:
+            if w.doomed or w.frozen_for != turn:
                 return  # being killed: it stays frozen until it is dead
             escapees, w.frozen = w.frozen, []
-        thaw_tree(w.pid, escapees)
+            w.frozen_for = None
+            thaw_tree(w.pid, escapees)  # signals only: no walk under the lock
 
     def respawn_failing(self) -> bool:
         """True while replacement workers fail to start (they are being retried)."""
@@ -372,15 +418,24 @@ class Pool:
         self._draining = True
 
     def signal(self, turn: str, frame: HostFrame) -> None:
+        """InvalidParams for a steer or preempt past what may wait for ``turn`` (see
+        HELD_BYTES); a cancel, an escalation or an answer is never refused."""
+        bounded = isinstance(frame, SteerFrame | Preempt)
         with self._lock:
             job = self._jobs.get(turn)
             if job is None:
                 return
             w = self._where.get(turn)
             if w is None:
+                if bounded:
+                    size = len(_held_encoder.encode(frame))
+                    if job.held_bytes + size > HELD_BYTES:
+                        raise _held_over(frame, job.held_bytes)
+                    job.held_bytes += size
                 job.pending.append(frame)
             elif not w.doomed:
-                w.post(frame)  # under the lock: frames reach the worker in issue order
+                # under the lock: frames reach the worker in issue order
+                w.post(frame, bounded=bounded)
 
     def kill(self, turn: str) -> None:
         with self._lock:
@@ -479,20 +534,33 @@ class Pool:
         return True
 
     def _dispatch_locked(self) -> None:
+        """Hand queued turns to idle workers. Never raises: it runs inside the handling
+        of other turns' ends, which must go on; a turn that cannot start ends here."""
         while self._queue:
-            w = next((w for w in self._active if w.job is None), None)
+            w = next((w for w in self._active if w.job is None and w.frozen_for is None), None)
             if w is None:
                 return
             job = next((j for j in self._queue if not j.frozen), None)
             if job is None:
                 return
             self._queue.remove(job)
+            run, rest = job.start()
+            job.held_bytes = 0
+            try:
+                payloads = [w.channel.encode(frame) for frame in (run, *rest)]
+            except Exception as exc:  # FrameError (over the cap), or unencodable input
+                detail = exc.message if isinstance(exc, FrameError) else repr(exc)
+                log.error("turn.unstartable", turn=job.turn, error=detail)
+                del self._jobs[job.turn]
+                try:
+                    job.sink.ended(job.turn, None, f"the turn is too large to start: {detail}")
+                except Exception:
+                    log.exception("worker.report_failed", turn=job.turn)
+                continue
             w.job = job
             w.last_turn = job.turn
             self._where[job.turn] = w
-            run, rest = job.start()
-            for frame in (run, *rest):
-                w.post(frame)
+            w.post_encoded(payloads)
 
     def _doom_locked(self, w: _Worker) -> None:
         """``w`` takes no more work; the reaper kills its tree and the spawner replaces it."""
@@ -689,7 +757,7 @@ class Pool:
             case Say():
                 job = self._job_of(w, frame.turn)
                 if job is not None:
-                    self.host.on_say(job, frame)
+                    job.sink.said(frame)
             case ToolCall():
                 job = self._job_of(w, frame.turn)
                 if job is not None:
@@ -718,7 +786,14 @@ class Pool:
                     w.job = None
                     del self._jobs[job.turn]
                     del self._where[job.turn]
-                    self._dispatch_locked()
+                    if w.frozen_for is not None:
+                        # A pause stopped it after its driver had ended: its turn is
+                        # over, and no turn may go to a stopped worker. The spare
+                        # takes its place; the reaper ends it.
+                        log.info("worker.stopped_at_end", pid=w.pid, turn=job.turn)
+                        self._doom_locked(w)
+                    else:
+                        self._dispatch_locked()
                 job.sink.ended(job.turn, frame, None)
             case ProbeReply():
                 with self._lock:
@@ -789,3 +864,12 @@ class Pool:
         with self._lock:
             self._all.discard(w)
             self._changed.notify_all()
+
+
+def _held_over(frame: HostFrame, held: int) -> InvalidParams:
+    what = "steer" if isinstance(frame, SteerFrame) else "preempt"
+    return InvalidParams(
+        f"{what} refused: {held} bytes of steers and preempts already wait for this turn,"
+        f" which cannot take them now (it is paused, or waits for a worker); at most"
+        f" {HELD_BYTES} bytes may wait. Resume the turn, or wait for it to start."
+    )

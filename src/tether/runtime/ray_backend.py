@@ -719,7 +719,7 @@ class RayBackend:
         try:
             match frame:
                 case Say():
-                    self.host.on_say(job, frame)
+                    job.sink.said(frame)
                 case ToolCall():
                     reply = self.host.on_tool_call(job, frame)
                     self._reply(s, job, reply)

@@ -45,7 +45,7 @@ from tether.runtime.pool import PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
-from tether.wire.frames import Say, ToolCall, ToolReply
+from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import (
     STATES,
     AgentInfo,
@@ -146,22 +146,10 @@ class _EventBus:
 
 
 class _Host(PoolHost):
-    """The pool's view of the runtime: transcript writes and tool calls from workers."""
+    """The pool's view of the runtime: tool calls from workers."""
 
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
-
-    def on_say(self, job: TurnJob, frame: Say) -> None:
-        rt = self._rt
-        entry = rt._store.append_entry(
-            job.session, frame.kind, frame.text, turn=job.turn, data=frame.data
-        )
-        if frame.kind == "assistant":
-            job.last_say = frame.text
-        if rt._events.subscribers:
-            live = rt._dir.registry.get(job.session)
-            lineage = live.lineage if live is not None else ()
-            rt._events.emit("entry", job.session, lineage, {"entry": msgspec.to_builtins(entry)})
 
     def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
         try:

@@ -42,7 +42,7 @@ from typing import Any, Literal, overload
 
 import msgspec
 
-from tether.runtime._procs import TREE_ENV, kill_tree, sweep
+from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, Preempted, TetherError, error_from_code
 from tether.wire.frames import (
@@ -140,9 +140,14 @@ class _TurnState:
         self.cancel_event = threading.Event()
         self.replies: dict[int, ToolReply] = {}
         self.reply_ready = threading.Condition(self.lock)
-        self.tool: subprocess.Popen[bytes] | None = None
-        self.tool_starting = False  # between Popen's fork and our holding its handle
-        self.preempt: Preempt | None = None
+        # The commands in flight (a driver may run several at once, from threads), each
+        # with the preempt that killed it, if one did.
+        self.tools: dict[subprocess.Popen[bytes], Preempt | None] = {}
+        self.starting = 0  # commands between Popen's fork and our holding their handle
+        self.early: Preempt | None = None  # a preempt that came while one was starting
+        # Held to start a command and to clean up after one: a clean-up that sweeps
+        # every orphan (the last command out) never meets a command just forked.
+        self.spawn_lock = threading.Lock()
 
     # ---- open tool calls, for the host's stop reports (SPEC §15.6) ---------------------
 
@@ -366,7 +371,8 @@ class TurnContext:
     ) -> CommandResult:
         """Run a subprocess in this worker's process group; preemptable and abortable.
 
-        Whatever the command leaves running when it returns is killed with it.
+        Whatever the command leaves running when it returns is killed with it, and only
+        that: commands run at once from several threads never touch each other's.
         """
         if self.permissions.get("run_command", "allow") == "deny":
             raise error_from_code(
@@ -378,46 +384,54 @@ class TurnContext:
         st.progress.in_tool = True
         self._progress(("run_command", repr((argv, cwd))))
         tool = st.tool_opened("run_command")
+        # Its own tag, inherited by what it starts: its clean-up tells its orphans from
+        # another command's among the processes re-parented to us.
+        tag = f"{os.getpid()}.{next(_command_ids)}"
         with st.lock:
-            st.tool_starting = True
+            st.starting += 1
         try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
+            with st.spawn_lock:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env={**os.environ, COMMAND_ENV: tag},
+                )
         except BaseException as exc:
-            st.progress.in_tool = False
             st.tool_closed(tool)  # it never ran: nothing of it was cut
             with st.lock:
-                st.tool_starting = False
-                st.preempt = None
+                st.starting -= 1
+                if st.starting == 0:
+                    st.early = None
+                st.progress.in_tool = bool(st.tools)
             if isinstance(exc, OSError):  # not found, not executable: the caller's input
                 raise error_from_code("invalid-params", f"cannot run {argv[0]!r}: {exc}") from None
             raise
         with st.lock:
-            st.tool = proc
-            st.tool_starting = False
-            preempted_while_starting = st.preempt is not None
-        if preempted_while_starting:
-            _kill_tree(proc.pid)
+            st.starting -= 1
+            early = st.tools[proc] = st.early
+            if st.starting == 0:
+                st.early = None
+        if early is not None:
+            _kill_command(proc)
         assert proc.stdout is not None and proc.stderr is not None
         out, err = bytearray(), bytearray()
         try:
             _wait_exit(proc, {proc.stdout.fileno(): out, proc.stderr.fileno(): err}, timeout)
         finally:
             # From here a preempt finds no command to kill: it is an accepted no-op.
-            with st.lock:
-                st.tool = None
-                preempt, st.preempt = st.preempt, None
-            _kill_leftovers()
+            with st.spawn_lock:
+                with st.lock:
+                    preempt = st.tools.pop(proc, None)
+                    last = not st.tools and st.starting == 0
+                    st.progress.in_tool = not last
+                _kill_leftovers(None if last else tag)
             _drain(proc.stdout.fileno(), out)  # nothing writes any more: read what is left
             _drain(proc.stderr.fileno(), err)
             proc.stdout.close()
             proc.stderr.close()
-            st.progress.in_tool = False
             self._progress()
         # A preempt that raced the command's own exit killed nothing: the command
         # completed, and no ToolKilled (no "preempted" marker) may say otherwise.
@@ -466,7 +480,7 @@ def _wait_exit(
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        _kill_tree(proc.pid)
+                        _kill_command(proc)
                         proc.wait()
                         return
                     wait = left if wait is None else min(wait, left)
@@ -508,18 +522,38 @@ def _drain(fd: int, buf: bytearray) -> None:
             buf += chunk
 
 
-def _kill_tree(pid: int) -> None:
-    """Freeze, then kill, ``pid`` and its descendants (see ``_procs``)."""
-    with contextlib.suppress(OSError):  # out of descriptors: the leftovers sweep retries
-        kill_tree([pid])
+# Set in each command's environment to a tag of its own (see ``run_command``).
+COMMAND_ENV = "TETHER_COMMAND"
+_command_ids = itertools.count(1)
 
 
-def _kill_leftovers() -> None:
-    """Kill and reap what a finished command left behind (re-parented to us, the subreaper)."""
+def _kill_command(proc: subprocess.Popen[bytes]) -> None:
+    """Freeze, then kill, a running command and its descendants (see ``_procs``).
+    Never reaps: the command's own wait reads its status."""
+    if proc.returncode is not None:
+        return  # it exited and was reaped: its pid may be another's now
+    with contextlib.suppress(OSError):  # out of descriptors: its clean-up retries
+        kill_tree([proc.pid])
+
+
+def _kill_leftovers(tag: str | None) -> None:
+    """Kill and reap what a finished command left behind (re-parented to us, the
+    subreaper), and nothing of another command's.
+
+    With ``tag`` (other commands are still running): the orphans carrying this
+    command's tag, and their trees. Without (it was the last one, and the caller holds
+    the spawn lock, so none is starting): every descendant, as nothing else of ours is
+    running; this also takes an orphan that cleared its environment.
+    """
     me = os.getpid()
     with contextlib.suppress(OSError):
-        left = kill_tree([me])
-        for p in left:  # ours to reap: children, and orphans re-parented to us
+        if tag is None:
+            roots = [me]
+        else:
+            roots = [pid for pid in child_pids(me) if carries(pid, COMMAND_ENV, tag)]
+            if not roots:
+                return
+        for p in kill_tree(roots):  # ours to reap: the orphans, and their trees
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(p.pid, 0)
 
@@ -593,14 +627,15 @@ class _Worker:
                     st = self._state_for(turn)
                     if st is not None:
                         with st.lock:
-                            tool = st.tool
-                            busy = tool is not None or st.tool_starting
-                            if busy and st.preempt is None:
-                                st.preempt = frame  # still starting: killed once it has a pid
-                        if tool is not None:
+                            victims = [p for p, by in st.tools.items() if by is None]
+                            for p in victims:
+                                st.tools[p] = frame
+                            if st.starting and st.early is None:
+                                st.early = frame  # still starting: killed once it has a pid
+                        for p in victims:
                             # run_command tells a kill from the command's own exit by
                             # its status: SIGKILL means this kill landed
-                            _kill_tree(tool.pid)
+                            _kill_command(p)
                 case Escalate(turn=turn):
                     st = self._state_for(turn)
                     if st is not None:
