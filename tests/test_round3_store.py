@@ -26,6 +26,7 @@ import pytest
 
 import tether
 from tether import User
+from tether.actors.host import StatusOp, _Call, _Reply
 from tether.wire.errors import StoreLocked, StoreUnavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -290,3 +291,70 @@ def test_a_held_write_lock_refuses_calls_clearly_and_loses_nothing_queued(
         user = [e.text for e in rt.transcript(root) if e.kind == "user"]
         assert user == ["A", "C"]
         assert len(rt.list_agents(root)) == 0  # the refused spawn made no child
+
+
+# ---- item 6: an abort never waits behind the store -----------------------------------------
+
+
+def test_an_abort_lands_at_once_while_a_dormant_sessions_status_waits_for_the_store(
+    db_path: str,
+) -> None:
+    """Before: the dormant session's status() read the store on its host's thread and
+    held it for two busy timeouts; the abort queued behind it waited ~10 s."""
+    with tether.Runtime(db_path, workers=2, grace=1.0) as rt:
+        running = rt.open_session("tether:Scripted")
+        # A turn that writes all the time (a tool call and its entry, over and over), so
+        # the store always has writes waiting when the lock is taken.
+        rt.prompt(running, "busy", data={"steps": [{"op": "loop", "argv": ["true"]}]})
+        host = rt._dispatcher.route(running)
+        dormant = running
+        while dormant == running or rt._dispatcher.route(dormant) is not host:
+            dormant = rt.open_session("tether:Scripted")  # one hosted by the same actor
+        rt.prompt(dormant, "one", data={"steps": []})
+        rt.wait(dormant, until="idle")
+        rt.release(dormant)
+        _until(lambda: rt.status(running).dispatched, 10.0, "the turn reached a worker")
+        ended = threading.Event()
+        outcomes: list[str] = []
+
+        def on_event(event: tether.Event) -> None:
+            if event.name == "turn.ended" and event.session == running:
+                outcomes.append(event.data["outcome"])
+                ended.set()
+
+        unsubscribe = rt.subscribe(on_event)
+        with write_locked(db_path):
+            _until(lambda: rt._store._queue, 5.0, "a write waits for the lock")
+            # status() of the dormant session, put in the host's mailbox first (as
+            # rt.status does), answered on a thread of its own.
+            reply = _Reply()
+            host.tell(_Call(StatusOp(dormant), reply))
+            answer: list[Any] = []
+
+            def look() -> None:
+                try:
+                    answer.append(reply.get())
+                except tether.TetherError as exc:
+                    answer.append(exc)
+
+            looker = threading.Thread(target=look)
+            looker.start()
+            started = time.monotonic()
+            turn = rt.interrupt(running, authority=User(parent=running), kind="abort")
+            called = time.monotonic() - started
+            assert turn is not None
+            assert ended.wait(BUSY * 3), "the abort never took effect"
+            took = time.monotonic() - started
+            assert outcomes == ["aborted"]
+            assert called < 0.5 and took < 1.0, (
+                f"the abort waited behind the store: the call took {called:.2f}s, "
+                f"the turn ended after {took:.2f}s"
+            )
+            looker.join(BUSY * 3)
+        unsubscribe()
+        # The look answered (dormant, or the store's clear refusal), never a raw error.
+        [info] = answer
+        assert isinstance(info, StoreUnavailable) or info.state == "dormant", info
+        turns = _until(lambda: rt.turns(running), 20.0, "the store recovered")
+        assert [(t.id, t.outcome) for t in turns] == [(turn, "aborted")]
+        assert rt.status(dormant).state == "dormant"

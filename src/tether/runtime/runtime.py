@@ -615,6 +615,7 @@ class Runtime:
         for ref in [*self._dispatcher.refs, *([self._sup] if hasattr(self, "_sup") else [])]:
             with contextlib.suppress(pykka.ActorDeadError):
                 ref.stop()
+        self._dispatcher.close()
         self._timers.close()
         self._store.close()
 
