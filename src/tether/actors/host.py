@@ -85,6 +85,7 @@ class Enqueued:
 
     message: Message
     wake: bool
+    waking: bool = False  # the sender marked the dormant target waking (Directory.waking)
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,8 +386,12 @@ class SessionHost(pykka.ThreadingActor):
 
     def _told(self, message: Any) -> None:
         match message:
-            case Enqueued(message=msg, wake=wake):
-                self._enqueued(msg, wake)
+            case Enqueued(message=msg, wake=wake, waking=waking):
+                try:
+                    self._enqueued(msg, wake)
+                finally:
+                    if waking:
+                        self._dir.woken(msg.session)
             case Adopt(session=session):
                 self._adopt(session)
             case _Notice(parent=parent, notice=notice):

@@ -682,7 +682,13 @@ class Runtime:
             target, content, data=data, sender=sender_of(authority), refusable=True
         )
         ticket.wait()  # StoreUnavailable: withdrawn, never committed, never told
-        self._dispatcher.tell(target, Enqueued(msg, wake))
+        # A send that wakes a dormant session makes it live for every later call, though
+        # its host materializes it a moment later (SPEC §15.8: a send to its child with
+        # its address must not find it offline).
+        waking = wake and target not in self._dir.registry
+        if waking:
+            self._dir.waking(target)
+        self._dispatcher.tell(target, Enqueued(msg, wake, waking))
         if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
             log.debug("message.accepted", session=target, message=msg.id, wake=wake)
         return msg.id
