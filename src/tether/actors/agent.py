@@ -272,7 +272,7 @@ class Session:
         h = self.header
         host = self._host
         turn_id = new_id("t_")
-        host.store.start_turn(turn_id, message)
+        claim = host.store.start_turn(turn_id, message)
         job = TurnJob(
             turn=turn_id,
             session=h.id,
@@ -281,6 +281,7 @@ class Session:
             config=h.config,
             permissions=h.permissions,
             sink=host.sink(h.id),
+            claim=claim,
         )
         stall = h.stall
         if stall is not None:

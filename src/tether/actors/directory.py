@@ -13,6 +13,7 @@ Epochs are ``boot << 40 | n``: ``boot`` counts host starts in the store, so an
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,8 +117,31 @@ class Directory:
     def __init__(self, boot: int) -> None:
         self.catalog = Catalog()
         self.registry: dict[str, Session] = {}
+        # Dormant sessions a waking send has been accepted for, not yet materialized by
+        # their host (a count per id: several such sends may be on their way). They are
+        # live to every later check (SPEC §15.8): the send that woke one has returned.
+        self._waking: dict[str, int] = {}
+        self._waking_lock = threading.Lock()
         self._boot = boot << 40
         self._epochs = itertools.count(1)
+
+    def waking(self, session: str) -> None:
+        """A waking send to the dormant ``session`` is accepted: it is live from now on
+        (the caller tells its host, which materializes it and then calls ``woken``)."""
+        with self._waking_lock:
+            self._waking[session] = self._waking.get(session, 0) + 1
+
+    def woken(self, session: str) -> None:
+        """The host has handled that send (materialized ``session``, or closed it)."""
+        with self._waking_lock:
+            n = self._waking.pop(session, 0) - 1
+            if n > 0:
+                self._waking[session] = n
+
+    def live(self, session: str) -> bool:
+        """Live, or accepted to be: the waking mark is read first, since a host adds to
+        the registry before it clears the mark."""
+        return session in self._waking or session in self.registry
 
     def next_epoch(self) -> int:
         return self._boot | next(self._epochs)
@@ -129,8 +153,8 @@ class Directory:
     def authorize_send(self, target: str, auth: Authority | None) -> Node:
         """Who may put work in ``target``'s inbox; ``None`` is a root's owner (the host).
 
-        Called on the thread of the actor hosting ``target``, so the target's own state
-        cannot change under the check.
+        Called on the sender's thread (the send's fast path): it reads only what a call
+        that returned has already set (the catalog, the registry, the waking marks).
         """
         node = self.catalog.get(target)
         if node.settled or node.disposing:
@@ -152,7 +176,7 @@ class Directory:
         else:
             if auth.parent != h.parent:
                 raise Unauthorized(f"{auth.parent!r} is not the parent of {target}")
-            if h.parent not in self.registry:
+            if not self.live(h.parent):
                 raise ParentOffline(f"the parent {h.parent} of {target} is not live")
         return node
 

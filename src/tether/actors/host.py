@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,7 @@ class Enqueued:
 
     message: Message
     wake: bool
+    waking: bool = False  # the sender marked the dormant target waking (Directory.waking)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +252,22 @@ class Dispatcher:
         self.size = size
         self.refs: list[pykka.ActorRef[Any]] = []
         self.services: list[SessionServices] = []
+        self._reads: ThreadPoolExecutor | None = None
+        self._reads_lock = threading.Lock()
+
+    def read(self, fn: Callable[[], None]) -> None:
+        """Run a store read off the hosts' threads: a read may wait for SQLite (a commit
+        it must see, another process's write lock), and a host that waited would hold
+        up every stop queued behind it (SPEC §2: a stop never waits behind queued work)."""
+        with self._reads_lock:
+            if self._reads is None:
+                self._reads = ThreadPoolExecutor(2, thread_name_prefix="tether-read")
+            self._reads.submit(fn)
+
+    def close(self) -> None:
+        with self._reads_lock:
+            if self._reads is not None:
+                self._reads.shutdown(wait=False)  # queued reads still answer their askers
 
     def route(self, session: str) -> pykka.ActorRef[Any]:
         return self.refs[hash(session) % self.size]
@@ -328,6 +347,10 @@ class SessionHost(pykka.ThreadingActor):
 
     def on_receive(self, message: Any) -> Any:
         if isinstance(message, _Call):
+            op = message.message
+            if isinstance(op, StatusOp) and op.session not in self._live:
+                self._status_offline(op.session, message.reply)
+                return None
             try:
                 value = self._answer(message.message)
             except BaseException as exc:  # the asker re-raises it
@@ -366,8 +389,12 @@ class SessionHost(pykka.ThreadingActor):
 
     def _told(self, message: Any) -> None:
         match message:
-            case Enqueued(message=msg, wake=wake):
-                self._enqueued(msg, wake)
+            case Enqueued(message=msg, wake=wake, waking=waking):
+                try:
+                    self._enqueued(msg, wake)
+                finally:
+                    if waking:
+                        self._dir.woken(msg.session)
             case Adopt(session=session):
                 self._adopt(session)
             case _Notice(parent=parent, notice=notice):
@@ -518,16 +545,41 @@ class SessionHost(pykka.ThreadingActor):
     # ---- status -------------------------------------------------------------------
 
     def _status(self, sid: str) -> AgentInfo:
-        node = self._dir.catalog.get(sid)
+        """A live session's status (``on_receive`` sends the others to _status_offline)."""
+        self._dir.catalog.get(sid)
         s = self._live.get(sid)
-        if s is not None:
-            info = s.info
-            if s.turn is not None and self._executor.dispatched(s.turn.id):
-                return _with_dispatched(info)
-            return info
-        state = AgentState.SETTLED if node.settled else AgentState.DORMANT
-        pending = 0 if node.settled else self._store.pending_count(sid)
-        return make_info(node.header, node.depth, state, pending)
+        if s is None:  # not asked this way (see on_receive); answered all the same
+            node = self._dir.catalog.nodes[sid]
+            state = AgentState.SETTLED if node.settled else AgentState.DORMANT
+            pending = 0 if node.settled else self._store.pending_count(sid)
+            return make_info(node.header, node.depth, state, pending)
+        info = s.info
+        if s.turn is not None and self._executor.dispatched(s.turn.id):
+            return _with_dispatched(info)
+        return info
+
+    def _status_offline(self, sid: str, reply: _Reply) -> None:
+        """A dormant session's status: decided here, in order (dormant or settled), but
+        its pending count is read off this thread, so that a slow store never holds up
+        this host's other sessions (an abort queued behind it, say)."""
+        node = self._dir.catalog.nodes.get(sid)
+        if node is None:
+            reply.set(None, NotFound(f"no session {sid!r}"))
+            return
+        header, depth = node.header, node.depth
+        if node.settled:
+            reply.set(make_info(header, depth, AgentState.SETTLED, 0))
+            return
+
+        def read() -> None:
+            try:
+                pending = self._store.pending_count(sid)
+            except BaseException as exc:  # StoreUnavailable: the asker re-raises it
+                reply.set(None, exc)
+            else:
+                reply.set(make_info(header, depth, AgentState.DORMANT, pending))
+
+        self._dispatcher.read(read)
 
     # ---- lifecycle ----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ writer thread (a caller that needs durability waits on the returned ``Durable``)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +70,10 @@ class TurnJob:
     # every process signalled, with its fate.
     kill_via: str | None = None
     kill_procs: list[ProcessFate] = field(default_factory=list)
+    # The claim's durability (the store's ticket for ``start_turn``): the turn reaches a
+    # worker only once it is done, so a claim lost to a failed commit never runs work
+    # that a restart would run again.
+    claim: Durable | None = None
 
     def start(self) -> tuple[RunTurn, list[HostFrame]]:
         """The frame that starts this turn on a worker, and the frames held for it that
@@ -121,6 +126,8 @@ class Executor(Protocol):
 
 class Durable(Protocol):
     def wait(self, timeout: float | None = None) -> None: ...
+    def then(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error)`` once done (at once if done); ``error`` None: committed."""
 
 
 class AgentStore(Protocol):
@@ -139,7 +146,7 @@ class AgentStore(Protocol):
     def pending(self, session: str) -> tuple[list[Message], int]: ...
     def close_message(self, message_id: str) -> None: ...
     def pending_count(self, session: str) -> int: ...
-    def start_turn(self, turn: str, message: Message) -> None: ...
+    def start_turn(self, turn: str, message: Message) -> Durable: ...
     def end_turn(
         self,
         turn: str,

@@ -159,8 +159,10 @@ class SupervisorActor(pykka.ThreadingActor):
         services = self._dispatcher.services_for(h.id)
         epoch = self._dir.next_epoch()
         s = Session(services, h, lineage, node.depth, epoch, inbox, hold, horizon)
-        self._dispatcher.tell(h.id, Adopt(s))
+        # Registered before its host hears of it, so its host (which removes it once it
+        # settles) always acts after this.
         self._dir.registry[h.id] = s
+        self._dispatcher.tell(h.id, Adopt(s))
 
     # ---- recovery -------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from tether.actors.ports import Executor, TurnJob
 from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
 from tether.runtime._log import configure_logging
 from tether.runtime.backend import Backend, BackendFactory, check_backend, make_backend
+from tether.runtime.claims import ClaimGate
 from tether.runtime.pool import PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
@@ -197,17 +198,24 @@ class Runtime:
         self._events = _EventBus()
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        # One host per store: a store another live host holds is refused here
+        # (StoreLocked), before anything in it is read or changed.
         self._store = Store(None if path is None else os.fspath(path))
-        crashed = self._store.recover()
-        if crashed:
-            log.warning("recovery.crashed_turns", turns=len(crashed))
-        self._dir = Directory(self._store.boot())
+        try:
+            crashed = self._store.recover()
+            if crashed:
+                log.warning("recovery.crashed_turns", turns=len(crashed))
+            self._dir = Directory(self._store.boot())
+        except BaseException:
+            self._store.close()
+            raise
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
         self._pool: Backend = make_backend(
             backend, workers, _Host(self), ray_address=ray_address, ray_options=ray_options
         )
-        executor: Executor = self._pool
+        # A turn reaches a worker only once its claim is durable (see runtime.claims).
+        executor: Executor = ClaimGate(self._pool, self._store)
         try:
             for _ in range(_HOSTS):
                 self._dispatcher.refs.append(
@@ -595,6 +603,7 @@ class Runtime:
         for ref in [*self._dispatcher.refs, *([self._sup] if hasattr(self, "_sup") else [])]:
             with contextlib.suppress(pykka.ActorDeadError):
                 ref.stop()
+        self._dispatcher.close()
         self._timers.close()
         self._store.close()
 
@@ -639,6 +648,7 @@ class Runtime:
         return self._sup.ask(message)
 
     def _create(self, create: Create) -> str:
+        self._store.check_writable()  # refused before anything changes while it is down
         sid, ticket = self._ask(create)
         ticket.wait()
         return str(sid)
@@ -657,10 +667,16 @@ class Runtime:
         self._check_id(target)
         self._dir.authorize_send(target, authority)
         msg, ticket = self._store.append_message(
-            target, content, data=data, sender=sender_of(authority)
+            target, content, data=data, sender=sender_of(authority), refusable=True
         )
-        ticket.wait()
-        self._dispatcher.tell(target, Enqueued(msg, wake))
+        ticket.wait()  # StoreUnavailable: withdrawn, never committed, never told
+        # A send that wakes a dormant session makes it live for every later call, though
+        # its host materializes it a moment later (SPEC §15.8: a send to its child with
+        # its address must not find it offline).
+        waking = wake and target not in self._dir.registry
+        if waking:
+            self._dir.waking(target)
+        self._dispatcher.tell(target, Enqueued(msg, wake, waking))
         if _stdlib_log.isEnabledFor(logging.DEBUG):  # a log call costs as much as the send
             log.debug("message.accepted", session=target, message=msg.id, wake=wake)
         return msg.id

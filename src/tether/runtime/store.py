@@ -21,22 +21,40 @@ that happened before it asked.
 WAL with ``synchronous=NORMAL`` is durable against a process crash (a power cut may lose
 the last transactions). The WAL stays bounded: a background connection checkpoints it
 passively, and once it grows past ``_WAL_LIMIT`` a committer truncates it.
+
+A batch that fails to commit (the disk is full, another process holds the write lock)
+is never dropped: it stays at the head of the queue, in order, and the writer thread
+retries it with backoff. Meanwhile the store is *down*: a send is refused at once with
+``StoreUnavailable`` (its message is withdrawn, never committed later), reads raise the
+same, and everything nobody waits for (turn claims and ends, markers, entries, notices)
+waits in memory for the retry. A turn is dispatched only once its claim is durable (see
+``runtime.claims``), so claimed work never runs twice. If a batch still cannot commit
+after ``give_up`` seconds, the store has *failed*: ``store.failed`` is logged and every
+later send is refused, for the life of this host; the writer keeps retrying what is
+queued, so nothing is lost that a freed disk can still save.
+
+One host at a time: a file store is locked (``flock`` on ``<path>.lock``, which holds the
+holder's pid) for the store's life. A second host is refused with ``StoreLocked`` before
+it touches the database; the kernel drops the lock when its holder dies, however it dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import itertools
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import structlog
 
+from tether.wire.errors import StoreLocked, StoreUnavailable
 from tether.wire.records import (
     Entry,
     Message,
@@ -129,6 +147,9 @@ _PREVIEW = 200
 _WAL_CHECK_EVERY = 0.25  # seconds between looks at the WAL's size ...
 _WAL_CHECK_OPS = 64  # ... or writes, whichever comes first
 _LINGER = 0.0005  # seconds the writer thread waits before committing what it was woken for
+_RETRY_FIRST = 0.05  # seconds before the first retry of a failed batch ...
+_RETRY_MAX = 2.0  # ... doubling up to this
+_GIVE_UP = 60.0  # seconds a batch may keep failing before the store fails for good
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
@@ -161,26 +182,54 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
 
 
 class Ticket:
-    """One batch of writes: done once it is committed (or has failed)."""
+    """One write (or a few written together): done once committed, or once refused.
 
-    __slots__ = ("_done", "_store", "error")
+    ``refusable``: the write is a send's message, which nothing else depends on until
+    the send returns; while the store is down it is withdrawn and its caller refused,
+    rather than kept for a retry the caller would never hear about.
+    """
 
-    def __init__(self, store: Store) -> None:
+    __slots__ = ("_callbacks", "_done", "_store", "error", "refusable", "withdrawn")
+
+    def __init__(self, store: Store, *, refusable: bool = False) -> None:
         self._store = store
         self._done = threading.Event()
+        self._callbacks: list[Callable[[BaseException | None], None]] | None = None
         self.error: BaseException | None = None
+        self.refusable = refusable
+        self.withdrawn = False
 
     def set(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._done.set()
+        with self._store._tickets:
+            if self._done.is_set():
+                return
+            self.error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            try:
+                fn(error)
+            except Exception:  # a callback's bug must not stop the committer
+                log.exception("store.callback_failed")
+
+    def then(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error)`` once the ticket is done (at once if it is), on the thread
+        that finished it; ``error`` is None once the write is committed."""
+        with self._store._tickets:
+            if not self._done.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self.error)
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Return once the batch is durable (committing it here if nobody is); re-raise
-        what made it fail."""
+        """Return once the write is durable (committing it here if nobody is); raise
+        ``StoreUnavailable`` if it was refused."""
         if not self._done.is_set():
             self._store.commit(self)
         if not self._done.wait(timeout):
@@ -189,26 +238,104 @@ class Ticket:
             raise self.error
 
 
+class _Entry:
+    __slots__ = ("op", "ticket")
+
+    def __init__(self, op: Op, ticket: Ticket | None) -> None:
+        self.op = op
+        self.ticket = ticket
+
+
+def _probe(db: sqlite3.Connection) -> None:
+    """A write that changes nothing: whether the store can commit again after a fault
+    whose batch was all withdrawn sends (it touches a page, so a full disk shows)."""
+    db.execute("UPDATE meta SET value = value WHERE key = 'boots'")
+
+
+def _lock(path: str) -> int:
+    """Take the store's host lock (see the module doc); the open descriptor holds it."""
+    lock_path = path + ".lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = b""
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            # The holder writes its pid just after it locks: give it a moment.
+            for _ in range(50):
+                holder = os.pread(fd, 32, 0).strip()
+                if holder:
+                    break
+                time.sleep(0.002)
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise StoreUnavailable(f"cannot lock the store {path}: {exc.strerror}") from None
+        pid = holder.decode(errors="replace") or "unknown"
+        raise StoreLocked(
+            f"the store {path} is in use by a live host (pid {pid}); one host at a time"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class Store:
     """Catalog, inboxes with claim state, turn records and transcripts."""
 
     def __init__(
-        self, path: str | None = None, *, durability: str = "normal", wal_limit: int = _WAL_LIMIT
+        self,
+        path: str | None = None,
+        *,
+        durability: str = "normal",
+        wal_limit: int = _WAL_LIMIT,
+        give_up: float | None = None,
     ) -> None:
         self.path = path
         self._wal_limit = wal_limit
-        self._db = sqlite3.connect(
-            path or ":memory:", check_same_thread=False, isolation_level=None
-        )
+        self._give_up = _GIVE_UP if give_up is None else give_up
+        self._lock_fd = None if path is None else _lock(path)
+        try:
+            self._db = sqlite3.connect(
+                path or ":memory:", check_same_thread=False, isolation_level=None
+            )
+            self._open_db(path, durability, wal_limit)
+            self._next_key = self._max("messages", "id") + 1  # the next message's key
+            self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
+            self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
+        except sqlite3.Error as exc:
+            self._unlock()
+            raise StoreUnavailable(f"cannot open the store: {exc}") from None
+        except BaseException:
+            self._unlock()
+            raise
         self._lock = threading.Lock()  # the connection: one commit or one read at a time
         self._commit_lock = threading.Lock()  # committers take turns: batches stay in order
         self._cond = threading.Condition(threading.Lock())  # the queue
-        self._queue: list[Op] = []
-        self._ticket = Ticket(self)  # the batch being filled
+        self._tickets = threading.Lock()  # tickets' done flags and callbacks
+        self._queue: list[_Entry] = []
+        self._backlog: list[_Entry] = []  # a failed batch, first in line for the retry
+        self._down: float | None = None  # when the current fault began (monotonic)
+        self._fault = ""  # what the last failed commit said
+        self._failed = False  # a batch failed for longer than give_up: no more sends
+        self._retry_at = 0.0
+        self._backoff = _RETRY_FIRST
         self._stopping = False
         self._wake_pending = False  # the writer thread was told of writes nobody waits for
+        self._urgent = False  # a turn waits for what is queued: commit without lingering
         self._wal_checked = 0.0
         self._unchecked = 0
+        self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
+        self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
+        self._writer.start()
+        self._stop_checkpoints = threading.Event()
+        self._checkpointer: threading.Thread | None = None
+        if path is not None:
+            self._checkpointer = threading.Thread(
+                target=self._checkpoint_loop, args=(path,), name="tether-checkpoint", daemon=True
+            )
+            self._checkpointer.start()
+
+    def _open_db(self, path: str | None, durability: str, wal_limit: int) -> None:
         if path is not None:
             # Small pages: a commit appends every page it touched to the WAL, and a turn
             # boundary touches a few pages to write a few hundred bytes.
@@ -229,19 +356,11 @@ class Store:
         for column in ("usage", "resources"):  # a store written before v3
             if column not in columns:
                 self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} BLOB")
-        self._next_key = self._max("messages", "id") + 1  # the next message's key
-        self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
-        self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
-        self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
-        self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
-        self._writer.start()
-        self._stop_checkpoints = threading.Event()
-        self._checkpointer: threading.Thread | None = None
-        if path is not None:
-            self._checkpointer = threading.Thread(
-                target=self._checkpoint_loop, args=(path,), name="tether-checkpoint", daemon=True
-            )
-            self._checkpointer.start()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the last descriptor drops the flock
+            self._lock_fd = None
 
     def _max(self, table: str, column: str) -> int:
         (n,) = self._db.execute(f"SELECT COALESCE(MAX({column}), 0) FROM {table}").fetchone()
@@ -249,56 +368,174 @@ class Store:
 
     # ---- committing -----------------------------------------------------------------
 
-    def submit(self, op: Op, *, waited: bool = False) -> Ticket:
+    @property
+    def failed(self) -> bool:
+        """True once a batch could not be committed for ``give_up`` seconds."""
+        return self._failed
+
+    def check_writable(self) -> None:
+        """Raise ``StoreUnavailable`` while the store is down or has failed: a caller
+        about to change something durable is refused before anything changes."""
+        if self._down is not None or self._failed:
+            raise self._unavailable()
+
+    def _unavailable(self) -> StoreUnavailable:
+        if self._failed:
+            return StoreUnavailable(f"the store has failed and takes no more work: {self._fault}")
+        return StoreUnavailable(f"the store cannot commit now: {self._fault}")
+
+    def submit(self, op: Op, *, waited: bool = False, urgent: bool = False) -> Ticket:
         """Queue one write; the returned ticket is done once it is committed.
 
         ``waited``: the caller will wait on the ticket (and so commit it), so the writer
-        thread need not be woken for it.
+        thread need not be woken for it. ``urgent``: something waits for it (a turn's
+        dispatch), so the writer does not linger.
         """
+        t = Ticket(self)
         with self._cond:
-            return self._submit_locked(op, waited)
+            self._submit_locked(op, t, waited, urgent)
+        return t
 
-    def _submit_locked(self, op: Op, waited: bool = False) -> Ticket:
+    def _queue_op(self, op: Op) -> None:
+        """Queue a write nobody waits for."""
+        with self._cond:
+            self._submit_locked(op, None)
+
+    def _submit_locked(
+        self, op: Op, ticket: Ticket | None, waited: bool = False, urgent: bool = False
+    ) -> None:
         if self._stopping:
             raise RuntimeError("the store is closed")
-        self._queue.append(op)
+        self._queue.append(_Entry(op, ticket))
+        if urgent:
+            self._urgent = True
         if not waited and not self._wake_pending:
             self._wake_pending = True  # one wake-up for however many writes queue meanwhile
             self._cond.notify()
-        return self._ticket
 
     def flush(self) -> None:
-        """Commit everything queued so far (a reader sees every earlier write)."""
+        """Commit everything queued so far (a reader sees every earlier write);
+        ``StoreUnavailable`` if the store cannot."""
         self.commit(None)
 
     def commit(self, ticket: Ticket | None) -> None:
-        """Commit the queue in this thread, unless ``ticket`` is done meanwhile."""
+        """Commit the queue in this thread, unless ``ticket`` is done meanwhile.
+
+        While the store is down no caller tries again (the writer thread retries, with
+        backoff): a refusable ticket is withdrawn and refused, any other waits for the
+        retry, and a flush raises ``StoreUnavailable``.
+        """
         with self._commit_lock:
             if ticket is not None and ticket.done:
                 return  # another committer took it while we waited for our turn
-            with self._cond:
-                batch, self._queue = self._queue, []
-                done, self._ticket = self._ticket, Ticket(self)
-                self._wake_pending = False
-            if batch:
-                done.set(self._commit(batch))
-                self._maybe_truncate(len(batch))
+            if self._down is not None:
+                if ticket is None:
+                    raise self._unavailable()
+                if ticket.refusable:
+                    ticket.withdrawn = True  # skipped by every later batch
+                    ticket.set(self._unavailable())
+                elif self._failed:
+                    ticket.set(self._unavailable())
+                return
+            error = self._attempt()
+        if error is not None and ticket is None:
+            raise error
+
+    def _attempt(self) -> StoreUnavailable | None:
+        """Commit the backlog and the queue as one batch (the caller holds the commit
+        lock); on failure keep it, in order, for the writer's retry."""
+        with self._cond:
+            entries = self._backlog + self._queue if self._backlog else self._queue
+            self._backlog = []
+            self._queue = []
+            self._wake_pending = False
+            self._urgent = False
+        batch = [e for e in entries if e.ticket is None or not e.ticket.withdrawn]
+        if not batch and self._down is None:
+            return None
+        ops = [e.op for e in batch] or [_probe]
+        error = self._commit(ops)
+        if error is not None:
+            return self._failed_batch(batch, error)
+        if self._down is not None:
+            log.warning(
+                "store.recovered", after=round(time.monotonic() - self._down, 3), ops=len(batch)
+            )
+            self._down = None
+            self._backoff = _RETRY_FIRST
+        for e in batch:
+            if e.ticket is not None:
+                e.ticket.set()
+        self._maybe_truncate(len(batch))
+        return None
+
+    def _failed_batch(self, batch: list[_Entry], error: BaseException) -> StoreUnavailable:
+        now = time.monotonic()
+        first = self._down is None
+        since = now if self._down is None else self._down
+        if first:
+            self._down = now
+            self._backoff = _RETRY_FIRST
+        self._fault = str(error) or type(error).__name__
+        refused = self._unavailable()
+        keep: list[_Entry] = []
+        for e in batch:
+            t = e.ticket
+            if t is not None and t.refusable:
+                t.withdrawn = True  # a send: refused now, so never committed later
+                t.set(refused)
             else:
-                done.set()
+                keep.append(e)
+        with self._cond:
+            self._backlog = keep  # older than anything queued meanwhile: first in line
+            self._retry_at = now + self._backoff
+            self._backoff = min(self._backoff * 2, _RETRY_MAX)
+            self._cond.notify()
+        level = log.error if first else log.warning
+        level("store.commit_failed", ops=len(batch), kept=len(keep), error=self._fault)
+        if not self._failed and now - since >= self._give_up:
+            self._fail()
+        return refused
+
+    def _fail(self) -> None:
+        self._failed = True
+        with self._cond:
+            waiting = [e.ticket for e in self._backlog + self._queue if e.ticket is not None]
+            ops = len(self._backlog) + len(self._queue)
+        log.error(
+            "store.failed",
+            error=self._fault,
+            ops=ops,
+            why=f"no commit for {self._give_up:g} s: every later send is refused",
+        )
+        refused = self._unavailable()
+        for t in waiting:
+            t.set(refused)
 
     def _write_loop(self) -> None:
         """Commit what nobody waits for, woken once for however many such writes queue
-        before a commit takes them."""
+        before a commit takes them; retry a failed batch when its backoff is over."""
         while True:
             with self._cond:
-                while not self._wake_pending and not self._stopping:
-                    self._cond.wait()
+                while not self._stopping:
+                    if self._down is not None:
+                        left = self._retry_at - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    elif self._wake_pending:
+                        break
+                    else:
+                        self._cond.wait()
                 if self._stopping:
                     return
+                linger = self._down is None and not self._urgent
             # Linger: writes queued together (a turn's end and its notice) share a
             # commit, and a caller about to wait commits its own write without a hop.
-            time.sleep(_LINGER)
-            self.commit(None)
+            if linger:
+                time.sleep(_LINGER)
+            with self._commit_lock:
+                self._attempt()
 
     def _commit(self, batch: list[Op]) -> BaseException | None:
         with self._lock:
@@ -311,10 +548,9 @@ class Store:
                     op(self._db)
                 self._db.execute("COMMIT")
                 return None
-            except BaseException as exc:  # a failed batch fails its waiters, not the writer
+            except BaseException as exc:  # a failed batch is kept for a retry
                 with contextlib.suppress(sqlite3.Error):
                     self._db.execute("ROLLBACK")
-                log.error("store.commit_failed", ops=len(batch), error=repr(exc))
                 return exc
 
     def _maybe_truncate(self, ops: int) -> None:
@@ -347,12 +583,15 @@ class Store:
             db.close()
 
     def close(self) -> None:
-        self.flush()
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._writer.join()
-        self.flush()
+        with self._commit_lock:
+            error = self._attempt()  # the last try, down or not
+        if error is not None:
+            # Nothing more can be done in this process: say loudly what is lost.
+            log.error("store.closed_unsaved", ops=len(self._backlog), error=self._fault)
         self._stop_checkpoints.set()
         if self._checkpointer is not None:
             self._checkpointer.join()
@@ -361,17 +600,18 @@ class Store:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
+        self._unlock()
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         self.flush()
-        with self._lock:
+        with self._lock, _readable():
             return self._db.execute(sql, params).fetchall()
 
     # ---- boot and recovery ------------------------------------------------------------
 
     def boot(self) -> int:
         """Count this host process's start; epochs are built on it so they never repeat."""
-        with self._lock:
+        with self._lock, _readable():
             self._db.execute(
                 "INSERT INTO meta (key, value) VALUES ('boots', 1)"
                 " ON CONFLICT(key) DO UPDATE SET value = value + 1"
@@ -386,7 +626,7 @@ class Store:
         notices.
         """
         now = time.time()
-        with self._lock:
+        with self._lock, _readable():
             rows = self._db.execute(
                 "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
             ).fetchall()
@@ -472,20 +712,29 @@ class Store:
         data: dict[str, Any] | None = None,
         kind: str = "user",
         sender: str | None = None,
+        refusable: bool = False,
     ) -> tuple[Message, Ticket]:
-        """Queue a new inbox message; it is durable once the ticket is set."""
+        """Queue a new inbox message; it is durable once the ticket is set.
+
+        ``refusable``: a send, refused (``StoreUnavailable``) rather than kept while the
+        store cannot commit; nothing may depend on the message until its ticket is done.
+        """
+        if refusable:
+            self.check_writable()
         now = time.time()
         blob = _dump(data)
+        ticket = Ticket(self, refusable=refusable)
         with self._cond:
             key = self._next_key
             self._next_key += 1
             params = (key, session, content, blob, kind, sender, now)
-            ticket = self._submit_locked(
+            self._submit_locked(
                 _Statement(
                     "INSERT INTO messages (id, session, content, data, kind, sender, created_at)"
                     " VALUES (?,?,?,?,?,?,?)",
                     params,
                 ),
+                ticket,
                 waited=kind == "user",
             )
         msg = Message(
@@ -509,7 +758,7 @@ class Store:
         with self._cond:
             horizon = self._next_key - 1
         self.flush()
-        with self._lock:
+        with self._lock, _readable():
             rows = self._db.execute(
                 "SELECT id, session, content, data, kind, sender, created_at FROM messages"
                 " WHERE session=? AND state='pending' AND id<=? ORDER BY id",
@@ -520,7 +769,7 @@ class Store:
     def close_message(self, message_id: str) -> None:
         """A message accepted just as its inbox closed goes the way of the inbox."""
         key = message_key(message_id)
-        self.submit(
+        self._queue_op(
             _Statement("UPDATE messages SET state='closed' WHERE id=? AND state='pending'", (key,))
         )
 
@@ -543,8 +792,9 @@ class Store:
 
     # ---- turns --------------------------------------------------------------------
 
-    def start_turn(self, turn: str, message: Message) -> None:
-        """Record that ``turn`` claimed ``message`` (and the message's transcript entry)."""
+    def start_turn(self, turn: str, message: Message) -> Ticket:
+        """Record that ``turn`` claimed ``message`` (and the message's transcript entry);
+        the ticket is done once the claim is durable (the turn may be dispatched then)."""
         now = time.time()
         key = message_key(message.id)
         session = message.session
@@ -567,7 +817,9 @@ class Store:
                     (seq, session, turn, message.kind, message.content, blob, now),
                 )
 
-            self._submit_locked(op)
+            ticket = Ticket(self)
+            self._submit_locked(op, ticket, urgent=True)
+        return ticket
 
     def end_turn(
         self,
@@ -618,7 +870,7 @@ class Store:
                     ),
                 )
 
-            self._submit_locked(op)
+            self._submit_locked(op, None)
 
     def turns(self, session: str) -> list[TurnRecord]:
         rows = self._read(
@@ -661,7 +913,7 @@ class Store:
                 (report.turn, report.session, blob),
             )
 
-        self.submit(op)
+        self._queue_op(op)
 
     def stop_report(self, turn: str) -> StopReport | None:
         rows = self._read("SELECT report FROM stop_reports WHERE turn=?", (turn,))
@@ -693,7 +945,8 @@ class Store:
                     "INSERT INTO entries (seq, session, turn, kind, text, action, origin, by,"
                     " reason, data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     params,
-                )
+                ),
+                None,
             )
         return Entry(
             seq=seq,
@@ -742,6 +995,15 @@ class Store:
             (session, turn),
         )
         return None if not rows else str(rows[0][0])
+
+
+@contextlib.contextmanager
+def _readable() -> Iterator[None]:
+    """No raw sqlite3 error leaves the store: a read that fails is StoreUnavailable."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise StoreUnavailable(f"the store cannot be read: {exc}") from None
 
 
 def _message(r: tuple[Any, ...]) -> Message:

@@ -13,6 +13,8 @@ __all__ = [
     "NotFound",
     "ParentOffline",
     "Preempted",
+    "StoreLocked",
+    "StoreUnavailable",
     "TetherError",
     "TurnFailed",
     "Unauthorized",
@@ -78,6 +80,19 @@ class Preempted(TetherError):
     code = "preempted"
 
 
+class StoreUnavailable(TetherError):
+    """The store cannot commit (disk full, its write lock held elsewhere, or it has failed
+    for good): the call was refused and nothing of it was recorded."""
+
+    code = "store-unavailable"
+
+
+class StoreLocked(TetherError):
+    """Another live host holds the store; the message names its path and that host's pid."""
+
+    code = "store-locked"
+
+
 _BY_CODE: dict[str, type[TetherError]] = {
     cls.code: cls
     for cls in (
@@ -89,6 +104,8 @@ _BY_CODE: dict[str, type[TetherError]] = {
         TurnFailed,
         FrameError,
         Preempted,
+        StoreUnavailable,
+        StoreLocked,
     )
 }
 

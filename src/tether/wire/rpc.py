@@ -71,6 +71,7 @@ RPC_ERROR_CODES: Final = (
     "parent-offline",
     "not-found",
     "invalid-params",
+    "store-unavailable",
     "internal",
 )
 
