@@ -38,7 +38,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, NoReturn, overload
 
 import msgspec
 
@@ -524,18 +524,24 @@ def _kill_leftovers() -> None:
                 os.waitpid(p.pid, 0)
 
 
-def _sweep_and_exit() -> None:
+def _sweep_and_exit() -> NoReturn:
     """The host is gone: kill every descendant (escapees too), then our own group.
 
     We are a subreaper, so whatever our tools left behind has re-parented to us and is
-    still below us; the walk runs until a pass finds nothing alive.
+    still below us; the walk runs until a pass finds nothing alive. Either thread may
+    find the host gone (the reader at EOF, the driver's thread on a broken pipe): the
+    first sweeps, the other waits for the end, so neither prints anything on its way.
     """
-    with contextlib.suppress(OSError):
-        sweep([os.getpid()], passes=_SWEEP_PASSES)
-    os.killpg(0, signal.SIGKILL)
+    if _leaving.acquire(blocking=False):
+        with contextlib.suppress(OSError):
+            sweep([os.getpid()], passes=_SWEEP_PASSES)
+        os.killpg(0, signal.SIGKILL)
+    while True:  # the sweeping thread kills us all
+        time.sleep(60.0)
 
 
 _SWEEP_PASSES = 50
+_leaving = threading.Lock()
 
 
 def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
@@ -560,7 +566,13 @@ class _Worker:
         self.runs_ready = threading.Condition(self.lock)
 
     def send(self, frame: msgspec.Struct) -> None:
-        self.channel.send(frame)
+        try:
+            self.channel.send(frame)
+        except OSError:
+            # The host is gone (a broken pipe while the driver was talking to it): the
+            # same quiet exit as when the reader sees the channel close, never a
+            # traceback from whichever thread was writing.
+            _sweep_and_exit()
 
     def _state_for(self, turn: str) -> _TurnState | None:
         st = self.current
