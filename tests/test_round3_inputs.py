@@ -15,6 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+import tether
+from tether import User
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
@@ -58,3 +61,31 @@ def test_workers_of_a_sigkilled_host_leave_quietly_without_a_traceback(tmp_path:
         assert "Traceback" not in text, text
         assert "Process tether-worker" not in text, text  # the header of one, cut short
         assert len(text.splitlines()) <= len(workers), text
+
+
+# ---- item 13: a subtree pause passes a one-shot by -------------------------------------
+
+
+def test_a_subtree_pause_never_freezes_a_one_shot_and_its_holder_gets_the_result() -> None:
+    with tether.Runtime(workers=3, grace=1.0) as rt:
+        lead = rt.open_session("tether:Scripted", slug="lead")
+        me = User(parent=lead)
+        kid = rt.spawn(lead, "tether:Scripted", slug="kid")
+        assert isinstance(kid, str)
+        rt.send(kid, "hang", authority=User(parent=lead), data={"steps": [{"op": "hang"}]})
+        work = {
+            "steps": [{"op": "work", "steps": 10, "every": 0.05}, {"op": "say", "text": "done"}]
+        }
+        job = rt.spawn(lead, "tether:Scripted", mode="one-shot", prompt="one task", data=work)
+        assert isinstance(job, tether.OneShot)
+        rt.wait(kid, until="running")
+        rt.wait(job.id, until="running")
+        paused = rt.pause(lead, authority=me, scope="subtree", reason="look")
+        assert rt.status(kid).state == "paused"
+        assert rt.status(job.id).state != "paused"
+        assert rt.status(kid).turn in paused
+        assert job.result(timeout=10.0) == "done"  # while the subtree is paused
+        assert rt.status(kid).state == "paused"
+        resumed = rt.resume(lead, authority=me, scope="subtree")
+        assert resumed == paused
+        rt.interrupt(kid, authority=me, kind="abort")

@@ -486,8 +486,15 @@ class Runtime:
             return [] if bound is None else [str(bound)]
         self._dir.authorize_subtree(target, auth)
         # Authorized at the top: below it, the same person or ancestor acts on each.
+        # A one-shot belongs to its handle's holder and is absent to every continuable
+        # path: a subtree pause passes it by (its holder's result() must not hang).
         delegate = Host(auth.origin, auth.by)
-        ids = [target, *self._dir.catalog.preorder(target)]
+        nodes = self._dir.catalog.nodes
+        ids = [
+            sid
+            for sid in (target, *self._dir.catalog.preorder(target))
+            if nodes[sid].header.mode != "one-shot"
+        ]
         turns: list[str] = []
         for sid in ids:
             guard = turn if sid == target else None  # the guard names the target's turn
