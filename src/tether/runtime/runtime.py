@@ -15,8 +15,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, Literal, overload
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal, overload
 
 import msgspec
 import pykka
@@ -58,6 +58,15 @@ from tether.wire.records import (
     TurnRecord,
 )
 from tether.wire.text import cap
+from tether.wire.vocab import (
+    Grace,
+    Kind,
+    Permission,
+    Seconds,
+    StallPolicy,
+    json_problem,
+    text_problem,
+)
 
 __all__ = ["KINDS", "MAX_CONTENT", "OneShot", "Runtime"]
 
@@ -201,10 +210,10 @@ class Runtime:
         configure_logging()
         if subreaper:
             set_subreaper()
-        if workers < 1:
-            raise InvalidParams("workers must be at least 1")
+        workers = _convert(workers, _Workers, "workers")
+        grace = _convert(grace, Grace, "grace")
         check_backend(backend, ray_address)
-        self.grace = float(grace)
+        self.grace = grace
         self._closed = False
         self._events = _EventBus()
         if path is not None:
@@ -258,8 +267,8 @@ class Runtime:
         *,
         config: dict[str, Any] | None = None,
         slug: str | None = None,
-        permissions: dict[str, str] | None = None,
-        stall: dict[str, Any] | None = None,
+        permissions: Mapping[str, str] | None = None,
+        stall: dict[str, Any] | StallPolicy | None = None,
     ) -> str:
         """Open a root session; its owner prompts it with ``prompt``.
 
@@ -283,8 +292,8 @@ class Runtime:
         data: dict[str, Any] | None = None,
         slug: str | None = None,
         config: dict[str, Any] | None = None,
-        permissions: dict[str, str] | None = None,
-        stall: dict[str, Any] | None = None,
+        permissions: Mapping[str, str] | None = None,
+        stall: dict[str, Any] | StallPolicy | None = None,
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
@@ -375,26 +384,25 @@ class Runtime:
         self._check_authority(authority)
         if scope not in ("session", "subtree"):
             raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
-        if scope == "subtree" and kind not in ("cancel", "abort"):
-            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {kind!r}")
-        if kind not in KINDS:
-            raise InvalidParams(f"kind must be one of {KINDS}, not {kind!r}")
-        if not isinstance(reason, str):
-            raise InvalidParams("reason must be a string")
-        _check_text("reason", reason)
-        if kind == "steer" and not reason.strip():
+        # Every argument is checked before anything is issued: a stop is never half-applied.
+        args = _convert(
+            {"kind": kind, "reason": reason, "grace": grace, "deadline": deadline, "turn": turn},
+            _InterruptArgs,
+            "interrupt",
+        )
+        if scope == "subtree" and args.kind not in ("cancel", "abort"):
+            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {args.kind!r}")
+        _check_text("reason", args.reason)
+        if args.kind == "steer" and not args.reason.strip():
             raise InvalidParams("a steer needs a non-empty text")
-        for name, value in (("grace", grace), ("deadline", deadline)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            ):
-                raise InvalidParams(f"{name} must be a non-negative number of seconds")
-        if turn is not None and not isinstance(turn, str):
-            raise InvalidParams("turn must be a turn id")
-        g = self.grace if grace is None else float(grace)
+        g = self.grace if args.grace is None else args.grace
         if scope == "subtree":
-            return self._interrupt_subtree(target, authority, kind, cap(reason), g, deadline, turn)
-        op = InterruptOp(target, authority, kind, cap(reason), g, deadline, turn)
+            return self._interrupt_subtree(
+                target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
+            )
+        op = InterruptOp(
+            target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
+        )
         return self._interrupt(op)
 
     def _interrupt_subtree(
@@ -526,7 +534,9 @@ class Runtime:
         until: str | tuple[str, ...] = ("idle", "parked"),
         timeout: float = 10.0,
     ) -> AgentInfo:
-        """Block until the session is in one of ``until``; TimeoutError after ``timeout``."""
+        """Block until the session is in one of ``until``; TimeoutError after ``timeout``
+        (seconds, ``math.inf`` for no limit)."""
+        timeout = _convert(timeout, _Timeout, "timeout")
         states = (until,) if isinstance(until, str) else tuple(until)
         bad = [s for s in states if s not in STATES]
         if bad:
@@ -550,7 +560,7 @@ class Runtime:
                                 f"{session_id} is {info.state}, not {'/'.join(states)}, "
                                 f"after {timeout:g}s"
                             )
-                        bus.changed.wait(left)
+                        bus.changed.wait(min(left, _WAIT_SLICE))
         finally:
             with bus.changed:
                 bus.waiters -= 1
@@ -715,8 +725,8 @@ class Runtime:
         mode: str,
         slug: str | None,
         config: dict[str, Any] | None,
-        permissions: dict[str, str] | None,
-        stall: dict[str, Any] | None = None,
+        permissions: Mapping[str, str] | None,
+        stall: dict[str, Any] | StallPolicy | None = None,
     ) -> SessionHeader:
         if not isinstance(driver, str) or not driver:
             raise InvalidParams("driver must be an import string 'package.module:Class'")
@@ -728,11 +738,12 @@ class Runtime:
         for name, value in (("config", config), ("permissions", permissions)):
             if value is not None and not isinstance(value, dict):
                 raise InvalidParams(f"{name} must be a dict")
-        if permissions is not None and any(
-            v not in ("allow", "deny") for v in permissions.values()
-        ):
-            raise InvalidParams("permissions values must be 'allow' or 'deny'")
-        self._check_data(config)
+        perms: dict[str, Any] | None = None
+        if permissions is not None:
+            perms = _convert(permissions, dict[str, Permission], "permissions")
+            self._check_data(perms, "permissions")  # its keys' text
+        self._check_data(config, "config")
+        policy = None if stall is None else check_stall(stall)
         self._pool.probe(driver)
         return SessionHeader(
             id=new_id("s_"),
@@ -741,9 +752,9 @@ class Runtime:
             slug=slug,
             driver=driver,
             config=config,
-            permissions=permissions,
+            permissions=perms,
             created_at=time.time(),
-            stall=None if stall is None else check_stall(stall),
+            stall=policy,
         )
 
     def _check_message(self, content: str, data: dict[str, Any] | None) -> None:
@@ -755,17 +766,22 @@ class Runtime:
         self._check_data(data)
 
     @staticmethod
-    def _check_data(data: dict[str, Any] | None) -> None:
+    def _check_data(data: dict[str, Any] | None, name: str = "data") -> None:
+        """JSON data as it will be stored and sent, unchanged: string keys at every
+        level, encodable text, 64-bit integers, finite floats, at most 1 MB."""
         if data is None:
             return
         if not isinstance(data, dict):
-            raise InvalidParams("data must be a dict")
+            raise InvalidParams(f"{name} must be a dict")
+        problem = json_problem(data, name)
+        if problem is not None:
+            raise InvalidParams(problem)
         try:
             size = len(_data_encoder.encode(data))
         except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError: ValueError
-            raise InvalidParams(f"data is not serializable: {exc}") from None
+            raise InvalidParams(f"{name} is not serializable: {exc}") from None
         if size > MAX_CONTENT:
-            raise InvalidParams(f"data of {size} bytes is over {MAX_CONTENT}")
+            raise InvalidParams(f"{name} of {size} bytes is over {MAX_CONTENT}")
 
     @staticmethod
     def _check_authority(authority: object) -> None:
@@ -868,13 +884,36 @@ class Runtime:
 def _check_text(name: str, value: str) -> None:
     """Text that cannot be encoded (a lone surrogate) is refused before anything is
     recorded (SPEC §14.3)."""
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidParams(f"{name} {problem}")
+
+
+_Workers = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+_Timeout = Annotated[float, msgspec.Meta(ge=0)]  # inf allowed (no limit); NaN is not >= 0
+_WAIT_SLICE = 3600.0  # a wait longer than a lock's timeout can hold is taken in slices
+
+
+class _InterruptArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``interrupt()``'s arguments, typed: the one place their bounds are checked."""
+
+    kind: Kind = "cancel"
+    reason: str = ""
+    grace: Grace | None = None
+    deadline: Seconds | None = None
+    turn: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+
+
+def _convert(value: Any, kind: Any, what: str) -> Any:
+    """``value`` as ``kind`` (msgspec's strict conversion: no coercion, bounds checked),
+    or InvalidParams naming the field (``interrupt: Expected `float` <= 2592000.0 - at
+    `$.deadline```)."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidParams(f"{name} is not valid text (it cannot be encoded as UTF-8)") from None
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidParams(f"{what}: {exc}") from None
 
 
-_STEPS = ("steer", "cancel", "abort", "preempt")
 _NUDGE = (
     "you have made no visible progress for a while. Say where you are, and if you are "
     "stuck, change approach or wrap up."
@@ -888,40 +927,25 @@ def check_stall(stall: object) -> dict[str, Any]:
     (default steer, cancel, abort), then the next after each further ``every``
     (default ``after``); ``nudge`` is the steer's text; ``repeat`` (>= 2) counts that
     many identical tool calls in a row as no progress; ``grace`` is the watchdog's
-    cancel's grace (default the runtime's).
+    cancel's grace (default the runtime's). Seconds are finite, positive and at most
+    ``MAX_SECONDS`` (30 days). Takes a dict or a ``StallPolicy``.
     """
+    if isinstance(stall, StallPolicy):  # a Struct built in Python checks no bounds
+        stall = msgspec.to_builtins(stall)
     if not isinstance(stall, dict):
         raise InvalidParams("stall must be a dict like {'after': 60}")
-    unknown = set(stall) - {"after", "every", "steps", "nudge", "repeat", "grace"}
-    if unknown:
-        raise InvalidParams(f"stall has unknown keys {sorted(unknown)}")
-
-    def seconds(name: str, value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise InvalidParams(f"stall.{name} must be a positive number of seconds")
-        return float(value)
-
-    after = seconds("after", stall.get("after"))
-    every = seconds("every", stall.get("every", after))
-    steps = stall.get("steps", ["steer", "cancel", "abort"])
-    if not isinstance(steps, list) or not steps or any(step not in _STEPS for step in steps):
-        raise InvalidParams(f"stall.steps must be a non-empty list of {_STEPS}")
-    nudge = stall.get("nudge", _NUDGE)
-    if not isinstance(nudge, str) or not nudge.strip():
+    policy: StallPolicy = _convert(stall, StallPolicy, "stall")
+    nudge = _NUDGE if policy.nudge is None else policy.nudge
+    if not nudge.strip():
         raise InvalidParams("stall.nudge must be a non-empty string")
     _check_text("stall.nudge", nudge)
-    repeat = stall.get("repeat")
-    if repeat is not None and (
-        isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 2
-    ):
-        raise InvalidParams("stall.repeat must be an integer of at least 2")
     out: dict[str, Any] = {
-        "after": after,
-        "every": every,
-        "steps": list(steps),
+        "after": policy.after,
+        "every": policy.every if policy.every is not None else policy.after,
+        "steps": list(policy.steps),
         "nudge": cap(nudge),
-        "repeat": repeat,
+        "repeat": policy.repeat,
     }
-    if "grace" in stall:
-        out["grace"] = seconds("grace", stall["grace"])
+    if policy.grace is not None:
+        out["grace"] = policy.grace
     return out
