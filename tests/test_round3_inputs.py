@@ -286,3 +286,56 @@ def test_the_largest_accepted_durations_are_accepted(bed: tuple[tether.Runtime, 
     assert isinstance(kid, str)
     assert rt._dir.catalog.nodes[kid].header.stall["after"] == MAX_SECONDS
     rt.dispose(kid, authority=User(parent=root))
+
+
+# ---- item 8: the watchdog's clock starts when a worker takes the turn -------------------
+
+
+@pytest.mark.timeout(90)
+def test_the_watchdog_never_steps_a_turn_that_waits_for_a_worker_and_steps_it_once_it_runs() -> (
+    None
+):
+    stall = {"after": 0.3, "every": 0.3, "steps": ["steer", "cancel", "abort"], "grace": 0.3}
+    with tether.Runtime(workers=1, grace=1.0) as rt:
+        steps: list[tuple[str, float, str]] = []
+        lock = threading.Lock()
+
+        def seen(ev: tether.Event) -> None:
+            if ev.name == "watchdog.step":
+                with lock:
+                    steps.append((ev.session, time.monotonic(), ev.data["kind"]))
+
+        rt.subscribe(seen)
+        root = rt.open_session("tether:Scripted", slug="root")
+        me = User(parent=root)
+        busy = rt.spawn(root, "tether:Scripted", slug="busy")
+        waiting = rt.spawn(root, "tether:Scripted", slug="waiting", stall=stall)
+        assert isinstance(busy, str) and isinstance(waiting, str)
+        rt.send(busy, "hang", authority=me, data={"steps": [{"op": "hang"}]})
+        rt.wait(busy, until="running")
+        assert rt.status(busy).dispatched
+        # A model call that never returns: no progress once it runs.
+        rt.send(waiting, "stall", authority=me, data={"steps": [{"op": "sleep", "seconds": 60}]})
+        info = rt.wait(waiting, until="running")
+        assert not info.dispatched
+        # Ten times `after` with no free worker: never stepped (a bounded wait for an
+        # event that must not come).
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            with lock:
+                assert not [s for s in steps if s[0] == waiting], "stepped before it ran"
+            assert rt.status(waiting).state == "running"
+            time.sleep(0.05)
+        assert [e for e in rt.transcript(waiting) if e.kind == "marker"] == []
+        # Once a worker takes it and it makes no progress, the ladder runs from there.
+        rt.interrupt(busy, authority=me, kind="abort")
+        wait_until(lambda: rt.status(waiting).dispatched, what="the turn to be dispatched")
+        ran = time.monotonic()
+        rt.wait(waiting, until=("parked", "idle"), timeout=30.0)
+        with lock:
+            ladder = [(at, kind) for sid, at, kind in steps if sid == waiting]
+        first = ladder[0][0]
+        assert first - ran >= 0.2  # `after` counted from dispatch (less a polling slack)
+        turn = rt.turns(waiting)[-1]
+        assert turn.outcome in ("cancelled", "aborted") and turn.cause == "system", turn
+        assert [kind for _, kind in ladder] == ["steer", "cancel", "abort"], ladder

@@ -656,6 +656,10 @@ class _Worker:
 
     def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
         ctx = TurnContext(self, run, state)
+        if run.progress_every is not None:
+            # The host's stall watchdog counts from here, when the turn really starts,
+            # not from when it was claimed and waited for a worker.
+            self.send(Progress(turn=run.turn, in_tool=False))
         try:
             driver = load_driver(run.driver)()
             final = driver.run(ctx)
