@@ -1,5 +1,6 @@
 """A Tether host in its own process whose workers are busy talking to it when it is
-SIGKILLed (run as a script; for the worker-exit test in test_round3_inputs.py).
+SIGKILLed (run as a script; for the worker-exit test in test_round3_inputs.py), and the
+drivers of test_round3_inputs.py (imported by workers as ``round3_host_child:...``).
 
 Usage: ``python round3_host_child.py DB_PATH``. It opens ``WORKERS`` root sessions whose
 turns say something over and over, prints one JSON line ``{"workers": [...]}`` once they
@@ -43,3 +44,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class HistorySize:
+    """A message starting with "big" is answered at once; any other reads the whole
+    history and answers with its length and total characters."""
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.content.startswith("big"):
+            return "ok"
+        history = ctx.history
+        return f"{len(history)} entries, {sum(len(e.text) for e in history)} characters"

@@ -22,6 +22,7 @@ import pytest
 import tether
 from tether import User
 from tether.actors._timers import TimerQueue
+from tether.runtime.runtime import MAX_CONTENT
 from tether.wire.vocab import MAX_SECONDS
 from tether_server import wait_until
 
@@ -339,3 +340,26 @@ def test_the_watchdog_never_steps_a_turn_that_waits_for_a_worker_and_steps_it_on
         turn = rt.turns(waiting)[-1]
         assert turn.outcome in ("cancelled", "aborted") and turn.cause == "system", turn
         assert [kind for _, kind in ladder] == ["steer", "cancel", "abort"], ladder
+
+
+# ---- item 9: ctx.history pages by size ------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_transcript_past_the_frame_cap_never_bricks_turns_that_read_history() -> None:
+    """17 messages of a million characters each (each within the content cap) make a
+    transcript over 16 MiB; a later small turn that reads the whole history succeeds."""
+    with tether.Runtime(workers=1, grace=1.0) as rt:
+        root = rt.open_session("round3_host_child:HistorySize", slug="long")
+        for i in range(17):
+            rt.prompt(root, f"big {i} " + "x" * (MAX_CONTENT - 10))
+        rt.wait(root, until="idle", timeout=120.0)
+        rt.prompt(root, "how long?")
+        rt.wait(root, until=("idle", "parked"), timeout=60.0)
+        last = rt.turns(root)[-1]
+        assert (last.outcome, last.error) == ("completed", None), last
+        said = [e.text for e in rt.transcript(root) if e.kind == "assistant"]
+        # 17 big messages, their 17 answers, and this turn's own message
+        assert said[-1].startswith("35 entries, "), said[-1]
+        chars = int(said[-1].split(", ")[1].split()[0])
+        assert chars > 17 * (MAX_CONTENT - 10)

@@ -44,6 +44,7 @@ from tether.runtime.backend import Backend, BackendFactory, check_backend, make_
 from tether.runtime.pool import PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
+from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
 from tether.wire.frames import Say, ToolCall, ToolReply
 from tether.wire.records import (
@@ -78,7 +79,12 @@ MAX_CONTENT = 1_000_000  # characters in one message
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
-_HISTORY_PAGE = 500  # entries per `history` call from a worker (ctx.history pages)
+_HISTORY_PAGE = 500  # at most this many entries per `history` call (ctx.history pages)
+# ... and at most this many bytes (msgpack), half the frame cap: a page always fits its
+# reply frame, however long the entries. One entry alone over a quarter of it (a say of
+# millions of characters) is sent cut, with a visible mark.
+_HISTORY_BYTES = MAX_FRAME // 2
+_HISTORY_CHUNK = 16  # entries read from the store at a time while filling a page
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
 
@@ -796,6 +802,26 @@ class Runtime:
 
     # ---- tools called from a worker ---------------------------------------------------
 
+    def _history_page(self, session: str, after: int) -> dict[str, Any]:
+        """``{"entries": [...], "more": bool}``: the entries past ``after``, bounded by
+        count and by size (``_HISTORY_BYTES``), so a transcript of huge entries pages
+        instead of overflowing the reply frame (which would fail every turn that reads
+        history)."""
+        page: list[Any] = []
+        size = 0
+        while True:
+            chunk = self._store.entries(session, after=after, limit=_HISTORY_CHUNK)
+            for entry in chunk:
+                item = _history_item(entry)
+                n = len(_data_encoder.encode(item))
+                if page and (size + n > _HISTORY_BYTES or len(page) >= _HISTORY_PAGE):
+                    return {"entries": page, "more": True}
+                page.append(item)
+                size += n
+                after = entry.seq
+            if len(chunk) < _HISTORY_CHUNK:
+                return {"entries": page, "more": False}
+
     def _tool(self, job: TurnJob, name: str, args: dict[str, Any]) -> Any:
         caller = job.session
         permissions = job.permissions or {}
@@ -810,8 +836,7 @@ class Runtime:
                 after = args.get("after", 0)
                 if isinstance(after, bool) or not isinstance(after, int) or after < 0:
                     raise InvalidParams("after must be a non-negative entry sequence number")
-                page = self._store.entries(caller, after=after, limit=_HISTORY_PAGE)
-                return msgspec.to_builtins(page)
+                return self._history_page(caller, after)
             case "spawn_agent":
                 gate("spawn")
                 # The host sets what loads code and widens authority: a child runs its
@@ -879,6 +904,20 @@ class Runtime:
                     target, authority=auth, scope=scope, reason=args.get("reason") or ""
                 )
         raise NotFound(f"no tool named {name!r}")
+
+
+def _history_item(entry: Entry) -> dict[str, Any]:
+    """An entry as a history page carries it: whole unless it alone would crowd a page
+    (over a quarter of ``_HISTORY_BYTES``), then with its text cut (visibly) and its data
+    left out."""
+    item: dict[str, Any] = msgspec.to_builtins(entry)
+    if len(entry.text) * 4 + len(_data_encoder.encode(entry.data)) <= _HISTORY_BYTES // 4:
+        return item  # small for sure (a character is at most 4 bytes): no need to measure
+    if len(_data_encoder.encode(item)) > _HISTORY_BYTES // 4:
+        item["text"] = cap(entry.text, _HISTORY_BYTES // 32)
+        if entry.data is not None and len(_data_encoder.encode(entry.data)) > _HISTORY_BYTES // 8:
+            item["data"] = None
+    return item
 
 
 def _check_text(name: str, value: str) -> None:

@@ -74,7 +74,6 @@ from tether.wire.records import AgentInfo, Entry, Message, StopReport
 __all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
-_HISTORY_PAGE = 500  # transcript entries per host call (the host caps a page at this)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -255,15 +254,15 @@ class TurnContext:
     def history(self) -> list[Entry]:
         """The session's transcript before this turn's own entries; fetched on first use."""
         if self._history is None:
-            # Page by page (an SQL LIMIT on an index each): a long transcript never has
-            # to fit in one frame.
+            # Page by page, each bounded by count and by size on the host: a long
+            # transcript, or one of huge entries, never has to fit in one frame.
             history: list[Entry] = []
             while True:
                 after = history[-1].seq if history else 0
                 raw = self._host_call("history", {"after": after})
-                page = msgspec.convert(raw, list[Entry])
+                page = msgspec.convert(raw["entries"], list[Entry])
                 history.extend(page)
-                if len(page) < _HISTORY_PAGE:
+                if not raw["more"] or not page:
                     break
             self._history = history
         return self._history
