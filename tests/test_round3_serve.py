@@ -6,13 +6,16 @@ with raw sockets where the headers must be malformed on purpose.
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tether_server import running_server
+from tether_server import EventReader, running_server
 
 ROUTES = [
     ("POST", "/rpc"),
@@ -93,3 +96,87 @@ def test_a_malformed_host_header_is_400_with_a_token_too(tmp_path: Path) -> None
                 assert status_of(answer) == 400, (method, path, host, answer[:300])
         log = server.log_text()
     assert "Traceback" not in log, log
+
+
+# ---- item 12: the replay ring and each client's queue are bounded in bytes ---------------
+
+BIG = 900_000  # characters a turn says (sent as its script): under the 1 MiB body cap
+TURNS = 48  # about 43 MB of `entry` events: more than the ring's 32 MiB
+
+
+def _say(server: Any, root: str, text: str) -> None:
+    steps = {"steps": [{"op": "say", "text": text}]}
+    server.call("session.prompt", {"session": root, "content": "say it", "data": steps})
+
+
+def _say_big(server: Any, root: str, i: int) -> None:
+    _say(server, root, f"{i:03d} " + "x" * BIG)
+    server.wait_state(root, "idle", timeout=60.0)
+
+
+def _sse_events(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    for block in raw.split(b"\n\n"):
+        event: dict[str, Any] = {}
+        for line in block.split(b"\n"):
+            field, _, value = line.decode(errors="replace").partition(": ")
+            if field in ("id", "event", "data"):
+                event[field] = value
+        if "data" in event:
+            event["data"] = json.loads(event["data"])
+            out.append(event)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_client_that_falls_behind_is_dropped_and_told_of_the_gap_and_replay_is_bounded(
+    tmp_path: Path,
+) -> None:
+    with running_server(tmp_path) as server:
+        root = server.call("session.open", {"driver": "tether:Scripted", "slug": "loud"})["session"]
+        # A client that reads nothing: its queue fills in bytes long before 1024 events.
+        slow_sock = socket.socket()
+        slow_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow_sock.connect(("127.0.0.1", server.port))
+        slow = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        slow.sock = slow_sock
+        slow.request("GET", "/events")
+        slow_response = slow.getresponse()
+        assert slow_response.status == 200
+        with EventReader(server) as live:
+            _say_big(server, root, 0)
+            first = live.wait_for(lambda e: e["event"] == "message.accepted", what="a send")
+            first_id = int(first["id"])
+            for i in range(1, TURNS):
+                _say_big(server, root, i)
+            live.nth("entry", TURNS, timeout=60.0)  # a reading client misses nothing
+        # The slow client now reads: what was in flight, then `closed`, naming the last
+        # event it was actually sent.
+        body = b""
+        while b"event: closed" not in body:
+            chunk = slow_response.read1(1 << 20)
+            assert chunk, body[-500:]
+            body += chunk
+        slow.close()
+        closed = [e for e in _sse_events(body) if e["event"] == "closed"]
+        assert closed and closed[0]["data"]["reason"] == "slow-consumer", closed
+        last_id = int(closed[0]["data"]["last_id"])
+        assert last_id < first_id + 40  # dropped early, not after buffering everything
+        # It resumes from there; those events left the ring long ago: `gap` comes first,
+        # then what is kept.
+        with EventReader(server, last_id=last_id) as resumed:
+            resumed.nth("entry", 1, timeout=30.0)
+            assert resumed.events[0]["event"] == "gap", resumed.events[:2]
+            kept = [e for e in resumed.events if e["event"] == "entry"]
+            assert kept and int(kept[0]["id"]) > last_id
+        # Everything kept, replayed from the start: at most the ring's 32 MiB of it.
+        with EventReader(server, last_id=0) as everything:
+            _say(server, root, "fin")
+            everything.wait_for(
+                lambda e: e["event"] == "entry" and e["data"]["data"]["entry"]["text"] == "fin",
+                timeout=60.0,
+                what="the last entry",
+            )
+            big = [e for e in everything.events if e["event"] == "entry" and len(str(e)) > BIG]
+            assert 0 < len(big) <= (32 << 20) // BIG, len(big)
+            assert big[-1]["data"]["data"]["entry"]["text"].startswith(f"{TURNS - 1:03d} ")
