@@ -9,13 +9,14 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tether_server import EventReader, running_server
+from tether_server import TETHER, EventReader, running_server
 
 ROUTES = [
     ("POST", "/rpc"),
@@ -180,3 +181,57 @@ def test_a_client_that_falls_behind_is_dropped_and_told_of_the_gap_and_replay_is
             big = [e for e in everything.events if e["event"] == "entry" and len(str(e)) > BIG]
             assert 0 < len(big) <= (32 << 20) // BIG, len(big)
             assert big[-1]["data"]["data"]["entry"]["text"].startswith(f"{TURNS - 1:03d} ")
+
+
+# ---- item 2 over RPC and the CLI: durations are bounded at every entry point -------------
+
+
+@pytest.mark.timeout(180)
+def test_absurd_durations_are_invalid_params_over_rpc_and_a_usage_error_in_the_cli(
+    tmp_path: Path,
+) -> None:
+    with running_server(tmp_path) as server:
+        root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+        kid = server.call("subagent.spawn", {"parent": root, "driver": "tether:Scripted"})
+        address = {"session": kid["session"], "parent": root}
+        bad_numbers = [1e10, 2592001, 0, -1, "1e400"]  # "1e400": JSON's way to say inf
+        for field in ("deadline", "grace", "stall.after", "stall.every"):
+            for value in bad_numbers:
+                if field == "grace" and value == 0:
+                    continue  # a grace of 0 is valid (break at delivery)
+                number = value if isinstance(value, int | float) else 1e400
+                if field.startswith("stall."):
+                    stall = {"after": 1, field[6:]: number}
+                    body = {"parent": root, "driver": "tether:Scripted", "stall": stall}
+                    method = "subagent.spawn"
+                else:
+                    body = {"address": address, "kind": "cancel", field: number}
+                    method = "subagent.interrupt"
+                text = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": body})
+                if value == "1e400":
+                    text = text.replace("Infinity", "1e400")
+                status, raw = server.request("POST", "/rpc", text.encode())
+                answer = json.loads(raw)
+                assert status == 200 and answer["error"]["data"]["code"] == "invalid-params", (
+                    field,
+                    value,
+                    answer,
+                )
+        assert len(server.call("subagent.list", {"root": root})["agents"]) == 1
+        assert "timer" not in server.log_text()
+    for argv in (
+        ["cancel", "s_x", "--parent", "s_y", "--deadline", "1e10"],
+        ["cancel", "s_x", "--parent", "s_y", "--grace", "inf"],
+        ["cancel", "s_x", "--parent", "s_y", "--deadline", "nan"],
+        ["open", "--stall", "after=1e10"],
+        ["serve", "--grace", "1e10"],
+    ):
+        done = subprocess.run(
+            [TETHER, *argv, "--url", "http://127.0.0.1:9"]
+            if argv[0] != "serve"
+            else [TETHER, *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and "30 days" in done.stderr, (argv, done.stderr)
