@@ -221,8 +221,8 @@ class EventReader:
                     event[field] = int(value) if field == "id" else value
                     if field == "data":
                         event["data"] = json.loads(value)
-        except OSError:
-            pass  # closed by close()
+        except (OSError, http.client.HTTPException):
+            pass  # closed by close(), mid-chunk too (IncompleteRead)
         finally:
             with self._cond:
                 self._done = True

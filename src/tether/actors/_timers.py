@@ -2,21 +2,44 @@
 
 A heap and one thread, instead of a ``threading.Timer`` thread per clock. A callback runs
 on the timer thread and must only hand a message to an actor (it must not block).
+
+Every session's clocks depend on that one thread, so no value may stop it: callers
+refuse bad durations up front (``wire.vocab``), and here, as a second line, a delay that
+slipped through is clamped to ``[0, MAX_SECONDS]`` (NaN and inf included) before it
+reaches the heap, the thread never waits longer than ``_MAX_WAIT`` at a time, and an
+error anywhere in its loop is logged, never fatal.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
 
 import structlog
 
+from tether.wire.vocab import MAX_SECONDS
+
 __all__ = ["TimerHandle", "TimerQueue"]
 
 log = structlog.get_logger("tether.timers")
+
+_MAX_WAIT = 3600.0  # the longest single wait: far below what a lock's timeout can hold
+
+
+def _clamp(delay: object) -> float:
+    """A delay the heap and the thread can hold: finite, within ``[0, MAX_SECONDS]``."""
+    try:
+        seconds = float(delay)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):  # 10**400, or not a number at all
+        seconds = math.nan
+    if math.isfinite(seconds) and 0.0 <= seconds <= MAX_SECONDS:
+        return seconds
+    log.error("timer.bad_delay", delay=repr(delay)[:40], clamped_to=MAX_SECONDS)
+    return 0.0 if seconds < 0 else MAX_SECONDS  # NaN and anything too long: the cap
 
 
 class TimerHandle:
@@ -36,7 +59,6 @@ class TimerHandle:
             self._queue.cancelled += 1
 
 
-
 class TimerQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, TimerHandle, Callable[[], None]]] = []
@@ -48,7 +70,7 @@ class TimerQueue:
         self._thread.start()
 
     def after(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
-        when = time.monotonic() + max(delay, 0.0)
+        when = time.monotonic() + _clamp(delay)
         handle = TimerHandle(self, when)
         with self._cond:
             heap = self._heap
@@ -72,24 +94,32 @@ class TimerQueue:
         self._thread.join()
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if self._closed:
-                        return
-                    if self._heap:
-                        left = self._heap[0][0] - time.monotonic()
-                        if left <= 0:
-                            _, _, handle, callback = heapq.heappop(self._heap)
-                            break
-                        self._cond.wait(left)
-                    else:
-                        self._cond.wait()
-            if handle.cancelled:
-                with self._cond:
-                    self.cancelled = max(self.cancelled - 1, 0)
-                continue
+        while not self._closed:
             try:
-                callback()
-            except Exception:  # one failing callback must not stop every clock
-                log.exception("timer.failed")
+                self._next()
+            except Exception:  # the one clock thread of every session must not die
+                log.exception("timer.loop_failed")
+                time.sleep(0.01)  # and must not spin if the same error comes again
+
+    def _next(self) -> None:
+        """Wait for the earliest clock and run its callback (or return on close)."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return
+                if self._heap:
+                    left = self._heap[0][0] - time.monotonic()
+                    if left <= 0:
+                        _, _, handle, callback = heapq.heappop(self._heap)
+                        break
+                    self._cond.wait(min(left, _MAX_WAIT))
+                else:
+                    self._cond.wait()
+        if handle.cancelled:
+            with self._cond:
+                self.cancelled = max(self.cancelled - 1, 0)
+            return
+        try:
+            callback()
+        except Exception:  # one failing callback must not stop every clock
+            log.exception("timer.failed")

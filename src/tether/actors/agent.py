@@ -162,6 +162,9 @@ class _Turn:
     preempts: list[tuple[str, str, str, float]] | None = None
     preempted: list[ToolFate] | None = None  # calls a preempt cut, for its ToolKilled
     preempt_report: StopReport | None = None
+    # A worker has taken the turn (its first report came): the watchdog's clock runs
+    # from there, never while the turn waits for a free worker.
+    started: bool = False
 
 
 class Session:
@@ -497,7 +500,8 @@ class Session:
         if not frame.beat:
             return  # only tool calls opening or closing: the meter's reports are progress
         t.in_tool = frame.in_tool
-        if not frame.looping:  # the same tool call over and over is no progress
+        if not t.started or not frame.looping:  # the same call over and over is none
+            t.started = True
             t.last_progress = time.monotonic()
             t.step = 0
 
@@ -514,6 +518,11 @@ class Session:
         now = time.monotonic()
         after = float(stall["after"])
         every = float(stall.get("every") or after)
+        if not t.started:
+            # Still waiting for a worker (the worker reports progress as it starts the
+            # turn): a turn that never ran cannot have stalled. Look again later.
+            self._watch(t, after)
+            return
         if t.step == 0:
             since, wait = t.last_progress, after
         else:

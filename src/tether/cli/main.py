@@ -19,6 +19,7 @@ from typing import Any, Final, NoReturn
 
 from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
 from tether.wire.errors import TetherError
+from tether.wire.vocab import MAX_SECONDS
 
 __all__ = ["main"]
 
@@ -56,6 +57,26 @@ _STALL_USAGE: Final = (
 )
 
 
+def _seconds(text: str, *, zero: bool = False) -> float:
+    """A duration: a finite number of seconds, positive (``zero``: or 0), at most
+    MAX_SECONDS (30 days), as every entry point takes it (``wire.vocab``)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    low_ok = seconds >= 0 if zero else seconds > 0
+    if not (low_ok and seconds <= MAX_SECONDS):
+        what = "a non-negative" if zero else "a positive"
+        raise argparse.ArgumentTypeError(
+            f"must be {what} number of seconds, at most {MAX_SECONDS:.0f} (30 days), not {text!r}"
+        )
+    return seconds
+
+
+def _grace_arg(text: str) -> float:
+    return _seconds(text, zero=True)
+
+
 def _stall_arg(text: str) -> dict[str, Any]:
     """``--stall after=60,every=30,steps=steer+cancel+abort[,nudge=TEXT][,repeat=N]``.
 
@@ -84,14 +105,9 @@ def _stall_arg(text: str) -> dict[str, Any]:
         value = value if key == "nudge" else value.strip()
         if key in ("after", "every", "grace"):
             try:
-                seconds = float(value)
-            except ValueError:
-                seconds = float("nan")
-            if not seconds > 0 or seconds == float("inf"):
-                raise argparse.ArgumentTypeError(
-                    f"{key} must be a positive number of seconds, not {value!r}"
-                )
-            policy[key] = seconds
+                policy[key] = _seconds(value)
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"{key} {exc}") from None
         elif key == "steps":
             steps = value.split("+")
             bad = [step for step in steps if step not in _STALL_STEPS]
@@ -623,8 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("text", nargs="?", help="the guidance (or --reason)")
         p.add_argument("--reason", help="why (shown in the marker; a steer's guidance)")
         p.add_argument("--parent", help="its parent id (looked up when left out)")
-        p.add_argument("--grace", type=float, help="seconds a cancelled turn gets to wrap up")
-        p.add_argument("--deadline", type=float, help="abort a cancel not seen within this long")
+        p.add_argument("--grace", type=_grace_arg, help="seconds a cancelled turn gets to wrap up")
+        p.add_argument("--deadline", type=_seconds, help="abort a cancel not seen within this long")
         p.add_argument(
             "--turn", help="act only if this turn is still the running one (else a no-op)"
         )
@@ -752,7 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the Ray cluster to join (e.g. ray://head:10001 or auto; default: start one)",
     )
-    p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
+    p.add_argument("--grace", type=_grace_arg, default=5.0, help="default cancel grace, seconds")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
     p.add_argument(
         "--max-streams", type=int, default=64, help="concurrent /events streams (more: 503)"

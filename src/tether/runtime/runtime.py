@@ -15,8 +15,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, Literal, overload
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal, overload
 
 import msgspec
 import pykka
@@ -45,6 +45,7 @@ from tether.runtime.claims import ClaimGate
 from tether.runtime.pool import PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
+from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
 from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import (
@@ -59,6 +60,15 @@ from tether.wire.records import (
     TurnRecord,
 )
 from tether.wire.text import cap
+from tether.wire.vocab import (
+    Grace,
+    Kind,
+    Permission,
+    Seconds,
+    StallPolicy,
+    json_problem,
+    text_problem,
+)
 
 __all__ = ["KINDS", "MAX_CONTENT", "OneShot", "Runtime"]
 
@@ -70,7 +80,12 @@ MAX_CONTENT = 1_000_000  # characters in one message
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
-_HISTORY_PAGE = 500  # entries per `history` call from a worker (ctx.history pages)
+_HISTORY_PAGE = 500  # at most this many entries per `history` call (ctx.history pages)
+# ... and at most this many bytes (msgpack), half the frame cap: a page always fits its
+# reply frame, however long the entries. One entry alone over a quarter of it (a say of
+# millions of characters) is sent cut, with a visible mark.
+_HISTORY_BYTES = MAX_FRAME // 2
+_HISTORY_CHUNK = 16  # entries read from the store at a time while filling a page
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
 
@@ -190,10 +205,10 @@ class Runtime:
         configure_logging()
         if subreaper:
             set_subreaper()
-        if workers < 1:
-            raise InvalidParams("workers must be at least 1")
+        workers = _convert(workers, _Workers, "workers")
+        grace = _convert(grace, Grace, "grace")
         check_backend(backend, ray_address)
-        self.grace = float(grace)
+        self.grace = grace
         self._closed = False
         self._events = _EventBus()
         if path is not None:
@@ -254,8 +269,8 @@ class Runtime:
         *,
         config: dict[str, Any] | None = None,
         slug: str | None = None,
-        permissions: dict[str, str] | None = None,
-        stall: dict[str, Any] | None = None,
+        permissions: Mapping[str, str] | None = None,
+        stall: dict[str, Any] | StallPolicy | None = None,
     ) -> str:
         """Open a root session; its owner prompts it with ``prompt``.
 
@@ -279,8 +294,8 @@ class Runtime:
         data: dict[str, Any] | None = None,
         slug: str | None = None,
         config: dict[str, Any] | None = None,
-        permissions: dict[str, str] | None = None,
-        stall: dict[str, Any] | None = None,
+        permissions: Mapping[str, str] | None = None,
+        stall: dict[str, Any] | StallPolicy | None = None,
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
@@ -371,26 +386,25 @@ class Runtime:
         self._check_authority(authority)
         if scope not in ("session", "subtree"):
             raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
-        if scope == "subtree" and kind not in ("cancel", "abort"):
-            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {kind!r}")
-        if kind not in KINDS:
-            raise InvalidParams(f"kind must be one of {KINDS}, not {kind!r}")
-        if not isinstance(reason, str):
-            raise InvalidParams("reason must be a string")
-        _check_text("reason", reason)
-        if kind == "steer" and not reason.strip():
+        # Every argument is checked before anything is issued: a stop is never half-applied.
+        args = _convert(
+            {"kind": kind, "reason": reason, "grace": grace, "deadline": deadline, "turn": turn},
+            _InterruptArgs,
+            "interrupt",
+        )
+        if scope == "subtree" and args.kind not in ("cancel", "abort"):
+            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {args.kind!r}")
+        _check_text("reason", args.reason)
+        if args.kind == "steer" and not args.reason.strip():
             raise InvalidParams("a steer needs a non-empty text")
-        for name, value in (("grace", grace), ("deadline", deadline)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            ):
-                raise InvalidParams(f"{name} must be a non-negative number of seconds")
-        if turn is not None and not isinstance(turn, str):
-            raise InvalidParams("turn must be a turn id")
-        g = self.grace if grace is None else float(grace)
+        g = self.grace if args.grace is None else args.grace
         if scope == "subtree":
-            return self._interrupt_subtree(target, authority, kind, cap(reason), g, deadline, turn)
-        op = InterruptOp(target, authority, kind, cap(reason), g, deadline, turn)
+            return self._interrupt_subtree(
+                target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
+            )
+        op = InterruptOp(
+            target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
+        )
         return self._interrupt(op)
 
     def _interrupt_subtree(
@@ -482,8 +496,15 @@ class Runtime:
             return [] if bound is None else [str(bound)]
         self._dir.authorize_subtree(target, auth)
         # Authorized at the top: below it, the same person or ancestor acts on each.
+        # A one-shot belongs to its handle's holder and is absent to every continuable
+        # path: a subtree pause passes it by (its holder's result() must not hang).
         delegate = Host(auth.origin, auth.by)
-        ids = [target, *self._dir.catalog.preorder(target)]
+        nodes = self._dir.catalog.nodes
+        ids = [
+            sid
+            for sid in (target, *self._dir.catalog.preorder(target))
+            if nodes[sid].header.mode != "one-shot"
+        ]
         turns: list[str] = []
         for sid in ids:
             guard = turn if sid == target else None  # the guard names the target's turn
@@ -515,7 +536,9 @@ class Runtime:
         until: str | tuple[str, ...] = ("idle", "parked"),
         timeout: float = 10.0,
     ) -> AgentInfo:
-        """Block until the session is in one of ``until``; TimeoutError after ``timeout``."""
+        """Block until the session is in one of ``until``; TimeoutError after ``timeout``
+        (seconds, ``math.inf`` for no limit)."""
+        timeout = _convert(timeout, _Timeout, "timeout")
         states = (until,) if isinstance(until, str) else tuple(until)
         bad = [s for s in states if s not in STATES]
         if bad:
@@ -539,7 +562,7 @@ class Runtime:
                                 f"{session_id} is {info.state}, not {'/'.join(states)}, "
                                 f"after {timeout:g}s"
                             )
-                        bus.changed.wait(left)
+                        bus.changed.wait(min(left, _WAIT_SLICE))
         finally:
             with bus.changed:
                 bus.waiters -= 1
@@ -712,8 +735,8 @@ class Runtime:
         mode: str,
         slug: str | None,
         config: dict[str, Any] | None,
-        permissions: dict[str, str] | None,
-        stall: dict[str, Any] | None = None,
+        permissions: Mapping[str, str] | None,
+        stall: dict[str, Any] | StallPolicy | None = None,
     ) -> SessionHeader:
         if not isinstance(driver, str) or not driver:
             raise InvalidParams("driver must be an import string 'package.module:Class'")
@@ -725,11 +748,12 @@ class Runtime:
         for name, value in (("config", config), ("permissions", permissions)):
             if value is not None and not isinstance(value, dict):
                 raise InvalidParams(f"{name} must be a dict")
-        if permissions is not None and any(
-            v not in ("allow", "deny") for v in permissions.values()
-        ):
-            raise InvalidParams("permissions values must be 'allow' or 'deny'")
-        self._check_data(config)
+        perms: dict[str, Any] | None = None
+        if permissions is not None:
+            perms = _convert(permissions, dict[str, Permission], "permissions")
+            self._check_data(perms, "permissions")  # its keys' text
+        self._check_data(config, "config")
+        policy = None if stall is None else check_stall(stall)
         self._pool.probe(driver)
         return SessionHeader(
             id=new_id("s_"),
@@ -738,9 +762,9 @@ class Runtime:
             slug=slug,
             driver=driver,
             config=config,
-            permissions=permissions,
+            permissions=perms,
             created_at=time.time(),
-            stall=None if stall is None else check_stall(stall),
+            stall=policy,
         )
 
     def _check_message(self, content: str, data: dict[str, Any] | None) -> None:
@@ -752,17 +776,22 @@ class Runtime:
         self._check_data(data)
 
     @staticmethod
-    def _check_data(data: dict[str, Any] | None) -> None:
+    def _check_data(data: dict[str, Any] | None, name: str = "data") -> None:
+        """JSON data as it will be stored and sent, unchanged: string keys at every
+        level, encodable text, 64-bit integers, finite floats, at most 1 MB."""
         if data is None:
             return
         if not isinstance(data, dict):
-            raise InvalidParams("data must be a dict")
+            raise InvalidParams(f"{name} must be a dict")
+        problem = json_problem(data, name)
+        if problem is not None:
+            raise InvalidParams(problem)
         try:
             size = len(_data_encoder.encode(data))
         except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError: ValueError
-            raise InvalidParams(f"data is not serializable: {exc}") from None
+            raise InvalidParams(f"{name} is not serializable: {exc}") from None
         if size > MAX_CONTENT:
-            raise InvalidParams(f"data of {size} bytes is over {MAX_CONTENT}")
+            raise InvalidParams(f"{name} of {size} bytes is over {MAX_CONTENT}")
 
     @staticmethod
     def _check_authority(authority: object) -> None:
@@ -776,6 +805,26 @@ class Runtime:
                 _check_text("User.name", authority.name)
 
     # ---- tools called from a worker ---------------------------------------------------
+
+    def _history_page(self, session: str, after: int) -> dict[str, Any]:
+        """``{"entries": [...], "more": bool}``: the entries past ``after``, bounded by
+        count and by size (``_HISTORY_BYTES``), so a transcript of huge entries pages
+        instead of overflowing the reply frame (which would fail every turn that reads
+        history)."""
+        page: list[Any] = []
+        size = 0
+        while True:
+            chunk = self._store.entries(session, after=after, limit=_HISTORY_CHUNK)
+            for entry in chunk:
+                item = _history_item(entry)
+                n = len(_data_encoder.encode(item))
+                if page and (size + n > _HISTORY_BYTES or len(page) >= _HISTORY_PAGE):
+                    return {"entries": page, "more": True}
+                page.append(item)
+                size += n
+                after = entry.seq
+            if len(chunk) < _HISTORY_CHUNK:
+                return {"entries": page, "more": False}
 
     def _tool(self, job: TurnJob, name: str, args: dict[str, Any]) -> Any:
         caller = job.session
@@ -791,8 +840,7 @@ class Runtime:
                 after = args.get("after", 0)
                 if isinstance(after, bool) or not isinstance(after, int) or after < 0:
                     raise InvalidParams("after must be a non-negative entry sequence number")
-                page = self._store.entries(caller, after=after, limit=_HISTORY_PAGE)
-                return msgspec.to_builtins(page)
+                return self._history_page(caller, after)
             case "spawn_agent":
                 gate("spawn")
                 # The host sets what loads code and widens authority: a child runs its
@@ -862,16 +910,53 @@ class Runtime:
         raise NotFound(f"no tool named {name!r}")
 
 
+def _history_item(entry: Entry) -> dict[str, Any]:
+    """An entry as a history page carries it: whole unless it alone would crowd a page
+    (over a quarter of ``_HISTORY_BYTES``), then with its text cut (visibly) and its data
+    left out."""
+    item: dict[str, Any] = msgspec.to_builtins(entry)
+    if len(entry.text) * 4 + len(_data_encoder.encode(entry.data)) <= _HISTORY_BYTES // 4:
+        return item  # small for sure (a character is at most 4 bytes): no need to measure
+    if len(_data_encoder.encode(item)) > _HISTORY_BYTES // 4:
+        item["text"] = cap(entry.text, _HISTORY_BYTES // 32)
+        if entry.data is not None and len(_data_encoder.encode(entry.data)) > _HISTORY_BYTES // 8:
+            item["data"] = None
+    return item
+
+
 def _check_text(name: str, value: str) -> None:
     """Text that cannot be encoded (a lone surrogate) is refused before anything is
     recorded (SPEC §14.3)."""
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidParams(f"{name} {problem}")
+
+
+_Workers = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+_Timeout = Annotated[float, msgspec.Meta(ge=0)]  # inf allowed (no limit); NaN is not >= 0
+_WAIT_SLICE = 3600.0  # a wait longer than a lock's timeout can hold is taken in slices
+
+
+class _InterruptArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``interrupt()``'s arguments, typed: the one place their bounds are checked."""
+
+    kind: Kind = "cancel"
+    reason: str = ""
+    grace: Grace | None = None
+    deadline: Seconds | None = None
+    turn: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+
+
+def _convert(value: Any, kind: Any, what: str) -> Any:
+    """``value`` as ``kind`` (msgspec's strict conversion: no coercion, bounds checked),
+    or InvalidParams naming the field (``interrupt: Expected `float` <= 2592000.0 - at
+    `$.deadline```)."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidParams(f"{name} is not valid text (it cannot be encoded as UTF-8)") from None
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidParams(f"{what}: {exc}") from None
 
 
-_STEPS = ("steer", "cancel", "abort", "preempt")
 _NUDGE = (
     "you have made no visible progress for a while. Say where you are, and if you are "
     "stuck, change approach or wrap up."
@@ -885,40 +970,25 @@ def check_stall(stall: object) -> dict[str, Any]:
     (default steer, cancel, abort), then the next after each further ``every``
     (default ``after``); ``nudge`` is the steer's text; ``repeat`` (>= 2) counts that
     many identical tool calls in a row as no progress; ``grace`` is the watchdog's
-    cancel's grace (default the runtime's).
+    cancel's grace (default the runtime's). Seconds are finite, positive and at most
+    ``MAX_SECONDS`` (30 days). Takes a dict or a ``StallPolicy``.
     """
+    if isinstance(stall, StallPolicy):  # a Struct built in Python checks no bounds
+        stall = msgspec.to_builtins(stall)
     if not isinstance(stall, dict):
         raise InvalidParams("stall must be a dict like {'after': 60}")
-    unknown = set(stall) - {"after", "every", "steps", "nudge", "repeat", "grace"}
-    if unknown:
-        raise InvalidParams(f"stall has unknown keys {sorted(unknown)}")
-
-    def seconds(name: str, value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise InvalidParams(f"stall.{name} must be a positive number of seconds")
-        return float(value)
-
-    after = seconds("after", stall.get("after"))
-    every = seconds("every", stall.get("every", after))
-    steps = stall.get("steps", ["steer", "cancel", "abort"])
-    if not isinstance(steps, list) or not steps or any(step not in _STEPS for step in steps):
-        raise InvalidParams(f"stall.steps must be a non-empty list of {_STEPS}")
-    nudge = stall.get("nudge", _NUDGE)
-    if not isinstance(nudge, str) or not nudge.strip():
+    policy: StallPolicy = _convert(stall, StallPolicy, "stall")
+    nudge = _NUDGE if policy.nudge is None else policy.nudge
+    if not nudge.strip():
         raise InvalidParams("stall.nudge must be a non-empty string")
     _check_text("stall.nudge", nudge)
-    repeat = stall.get("repeat")
-    if repeat is not None and (
-        isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 2
-    ):
-        raise InvalidParams("stall.repeat must be an integer of at least 2")
     out: dict[str, Any] = {
-        "after": after,
-        "every": every,
-        "steps": list(steps),
+        "after": policy.after,
+        "every": policy.every if policy.every is not None else policy.after,
+        "steps": list(policy.steps),
         "nudge": cap(nudge),
-        "repeat": repeat,
+        "repeat": policy.repeat,
     }
-    if "grace" in stall:
-        out["grace"] = seconds("grace", stall["grace"])
+    if policy.grace is not None:
+        out["grace"] = policy.grace
     return out

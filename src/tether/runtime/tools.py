@@ -20,6 +20,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from tether.wire.errors import TetherError
+from tether.wire.vocab import MAX_SECONDS
 
 __all__ = [
     "TOOLS",
@@ -224,7 +225,11 @@ class RunCommandArgs(_Args):
         Meta(min_length=1, description='The program and its arguments, e.g. ["ls", "-l"].'),
     ]
     timeout: (
-        Annotated[float, Meta(gt=0, description="Seconds before it is killed.")] | UnsetType
+        Annotated[
+            float,
+            Meta(gt=0, le=MAX_SECONDS, description="Seconds before it is killed."),
+        ]
+        | UnsetType
     ) = UNSET
     cwd: Annotated[str, Meta(min_length=1, description="Working directory.")] | UnsetType = UNSET
 

@@ -38,7 +38,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, NoReturn, overload
 
 import msgspec
 
@@ -74,7 +74,6 @@ from tether.wire.records import AgentInfo, Entry, Message, StopReport
 __all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
-_HISTORY_PAGE = 500  # transcript entries per host call (the host caps a page at this)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -260,15 +259,15 @@ class TurnContext:
     def history(self) -> list[Entry]:
         """The session's transcript before this turn's own entries; fetched on first use."""
         if self._history is None:
-            # Page by page (an SQL LIMIT on an index each): a long transcript never has
-            # to fit in one frame.
+            # Page by page, each bounded by count and by size on the host: a long
+            # transcript, or one of huge entries, never has to fit in one frame.
             history: list[Entry] = []
             while True:
                 after = history[-1].seq if history else 0
                 raw = self._host_call("history", {"after": after})
-                page = msgspec.convert(raw, list[Entry])
+                page = msgspec.convert(raw["entries"], list[Entry])
                 history.extend(page)
-                if len(page) < _HISTORY_PAGE:
+                if not raw["more"] or not page:
                     break
             self._history = history
         return self._history
@@ -558,18 +557,24 @@ def _kill_leftovers(tag: str | None) -> None:
                 os.waitpid(p.pid, 0)
 
 
-def _sweep_and_exit() -> None:
+def _sweep_and_exit() -> NoReturn:
     """The host is gone: kill every descendant (escapees too), then our own group.
 
     We are a subreaper, so whatever our tools left behind has re-parented to us and is
-    still below us; the walk runs until a pass finds nothing alive.
+    still below us; the walk runs until a pass finds nothing alive. Either thread may
+    find the host gone (the reader at EOF, the driver's thread on a broken pipe): the
+    first sweeps, the other waits for the end, so neither prints anything on its way.
     """
-    with contextlib.suppress(OSError):
-        sweep([os.getpid()], passes=_SWEEP_PASSES)
-    os.killpg(0, signal.SIGKILL)
+    if _leaving.acquire(blocking=False):
+        with contextlib.suppress(OSError):
+            sweep([os.getpid()], passes=_SWEEP_PASSES)
+        os.killpg(0, signal.SIGKILL)
+    while True:  # the sweeping thread kills us all
+        time.sleep(60.0)
 
 
 _SWEEP_PASSES = 50
+_leaving = threading.Lock()
 
 
 def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
@@ -594,7 +599,13 @@ class _Worker:
         self.runs_ready = threading.Condition(self.lock)
 
     def send(self, frame: msgspec.Struct) -> None:
-        self.channel.send(frame)
+        try:
+            self.channel.send(frame)
+        except OSError:
+            # The host is gone (a broken pipe while the driver was talking to it): the
+            # same quiet exit as when the reader sees the channel close, never a
+            # traceback from whichever thread was writing.
+            _sweep_and_exit()
 
     def _state_for(self, turn: str) -> _TurnState | None:
         st = self.current
@@ -679,6 +690,10 @@ class _Worker:
 
     def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
         ctx = TurnContext(self, run, state)
+        if run.progress_every is not None:
+            # The host's stall watchdog counts from here, when the turn really starts,
+            # not from when it was claimed and waited for a worker.
+            self.send(Progress(turn=run.turn, in_tool=False))
         try:
             driver = load_driver(run.driver)()
             final = driver.run(ctx)

@@ -439,6 +439,9 @@ class _Guard:
         await self._app(scope, receive, send)
 
     def _check(self, headers: Headers, *, public: bool = False) -> Response | None:
+        host = _host_header(headers.get("host", ""))
+        if host is None:
+            return _http_error(400, "bad request: malformed Host header")
         if self._token is not None and public:
             return None
         if self._token is not None:
@@ -448,12 +451,38 @@ class _Guard:
             ):
                 return None
             return _http_error(401, "unauthorized", {"WWW-Authenticate": "Bearer"})
-        host = urlsplit("//" + headers.get("host", "")).hostname or ""
         origin = headers.get("origin")
-        origin_host = urlsplit(origin).hostname or "" if origin is not None else "localhost"
-        if is_loopback(host) and is_loopback(origin_host):
+        origin_host = "localhost" if origin is None else _hostname(origin)
+        if origin_host is not None and is_loopback(host) and is_loopback(origin_host):
             return None
         return _http_error(403, "forbidden: foreign Host or Origin on a loopback server")
+
+
+_HOST: Final = re.compile(r"(\[[^\[\]]*\]|[^\[\]/@:?#\s]*)(?::[0-9]{1,5})?")
+
+
+def _host_header(value: str) -> str | None:
+    """The host a ``Host`` header names, or None if it is not ``host[:port]`` (with an
+    IPv6 address in brackets)."""
+    found = _HOST.fullmatch(value)
+    if found is None:
+        return None
+    name = found.group(1)
+    if name.startswith("["):
+        try:
+            ipaddress.IPv6Address(name[1:-1])
+        except ValueError:
+            return None
+    return name
+
+
+def _hostname(url: str) -> str | None:
+    """The host part of ``url`` ("" if none), or None when it cannot be parsed: a header
+    like ``[::1`` or ``http://[evil]`` is the client's error, never a server fault."""
+    try:
+        return urlsplit(url).hostname or ""
+    except ValueError:
+        return None
 
 
 def free_descriptors() -> int | None:

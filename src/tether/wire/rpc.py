@@ -13,6 +13,18 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from tether.wire.records import AgentInfo, Entry, PendingMessage, StopReport, TurnRecord
+from tether.wire.vocab import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_DEPTH,
+    Grace,
+    Kind,
+    ListScope,
+    PauseScope,
+    Permission,
+    Seconds,
+    StallPolicy,
+)
 
 __all__ = [
     "APPLICATION_ERROR",
@@ -75,20 +87,16 @@ RPC_ERROR_CODES: Final = (
     "internal",
 )
 
-# How deeply a request object may nest (``{"params": {"data": {...}}}`` is 3 deep). The
-# decoder's own recursion guard sits near 1,000 and refuses as a RecursionError; data
-# nested that deep would also reach the store and the worker channel, so the edge
-# refuses it with ``-32600`` long before.
-MAX_DEPTH: Final = 64
-# Integers are 64-bit signed wherever they go (SQLite, msgpack frames to the workers):
-# one outside is invalid-params at the edge, not an overflow deep inside.
-INT64_MIN: Final = -(2**63)
-INT64_MAX: Final = 2**63 - 1
+# MAX_DEPTH: how deeply a request object may nest (``{"params": {"data": {...}}}`` is 3
+# deep). The decoder's own recursion guard sits near 1,000 and refuses as a
+# RecursionError; data nested that deep would also reach the store and the worker
+# channel, so the edge refuses it with ``-32600`` long before. Integers are 64-bit
+# signed wherever they go: one outside is invalid-params at the edge, not an overflow
+# deep inside. Both bounds, and every duration's, come from ``wire.vocab``.
 
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-InterruptKind = Literal["steer", "cancel", "abort", "preempt"]
-PauseScope = Literal["session", "subtree"]
+InterruptKind = Kind
 JsonObject = dict[str, Any]
 
 
@@ -110,14 +118,14 @@ class Address(_Params):
 
 
 class OpenParams(_Params):
-    """``stall``: the stall watchdog's policy (SPEC §14.5), checked by the runtime's
-    ``check_stall``; a bad one is ``invalid-params`` and opens nothing."""
+    """``stall``: the stall watchdog's policy (SPEC §14.5); a bad one is
+    ``invalid-params`` and opens nothing."""
 
     driver: Annotated[str, msgspec.Meta(min_length=1)]
     config: JsonObject | None = None
     slug: str | None = None
-    permissions: dict[str, str] | None = None
-    stall: JsonObject | None = None
+    permissions: dict[str, Permission] | None = None
+    stall: StallPolicy | None = None
 
 
 class PromptParams(_Params):
@@ -140,8 +148,8 @@ class SpawnParams(_Params):
     data: JsonObject | None = None
     slug: str | None = None
     config: JsonObject | None = None
-    permissions: dict[str, str] | None = None
-    stall: JsonObject | None = None  # without one, the child inherits its parent's
+    permissions: dict[str, Permission] | None = None
+    stall: StallPolicy | None = None  # without one, the child inherits its parent's
 
 
 class SendParams(_Params):
@@ -161,8 +169,8 @@ class InterruptParams(_Params):
     address: Address
     kind: InterruptKind = "cancel"
     reason: str = ""
-    grace: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    deadline: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    grace: Grace | None = None  # seconds, 0 to MAX_SECONDS (30 days)
+    deadline: Seconds | None = None  # seconds, finite, > 0, at most MAX_SECONDS
     turn: TurnId | None = None
     scope: PauseScope = "session"
 
@@ -186,7 +194,7 @@ class ResumeParams(_Params):
 
 class ListParams(_Params):
     root: SessionId
-    scope: Literal["children", "descendants"] = "children"
+    scope: ListScope = "children"
 
 
 class StatusParams(_Params):
