@@ -1087,10 +1087,24 @@ class Checker:
                         hold, why = rs["ready"], "host restarted"
                 if hold is None:
                     continue
-                if not any(w["t1"] >= hold and w["t0"] <= start for w in wakers):
-                    self.v("parked-woke", f"turn {n['id']} of {sid} started at {start:.3f} "
-                           f"after a hold ({why}) at {hold:.3f} with no waking send",
-                           [r["seq"] for r in releases][-3:])
+                # The host's own order decides (TurnRecord.woken_by: the waking send that
+                # started the turn, named by the host that handled it). The callers'
+                # clocks cannot: a send that returned before the host handled a crash
+                # report is, in the host's order, after it (one soak in eleven saw that).
+                woke = n.get("woken_by")
+                if woke is not None and any(
+                        w.get("value") == woke and w["t0"] <= start for w in wakers):
+                    continue
+                # A send whose call died with its host has no id in the ledger: for those
+                # only the clocks are left.
+                if woke is not None and any(
+                        w["result"] == "indeterminate" and w["t1"] >= hold
+                        and w["t0"] <= start for w in wakers):
+                    continue
+                self.v("parked-woke", f"turn {n['id']} of {sid} started at {start:.3f} "
+                       f"after a hold ({why}) at {hold:.3f}, woken by {woke or 'nothing'}, "
+                       "which is no waking send of the ledger",
+                       [r["seq"] for r in releases][-3:])
 
     def wakes(self) -> None:
         """Every accepted waking send is followed by a turn of its session, unless

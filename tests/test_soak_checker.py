@@ -112,3 +112,20 @@ def test_wake_latch_and_cold_resume() -> None:
     ledger = [release, _send("c", "m_3", 3.0)]
     sessions = {"r": _sess([]), "c": _sess([], inbox=("m_3",), state="dormant")}
     assert "wake-lost" in _check(ledger, sessions)
+
+
+def test_the_hosts_order_decides_a_wake_that_the_callers_clocks_misplace() -> None:
+    """Issue 16 item 18: a waking send that returned (t1 = 1.10) just before the host
+    handled a crash report (recorded at 1.102) is, in the host's order, after the crash,
+    and rightly woke the queue. The clocks alone called it `parked-woke`; the turn's
+    `woken_by` (the host's own record) settles it. A turn that names no waking send, or
+    one the ledger does not have, is still reported."""
+    crashed = _turn("t1", "m_1", 1.01, 1.102, "crashed", cause="system", error="worker died")
+    ledger = [_send("r", "m_1", 1.0), _send("r", "m_2", 1.099)]
+    woke = _turn("t2", "m_2", 1.103, 1.3, "completed") | {"woken_by": "m_2"}
+    sessions = {"r": _sess([crashed, woke]), "c": _sess([])}
+    assert "parked-woke" not in _check(ledger, sessions)
+    for bad in (None, "m_7"):
+        woke = _turn("t2", "m_2", 1.103, 1.3, "completed") | {"woken_by": bad}
+        sessions = {"r": _sess([crashed, woke]), "c": _sess([])}
+        assert "parked-woke" in _check(ledger, sessions), bad

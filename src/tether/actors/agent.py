@@ -185,6 +185,7 @@ class Session:
         "lineage",
         "settled",
         "turn",
+        "woken_by",
     )
 
     def __init__(
@@ -214,6 +215,9 @@ class Session:
         self.disposing = False
         self.settled = False
         self._started = 0
+        # The waking send that will start the next turn (TurnRecord.woken_by): the
+        # host's own order, so a checker never has to guess it from clocks.
+        self.woken_by: str | None = None
         self._stopped = False  # at most one stop per turn is recorded as the cause
         self.info = make_info(header, depth, self._derive())
 
@@ -243,12 +247,18 @@ class Session:
         if wake == "yes":
             if t is not None:
                 if t.stop is not None:
+                    if not t.wake_latch:
+                        self.woken_by = msg.id
                     t.wake_latch = True  # resume the queue when the stopping turn ends
             else:
                 self.hold = False
+                if self.woken_by is None:
+                    self.woken_by = msg.id
                 self.start_next()
         elif wake == "if-idle":
             if t is None and not self.hold:
+                if self.woken_by is None:
+                    self.woken_by = msg.id
                 self.start_next()
         elif t is None:
             self.hold = True
@@ -275,7 +285,8 @@ class Session:
         h = self.header
         host = self._host
         turn_id = new_id("t_")
-        claim = host.store.start_turn(turn_id, message)
+        woken_by, self.woken_by = self.woken_by, None
+        claim = host.store.start_turn(turn_id, message, woken_by)
         job = TurnJob(
             turn=turn_id,
             session=h.id,

@@ -442,11 +442,19 @@ class SessionHost(pykka.ThreadingActor):
     def _adopt(self, s: Session) -> None:
         self._live[s.id] = s
         self._dir.registry[s.id] = s
+        if s.inbox:  # a spawn with a prompt: the prompt starts the first turn
+            s.woken_by = s.inbox[0].id
         s.start_next()
         self._after(s)
 
     def _materialize(
-        self, h: SessionHeader, inbox: list[Message], *, hold: bool, horizon: int
+        self,
+        h: SessionHeader,
+        inbox: list[Message],
+        *,
+        hold: bool,
+        horizon: int,
+        woken_by: str | None = None,
     ) -> Session:
         node = self._dir.catalog.nodes[h.id]
         s = Session(
@@ -462,6 +470,7 @@ class SessionHost(pykka.ThreadingActor):
         self._live[h.id] = s
         self._dir.registry[h.id] = s
         log.debug("agent.materialized", session=h.id, epoch=s.epoch)
+        s.woken_by = woken_by
         s.start_next()
         self._after(s)
         return s
@@ -480,7 +489,7 @@ class SessionHost(pykka.ThreadingActor):
             # A waking send brings a dormant session back (a new epoch), with what was
             # queued while it slept (this message included).
             inbox, horizon = self._store.pending(sid)
-            s = self._materialize(node.header, inbox, hold=False, horizon=horizon)
+            s = self._materialize(node.header, inbox, hold=False, horizon=horizon, woken_by=msg.id)
         self._accepted(msg, s.lineage if s is not None else None)
         if s is not None:
             self._enqueue(s, msg, "yes" if wake else "no")

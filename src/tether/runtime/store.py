@@ -116,7 +116,8 @@ CREATE TABLE IF NOT EXISTS turns (
     reason      TEXT,
     error       TEXT,
     usage       BLOB,
-    resources   BLOB
+    resources   BLOB,
+    woken_by    INTEGER            -- the key of the message whose waking send started it
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, seq);
 CREATE TABLE IF NOT EXISTS entries (
@@ -353,9 +354,9 @@ class Store:
         if "stall" not in columns:  # a store written before the stall watchdog
             self._db.execute("ALTER TABLE sessions ADD COLUMN stall BLOB")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
-        for column in ("usage", "resources"):  # a store written before v3
-            if column not in columns:
-                self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} BLOB")
+        for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
+            if column not in columns:  # a store written before v3
+                self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -792,11 +793,13 @@ class Store:
 
     # ---- turns --------------------------------------------------------------------
 
-    def start_turn(self, turn: str, message: Message) -> Ticket:
+    def start_turn(self, turn: str, message: Message, woken_by: str | None = None) -> Ticket:
         """Record that ``turn`` claimed ``message`` (and the message's transcript entry);
-        the ticket is done once the claim is durable (the turn may be dispatched then)."""
+        the ticket is done once the claim is durable (the turn may be dispatched then).
+        ``woken_by``: the message whose waking send started it (see TurnRecord)."""
         now = time.time()
         key = message_key(message.id)
+        woke = None if woken_by is None else message_key(woken_by)
         session = message.session
         blob = _dump(message.data)
         with self._cond:
@@ -807,9 +810,9 @@ class Store:
             def op(db: sqlite3.Connection) -> None:
                 db.execute("UPDATE messages SET state='claimed', turn=? WHERE id=?", (turn, key))
                 db.execute(
-                    "INSERT INTO turns (seq, id, session, message_id, started_at)"
-                    " VALUES (?,?,?,?,?)",
-                    (row, turn, session, key, now),
+                    "INSERT INTO turns (seq, id, session, message_id, started_at, woken_by)"
+                    " VALUES (?,?,?,?,?,?)",
+                    (row, turn, session, key, now, woke),
                 )
                 db.execute(
                     "INSERT INTO entries (seq, session, turn, kind, text, data, created_at)"
@@ -875,7 +878,8 @@ class Store:
     def turns(self, session: str) -> list[TurnRecord]:
         rows = self._read(
             "SELECT id, session, message_id, outcome, cause, by, forced, escalated, reason,"
-            " error, started_at, ended_at, usage, resources FROM turns WHERE session=?"
+            " error, started_at, ended_at, usage, resources, woken_by FROM turns"
+            " WHERE session=?"
             " ORDER BY seq",
             (session,),
         )
@@ -896,6 +900,7 @@ class Store:
                 ended_at=r[11],
                 usage=_load(r[12]),
                 resources=_load(r[13]),
+                woken_by=None if r[14] is None else f"m_{r[14]}",
             )
             for r in rows
         ]

@@ -131,6 +131,10 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     started_at: float = 0.0
     ended_at: float | None = None
+    # The waking send (or notice) that started this turn on an idle, parked or held
+    # session, in the host's own order; None when the turn followed its predecessor's
+    # completion (SPEC §4 rule 2). A turn after a stop always names one.
+    woken_by: str | None = None
     # Token usage summed over the turn's model requests (SPEC §15.2), e.g.
     # {"prompt_tokens": 12, "completion_tokens": 30}; None when nothing reported any.
     usage: dict[str, int] | None = None
