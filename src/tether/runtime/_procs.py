@@ -35,6 +35,7 @@ __all__ = [
     "descendants",
     "freeze",
     "freeze_tree",
+    "kill_found",
     "kill_tree",
     "reap",
     "sweep",
@@ -182,12 +183,18 @@ def kill_tree(
     """One pass: ``freeze``, then SIGKILL everything found, deepest first. Returns every
     process it found, for the caller to check."""
     procs = freeze(roots, group=group, token=token)
+    kill_found(procs, group=group)
+    return procs
+
+
+def kill_found(procs: Sequence[psutil.Process], *, group: int | None = None) -> None:
+    """The second half of a pass: SIGKILL what ``freeze`` found, deepest first, then the
+    group."""
     for p in reversed(procs):  # deepest first
         _signal(p, signal.SIGKILL)
     if group is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
-    return procs
 
 
 def reap(pids: Iterable[int]) -> None:
