@@ -125,7 +125,9 @@ def tagged(token: str) -> list[int]:
 
     Only for a tree whose root is gone: it reads every process's environment. A tool
     that both leaves the session and clears its environment is beyond this scan; the
-    abort and host-death paths never rely on it (they walk a frozen, living root).
+    abort and host-death paths never rely on it (they walk a frozen, living root), and
+    a dead worker's orphans are also found with the forkserver, a subreaper
+    (``_contain.forkserver_orphans``).
     """
     needle = f"\0{TREE_ENV}={token}\0".encode()
     found = []

@@ -37,11 +37,16 @@ processes) runs on the two long-lived threads and is retried there; the end of a
 never waits for a thread to start. A frame that fails to decode, for any reason, makes
 its worker faulty: its turn ends crashed and it is replaced.
 
-Escapees (a tool that called ``setsid``) are found by walking the frozen worker, a
-subreaper to which orphans re-parent. A worker that died on its own (SIGKILL included)
-has no tree left to walk: its tools carry ``TETHER_TREE=<token>`` in their environment,
-and the reaper kills what it finds by that tag (see ``_procs.tagged`` for the limit).
-When the host dies, each worker sweeps its own tree on its channel's end.
+Containment (SPEC §15.5, ``_contain``): with ``cgroups``, each worker lives in a leaf of
+its own and the reaper's kill is ``cgroup.kill``, waited for until the leaf is empty; a
+pause is ``cgroup.freeze``. Without (the walk): escapees (a tool that called ``setsid``)
+are found by walking the frozen worker, a subreaper to which orphans re-parent. A worker
+that died on its own (SIGKILL included) has no tree left to walk: its orphans re-parent
+to the forkserver (a subreaper too), where the reaper finds them as forkserver children
+that are no worker, and its tools carry ``TETHER_TREE=<token>`` in their environment.
+When the host dies, each worker sweeps its own tree (or kills its leaf) on its channel's
+end. Either way the job learns how its tree was killed and what died (``kill_via``,
+``kill_procs``), and what its leaf counted (``resources``), before its end is reported.
 """
 
 from __future__ import annotations
@@ -651,6 +656,8 @@ class Pool:
         log.error("worker.respawn_failed", failures=self._failures, retry_in=retry_in)
 
     def _on_ready(self, w: _Worker) -> None:
+        if w.leaf is not None:
+            w.leaf.mark()
         with self._lock:
             if w.doomed:
                 return
@@ -773,6 +780,13 @@ class Pool:
                 log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
                 return False
             w.tree_pids.update(pid for pid in w.found if pid != w.pid)
+            if w.alive():
+                # doomed before it joined its leaf (it joins first thing, but a start can
+                # be cut short): the worker itself is then outside, and killed here
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    assert w.ps is not None
+                    w.ps.kill()
+                dead = False
             if not dead:
                 log.warning("worker.kill_retry", pid=w.pid, reason="the leaf is not empty")
                 return False
