@@ -526,3 +526,37 @@ def test_serve_takes_containment_and_refuses_unenforceable_limits_over_rpc_and_c
         assert done.returncode != 0 and "cgroup containment" in done.stderr
         bad = [TETHER, "open", "--limits", "disk=5", "--url", server.url]
         assert subprocess.run(bad, capture_output=True, timeout=30).returncode == 2
+
+
+def test_a_stored_limit_this_host_cannot_enforce_crashes_the_turn_instead_of_ignoring_it(
+    containment: str, db_path: str
+) -> None:
+    """Limits were checked when the session was made; a later host on the same store may
+    lack the controllers. Its turns then end crashed, saying so: never run unlimited."""
+    from tether.runtime.store import Store
+    from tether.wire.records import SessionHeader
+
+    missing = next(
+        (k for k, c in LIMIT_CONTROLLERS.items() if containment == "walk" or c not in _CONTROLLERS),
+        None,
+    )
+    if missing is None:
+        pytest.skip("every limit's controller is available here")
+    store = Store(db_path)
+    header = SessionHeader(
+        id="s_limited",
+        parent=None,
+        mode="continuable",
+        slug=None,
+        driver=SCRIPTED,
+        limits={missing: 64.0},
+    )
+    store.create_session(header).wait()
+    store.close()
+    with runtime(db_path, workers=1, containment=containment) as rt:
+        rt.prompt("s_limited", "go", data=steps({"op": "say", "text": "unlimited"}))
+        rt.wait("s_limited", until=("idle", "parked"), timeout=15.0)
+        [rec] = rt.turns("s_limited")
+        assert rec.outcome == "crashed"
+        assert rec.error is not None and "cannot be enforced" in rec.error
+        assert [e.text for e in rt.transcript("s_limited") if e.kind == "assistant"] == []

@@ -75,7 +75,7 @@ import structlog
 
 from tether.actors.ports import TurnJob
 from tether.runtime import _contain
-from tether.runtime._cgroup import Cgroups, Leaf
+from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
 from tether.runtime._procs import (
     alive,
     all_dead,
@@ -614,7 +614,7 @@ class Pool:
             w.job = job
             w.last_turn = job.turn
             self._where[job.turn] = w
-            if w.leaf is not None:
+            if w.leaf is not None or job.limits:
                 error = _start_in_leaf(w.leaf, job)
                 if error is not None:
                     w.error = error
@@ -988,9 +988,19 @@ def _held_over(frame: HostFrame, held: int) -> InvalidParams:
     )
 
 
-def _start_in_leaf(leaf: Leaf, job: TurnJob) -> str | None:
+def _start_in_leaf(leaf: Leaf | None, job: TurnJob) -> str | None:
     """The turn's limits on its worker's leaf, and its figures' baselines; the reason if
-    they cannot be applied (the turn then ends crashed rather than run unlimited)."""
+    they cannot be applied (the turn then ends crashed rather than run unlimited: a
+    session's limits were checked when it was made, but a later host on the same store
+    may not have the controllers)."""
+    missing = (
+        sorted(job.limits or ())
+        if leaf is None
+        else sorted(k for k in job.limits or () if LIMIT_CONTROLLERS[k] not in leaf.controllers)
+    )
+    if missing:
+        return f"the session's limits {missing} cannot be enforced by this host"
+    assert leaf is not None
     try:
         leaf.set_limits(job.limits)
         leaf.begin_turn()
