@@ -560,3 +560,43 @@ def test_a_stored_limit_this_host_cannot_enforce_crashes_the_turn_instead_of_ign
         assert rec.outcome == "crashed"
         assert rec.error is not None and "cannot be enforced" in rec.error
         assert [e.text for e in rt.transcript("s_limited") if e.kind == "assistant"] == []
+
+
+def test_the_walks_orphan_sweep_never_takes_a_worker_being_started() -> None:
+    """The forkserver's children that are no worker are a dead worker's orphans; a worker
+    the pool is starting is a forkserver child not yet known, and must never be one."""
+    import threading
+
+    from tether.runtime import _contain
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.is_set():
+            seen.update(_contain.forkserver_orphans() or ())
+
+    try:
+        with runtime(workers=1, containment="walk") as rt:
+            pool: Any = rt._pool  # type: ignore[attr-defined]
+            sweeper = threading.Thread(target=sweep)
+            sweeper.start()
+            started: set[int] = set()
+            try:
+                for _ in range(40):
+                    spare = eventually(lambda: pool._spare, what="a spare worker")
+                    started.add(spare.pid)
+                    os.kill(spare.pid, signal.SIGKILL)
+                    eventually(
+                        lambda s=spare: pool._spare is not None and pool._spare is not s,
+                        what="the spare replaced",
+                    )
+                started.update(rt.worker_pids)
+            finally:
+                stop.set()
+                sweeper.join()
+        assert seen == set(), f"workers taken for orphans: {seen & started or seen}"
+    finally:
+        sys.setswitchinterval(old_interval)
