@@ -41,6 +41,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import structlog
+
 __all__ = [
     "LIMIT_CONTROLLERS",
     "CgroupUnavailable",
@@ -57,6 +59,7 @@ _KILL_WAIT = 2.0  # seconds one kill pass waits for populated 0 before the calle
 _FREEZE_WAIT = 0.2  # seconds an abort waits for frozen 1 before it lists and kills anyway
 _CPU_PERIOD = 100_000  # µs: cpu.max's period for a limit in cores
 _names = itertools.count()
+log = structlog.get_logger("tether.cgroup")
 
 
 class CgroupUnavailable(Exception):
@@ -383,10 +386,17 @@ class Cgroups:
         store); returns the leaves cleared."""
         cleared = []
         for leaf in self.leaves():
-            for _ in range(10):
-                if leaf.kill() and leaf.remove():
-                    cleared.append(os.path.basename(leaf.path))
-                    break
+            try:
+                for _ in range(10):
+                    if leaf.kill() and leaf.remove():
+                        cleared.append(os.path.basename(leaf.path))
+                        break
+                else:
+                    log.error("cgroup.recover_stuck", leaf=leaf.path)
+            except OSError as exc:  # one stuck leaf must not stop the host starting
+                log.error("cgroup.recover_failed", leaf=leaf.path, error=repr(exc))
+        if cleared:
+            log.warning("cgroup.recovered", group=self.base, leaves=len(cleared))
         return cleared
 
     def close(self) -> None:
