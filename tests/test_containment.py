@@ -600,3 +600,29 @@ def test_the_walks_orphan_sweep_never_takes_a_worker_being_started() -> None:
         assert seen == set(), f"workers taken for orphans: {seen & started or seen}"
     finally:
         sys.setswitchinterval(old_interval)
+
+
+@needs_cgroup
+def test_a_gone_in_memory_hosts_cgroup_is_emptied_and_removed_by_any_new_host() -> None:
+    """An in-memory store has no successor to find its group by name: its group is named
+    after its process, and any host removes it once that process is gone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with runtime(workers=1, containment="cgroup") as rt:
+        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+    group = os.path.join(top, f"m-{gone.pid}-1-0")
+    leaf = os.path.join(group, "w-left")
+    os.makedirs(leaf)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        Path(leaf, "cgroup.procs").write_text(str(sleeper.pid))
+        with runtime(workers=1, containment="cgroup"):
+            assert not os.path.exists(group)
+            assert sleeper.wait(5.0) == -signal.SIGKILL
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        with contextlib.suppress(OSError):
+            os.rmdir(leaf)
+            os.rmdir(group)
