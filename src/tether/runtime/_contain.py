@@ -24,7 +24,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import psutil
@@ -108,20 +108,23 @@ def forkserver_orphans() -> list[int] | None:
     return out
 
 
-def describe(pids: list[int], into: dict[int, tuple[psutil.Process, ProcessFate]]) -> None:
+def describe(
+    procs: Iterable[psutil.Process | int], into: dict[int, tuple[psutil.Process, ProcessFate]]
+) -> None:
     """Note who each process is (start time, argv) before it is killed: a dead one has
-    no argv left to read."""
-    for pid in pids:
+    no argv left to read. A walk passes the Process objects it holds (their start time
+    is already read); a leaf's list is pids."""
+    for item in procs:
+        pid = item if isinstance(item, int) else item.pid
         if pid in into:
             continue
         try:
-            p = psutil.Process(pid)
-            with p.oneshot():
-                started = p.create_time()
-                try:
-                    argv = p.cmdline()
-                except (psutil.AccessDenied, psutil.ZombieProcess):
-                    argv = []
+            p = psutil.Process(item) if isinstance(item, int) else item
+            started = p.create_time()
+            try:
+                argv = p.cmdline()
+            except (psutil.AccessDenied, psutil.ZombieProcess):
+                argv = []
         except psutil.NoSuchProcess:
             continue
         into[pid] = (p, ProcessFate(pid=pid, started=started, argv=argv, signal="SIGKILL"))

@@ -814,7 +814,7 @@ class Pool:
                 # escapees included; None: a worker is starting, look again next pass
                 orphans = _contain.forkserver_orphans()
                 procs = freeze(orphans or [], group=w.pid, token=w.token)
-            _contain.describe([p.pid for p in procs], w.found)
+            _contain.describe(procs, w.found)
             kill_found(procs, group=w.pid)
             w.tree_pids.update(p.pid for p in procs if p.pid != w.pid)
             if all_dead(procs, 0.2) and orphans is not None:
@@ -823,7 +823,7 @@ class Pool:
                 # walk again: a pass that finds nothing alive is the proof
                 again = _contain.forkserver_orphans()
                 rest = kill_tree(again or [], group=w.pid, token=w.token)
-                _contain.describe([p.pid for p in rest], w.found)
+                _contain.describe(rest, w.found)
                 if again is not None and not any(alive(p) for p in rest):
                     return True
             log.warning("worker.kill_retry", pid=w.pid, reason="processes still alive")
