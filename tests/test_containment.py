@@ -626,3 +626,20 @@ def test_a_gone_in_memory_hosts_cgroup_is_emptied_and_removed_by_any_new_host() 
         with contextlib.suppress(OSError):
             os.rmdir(leaf)
             os.rmdir(group)
+
+
+def test_the_v2_hierarchy_is_found_wherever_it_is_mounted(tmp_path: Path) -> None:
+    from tether.runtime._cgroup import v2_mount
+
+    v1 = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory"
+    hybrid = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw"
+    pure = "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate"
+    for lines, want in (
+        ([v1, hybrid], "/sys/fs/cgroup/unified"),
+        ([pure], "/sys/fs/cgroup"),
+        ([v1], None),
+    ):
+        info = tmp_path / "mountinfo"
+        info.write_text("\n".join(lines) + "\n")
+        assert v2_mount(str(info)) == want
+    assert v2_mount(str(tmp_path / "missing")) is None

@@ -346,9 +346,15 @@ class Cgroups:
         base = os.path.join(top, name)
         try:
             os.makedirs(base, exist_ok=True)
-            for probe in ("cgroup.kill", "cgroup.freeze"):
-                if not os.path.exists(os.path.join(base, probe)):
-                    raise CgroupUnavailable(f"this kernel's cgroup v2 has no {probe}")
+            missing = [
+                probe
+                for probe in ("cgroup.kill", "cgroup.freeze")
+                if not os.path.exists(os.path.join(base, probe))
+            ]
+            if missing:  # cgroup.kill is Linux 5.14+
+                with contextlib.suppress(OSError):
+                    os.rmdir(base)
+                raise CgroupUnavailable(f"this kernel's cgroup v2 has no {', '.join(missing)}")
             controllers = _enable(mount, base)
         except OSError as exc:
             raise CgroupUnavailable(f"cannot make a cgroup under {top}: {exc}") from None
