@@ -780,7 +780,7 @@ class Pool:
                 log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
                 return False
             w.tree_pids.update(pid for pid in w.found if pid != w.pid)
-            if w.alive():
+            if w.pid not in w.found and w.alive():
                 # doomed before it joined its leaf (it joins first thing, but a start can
                 # be cut short): the worker itself is then outside, and killed here
                 with contextlib.suppress(psutil.NoSuchProcess):
