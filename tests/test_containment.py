@@ -643,3 +643,30 @@ def test_the_v2_hierarchy_is_found_wherever_it_is_mounted(tmp_path: Path) -> Non
         info.write_text("\n".join(lines) + "\n")
         assert v2_mount(str(info)) == want
     assert v2_mount(str(tmp_path / "missing")) is None
+
+
+@needs_cgroup
+def test_empty_leaves_a_killed_host_left_on_a_store_nobody_reopens_are_removed() -> None:
+    """Its workers killed their own leaves as their host went, but could not remove them;
+    any later host removes an empty leaf once it is old, and never a populated one."""
+    with runtime(workers=1, containment="cgroup") as rt:
+        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+    group = os.path.join(top, f"s-{uuid.uuid4().hex[:16]}")
+    empty, busy = os.path.join(group, "w-empty"), os.path.join(group, "w-busy")
+    os.makedirs(empty)
+    os.makedirs(busy)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        Path(busy, "cgroup.procs").write_text(str(sleeper.pid))
+        hour_ago = time.time() - 3600
+        for leaf in (empty, busy):
+            os.utime(leaf, (hour_ago, hour_ago))
+        with runtime(workers=1, containment="cgroup"):
+            assert not os.path.exists(empty)
+            assert os.path.isdir(busy) and sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for d in (busy, empty, group):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)

@@ -455,16 +455,36 @@ _MEM_GROUP = re.compile(r"m-(\d+)-(\d+)-\d+")
 
 def _remove_dead_memory_groups(top: str) -> None:
     """An in-memory store's group whose host process is gone has no successor: any host
-    kills and removes it."""
+    kills and removes it (and tidies file stores' groups, see below)."""
     try:
         names = os.listdir(top)
     except OSError:
         return
     for name in names:
         m = _MEM_GROUP.fullmatch(name)
-        if m is None or _start_ticks(m.group(1)) == m.group(2):
-            continue  # not one, or its host still runs
+        if m is None:
+            if name.startswith("s-"):
+                _remove_abandoned_leaves(os.path.join(top, name))
+            continue
+        if _start_ticks(m.group(1)) == m.group(2):
+            continue  # its host still runs
         groups = Cgroups(os.path.join(top, name), frozenset())
         groups.recover()
         with contextlib.suppress(OSError):
             os.rmdir(groups.base)
+
+
+_ABANDONED_AGE = 60.0  # seconds: an empty leaf this old is no worker's that is starting
+
+
+def _remove_abandoned_leaves(group: str) -> None:
+    """A file store's group whose host was SIGKILLed, on a store nobody reopens: its
+    workers killed their own leaves on the way out but could not remove them. Any host
+    removes such a leaf once it is empty and old. A live host's leaves hold its workers;
+    one it has just made (its worker not in it yet) is too young; the group itself is
+    left alone (a live host may be about to make leaves in it)."""
+    now = time.time()
+    for leaf in Cgroups(group, frozenset()).leaves():
+        with contextlib.suppress(OSError):
+            if not leaf.populated() and now - os.stat(leaf.path).st_mtime > _ABANDONED_AGE:
+                os.rmdir(leaf.path)
