@@ -121,12 +121,16 @@ def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> tuple[st
     rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", script]}))
     turn = rt.wait(child, until="running").turn
     assert turn is not None
-    job: TurnJob = rt._pool._jobs[turn]  # type: ignore[attr-defined]
+    pool: Any = rt._pool  # type: ignore[attr-defined]
+    # a claimed turn reaches the pool once its claim is durable, a worker just after
+    job: TurnJob = eventually(lambda: pool._jobs.get(turn), what="the turn in the pool")
+    eventually(lambda: pool._where.get(turn), what="the turn on a worker")
     return turn, job
 
 
 def _worker_pid(rt: tether.Runtime, turn: str) -> int:
-    pid: int = rt._pool._where[turn].pid  # type: ignore[attr-defined]
+    pool: Any = rt._pool  # type: ignore[attr-defined]
+    pid: int = eventually(lambda: pool._where.get(turn), what="the turn on a worker").pid
     return pid
 
 
