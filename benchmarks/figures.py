@@ -65,6 +65,9 @@ CASES: dict[str, Case] = {
     c.name: c
     for c in (
         _c("tether.abort", "tether_cases:abort", (3, 7), (90, 400)),
+        # Issue 19: cgroup containment; skipped with a note where no cgroup v2 is writable.
+        _c("tether.abort_cgroup", "tether_cases:abort_cgroup", (3, 7), (90, 400),
+           optional=True),
         _c("tether.abort_loaded", "tether_cases:abort_loaded", (2, 5), (120, 500)),
         _c("tether.respawn", "tether_cases:respawn", (3, 7), (90, 400)),
         _c("tether.cancel_signal", "tether_cases:cancel_signal", (3, 7), (60, 300)),
@@ -81,6 +84,8 @@ CASES: dict[str, Case] = {
         _c("tether.sessions_1m", "tether_cases:sessions_1m", (1, 1), (1800, 1800),
            fresh=True, full_only=True),
         _c("tether.pause_resume", "tether_cases:pause_resume", (3, 7), (60, 300)),
+        _c("tether.pause_cgroup", "tether_cases:pause_cgroup", (3, 7), (60, 300),
+           optional=True),
         _c("tether.watchdog_overhead", "tether_cases:watchdog_overhead", (3, 7), (120, 600)),
         # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
@@ -113,6 +118,12 @@ FIGURES: list[Figure] = [
            Target(_LE, 10), "baseline.killpg_reap_p50_ms"),
     Figure("abort_p99_ms", "tether.abort", "abort_ms", "p99", "ms",
            Target(_LE, 30), "baseline.killpg_reap_p99_ms"),
+    # Issue 19: the same abort under containment="cgroup", its tree holding an env-cleared
+    # setsid escapee (dead and recorded); read next to the walk's abort_p50_ms.
+    Figure("abort_cgroup_p50_ms", "tether.abort_cgroup", "abort_ms", "p50", "ms",
+           baseline="abort_p50_ms"),
+    Figure("abort_cgroup_p99_ms", "tether.abort_cgroup", "abort_ms", "p99", "ms",
+           baseline="abort_p99_ms"),
     Figure("abort_p99_ms_loaded", "tether.abort_loaded", "abort_ms", "p99", "ms",
            Target(_LE, 30), "baseline.killpg_reap_p99_ms"),
     Figure("cancel_signal_p50_us", "tether.cancel_signal", "signal_us", "p50", "us",
@@ -150,6 +161,9 @@ FIGURES: list[Figure] = [
     Figure("pause_p50_ms", "tether.pause_resume", "pause_ms", "p50", "ms", Target(_LE, 10),
            "baseline.killpg_reap_p50_ms"),
     Figure("resume_p50_ms", "tether.pause_resume", "resume_ms", "p50", "ms", Target(_LE, 10)),
+    # Issue 19: pause under containment="cgroup" → the leaf says frozen 1.
+    Figure("pause_cgroup_p50_ms", "tether.pause_cgroup", "pause_ms", "p50", "ms",
+           baseline="pause_p50_ms"),
     Figure("watchdog_overhead_pct", "tether.watchdog_overhead", "overhead_pct", "p50", "%",
            Target(_LE, 5)),
     # Issue 12, backend="ray": no targets of their own; read them next to the local rows

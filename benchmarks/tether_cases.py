@@ -25,7 +25,7 @@ import psutil
 
 import tether
 from benchmarks import _procs, drivers
-from benchmarks._case import Cfg, Samples, ms_since, poll_until, us_since
+from benchmarks._case import Cfg, Samples, Skip, ms_since, poll_until, us_since
 
 SCRIPTED = "tether:Scripted"
 STAMPED = "benchmarks.drivers:Stamped"
@@ -140,8 +140,9 @@ def _quiet_child(rt: tether.Runtime, driver: str) -> tuple[str, tether.User]:
 
 def abort(cfg: Cfg) -> Iterator[Samples]:
     """`interrupt(kind="abort")` on a turn wedged in the tree → worker, sh and both sleeps
-    dead (pidfds) and the turn ended `aborted` (event); the later of the two."""
-    with tether.Runtime(workers=2) as rt:
+    dead (pidfds) and the turn ended `aborted` (event); the later of the two. The walk
+    (containment="walk"); `abort_cgroup` is the same under cgroup containment."""
+    with tether.Runtime(workers=2, containment="walk") as rt:
         child, auth = _quiet_child(rt, SCRIPTED)
         events = Events(rt, {"turn.ended"})
         _pool_steady(rt, 2)
@@ -646,8 +647,9 @@ def _until(pids: list[int], pred: Callable[[str], bool]) -> int:
 def pause_resume(cfg: Cfg) -> Iterator[Samples]:
     """`pause` call → every process of the wedged turn's tree (worker, sh, both sleeps)
     stopped (state T in /proc); `resume` call → none of them stopped. Spins on /proc from
-    the calling thread, so the figure includes the host's whole path to the signals."""
-    with tether.Runtime(workers=2) as rt:
+    the calling thread, so the figure includes the host's whole path to the signals. The
+    walk's pause (SIGSTOP); `pause_cgroup` is cgroup containment's."""
+    with tether.Runtime(workers=2, containment="walk") as rt:
         child, auth = _quiet_child(rt, SCRIPTED)
         _pool_steady(rt, 2)
         tag = _procs.wedge_tag()
@@ -702,3 +704,104 @@ def watchdog_overhead(cfg: Cfg) -> Iterator[Samples]:
             base = rate(*setups[0], n)
             with_policy = rate(*setups[1], n)
             yield {"overhead_pct": [(1 - with_policy / base) * 100]}
+
+
+# ---------------------------------------------------------------- cgroup containment
+
+
+def _cgroup_runtime() -> tether.Runtime:
+    try:
+        return tether.Runtime(workers=2, containment="cgroup")
+    except tether.InvalidParams as exc:  # no writable cgroup v2 here: say why
+        raise Skip(exc.message) from None
+
+
+def _escapee_wedge(tag: str) -> dict[str, Any]:
+    """The wedge plus issue 19's escapee: a double-forked sleep that left the session and
+    cleared its environment (`sleep <tag>1`)."""
+    script = f"( ( exec env -i setsid sleep {tag}1 ) & ) & sleep {tag} & sleep {tag}; wait"
+    return {"steps": [{"op": "tool", "argv": ["sh", "-c", script]}]}
+
+
+def _escapee_pid(tag: str) -> int:
+    def find() -> int | None:
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.cmdline() == ["sleep", f"{tag}1"]:
+                    return p.pid
+            except psutil.Error:
+                continue
+        return None
+
+    return poll_until(find, WAIT, "the escapee")
+
+
+def abort_cgroup(cfg: Cfg) -> Iterator[Samples]:
+    """`interrupt(kind="abort")` under containment="cgroup" on a wedged turn with an
+    env-cleared `setsid` escapee → worker, sh, both sleeps and the escapee dead (pidfds)
+    and the turn ended `aborted` (event); the later of the two."""
+    with _cgroup_runtime() as rt:
+        child, auth = _quiet_child(rt, SCRIPTED)
+        events = Events(rt, {"turn.ended"})
+        _pool_steady(rt, 2)
+        while True:
+            samples = []
+            for _ in range(cfg.n(20, 60)):
+                tag = _procs.wedge_tag()
+                rt.send(child, "wedge", data=_escapee_wedge(tag), authority=auth)
+                tree = _procs.find_tree(tag, WAIT)
+                pids = [*tree.pids(with_starter=True), _escapee_pid(tag)]
+                mark = events.mark()
+                with _procs.DeathWatch(pids) as watch:
+                    t0 = time.perf_counter_ns()
+                    rt.interrupt(child, authority=auth, kind="abort", reason="bench")
+                    dead = watch.wait(WAIT)
+                    ended, ev = events.wait(mark, _on(child, "turn.ended"))
+                if ev.data["outcome"] != "aborted" or rt.turns(child)[-1].outcome != "aborted":
+                    raise RuntimeError(f"the wedged turn ended {ev.data['outcome']}, not aborted")
+                samples.append(ms_since(t0, max(dead, ended)))
+                _pool_steady(rt, 2)
+            yield {"abort_ms": samples}
+
+
+def _cgroup_events(pid: int) -> Path:
+    with open(f"/proc/{pid}/cgroup") as f:
+        rel = next(line[3:].strip() for line in f if line.startswith("0::"))
+    from tether.runtime._cgroup import v2_mount
+
+    mount = v2_mount()
+    if mount is None:
+        raise RuntimeError("no cgroup v2 hierarchy")
+    return Path(mount, rel.lstrip("/"), "cgroup.events")
+
+
+def _until_frozen(events: Path, frozen: bool) -> int:
+    want = "frozen 1" if frozen else "frozen 0"
+    deadline = time.monotonic() + WAIT
+    while want not in events.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{events} not {want!r} after {WAIT:g}s")
+    return time.perf_counter_ns()
+
+
+def pause_cgroup(cfg: Cfg) -> Iterator[Samples]:
+    """`pause` under containment="cgroup" → the wedged turn's leaf says `frozen 1` (every
+    process in it frozen, escapees included); `resume` → `frozen 0`."""
+    with _cgroup_runtime() as rt:
+        child, auth = _quiet_child(rt, SCRIPTED)
+        _pool_steady(rt, 2)
+        tag = _procs.wedge_tag()
+        rt.send(child, "wedge", data=_escapee_wedge(tag), authority=auth)
+        tree = _procs.find_tree(tag, WAIT)
+        events = _cgroup_events(tree.starter)
+        while True:
+            paused, resumed = [], []
+            for _ in range(cfg.n(30, 100)):
+                t0 = time.perf_counter_ns()
+                if not rt.pause(child, authority=auth):
+                    raise RuntimeError("pause froze no turn")
+                paused.append(ms_since(t0, _until_frozen(events, True)))
+                t0 = time.perf_counter_ns()
+                rt.resume(child, authority=auth)
+                resumed.append(ms_since(t0, _until_frozen(events, False)))
+            yield {"pause_ms": paused, "resume_ms": resumed}

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, TypeVar
 import psutil
 
 import tether
+from tether.runtime._cgroup import v2_mount
 
 SCRIPTED = "tether:Scripted"
 
@@ -329,6 +330,27 @@ def alive(proc: psutil.Process) -> bool:
     try:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
+        return False
+
+
+def frozen(proc: psutil.Process) -> bool:
+    """Stopped in place: SIGSTOPped (the walk's pause), or in a cgroup whose
+    ``cgroup.events`` says ``frozen 1`` (a cgroup pause, where tasks still show as
+    sleeping)."""
+    try:
+        if proc.status() == psutil.STATUS_STOPPED:
+            return True
+        with open(f"/proc/{proc.pid}/cgroup") as f:
+            rel = next((ln[3:].strip() for ln in f if ln.startswith("0::")), None)
+    except (psutil.NoSuchProcess, OSError):
+        return False
+    mount = v2_mount()
+    if rel is None or mount is None or rel == "/":
+        return False
+    try:
+        with open(os.path.join(mount, rel.lstrip("/"), "cgroup.events")) as f:
+            return "frozen 1" in f.read()
+    except OSError:
         return False
 
 

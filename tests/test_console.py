@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 
+from drivers import frozen
 from tether_server import LiveServer, running_server, wait_until
 
 try:
@@ -313,17 +314,12 @@ def test_abort_of_a_child_wedged_in_sleep_kills_its_processes(
 
 
 def _stopped(procs: list[psutil.Process]) -> bool:
-    try:
-        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
-    except psutil.NoSuchProcess:
-        return False
+    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
+    return all(frozen(p) for p in procs)
 
 
 def _thawed(procs: list[psutil.Process]) -> bool:
-    try:
-        return not any(p.status() == psutil.STATUS_STOPPED for p in procs)
-    except psutil.NoSuchProcess:
-        return False
+    return not any(frozen(p) for p in procs)
 
 
 def test_pause_freezes_a_hanging_child_and_resume_thaws_it(

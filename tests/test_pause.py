@@ -1,7 +1,8 @@
 """Pause and resume (SPEC §14.4) and the stall watchdog (SPEC §14.5), with real workers.
 
-Frozen means SIGSTOPped: every check of "paused" looks at the processes' own state
-(psutil ``stopped``), and every check of "resumed" at what the thawed turn then does.
+Frozen means SIGSTOPped (the walk) or in a frozen cgroup (cgroup containment): every
+check of "paused" looks at the processes' own state (``drivers.frozen``), and every
+check of "resumed" at what the thawed turn then does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    frozen,
     steps,
     texts,
     tree_of,
@@ -41,17 +43,12 @@ def _family(rt: tether.Runtime, **spawn: object) -> tuple[str, str, User]:
 
 
 def _stopped(procs: list[psutil.Process]) -> bool:
-    try:
-        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
-    except psutil.NoSuchProcess:
-        return False
+    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
+    return all(frozen(p) for p in procs)
 
 
 def _running(procs: list[psutil.Process]) -> bool:
-    try:
-        return all(p.status() != psutil.STATUS_STOPPED for p in procs if alive(p))
-    except psutil.NoSuchProcess:
-        return True
+    return not any(frozen(p) for p in procs if alive(p))
 
 
 def _markers(rt: tether.Runtime, sid: str) -> list[str]:
@@ -93,9 +90,7 @@ def test_pause_mid_tool_stops_every_process_and_resume_finishes_the_turn_intact(
     assert resumed == f"▶ Resumed by user ({me.parent})"
 
 
-def test_pause_of_a_subtree_freezes_its_running_descendants_and_leaves_a_sibling_running() -> (
-    None
-):
+def test_pause_of_a_subtree_freezes_its_running_descendants_and_leaves_a_sibling_running() -> None:
     with tether.Runtime(workers=3, grace=1.0) as rt:  # a worker for each hanging turn
         _subtree(rt)
 
@@ -119,9 +114,7 @@ def _subtree(rt: tether.Runtime) -> None:
     assert rt.status(a).state == "paused" and rt.status(a1).state == "paused"
     assert rt.status(b).state == "running"
     seen_b = len(rt.transcript(b))
-    eventually(
-        lambda: len(rt.transcript(b)) > seen_b or None, what="the sibling to keep working"
-    )
+    eventually(lambda: len(rt.transcript(b)) > seen_b or None, what="the sibling to keep working")
 
     assert sorted(rt.resume(a, authority=me, scope="subtree")) == sorted(frozen)
     assert rt.status(a).state == "running" and rt.status(a1).state == "running"

@@ -25,6 +25,7 @@ from drivers import (
     Recorder,
     entries,
     eventually,
+    frozen,
     runtime,
     steps,
     wait_entry,
@@ -74,7 +75,7 @@ def _stopped_workers(rt: tether.Runtime) -> list[int]:
     out = []
     for pid in rt.worker_pids:
         with contextlib.suppress(psutil.NoSuchProcess):
-            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+            if frozen(psutil.Process(pid)):  # SIGSTOPped, or in a frozen cgroup
                 out.append(pid)
     return out
 

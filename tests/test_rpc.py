@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
+from drivers import frozen
 from tether.serve.sse import EventHub
 from tether_server import TETHER, EventReader, LiveServer, running_server, wait_until
 
@@ -443,17 +444,12 @@ def _tool_tree(server: LiveServer) -> list[psutil.Process]:
 
 
 def _all_stopped(procs: list[psutil.Process]) -> bool:
-    try:
-        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
-    except psutil.NoSuchProcess:
-        return False
+    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
+    return all(frozen(p) for p in procs)
 
 
 def _none_stopped(procs: list[psutil.Process]) -> bool:
-    try:
-        return not any(p.status() == psutil.STATUS_STOPPED for p in procs)
-    except psutil.NoSuchProcess:
-        return False
+    return not any(frozen(p) for p in procs)
 
 
 @pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import pytest
 from jsonschema import Draft202012Validator, ValidationError
 
 import tether
-from drivers import eventually, tree_of, worker_with_tool
+from drivers import eventually, frozen, tree_of, worker_with_tool
 
 NAMES = [
     "spawn_agent",
@@ -167,7 +167,5 @@ def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
 
 
 def _stopped(procs: list[psutil.Process]) -> bool:
-    try:
-        return all(p.status() == psutil.STATUS_STOPPED for p in procs)
-    except psutil.NoSuchProcess:
-        return False
+    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
+    return all(frozen(p) for p in procs)

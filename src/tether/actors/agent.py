@@ -296,6 +296,7 @@ class Session:
             permissions=h.permissions,
             sink=host.sink(h.id),
             claim=claim,
+            limits=h.limits,
         )
         stall = h.stall
         if stall is not None:
@@ -761,6 +762,7 @@ class Session:
             reason=reason,
             error=error,
             final=final,
+            resources=t.job.resources,
         )
         if stop is not None:
             self._final_report(

@@ -74,6 +74,10 @@ class TurnJob:
     # worker only once it is done, so a claim lost to a failed commit never runs work
     # that a restart would run again.
     claim: Durable | None = None
+    # The session's limits (SPEC §15.5), applied by the executor to the turn's cgroup,
+    # and what that cgroup counted for the turn, filled before the end is reported.
+    limits: dict[str, float] | None = None
+    resources: dict[str, float] | None = None
 
     def start(self) -> tuple[RunTurn, list[HostFrame]]:
         """The frame that starts this turn on a worker, and the frames held for it that

@@ -165,8 +165,30 @@ def _open(args: argparse.Namespace, client: Client) -> int:
 
 
 def _stall(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``stall`` field, only when given (an older server knows no such field)."""
-    return {} if args.stall is None else {"stall": args.stall}
+    """The ``stall`` and ``limits`` fields, only when given (an older server knows no
+    such field)."""
+    out: dict[str, Any] = {} if args.stall is None else {"stall": args.stall}
+    if getattr(args, "limits", None) is not None:
+        out["limits"] = args.limits
+    return out
+
+
+def _limits_arg(text: str) -> dict[str, float]:
+    """``--limits memory_mb=512,pids=64,cpu=1.5``; the server checks them again, and
+    refuses one the kernel cannot enforce there (SPEC §15.5)."""
+    out: dict[str, float] = {}
+    for piece in text.split(","):
+        key, eq, value = piece.partition("=")
+        key = key.strip()
+        if not eq or key not in ("memory_mb", "pids", "cpu"):
+            raise argparse.ArgumentTypeError(
+                f"{piece!r}: expected KEY=NUMBER with KEY one of memory_mb, pids, cpu"
+            )
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a number") from None
+    return out
 
 
 def _message_id(result: dict[str, Any]) -> str:
@@ -495,6 +517,7 @@ def _run_serve(serve: Any, args: argparse.Namespace) -> int:
             grace=args.grace,
             backend=args.backend,
             ray_address=args.ray_address,
+            containment=args.containment,
             max_body=args.max_body,
             max_streams=args.max_streams,
             fd_reserve=args.fd_reserve,
@@ -543,6 +566,13 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="the stall watchdog's policy: after=60,every=30,steps=steer+cancel+abort"
         "[,nudge=TEXT][,repeat=N][,grace=S] (a child without one inherits its parent's)",
+    )
+    p.add_argument(
+        "--limits",
+        type=_limits_arg,
+        metavar="SPEC",
+        help="each turn's limits, enforced by its cgroup: memory_mb=512,pids=64,cpu=1.5 "
+        "(a child without its own inherits its parent's; unenforceable here: an error)",
     )
 
 
@@ -767,6 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-address",
         default=None,
         help="the Ray cluster to join (e.g. ray://head:10001 or auto; default: start one)",
+    )
+    p.add_argument(
+        "--containment",
+        choices=("auto", "cgroup", "walk"),
+        default=os.environ.get("TETHER_CONTAINMENT") or "auto",
+        help="how a turn's processes are held: a cgroup v2 leaf per worker (cgroup), the "
+        "process-tree walk (walk), or cgroup where available (auto, the default)",
     )
     p.add_argument("--grace", type=_grace_arg, default=5.0, help="default cancel grace, seconds")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")

@@ -35,6 +35,7 @@ __all__ = [
     "descendants",
     "freeze",
     "freeze_tree",
+    "kill_found",
     "kill_tree",
     "reap",
     "sweep",
@@ -124,7 +125,9 @@ def tagged(token: str) -> list[int]:
 
     Only for a tree whose root is gone: it reads every process's environment. A tool
     that both leaves the session and clears its environment is beyond this scan; the
-    abort and host-death paths never rely on it (they walk a frozen, living root).
+    abort and host-death paths never rely on it (they walk a frozen, living root), and
+    a dead worker's orphans are also found with the forkserver, a subreaper
+    (``_contain.forkserver_orphans``).
     """
     needle = f"\0{TREE_ENV}={token}\0".encode()
     found = []
@@ -182,12 +185,18 @@ def kill_tree(
     """One pass: ``freeze``, then SIGKILL everything found, deepest first. Returns every
     process it found, for the caller to check."""
     procs = freeze(roots, group=group, token=token)
+    kill_found(procs, group=group)
+    return procs
+
+
+def kill_found(procs: Sequence[psutil.Process], *, group: int | None = None) -> None:
+    """The second half of a pass: SIGKILL what ``freeze`` found, deepest first, then the
+    group."""
     for p in reversed(procs):  # deepest first
         _signal(p, signal.SIGKILL)
     if group is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
-    return procs
 
 
 def reap(pids: Iterable[int]) -> None:

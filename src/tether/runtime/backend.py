@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tether.actors.ports import Executor
+from tether.runtime._cgroup import Cgroups
 from tether.runtime.pool import Pool, PoolHost
 from tether.wire.errors import InvalidParams, TetherError
 
@@ -58,8 +59,8 @@ class Backend(Executor, Protocol):
 BackendFactory = Callable[[int, WorkerHost], Backend]
 
 
-def _local(workers: int, host: WorkerHost) -> Backend:
-    return Pool(workers, host)  # mypy checks here that the pool is a Backend
+def _local(workers: int, host: WorkerHost, cgroups: Cgroups | None = None) -> Backend:
+    return Pool(workers, host, cgroups=cgroups)  # mypy checks here that the pool is a Backend
 
 
 def check_backend(backend: str | BackendFactory, ray_address: str | None) -> None:
@@ -84,13 +85,15 @@ def make_backend(
     *,
     ray_address: str | None = None,
     ray_options: dict[str, Any] | None = None,
+    cgroups: Cgroups | None = None,
 ) -> Backend:
-    """Build the backend named by ``backend`` (or call a factory)."""
+    """Build the backend named by ``backend`` (or call a factory). ``cgroups``: the
+    host's cgroup group for cgroup containment (the local backend only)."""
     check_backend(backend, ray_address)
     if callable(backend):
         return backend(workers, host)
     if backend == "local":
-        return _local(workers, host)
+        return _local(workers, host, cgroups)
     if backend == "ray":
         # Ray is present: an error importing it is a broken install, and says so itself.
         from tether.runtime.ray_backend import RayBackend

@@ -37,11 +37,16 @@ processes) runs on the two long-lived threads and is retried there; the end of a
 never waits for a thread to start. A frame that fails to decode, for any reason, makes
 its worker faulty: its turn ends crashed and it is replaced.
 
-Escapees (a tool that called ``setsid``) are found by walking the frozen worker, a
-subreaper to which orphans re-parent. A worker that died on its own (SIGKILL included)
-has no tree left to walk: its tools carry ``TETHER_TREE=<token>`` in their environment,
-and the reaper kills what it finds by that tag (see ``_procs.tagged`` for the limit).
-When the host dies, each worker sweeps its own tree on its channel's end.
+Containment (SPEC §15.5, ``_contain``): with ``cgroups``, each worker lives in a leaf of
+its own and the reaper's kill is ``cgroup.kill``, waited for until the leaf is empty; a
+pause is ``cgroup.freeze``. Without (the walk): escapees (a tool that called ``setsid``)
+are found by walking the frozen worker, a subreaper to which orphans re-parent. A worker
+that died on its own (SIGKILL included) has no tree left to walk: its orphans re-parent
+to the forkserver (a subreaper too), where the reaper finds them as forkserver children
+that are no worker, and its tools carry ``TETHER_TREE=<token>`` in their environment.
+When the host dies, each worker sweeps its own tree (or kills its leaf) on its channel's
+end. Either way the job learns how its tree was killed and what died (``kill_via``,
+``kill_procs``), and what its leaf counted (``resources``), before its end is reported.
 """
 
 from __future__ import annotations
@@ -69,7 +74,18 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
-from tether.runtime._procs import alive, all_dead, freeze_tree, kill_tree, reap, thaw_tree
+from tether.runtime import _contain
+from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
+from tether.runtime._procs import (
+    alive,
+    all_dead,
+    freeze,
+    freeze_tree,
+    kill_found,
+    kill_tree,
+    reap,
+    thaw_tree,
+)
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, FrameError, InvalidParams, TetherError
@@ -96,7 +112,13 @@ __all__ = ["HELD_BYTES", "Pool", "PoolHost"]
 
 log = structlog.get_logger("tether.pool")
 
-_PRELOAD = ["tether.runtime.worker", "tether.runtime.scripted", "tether"]
+_PRELOAD = [
+    "tether.runtime.worker",
+    "tether.runtime.scripted",
+    "tether",
+    _contain.FORKSERVER_PRELOAD,
+]
+_PAUSE_WAIT = 2.0  # seconds a cgroup pause waits for the kernel's "frozen 1"
 _START_TIMEOUT = 30.0
 _DEATH_TIMEOUT = 5.0
 _CLOSE_TIMEOUT = 30.0
@@ -131,6 +153,12 @@ def _forkserver_release() -> None:
     with _fs_lock:
         _fs_users -= 1
         if _fs_users == 0:
+            # what dead workers left with the forkserver (its subreaper children) would
+            # outlive it: they go first
+            orphans = _contain.forkserver_orphans()
+            if orphans:
+                with contextlib.suppress(OSError):
+                    kill_tree(orphans)
             multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
             tracker: Any = multiprocessing.resource_tracker._resource_tracker
             if tracker._pid is not None:
@@ -195,14 +223,25 @@ class _Worker:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.token = secrets.token_hex(8)
+        # cgroup containment: the worker's own leaf, which it joins as it starts
+        self.leaf: Leaf | None = None
+        if pool.cgroups is not None:
+            self.leaf = pool.cgroups.leaf(f"w-{self.token}")
+            self.leaf.create()
         host_sock, child_sock = socket.socketpair()
         try:
+            leaf_path = None if self.leaf is None else self.leaf.path
             self.process = _WorkerProcess(
-                target=worker_main, args=(child_sock, self.token), daemon=True, name="tether-worker"
+                target=worker_main,
+                args=(child_sock, self.token, leaf_path),
+                daemon=True,
+                name="tether-worker",
             )
             self.process.start()
         except BaseException:
             host_sock.close()
+            if self.leaf is not None:
+                self.leaf.remove()
             raise
         finally:
             child_sock.close()
@@ -229,6 +268,8 @@ class _Worker:
         # lock, with the group's SIGSTOP/SIGCONT, so a stop only ever lands on that turn
         # and a stopped worker is never handed another (see ``Pool.freeze``).
         self.frozen_for: str | None = None
+        # every process a kill pass signalled: who it was, for the stop report
+        self.found: dict[int, tuple[psutil.Process, Any]] = {}
         self.reader_done = False
         self.finished = False
         # Outbound frames, written by the sender thread: no caller ever blocks on this
@@ -301,11 +342,12 @@ class Pool:
     until they are dead) and the spawner starts replacements (retrying with backoff).
     """
 
-    def __init__(self, size: int, host: PoolHost) -> None:
+    def __init__(self, size: int, host: PoolHost, *, cgroups: Cgroups | None = None) -> None:
         if size < 1:
             raise ValueError("a pool needs at least one worker")
         self.size = size
         self.host = host
+        self.cgroups = cgroups  # None: the walk (SPEC §15.5)
         self.ctx = _forkserver_acquire()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -379,8 +421,17 @@ class Pool:
             if w.doomed or w.frozen_for == turn:
                 return
             w.frozen_for = turn
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.pid, signal.SIGSTOP)
+            if w.leaf is not None:
+                # the whole leaf, escapees included: one write, under the lock like the
+                # walk's SIGSTOP of the group
+                w.leaf.freeze()
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.pid, signal.SIGSTOP)
+        if w.leaf is not None:
+            if not w.leaf.freeze(wait=_PAUSE_WAIT):  # reported once the kernel says frozen
+                log.warning("worker.freeze_slow", pid=w.pid, turn=turn)
+            return
         escapees = freeze_tree(w.pid)
         with self._lock:
             if w.frozen_for == turn and not w.doomed:
@@ -403,7 +454,10 @@ class Pool:
                 return  # being killed: it stays frozen until it is dead
             escapees, w.frozen = w.frozen, []
             w.frozen_for = None
-            thaw_tree(w.pid, escapees)  # signals only: no walk under the lock
+            if w.leaf is not None:
+                w.leaf.thaw()
+            else:
+                thaw_tree(w.pid, escapees)  # signals only: no walk under the lock
 
     def respawn_failing(self) -> bool:
         """True while replacement workers fail to start (they are being retried)."""
@@ -560,6 +614,12 @@ class Pool:
             w.job = job
             w.last_turn = job.turn
             self._where[job.turn] = w
+            if w.leaf is not None or job.limits:
+                error = _start_in_leaf(w.leaf, job)
+                if error is not None:
+                    w.error = error
+                    self._doom_locked(w)
+                    return  # _doom_locked dispatched again
             w.post_encoded(payloads)
 
     def _doom_locked(self, w: _Worker) -> None:
@@ -581,6 +641,9 @@ class Pool:
         # killpg needs no descriptor, so this holds even when the walk must wait.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(w.pid, signal.SIGSTOP)
+        if w.leaf is not None:
+            with contextlib.suppress(OSError):
+                w.leaf.freeze()  # the whole leaf, escapees included; the reaper waits
         self._doomed[w] = 0.0
         self._probe_done.notify_all()
         self._dispatch_locked()
@@ -593,6 +656,8 @@ class Pool:
         log.error("worker.respawn_failed", failures=self._failures, retry_in=retry_in)
 
     def _on_ready(self, w: _Worker) -> None:
+        if w.leaf is not None:
+            w.leaf.mark()
         with self._lock:
             if w.doomed:
                 return
@@ -639,7 +704,9 @@ class Pool:
     def _spawn_one(self) -> None:
         """Start one worker (counted in ``_starting``); any failure is a failed start."""
         try:
-            w = _Worker(self)
+            with _contain.launching() as started:
+                w = _Worker(self)
+                started.append(w.pid)
         except Exception as exc:
             with self._lock:
                 self._starting -= 1
@@ -702,21 +769,62 @@ class Pool:
                     self._maybe_finish(w)
 
     def _kill_pass(self, w: _Worker) -> bool:
-        """One attempt at ``w``'s whole tree; True when nothing of it is left alive."""
+        """One attempt at ``w``'s whole tree; True when nothing of it is left alive. A
+        turn's job learns how, and what died (``kill_via``, ``kill_procs``), and what its
+        leaf counted, before the end is reported."""
+        job = w.job
+        if w.leaf is not None:
+            try:
+                dead = _contain.cgroup_pass(w.leaf, w.found)
+            except OSError as exc:
+                log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
+                return False
+            w.tree_pids.update(pid for pid in w.found if pid != w.pid)
+            if w.pid not in w.found and w.alive():
+                # doomed before it joined its leaf (it joins first thing, but a start can
+                # be cut short): the worker itself is then outside, and killed here
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    assert w.ps is not None
+                    w.ps.kill()
+                dead = False
+            if not dead:
+                log.warning("worker.kill_retry", pid=w.pid, reason="the leaf is not empty")
+                return False
+            if job is not None:
+                job.resources = w.leaf.usage()
+                if w.leaf.oom_killed() and not w.killed:
+                    w.error = "memory limit"
+                job.kill_via, job.kill_procs = "cgroup", _contain.fates(w.found)
+            return True
+        dead = self._walk_pass(w)
+        if dead and job is not None:
+            job.kill_via, job.kill_procs = "walk", _contain.fates(w.found)
+        return dead
+
+    def _walk_pass(self, w: _Worker) -> bool:
         try:
             # A living (frozen) worker is the root of its whole tree: orphans re-parent to
             # it (a subreaper). Once it is gone its tree has dispersed: find it by its tag.
             rooted = w.alive()
+            orphans: list[int] | None = []
             if rooted:
-                procs = kill_tree([w.pid], group=w.pid)
+                procs = freeze([w.pid], group=w.pid)
             else:
-                procs = kill_tree([], group=w.pid, token=w.token)
+                # what its death left with the forkserver (a subreaper), env-cleared
+                # escapees included; None: a worker is starting, look again next pass
+                orphans = _contain.forkserver_orphans()
+                procs = freeze(orphans or [], group=w.pid, token=w.token)
+            _contain.describe(procs, w.found)
+            kill_found(procs, group=w.pid)
             w.tree_pids.update(p.pid for p in procs if p.pid != w.pid)
-            if all_dead(procs, 0.2):
+            if all_dead(procs, 0.2) and orphans is not None:
                 if rooted:
                     return True  # the tree was frozen whole before the kill: nothing is new
                 # walk again: a pass that finds nothing alive is the proof
-                if not any(alive(p) for p in kill_tree([], group=w.pid, token=w.token)):
+                again = _contain.forkserver_orphans()
+                rest = kill_tree(again or [], group=w.pid, token=w.token)
+                _contain.describe(rest, w.found)
+                if again is not None and not any(alive(p) for p in rest):
                     return True
             log.warning("worker.kill_retry", pid=w.pid, reason="processes still alive")
         except OSError as exc:  # out of descriptors, typically: try again later
@@ -786,6 +894,8 @@ class Pool:
                     w.job = None
                     del self._jobs[job.turn]
                     del self._where[job.turn]
+                    if w.leaf is not None:  # before the next turn resets its baselines
+                        job.resources = w.leaf.usage()
                     if w.frozen_for is not None:
                         # A pause stopped it after its driver had ended: its turn is
                         # over, and no turn may go to a stopped worker. The spare
@@ -854,6 +964,9 @@ class Pool:
             self._report(w, job, w.error or "killed")
             job = None
         w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the forkserver's report
+        _contain.forget_worker(w.pid)
+        if w.leaf is not None and not w.leaf.remove():
+            log.warning("worker.leaf_left", pid=w.pid, leaf=w.leaf.path)
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
         code = w.process.exitcode
         if job is not None:
@@ -873,3 +986,24 @@ def _held_over(frame: HostFrame, held: int) -> InvalidParams:
         f" which cannot take them now (it is paused, or waits for a worker); at most"
         f" {HELD_BYTES} bytes may wait. Resume the turn, or wait for it to start."
     )
+
+
+def _start_in_leaf(leaf: Leaf | None, job: TurnJob) -> str | None:
+    """The turn's limits on its worker's leaf, and its figures' baselines; the reason if
+    they cannot be applied (the turn then ends crashed rather than run unlimited: a
+    session's limits were checked when it was made, but a later host on the same store
+    may not have the controllers)."""
+    missing = (
+        sorted(job.limits or ())
+        if leaf is None
+        else sorted(k for k in job.limits or () if LIMIT_CONTROLLERS[k] not in leaf.controllers)
+    )
+    if missing:
+        return f"the session's limits {missing} cannot be enforced by this host"
+    assert leaf is not None
+    try:
+        leaf.set_limits(job.limits)
+        leaf.begin_turn()
+    except OSError as exc:
+        return f"cannot apply the turn's limits to its cgroup: {exc}"
+    return None

@@ -39,6 +39,7 @@ from tether.actors.host import (
 )
 from tether.actors.ports import Executor, TurnJob
 from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
+from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
 from tether.runtime._log import configure_logging
 from tether.runtime.backend import Backend, BackendFactory, check_backend, make_backend
 from tether.runtime.claims import ClaimGate
@@ -70,12 +71,14 @@ from tether.wire.vocab import (
     text_problem,
 )
 
-__all__ = ["KINDS", "MAX_CONTENT", "OneShot", "Runtime"]
+__all__ = ["CONTAINMENTS", "KINDS", "MAX_CONTENT", "OneShot", "Runtime", "check_limits"]
 
 log = structlog.get_logger("tether.runtime")
 _stdlib_log = logging.getLogger("tether.runtime")
 
 KINDS = ("steer", "cancel", "abort", "preempt")
+CONTAINMENTS = ("auto", "cgroup", "walk")
+CONTAINMENT_ENV = "TETHER_CONTAINMENT"  # the default of ``containment`` (CI forces each)
 MAX_CONTENT = 1_000_000  # characters in one message
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
@@ -197,17 +200,28 @@ class Runtime:
         backend: str | BackendFactory = "local",
         ray_address: str | None = None,
         ray_options: dict[str, Any] | None = None,
+        containment: str | None = None,
     ) -> None:
         """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the forkserver pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
         none starts a local one; ``ray_options`` are RayBackend's settings), or a
-        factory ``(workers, host) -> Backend``."""
+        factory ``(workers, host) -> Backend``.
+
+        ``containment`` is how a turn's process tree is held (SPEC §15.5): ``"cgroup"``
+        (a cgroup v2 leaf per worker: InvalidParams where none is available, with the
+        reason), ``"walk"`` (the process-tree walk) or ``"auto"`` (cgroup where
+        available); default: the environment variable ``TETHER_CONTAINMENT``, else auto.
+        ``rt.containment`` says which is in force."""
         configure_logging()
         if subreaper:
             set_subreaper()
         workers = _convert(workers, _Workers, "workers")
         grace = _convert(grace, Grace, "grace")
         check_backend(backend, ray_address)
+        if containment is None:
+            containment = os.environ.get(CONTAINMENT_ENV) or "auto"
+        if containment not in CONTAINMENTS:
+            raise InvalidParams(f"containment must be one of {CONTAINMENTS}, not {containment!r}")
         self.grace = grace
         self._closed = False
         self._events = _EventBus()
@@ -220,6 +234,17 @@ class Runtime:
             crashed = self._store.recover()
             if crashed:
                 log.warning("recovery.crashed_turns", turns=len(crashed))
+            self._cgroups: Cgroups | None = None
+            self._cgroup_reason = ""
+            try:
+                self._cgroups = _containment(
+                    containment, backend, None if path is None else os.fspath(path)
+                )
+            except CgroupUnavailable as exc:
+                self._cgroup_reason = str(exc)
+                if containment == "cgroup":
+                    raise InvalidParams(f"cgroup containment is not available: {exc}") from None
+            self.containment = "walk" if self._cgroups is None else "cgroup"
             self._dir = Directory(self._store.boot())
         except BaseException:
             self._store.close()
@@ -227,7 +252,12 @@ class Runtime:
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
         self._pool: Backend = make_backend(
-            backend, workers, _Host(self), ray_address=ray_address, ray_options=ray_options
+            backend,
+            workers,
+            _Host(self),
+            ray_address=ray_address,
+            ray_options=ray_options,
+            cgroups=self._cgroups,
         )
         # A turn reaches a worker only once its claim is durable (see runtime.claims).
         executor: Executor = ClaimGate(self._pool, self._store)
@@ -271,12 +301,15 @@ class Runtime:
         slug: str | None = None,
         permissions: Mapping[str, str] | None = None,
         stall: dict[str, Any] | StallPolicy | None = None,
+        limits: dict[str, float] | None = None,
     ) -> str:
         """Open a root session; its owner prompts it with ``prompt``.
 
-        ``stall``: the stall watchdog's policy (see ``check_stall``).
+        ``stall``: the stall watchdog's policy (see ``check_stall``). ``limits``: each
+        turn's ``memory_mb``, ``pids`` and ``cpu`` (cores), enforced by the turn's cgroup
+        (SPEC §15.5); one the kernel cannot enforce here is InvalidParams.
         """
-        header = self._header(None, driver, "continuable", slug, config, permissions, stall)
+        header = self._header(None, driver, "continuable", slug, config, permissions, stall, limits)
         return self._create(Create(header))
 
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
@@ -296,11 +329,13 @@ class Runtime:
         config: dict[str, Any] | None = None,
         permissions: Mapping[str, str] | None = None,
         stall: dict[str, Any] | StallPolicy | None = None,
+        limits: dict[str, float] | None = None,
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
         Its permissions are ``parent``'s narrowed by ``permissions`` (SPEC §6); without
-        its own ``stall`` policy it inherits its parent's (SPEC §14.5).
+        its own ``stall`` policy it inherits its parent's (SPEC §14.5), and likewise its
+        ``limits`` (SPEC §15.5).
         """
         if mode not in _MODES:
             raise InvalidParams(f"mode must be one of {_MODES}, not {mode!r}")
@@ -310,7 +345,7 @@ class Runtime:
             self._check_message(prompt, data)
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
-        header = self._header(parent, driver, mode, slug, config, permissions, stall)
+        header = self._header(parent, driver, mode, slug, config, permissions, stall, limits)
         sid = self._create(Create(header, prompt, data))
         return OneShot(self, sid) if mode == "one-shot" else sid
 
@@ -623,6 +658,8 @@ class Runtime:
 
     def _shutdown(self) -> None:
         self._pool.close()
+        if self._cgroups is not None:
+            self._cgroups.close()
         for ref in [*self._dispatcher.refs, *([self._sup] if hasattr(self, "_sup") else [])]:
             with contextlib.suppress(pykka.ActorDeadError):
                 ref.stop()
@@ -737,7 +774,9 @@ class Runtime:
         config: dict[str, Any] | None,
         permissions: Mapping[str, str] | None,
         stall: dict[str, Any] | StallPolicy | None = None,
+        limits: dict[str, float] | None = None,
     ) -> SessionHeader:
+        checked_limits = None if limits is None else self._check_limits(limits)
         if not isinstance(driver, str) or not driver:
             raise InvalidParams("driver must be an import string 'package.module:Class'")
         _check_text("driver", driver)
@@ -765,7 +804,28 @@ class Runtime:
             permissions=perms,
             created_at=time.time(),
             stall=policy,
+            limits=checked_limits,
         )
+
+    def _check_limits(self, limits: object) -> dict[str, float]:
+        """Valid, and enforceable here: a limit the kernel cannot enforce is refused,
+        never silently ignored (SPEC §15.5)."""
+        checked = check_limits(limits)
+        if not checked:
+            return checked
+        if self._cgroups is None:
+            why = self._cgroup_reason or "this runtime runs with containment='walk'"
+            raise InvalidParams(
+                f"limits {sorted(checked)} need cgroup containment, not in force here ({why})"
+            )
+        missing = self._cgroups.missing(checked)
+        if missing:
+            have = ", ".join(sorted(self._cgroups.controllers)) or "none"
+            raise InvalidParams(
+                f"limits {sorted(checked)} need the cgroup v2 controller(s) "
+                f"{', '.join(missing)}, not available here (available: {have})"
+            )
+        return checked
 
     def _check_message(self, content: str, data: dict[str, Any] | None) -> None:
         if not isinstance(content, str):
@@ -922,6 +982,37 @@ def _history_item(entry: Entry) -> dict[str, Any]:
         if entry.data is not None and len(_data_encoder.encode(entry.data)) > _HISTORY_BYTES // 8:
             item["data"] = None
     return item
+
+
+def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None:
+    """The host's cgroup group for ``mode``, or None for the walk. CgroupUnavailable
+    says why none is available."""
+    if mode == "walk":
+        if path is not None:  # a previous host on this store may have used cgroups
+            Cgroups.recover_existing(path)
+        return None
+    if backend != "local":
+        raise CgroupUnavailable("cgroup containment runs on the local backend only")
+    return Cgroups.open(path)
+
+
+def check_limits(limits: object) -> dict[str, float]:
+    """``{"memory_mb": MB, "pids": N, "cpu": cores}``, each optional and positive."""
+    if not isinstance(limits, dict):
+        raise InvalidParams("limits must be a dict like {'memory_mb': 512}")
+    unknown = set(limits) - set(LIMIT_CONTROLLERS)
+    if unknown:
+        raise InvalidParams(
+            f"limits has unknown keys {sorted(unknown)} (known: {sorted(LIMIT_CONTROLLERS)})"
+        )
+    out: dict[str, float] = {}
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidParams(f"limits.{key} must be a positive number")
+        if key == "pids" and value != int(value):
+            raise InvalidParams("limits.pids must be a whole number")
+        out[key] = float(value)
+    return out
 
 
 def _check_text(name: str, value: str) -> None:

@@ -87,7 +87,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     permissions BLOB,
     created_at  REAL NOT NULL,
     settled     INTEGER NOT NULL DEFAULT 0,
-    stall       BLOB
+    stall       BLOB,
+    limits      BLOB
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -353,6 +354,8 @@ class Store:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
         if "stall" not in columns:  # a store written before the stall watchdog
             self._db.execute("ALTER TABLE sessions ADD COLUMN stall BLOB")
+        if "limits" not in columns:  # a store written before v3's limits
+            self._db.execute("ALTER TABLE sessions ADD COLUMN limits BLOB")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
         for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
             if column not in columns:  # a store written before v3
@@ -659,11 +662,12 @@ class Store:
             _dump(row.permissions),
             row.created_at,
             _dump(row.stall),
+            _dump(row.limits),
         )
         return self.submit(
             _Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
-                " created_at, stall) VALUES (?,?,?,?,?,?,?,?,?)",
+                " created_at, stall, limits) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 params,
             ),
             waited=True,
@@ -673,7 +677,7 @@ class Store:
         """Every session, in creation order."""
         rows = self._read(
             "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled,"
-            " stall FROM sessions ORDER BY seq"
+            " stall, limits FROM sessions ORDER BY seq"
         )
         return [
             SessionHeader(
@@ -687,6 +691,7 @@ class Store:
                 created_at=r[7],
                 settled=bool(r[8]),
                 stall=_load(r[9]),
+                limits=_load(r[10]),
             )
             for r in rows
         ]

@@ -557,15 +557,23 @@ def _kill_leftovers(tag: str | None) -> None:
                 os.waitpid(p.pid, 0)
 
 
+_leaf: str | None = None  # this worker's cgroup leaf, under cgroup containment
+
+
 def _sweep_and_exit() -> NoReturn:
     """The host is gone: kill every descendant (escapees too), then our own group.
 
-    We are a subreaper, so whatever our tools left behind has re-parented to us and is
-    still below us; the walk runs until a pass finds nothing alive. Either thread may
-    find the host gone (the reader at EOF, the driver's thread on a broken pipe): the
-    first sweeps, the other waits for the end, so neither prints anything on its way.
+    In a cgroup leaf, one write kills the whole leaf, this worker included, whatever its
+    processes did to their ancestry or environment. Otherwise we are a subreaper, so
+    whatever our tools left behind has re-parented to us and is still below us; the walk
+    runs until a pass finds nothing alive. Either thread may find the host gone (the
+    reader at EOF, the driver's thread on a broken pipe): the first sweeps, the other
+    waits for the end, so neither prints anything on its way.
     """
     if _leaving.acquire(blocking=False):
+        if _leaf is not None:
+            with contextlib.suppress(OSError), open(os.path.join(_leaf, "cgroup.kill"), "w") as f:
+                f.write("1")
         with contextlib.suppress(OSError):
             sweep([os.getpid()], passes=_SWEEP_PASSES)
         os.killpg(0, signal.SIGKILL)
@@ -718,8 +726,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def worker_main(sock: socket.socket, token: str) -> None:
+def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> None:
     """Entry point of a worker process (started by the pool through the forkserver)."""
+    global _leaf
+    if leaf is not None:
+        # First, while we have no thread and no child: everything we start from now on
+        # is born inside the leaf (SPEC §15.5). A failure here is a failed start.
+        with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        _leaf = leaf
     os.setsid()  # own session and process group: abort is one killpg
     set_subreaper()  # orphaned tool grandchildren come back to us, not to PID 1
     # Our parent is the forkserver. A paused (stopped) worker runs nothing, so it could

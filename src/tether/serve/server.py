@@ -141,7 +141,12 @@ _Handler = Callable[[Any], msgspec.Struct]
 def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def open_(p: OpenParams) -> SessionResult:
         sid = rt.open_session(
-            p.driver, config=p.config, slug=p.slug, permissions=p.permissions, stall=p.stall
+            p.driver,
+            config=p.config,
+            slug=p.slug,
+            permissions=p.permissions,
+            stall=p.stall,
+            limits=p.limits,
         )
         return SessionResult(sid)
 
@@ -163,6 +168,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             config=p.config,
             permissions=p.permissions,
             stall=p.stall,
+            limits=p.limits,
         )
         return SessionResult(child if isinstance(child, str) else child.id)
 
@@ -757,6 +763,7 @@ def serve(
     grace: float = 5.0,
     backend: str = "local",
     ray_address: str | None = None,
+    containment: str = "auto",
     max_body: int = DEFAULT_MAX_BODY,
     max_streams: int = DEFAULT_MAX_STREAMS,
     fd_reserve: int = DEFAULT_FD_RESERVE,
@@ -781,7 +788,9 @@ def serve(
         subreaper=True,
         backend=backend,
         ray_address=ray_address,
+        containment=containment,
     )
+    log.info("serve.containment", containment=rt.containment)
     try:
         hub = EventHub()
         fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"

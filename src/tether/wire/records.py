@@ -173,6 +173,9 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     # The stall watchdog's policy (SPEC §14.5), or None: {"after", "every", "steps",
     # "nudge", "repeat"}; a child without one inherits its parent's.
     stall: dict[str, Any] | None = None
+    # Per-turn limits enforced by the turn's cgroup (SPEC §15.5), or None:
+    # {"memory_mb", "pids", "cpu"}; a child without its own inherits its parent's.
+    limits: dict[str, float] | None = None
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

@@ -126,6 +126,9 @@ class OpenParams(_Params):
     slug: str | None = None
     permissions: dict[str, Permission] | None = None
     stall: StallPolicy | None = None
+    # each turn's {"memory_mb", "pids", "cpu"}, enforced by its cgroup (SPEC §15.5); one
+    # the kernel cannot enforce there is invalid-params and opens nothing
+    limits: JsonObject | None = None
 
 
 class PromptParams(_Params):
@@ -150,6 +153,7 @@ class SpawnParams(_Params):
     config: JsonObject | None = None
     permissions: dict[str, Permission] | None = None
     stall: StallPolicy | None = None  # without one, the child inherits its parent's
+    limits: JsonObject | None = None  # likewise
 
 
 class SendParams(_Params):

@@ -1,0 +1,490 @@
+"""cgroup v2 containment (SPEC §15.5): a leaf per worker, killed and frozen by the kernel.
+
+::
+
+    <v2 mount>/[<host's own delegated cgroup>/]tether/        shared by every host
+        s-<sha256(store path)[:16]>/                       one host's group (a file store)
+        m-<pid>-<start ticks>-<n>/                         ... or an in-memory store's
+            w-<worker token>/                              one leaf per worker
+
+One leaf per *worker*, not per turn. A worker holds one turn at a time, so the leaf's
+kill is exactly that turn's kill, and its freeze that turn's pause. The worker moves
+itself into its leaf when it starts (before it says Ready, before it has a thread or a
+child), so everything it ever starts is inside: tools, their escapees, and a stdio tool
+server it keeps across its turns (SPEC §15.3), which a per-turn leaf would have to
+migrate at every dispatch. Moving a process between cgroups waits for an RCU grace
+period (~15 ms on a busy machine), which the dispatch path must not pay; here it is paid
+once, by the worker starting. The warm spare sits in its own leaf holding no turn, and
+the forkserver stays in the host's cgroup. Per-turn figures are deltas (``cpu.stat``) or
+read through a descriptor whose peak was reset at dispatch (``memory.peak``).
+
+Abort: freeze the leaf, list it (for the stop report), write ``cgroup.kill`` (atomic:
+forks racing it die too), and report only once ``cgroup.events`` says ``populated 0``
+(waited for by polling the file for POLLPRI, with a deadline). Pause: ``cgroup.freeze``
+1, reported once ``frozen 1``; resume: 0.
+
+Recovery: a host on the same store finds its predecessor's group by name (the hash of the
+store's path) and kills and removes every leaf in it before it starts a worker. An
+in-memory store's group is named after its process and that process's start time: any
+host removes such a group once that process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import re
+import select
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import structlog
+
+__all__ = [
+    "LIMIT_CONTROLLERS",
+    "CgroupUnavailable",
+    "Cgroups",
+    "Leaf",
+    "v2_mount",
+]
+
+# The controller each limit needs.
+LIMIT_CONTROLLERS: Mapping[str, str] = {"memory_mb": "memory", "pids": "pids", "cpu": "cpu"}
+_WANTED = ("cpu", "memory", "pids")  # enabled for the leaves where the kernel offers them
+_GROUP = "tether"
+_KILL_WAIT = 2.0  # seconds one kill pass waits for populated 0 before the caller retries
+_FREEZE_WAIT = 0.2  # seconds an abort waits for frozen 1 before it lists and kills anyway
+_CPU_PERIOD = 100_000  # µs: cpu.max's period for a limit in cores
+_names = itertools.count()
+log = structlog.get_logger("tether.cgroup")
+
+
+class CgroupUnavailable(Exception):
+    """No writable cgroup v2 hierarchy here; the message says why."""
+
+
+def v2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """Where the cgroup v2 hierarchy is mounted (``/sys/fs/cgroup``, or a hybrid's
+    ``/sys/fs/cgroup/unified``), or None."""
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if sep and right.split(" ", 1)[0] == "cgroup2":
+            fields = left.split(" ")
+            if len(fields) >= 5:
+                return fields[4].replace("\\040", " ")
+    return None
+
+
+def _own_cgroup(pid: str = "self") -> str:
+    """This process's v2 cgroup path (``0::/path``), relative to the mount."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return "/"
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _keyed(text: str) -> dict[str, int]:
+    """``key value`` lines (cgroup.events, cpu.stat, memory.events) as a dict."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[key] = int(value)
+    return out
+
+
+def _start_ticks(pid: int | str) -> str | None:
+    """A process's start time in clock ticks since boot (tells it from a reused pid)."""
+    try:
+        stat = _read(f"/proc/{pid}/stat")
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+@dataclass(eq=False)
+class Leaf:
+    """One worker's leaf cgroup. Every method tolerates the leaf being gone."""
+
+    path: str
+    controllers: frozenset[str]
+    limits: dict[str, float] = field(default_factory=dict)  # what is written now
+    # per-turn baselines, taken at dispatch
+    _cpu0: int = 0
+    _oom0: int = 0
+    _peak_fd: int | None = None
+    _cpu_fd: int | None = None  # cpu.stat, kept open: a read costs the host ~20 µs
+    _cpu_last: int = 0  # usage_usec at the last reading (the worker's start, a turn's end)
+
+    def create(self) -> None:
+        os.mkdir(self.path)
+        if "memory" in self.controllers:
+            # an OOM kill takes the whole leaf (the worker too): the turn ends as one
+            with contextlib.suppress(OSError):
+                _write(f"{self.path}/memory.oom.group", "1")
+
+    def file(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in _read(self.file("cgroup.procs")).split()]
+        except FileNotFoundError:
+            return []
+
+    def events(self) -> dict[str, int]:
+        try:
+            return _keyed(_read(self.file("cgroup.events")))
+        except FileNotFoundError:
+            return {"populated": 0, "frozen": 0}
+
+    def populated(self) -> bool:
+        return self.events().get("populated", 0) == 1
+
+    def _wait(self, key: str, want: int, timeout: float) -> bool:
+        """Wait until ``cgroup.events`` says ``key want``; False at the deadline. The
+        kernel signals a change of this file as POLLPRI."""
+        try:
+            fd = os.open(self.file("cgroup.events"), os.O_RDONLY)
+        except FileNotFoundError:
+            return want == 0
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLPRI | select.POLLERR)
+            deadline = time.monotonic() + timeout
+            while True:
+                if _keyed(os.pread(fd, 4096, 0).decode()).get(key) == want:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # a short cap as well: a notification is coalesced, never lost, but a
+                # re-read costs nothing
+                poller.poll(min(left, 0.05) * 1000)
+        finally:
+            os.close(fd)
+
+    def freeze(self, wait: float | None = None) -> bool:
+        """``cgroup.freeze`` 1; with ``wait``, True once ``frozen 1`` (False at the deadline)."""
+        with contextlib.suppress(FileNotFoundError):
+            _write(self.file("cgroup.freeze"), "1")
+        return True if wait is None else self._wait("frozen", 1, wait)
+
+    def thaw(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            _write(self.file("cgroup.freeze"), "0")
+
+    def kill(self, wait: float = _KILL_WAIT) -> bool:
+        """``cgroup.kill``; True once ``populated 0`` (False: not yet, try again)."""
+        with contextlib.suppress(FileNotFoundError):
+            _write(self.file("cgroup.kill"), "1")
+        return self._wait("populated", 0, wait)
+
+    def remove(self) -> bool:
+        """Remove the leaf if it is empty; True once it is gone."""
+        self.end_turn_peak()
+        if self._cpu_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._cpu_fd)
+            self._cpu_fd = None
+        try:
+            os.rmdir(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    # ---- limits and accounting -------------------------------------------------------
+
+    def set_limits(self, limits: Mapping[str, float] | None) -> None:
+        """Write the turn's limits (or "max" where it has none) to the controllers."""
+        want = dict(limits or {})
+        if want == self.limits:
+            return
+        if "memory" in self.controllers:
+            mb = want.get("memory_mb")
+            _write(self.file("memory.max"), "max" if mb is None else str(int(mb * 2**20)))
+            with contextlib.suppress(OSError):
+                _write(self.file("memory.swap.max"), "max" if mb is None else "0")
+        if "pids" in self.controllers:
+            n = want.get("pids")
+            _write(self.file("pids.max"), "max" if n is None else str(int(n)))
+        if "cpu" in self.controllers:
+            cores = want.get("cpu")
+            quota = "max" if cores is None else str(max(int(cores * _CPU_PERIOD), 1000))
+            _write(self.file("cpu.max"), f"{quota} {_CPU_PERIOD}")
+        self.limits = want
+
+    def mark(self) -> None:
+        """The worker is ready: what it used to start is no turn's."""
+        self._cpu_last = self._cpu_usec()
+
+    def begin_turn(self) -> None:
+        """Baselines for this turn's figures (the leaf outlives the turn). The CPU one is
+        the previous reading (an idle worker uses next to none), so the dispatch path
+        reads no file unless the memory controller is on."""
+        self._cpu0 = self._cpu_last
+        self._oom0 = self._oom_kills()
+        self.end_turn_peak()
+        if "memory" in self.controllers:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.file("memory.peak"), os.O_RDWR)
+                try:
+                    os.write(fd, b"reset\n")  # per-descriptor reset (Linux 6.12+)
+                except OSError:
+                    os.close(fd)
+                else:
+                    self._peak_fd = fd
+
+    def end_turn_peak(self) -> None:
+        if self._peak_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._peak_fd)
+            self._peak_fd = None
+
+    def _cpu_usec(self) -> int:
+        try:
+            if self._cpu_fd is None:
+                self._cpu_fd = os.open(self.file("cpu.stat"), os.O_RDONLY)
+            # a read at offset 0 makes the kernel render the file afresh
+            text = os.pread(self._cpu_fd, 4096, 0).decode()
+        except OSError:
+            return 0
+        head = text.partition("\n")[0]
+        if head.startswith("usage_usec "):
+            return int(head[11:])
+        return _keyed(text).get("usage_usec", 0)
+
+    def _oom_kills(self) -> int:
+        if "memory" not in self.controllers:
+            return 0
+        try:
+            return _keyed(_read(self.file("memory.events"))).get("oom_kill", 0)
+        except OSError:
+            return 0
+
+    def oom_killed(self) -> bool:
+        """The memory limit killed something since ``begin_turn``."""
+        return self._oom_kills() > self._oom0
+
+    def usage(self) -> dict[str, float]:
+        """This turn's figures (SPEC §15.5), each only where its controller is on."""
+        self._cpu_last = now = self._cpu_usec()
+        out: dict[str, float] = {"cpu_ms": round((now - self._cpu0) / 1000, 3)}
+        if "pids" in self.controllers:
+            with contextlib.suppress(OSError, ValueError):
+                out["processes"] = float(_read(self.file("pids.peak")).strip())
+        if self._peak_fd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                peak = int(os.pread(self._peak_fd, 64, 0).decode().strip())
+                out["memory_peak_mb"] = round(peak / 2**20, 3)
+        return out
+
+
+class Cgroups:
+    """One host's group: where its workers' leaves are made, found again, removed."""
+
+    def __init__(self, base: str, controllers: frozenset[str]) -> None:
+        self.base = base
+        self.controllers = controllers
+
+    @classmethod
+    def open(cls, store_path: str | None) -> Cgroups:
+        """Find a writable v2 hierarchy, make (or find) this store's group, and clear what
+        a previous host left in it. CgroupUnavailable says why not."""
+        mount = v2_mount()
+        if mount is None:
+            raise CgroupUnavailable("no cgroup v2 hierarchy is mounted")
+        try:
+            own = _own_cgroup()
+        except OSError as exc:
+            raise CgroupUnavailable(f"cannot read this process's cgroup: {exc}") from None
+        # Under the host's own cgroup when it is delegated to us (writable), else at the
+        # root of the hierarchy (as root).
+        top = next(
+            (
+                os.path.join(parent, _GROUP)
+                for parent in _parents(mount, own)
+                if os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)
+                and os.access(parent, os.W_OK)
+            ),
+            None,
+        )
+        if top is None:
+            raise CgroupUnavailable(
+                f"the cgroup v2 hierarchy at {mount} is not writable here "
+                "(run as root, or inside a delegated cgroup)"
+            )
+        if store_path is None:
+            ticks = _start_ticks("self") or "0"
+            name = f"m-{os.getpid()}-{ticks}-{next(_names)}"
+        else:
+            name = _store_group(store_path)
+        base = os.path.join(top, name)
+        try:
+            os.makedirs(base, exist_ok=True)
+            missing = [
+                probe
+                for probe in ("cgroup.kill", "cgroup.freeze")
+                if not os.path.exists(os.path.join(base, probe))
+            ]
+            if missing:  # cgroup.kill is Linux 5.14+
+                with contextlib.suppress(OSError):
+                    os.rmdir(base)
+                raise CgroupUnavailable(f"this kernel's cgroup v2 has no {', '.join(missing)}")
+            controllers = _enable(mount, base)
+        except OSError as exc:
+            raise CgroupUnavailable(f"cannot make a cgroup under {top}: {exc}") from None
+        groups = cls(base, controllers)
+        groups.recover()
+        _remove_dead_memory_groups(top)
+        return groups
+
+    @classmethod
+    def recover_existing(cls, store_path: str) -> None:
+        """Without cgroup containment: still clear what a previous host on this store
+        left in its group, if it had one (best effort, silent where none is)."""
+        mount = v2_mount()
+        if mount is None:
+            return
+        with contextlib.suppress(OSError):
+            for parent in _parents(mount, _own_cgroup()):
+                base = os.path.join(parent, _GROUP, _store_group(store_path))
+                if os.path.isdir(base):
+                    cls(base, frozenset()).recover()
+                    cls(base, frozenset()).close()
+
+    def leaf(self, name: str) -> Leaf:
+        return Leaf(os.path.join(self.base, name), self.controllers)
+
+    def leaves(self) -> list[Leaf]:
+        try:
+            names = [n for n in os.listdir(self.base) if os.path.isdir(f"{self.base}/{n}")]
+        except FileNotFoundError:
+            return []
+        return [self.leaf(n) for n in names]
+
+    def recover(self) -> list[str]:
+        """Kill and remove every leaf left in this group (by a previous host on the same
+        store); returns the leaves cleared."""
+        cleared = []
+        for leaf in self.leaves():
+            try:
+                for _ in range(10):
+                    if leaf.kill() and leaf.remove():
+                        cleared.append(os.path.basename(leaf.path))
+                        break
+                else:
+                    log.error("cgroup.recover_stuck", leaf=leaf.path)
+            except OSError as exc:  # one stuck leaf must not stop the host starting
+                log.error("cgroup.recover_failed", leaf=leaf.path, error=repr(exc))
+        if cleared:
+            log.warning("cgroup.recovered", group=self.base, leaves=len(cleared))
+        return cleared
+
+    def close(self) -> None:
+        """Remove the group once its leaves are gone (another host may hold it: fine)."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.base)
+
+    def missing(self, limits: Iterable[str]) -> list[str]:
+        """The controllers ``limits`` need that this group cannot use."""
+        return sorted(
+            {LIMIT_CONTROLLERS[k] for k in limits if k in LIMIT_CONTROLLERS} - self.controllers
+        )
+
+
+def _parents(mount: str, own: str) -> list[str]:
+    return list(dict.fromkeys([os.path.join(mount, own.lstrip("/")), mount]))
+
+
+def _store_group(store_path: str) -> str:
+    """A file store's group: found again by the next host on the same store."""
+    digest = hashlib.sha256(os.path.realpath(store_path).encode()).hexdigest()
+    return f"s-{digest[:16]}"
+
+
+def _enable(mount: str, base: str) -> frozenset[str]:
+    """Enable the wanted controllers from the top of the hierarchy down to ``base``'s
+    children, where the kernel offers them; the set that reaches the leaves."""
+    rel = os.path.relpath(base, mount)
+    chain = [mount]
+    for part in rel.split(os.sep):
+        chain.append(os.path.join(chain[-1], part))
+    reached = frozenset(_WANTED)
+    for group in chain:
+        offered = set(_read(f"{group}/cgroup.controllers").split())
+        on = set(_read(f"{group}/cgroup.subtree_control").split())
+        reached = reached & offered
+        missing = reached - on
+        for ctl in sorted(missing):
+            try:
+                _write(f"{group}/cgroup.subtree_control", f"+{ctl}")
+            except OSError:
+                # e.g. EBUSY: a group with processes of its own (the no-internal-process
+                # rule) cannot hand a controller down
+                reached = reached - {ctl}
+    return reached
+
+
+_MEM_GROUP = re.compile(r"m-(\d+)-(\d+)-\d+")
+
+
+def _remove_dead_memory_groups(top: str) -> None:
+    """An in-memory store's group whose host process is gone has no successor: any host
+    kills and removes it (and tidies file stores' groups, see below)."""
+    try:
+        names = os.listdir(top)
+    except OSError:
+        return
+    for name in names:
+        m = _MEM_GROUP.fullmatch(name)
+        if m is None:
+            if name.startswith("s-"):
+                _remove_abandoned_leaves(os.path.join(top, name))
+            continue
+        if _start_ticks(m.group(1)) == m.group(2):
+            continue  # its host still runs
+        groups = Cgroups(os.path.join(top, name), frozenset())
+        groups.recover()
+        with contextlib.suppress(OSError):
+            os.rmdir(groups.base)
+
+
+_ABANDONED_AGE = 60.0  # seconds: an empty leaf this old is no worker's that is starting
+
+
+def _remove_abandoned_leaves(group: str) -> None:
+    """A file store's group whose host was SIGKILLed, on a store nobody reopens: its
+    workers killed their own leaves on the way out but could not remove them. Any host
+    removes such a leaf once it is empty and old. A live host's leaves hold its workers;
+    one it has just made (its worker not in it yet) is too young; the group itself is
+    left alone (a live host may be about to make leaves in it)."""
+    now = time.time()
+    for leaf in Cgroups(group, frozenset()).leaves():
+        with contextlib.suppress(OSError):
+            if not leaf.populated() and now - os.stat(leaf.path).st_mtime > _ABANDONED_AGE:
+                os.rmdir(leaf.path)

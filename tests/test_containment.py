@@ -1,0 +1,676 @@
+"""Containment (SPEC §15.5, issue 19): a turn's processes die with its stop, whatever
+they did to their ancestry, session, environment or name.
+
+Each test that applies to both paths runs on ``containment`` = ``cgroup`` (a leaf per
+worker, ``cgroup.kill`` / ``cgroup.freeze``) and ``walk`` (the process-tree walk, with
+the forkserver as subreaper for a dead worker's orphans); the cgroup case skips, with the
+reason, where no writable cgroup v2 hierarchy is available. The escapee is the one of
+issue 19's repro: double-forked, ``setsid``, ``env -i``, renamed with ``exec -a``,
+ignoring SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import tether
+from drivers import SCRIPTED, eventually, frozen, runtime, steps
+from tether import InvalidParams, User
+from tether.actors.ports import TurnJob
+from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
+
+pytestmark = pytest.mark.timeout(90)
+
+TESTS = Path(__file__).parent
+
+
+def _cgroup_missing() -> str | None:
+    try:
+        groups = Cgroups.open(None)
+    except CgroupUnavailable as exc:
+        return str(exc)
+    controllers = groups.controllers
+    groups.close()
+    _CONTROLLERS.update(controllers)
+    return None
+
+
+_CONTROLLERS: set[str] = set()
+CGROUP_MISSING = _cgroup_missing()
+needs_cgroup = pytest.mark.skipif(
+    CGROUP_MISSING is not None, reason=f"no cgroup containment here: {CGROUP_MISSING}"
+)
+
+
+@pytest.fixture(params=["cgroup", "walk"])
+def containment(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    if name == "cgroup" and CGROUP_MISSING is not None:
+        pytest.skip(f"no cgroup containment here: {CGROUP_MISSING}")
+    return name
+
+
+@pytest.fixture
+def token() -> Iterator[str]:
+    """A name no other process has: what the escapee renames itself to."""
+    tok = f"tether-escapee-{uuid.uuid4().hex[:10]}"
+    yield tok
+    for p in _named(tok):  # only after a failure: nothing of it may outlive the test
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+def escapee(token: str, then: str = "sleep 60") -> str:
+    """Issue 19's repro: a double-forked, env-cleared, renamed ``setsid`` loop that ignores
+    SIGTERM; the tool itself then runs ``then`` (keeps the turn in its tool)."""
+    inner = 'trap \\"\\" TERM; while :; do sleep 0.05; done'
+    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{inner}\"' ) & ) & {then}"
+
+
+def _named(token: str) -> list[psutil.Process]:
+    """Live processes whose argv[0] is ``token``, and their descendants."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.info["cmdline"] or []
+            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+                out.extend(p.children(recursive=True))
+    return out
+
+
+def _argv0(p: psutil.Process) -> str | None:
+    with contextlib.suppress(psutil.Error, IndexError):
+        return p.cmdline()[0]
+    return None
+
+
+def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def _family(rt: tether.Runtime, **kw: Any) -> tuple[str, str, User]:
+    root = rt.open_session(SCRIPTED)
+    child = rt.spawn(root, SCRIPTED, **kw)
+    assert isinstance(child, str)
+    return root, child, User(parent=root)
+
+
+def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> tuple[str, TurnJob]:
+    """Start a turn whose tool runs ``script``; its id and the pool's job for it."""
+    rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", script]}))
+    turn = rt.wait(child, until="running").turn
+    assert turn is not None
+    pool: Any = rt._pool  # type: ignore[attr-defined]
+    # a claimed turn reaches the pool once its claim is durable, a worker just after
+    job: TurnJob = eventually(lambda: pool._jobs.get(turn), what="the turn in the pool")
+    eventually(lambda: pool._where.get(turn), what="the turn on a worker")
+    return turn, job
+
+
+def _worker_pid(rt: tether.Runtime, turn: str) -> int:
+    pool: Any = rt._pool  # type: ignore[attr-defined]
+    pid: int = eventually(lambda: pool._where.get(turn), what="the turn on a worker").pid
+    return pid
+
+
+def _leaf_of(pid: int) -> str | None:
+    """The cgroup v2 directory ``pid`` is in (None outside a Tether group)."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        rel = next(ln[3:].strip() for ln in f if ln.startswith("0::"))
+    from tether.runtime._cgroup import v2_mount
+
+    mount = v2_mount()
+    assert mount is not None
+    return os.path.join(mount, rel.lstrip("/"))
+
+
+def _ended(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
+    rt.wait(sid, until=("idle", "parked"), timeout=15.0)
+    rec = next(t for t in rt.turns(sid) if t.id == turn)
+    assert rec.outcome is not None
+    return rec
+
+
+# ---- aborts ------------------------------------------------------------------------
+
+
+def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigterm(
+    containment: str, token: str
+) -> None:
+    with runtime(workers=1, grace=1.0, containment=containment) as rt:
+        assert rt.containment == containment
+        _, child, me = _family(rt)
+        turn, job = _run_tool(rt, child, me, escapee(token))
+        found = eventually(lambda: _named(token), what="the escapee running")
+        [esc] = [p for p in found if _argv0(p) == token]
+        assert os.getsid(esc.pid) == esc.pid  # it left the worker's session
+        assert b"TETHER_TREE" not in Path(f"/proc/{esc.pid}/environ").read_bytes()
+        if containment == "cgroup":
+            assert _leaf_of(esc.pid) == _leaf_of(_worker_pid(rt, turn))
+
+        assert rt.interrupt(child, authority=me, kind="abort") == turn
+        rec = _ended(rt, child, turn)
+
+        assert rec.outcome == "aborted"
+        assert _live(found) == [] and _named(token) == []
+        # what the stop report will show: how, and every process with its fate
+        assert job.kill_via == containment
+        fates = {f.pid: f for f in job.kill_procs}
+        assert fates[esc.pid].argv[0] == token and fates[esc.pid].fate == "dead"
+        assert fates[esc.pid].started == pytest.approx(esc.create_time())
+        assert all(f.fate == "dead" and f.signal == "SIGKILL" for f in job.kill_procs)
+        if containment == "cgroup":
+            assert rec.resources is not None and rec.resources["cpu_ms"] > 0
+        else:
+            assert rec.resources is None
+        group = None if rt._cgroups is None else rt._cgroups.base  # type: ignore[attr-defined]
+    if group is not None:  # closed: every leaf and the host's group are removed
+        assert not os.path.exists(group)
+
+
+BOMB = textwrap.dedent(
+    """
+    import os, sys, time
+    token, sleep = sys.argv[1], sys.argv[2]
+    for _ in range(200):
+        if os.fork() == 0:
+            os.setsid()
+            os.execv(sleep, [token, "60"])
+        time.sleep(0.01)
+    time.sleep(60)
+    """
+)
+
+
+def test_an_abort_racing_a_fork_bomb_of_200_forks_leaves_nothing(
+    containment: str, token: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "bomb.py"
+    script.write_text(BOMB)
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    with runtime(workers=1, grace=1.0, containment=containment) as rt:
+        _, child, me = _family(rt)
+        turn, _job = _run_tool(rt, child, me, f"exec {sys.executable} {script} {token} {sleep}")
+        eventually(lambda: len(_named(token)) >= 20, what="the bomb under way")
+        assert len(_named(token)) < 200  # the abort races the forks
+        rt.interrupt(child, authority=me, kind="abort")
+        assert _ended(rt, child, turn).outcome == "aborted"
+        assert _named(token) == []
+
+
+# ---- deaths ------------------------------------------------------------------------
+
+
+def test_sigkill_of_the_turns_worker_leaves_no_process_of_the_turn(
+    containment: str, token: str
+) -> None:
+    """Issue 19's repro: before, the walk lost the env-cleared escapee once its worker
+    was gone, and it ran forever."""
+    with runtime(workers=1, grace=1.0, containment=containment) as rt:
+        _, child, me = _family(rt)
+        turn, job = _run_tool(rt, child, me, escapee(token))
+        found = eventually(lambda: _named(token), what="the escapee running")
+        [esc] = [p for p in found if _argv0(p) == token]
+        os.kill(_worker_pid(rt, turn), signal.SIGKILL)
+        rec = _ended(rt, child, turn)
+        assert rec.outcome == "crashed"
+        assert _live(found) == [] and _named(token) == []  # reported only once dead
+        assert job.kill_via == containment
+        assert esc.pid in {f.pid for f in job.kill_procs}
+
+
+@contextlib.contextmanager
+def _killed_host(
+    db: str, containment: str, token: str, *, pause: bool = False
+) -> Iterator[dict[str, Any]]:
+    """``containment_host.py`` on ``db``, SIGKILLed once its turn's escapee runs."""
+    argv = [
+        sys.executable,
+        str(TESTS / "containment_host.py"),
+        db,
+        containment,
+        token,
+        escapee(token),
+        *(["pause"] if pause else []),
+    ]
+    tree: list[psutil.Process] = []
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line, "the host printed nothing"
+            ready: dict[str, Any] = json.loads(line)
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10.0)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    try:
+        yield ready
+    finally:
+        for p in tree:  # the old host's processes are not our children: the leak check
+            with contextlib.suppress(psutil.NoSuchProcess):  # would not see them
+                p.kill()
+
+
+def test_sigkill_of_the_host_leaves_no_process_of_the_turn(
+    containment: str, token: str, db_path: str
+) -> None:
+    with _killed_host(db_path, containment, token) as ready:
+        assert ready["containment"] == containment
+        # the worker sees its channel end and takes its tree (its leaf) down with it
+        eventually(lambda: not _named(token), timeout=5.0, what="the escapee gone")
+        with runtime(db_path, workers=1, containment=containment) as rt:
+            [rec] = rt.turns(ready["child"])
+            assert rec.outcome == "crashed"
+            assert _named(token) == []
+            if ready["group"] is not None:  # the old host's leaves are gone
+                old = ready["leaves"]
+                assert old and not any(os.path.exists(f"{ready['group']}/{n}") for n in old)
+                assert _only_this_hosts(rt, ready["group"])
+
+
+def _only_this_hosts(rt: tether.Runtime, group: str) -> bool:
+    """The group's leaves are the new host's own workers' (the old ones are gone)."""
+    leaves = {n for n in os.listdir(group) if os.path.isdir(os.path.join(group, n))}
+    mine = {os.path.basename(_leaf_of(pid) or "") for pid in rt.worker_pids}
+    return leaves <= mine
+
+
+@needs_cgroup
+def test_the_next_host_kills_and_removes_the_cgroups_a_sigkilled_host_left_frozen(
+    token: str, db_path: str
+) -> None:
+    """A paused turn cannot sweep itself when its host dies (its worker is frozen): its
+    processes stay, frozen, until the next host on the same store starts."""
+    with _killed_host(db_path, "cgroup", token, pause=True) as ready:
+        group = ready["group"]
+        left = _named(token)
+        assert left and all(frozen(p) for p in left)  # nothing else would ever kill it
+        old = ready["leaves"]
+        assert old and all(os.path.isdir(f"{group}/{n}") for n in old)
+        with runtime(db_path, workers=1, containment="cgroup") as rt:
+            assert _named(token) == []
+            assert not any(os.path.exists(os.path.join(group, n)) for n in old)
+            assert _only_this_hosts(rt, group)
+            [rec] = rt.turns(ready["child"])
+            assert rec.outcome == "crashed"
+
+
+# ---- pause -------------------------------------------------------------------------
+
+TICKER = textwrap.dedent(
+    """
+    import os, sys, time
+    out = sys.argv[1]
+    while True:  # a new process every few ms, each appending to the file until killed
+        if os.fork() == 0:
+            os.setsid()
+            while True:
+                with open(out, "a") as f:
+                    f.write(".")
+                time.sleep(0.01)
+        time.sleep(0.003)
+    """
+)
+
+
+def test_a_pause_freezes_every_process_of_the_turn_even_one_forked_just_before(
+    containment: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "ticks"
+    out.touch()
+    script = tmp_path / "ticker.py"
+    script.write_text(TICKER)
+    with runtime(workers=1, grace=1.0, containment=containment) as rt:
+        _, child, me = _family(rt)
+        turn, _job = _run_tool(rt, child, me, f"exec {sys.executable} {script} {out}")
+        eventually(lambda: out.stat().st_size > 50, what="the ticker ticking")
+        worker = psutil.Process(_worker_pid(rt, turn))
+
+        assert rt.pause(child, authority=me) == [turn]
+        tree = worker.children(recursive=True)
+        assert len(tree) > 5
+        if containment == "cgroup":
+            leaf = _leaf_of(worker.pid)
+            assert leaf is not None
+            assert "frozen 1" in Path(leaf, "cgroup.events").read_text()
+        eventually(lambda: all(frozen(p) for p in _live(tree)), what="every process frozen")
+        size = out.stat().st_size
+        time.sleep(0.3)  # a frozen tree writes nothing: a window to show it, not a sync
+        assert out.stat().st_size == size
+
+        assert rt.resume(child, authority=me) == [turn]
+        eventually(lambda: out.stat().st_size > size + 20, what="the ticker ticking again")
+
+        rt.pause(child, authority=me)
+        rt.interrupt(child, authority=me, kind="abort")  # of a frozen turn
+        assert _ended(rt, child, turn).outcome == "aborted"
+        assert _live([worker, *tree]) == []
+
+
+# ---- accounting and limits ------------------------------------------------------------
+
+
+@needs_cgroup
+def test_a_turns_resources_are_recorded_from_its_cgroup() -> None:
+    burn = [
+        sys.executable,
+        "-c",
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass",
+    ]
+    with runtime(workers=1, containment="cgroup") as rt:
+        _, child, me = _family(rt)
+        rt.send(child, "burn", authority=me, data=steps({"op": "tool", "argv": burn}))
+        rt.wait(child, until="idle", timeout=15.0)
+        rt.send(child, "rest", authority=me, data=steps({"op": "say", "text": "hi"}))
+        rt.wait(child, until="idle", timeout=15.0)
+        burnt, rested = rt.turns(child)
+        assert burnt.resources is not None and rested.resources is not None
+        assert burnt.resources["cpu_ms"] >= 250  # the tool's CPU, counted in the leaf
+        assert rested.resources["cpu_ms"] < burnt.resources["cpu_ms"] / 2  # per turn
+        assert ("processes" in burnt.resources) == ("pids" in _CONTROLLERS)
+        assert ("memory_peak_mb" in burnt.resources) == ("memory" in _CONTROLLERS)
+
+
+def test_a_limit_the_kernel_cannot_enforce_here_is_invalid_params(containment: str) -> None:
+    with runtime(workers=1, containment=containment) as rt:
+        root = rt.open_session(SCRIPTED)
+        before = rt.list_agents(root, scope="descendants")
+        refused = 0
+        for key, controller in LIMIT_CONTROLLERS.items():
+            if containment == "cgroup" and controller in _CONTROLLERS:
+                continue
+            limits = {key: 1}
+            with pytest.raises(InvalidParams) as exc:
+                rt.spawn(root, SCRIPTED, limits=limits)
+            expected = controller if containment == "cgroup" else "cgroup containment"
+            assert expected in exc.value.message
+            with pytest.raises(InvalidParams):
+                rt.open_session(SCRIPTED, limits=limits)
+            refused += 1
+        assert rt.list_agents(root, scope="descendants") == before  # nothing was opened
+        if containment == "walk" or not set(LIMIT_CONTROLLERS.values()) <= _CONTROLLERS:
+            assert refused > 0
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"memory": 5}, {"pids": 0}, {"cpu": -1}, {"memory_mb": True}, {"pids": 2.5}, [1]],
+)
+def test_malformed_limits_are_invalid_params(limits: Any) -> None:
+    with runtime(workers=1) as rt, pytest.raises(InvalidParams):
+        rt.open_session(SCRIPTED, limits=limits)
+
+
+@pytest.mark.skipif("memory" not in _CONTROLLERS, reason="no cgroup v2 memory controller here")
+def test_a_turn_killed_by_its_memory_limit_ends_crashed_memory_limit() -> None:
+    hog = [sys.executable, "-c", "b = []\nwhile True: b.append(bytearray(2**20))"]
+    with runtime(workers=1, containment="cgroup") as rt:
+        _, child, me = _family(rt, limits={"memory_mb": 64})
+        rt.send(child, "hog", authority=me, data=steps({"op": "tool", "argv": hog}))
+        rt.wait(child, until=("idle", "parked"), timeout=30.0)
+        [rec] = rt.turns(child)
+        assert (rec.outcome, rec.error) == ("crashed", "memory limit")
+
+
+@pytest.mark.skipif("pids" not in _CONTROLLERS, reason="no cgroup v2 pids controller here")
+def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn(token: str) -> None:
+    bomb = "i=0; while [ $i -lt 500 ]; do sleep 30 & i=$((i+1)); done; wait"
+    with runtime(workers=1, containment="cgroup") as rt:
+        _, child, me = _family(rt, limits={"pids": 40})
+        rt.send(child, "bomb", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", bomb]}))
+        turn = rt.wait(child, until="running").turn
+        assert turn is not None
+        leaf = _leaf_of(_worker_pid(rt, turn))
+        assert leaf is not None
+        eventually(
+            lambda: (
+                "max " in Path(leaf, "pids.events").read_text()
+                and int(Path(leaf, "pids.events").read_text().split()[1]) > 0
+            ),
+            timeout=10.0,
+            what="the pids limit refusing forks",
+        )
+        assert int(Path(leaf, "pids.current").read_text()) <= 40
+        rt.interrupt(child, authority=me, kind="abort")
+        assert _ended(rt, child, turn).outcome == "aborted"
+
+
+# ---- choosing containment ------------------------------------------------------------
+
+
+def test_containment_says_which_path_is_in_force() -> None:
+    with runtime(workers=1, containment="walk") as rt:
+        assert rt.containment == "walk"
+    with runtime(workers=1, containment="auto") as rt:
+        assert rt.containment == ("walk" if CGROUP_MISSING else "cgroup")
+    with pytest.raises(InvalidParams):
+        tether.Runtime(workers=1, containment="jail")
+
+
+def test_cgroup_containment_where_none_is_available_is_invalid_params_with_the_reason() -> None:
+    from tether.runtime.pool import Pool
+
+    def factory(workers: int, host: Any) -> Any:
+        return Pool(workers, host)
+
+    # a backend of one's own: the runtime cannot put its workers in cgroups
+    with pytest.raises(InvalidParams, match="local backend only"):
+        tether.Runtime(workers=1, containment="cgroup", backend=factory)
+    with runtime(workers=1, containment="auto", backend=factory) as rt:
+        assert rt.containment == "walk"
+
+
+def test_limits_are_stored_with_the_session_header(db_path: str) -> None:
+    from tether.runtime.store import Store
+    from tether.wire.records import SessionHeader
+
+    store = Store(db_path)
+    header = SessionHeader(
+        id="s_1",
+        parent=None,
+        mode="continuable",
+        slug=None,
+        driver=SCRIPTED,
+        limits={"memory_mb": 512.0, "pids": 64.0},
+    )
+    store.create_session(header).wait()
+    store.close()
+    store = Store(db_path)
+    try:
+        [back] = store.sessions()
+        assert back.limits == {"memory_mb": 512.0, "pids": 64.0}
+    finally:
+        store.close()
+
+
+# ---- over RPC and the CLI ----------------------------------------------------------------
+
+
+def test_serve_takes_containment_and_refuses_unenforceable_limits_over_rpc_and_cli(
+    tmp_path: Path,
+) -> None:
+    from tether_server import TETHER, running_server
+
+    with running_server(tmp_path, "--containment", "walk") as server:
+        answer = server.rpc("session.open", {"driver": SCRIPTED, "limits": {"memory_mb": 256}})
+        assert answer["error"]["data"]["code"] == "invalid-params"
+        # the walk's reason (under cgroup it would name the missing controller)
+        assert "cgroup containment" in answer["error"]["message"]
+        root = server.call("session.open", {"driver": SCRIPTED})["session"]
+        spawn = {"parent": root, "driver": SCRIPTED, "limits": {"pids": 10}}
+        assert server.rpc("subagent.spawn", spawn)["error"]["data"]["code"] == "invalid-params"
+        cli = [TETHER, "open", "--limits", "memory_mb=256", "--url", server.url]
+        done = subprocess.run(cli, capture_output=True, text=True, timeout=30)
+        assert done.returncode != 0 and "cgroup containment" in done.stderr
+        bad = [TETHER, "open", "--limits", "disk=5", "--url", server.url]
+        assert subprocess.run(bad, capture_output=True, timeout=30).returncode == 2
+
+
+def test_a_stored_limit_this_host_cannot_enforce_crashes_the_turn_instead_of_ignoring_it(
+    containment: str, db_path: str
+) -> None:
+    """Limits were checked when the session was made; a later host on the same store may
+    lack the controllers. Its turns then end crashed, saying so: never run unlimited."""
+    from tether.runtime.store import Store
+    from tether.wire.records import SessionHeader
+
+    missing = next(
+        (k for k, c in LIMIT_CONTROLLERS.items() if containment == "walk" or c not in _CONTROLLERS),
+        None,
+    )
+    if missing is None:
+        pytest.skip("every limit's controller is available here")
+    store = Store(db_path)
+    header = SessionHeader(
+        id="s_limited",
+        parent=None,
+        mode="continuable",
+        slug=None,
+        driver=SCRIPTED,
+        limits={missing: 64.0},
+    )
+    store.create_session(header).wait()
+    store.close()
+    with runtime(db_path, workers=1, containment=containment) as rt:
+        rt.prompt("s_limited", "go", data=steps({"op": "say", "text": "unlimited"}))
+        rt.wait("s_limited", until=("idle", "parked"), timeout=15.0)
+        [rec] = rt.turns("s_limited")
+        assert rec.outcome == "crashed"
+        assert rec.error is not None and "cannot be enforced" in rec.error
+        assert [e.text for e in rt.transcript("s_limited") if e.kind == "assistant"] == []
+
+
+def test_the_walks_orphan_sweep_never_takes_a_worker_being_started() -> None:
+    """The forkserver's children that are no worker are a dead worker's orphans; a worker
+    the pool is starting is a forkserver child not yet known, and must never be one."""
+    import threading
+
+    from tether.runtime import _contain
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.is_set():
+            seen.update(_contain.forkserver_orphans() or ())
+
+    try:
+        with runtime(workers=1, containment="walk") as rt:
+            pool: Any = rt._pool  # type: ignore[attr-defined]
+            sweeper = threading.Thread(target=sweep)
+            sweeper.start()
+            started: set[int] = set()
+            try:
+                for _ in range(40):
+                    spare = eventually(lambda: pool._spare, what="a spare worker")
+                    started.add(spare.pid)
+                    os.kill(spare.pid, signal.SIGKILL)
+                    eventually(
+                        lambda s=spare: pool._spare is not None and pool._spare is not s,
+                        what="the spare replaced",
+                    )
+                started.update(rt.worker_pids)
+            finally:
+                stop.set()
+                sweeper.join()
+        assert seen == set(), f"workers taken for orphans: {seen & started or seen}"
+    finally:
+        sys.setswitchinterval(old_interval)
+
+
+@needs_cgroup
+def test_a_gone_in_memory_hosts_cgroup_is_emptied_and_removed_by_any_new_host() -> None:
+    """An in-memory store has no successor to find its group by name: its group is named
+    after its process, and any host removes it once that process is gone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with runtime(workers=1, containment="cgroup") as rt:
+        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+    group = os.path.join(top, f"m-{gone.pid}-1-0")
+    leaf = os.path.join(group, "w-left")
+    os.makedirs(leaf)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        Path(leaf, "cgroup.procs").write_text(str(sleeper.pid))
+        with runtime(workers=1, containment="cgroup"):
+            assert not os.path.exists(group)
+            assert sleeper.wait(5.0) == -signal.SIGKILL
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        with contextlib.suppress(OSError):
+            os.rmdir(leaf)
+            os.rmdir(group)
+
+
+def test_the_v2_hierarchy_is_found_wherever_it_is_mounted(tmp_path: Path) -> None:
+    from tether.runtime._cgroup import v2_mount
+
+    v1 = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory"
+    hybrid = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw"
+    pure = "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate"
+    for lines, want in (
+        ([v1, hybrid], "/sys/fs/cgroup/unified"),
+        ([pure], "/sys/fs/cgroup"),
+        ([v1], None),
+    ):
+        info = tmp_path / "mountinfo"
+        info.write_text("\n".join(lines) + "\n")
+        assert v2_mount(str(info)) == want
+    assert v2_mount(str(tmp_path / "missing")) is None
+
+
+@needs_cgroup
+def test_empty_leaves_a_killed_host_left_on_a_store_nobody_reopens_are_removed() -> None:
+    """Its workers killed their own leaves as their host went, but could not remove them;
+    any later host removes an empty leaf once it is old, and never a populated one."""
+    with runtime(workers=1, containment="cgroup") as rt:
+        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+    group = os.path.join(top, f"s-{uuid.uuid4().hex[:16]}")
+    empty, busy = os.path.join(group, "w-empty"), os.path.join(group, "w-busy")
+    os.makedirs(empty)
+    os.makedirs(busy)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        Path(busy, "cgroup.procs").write_text(str(sleeper.pid))
+        hour_ago = time.time() - 3600
+        for leaf in (empty, busy):
+            os.utime(leaf, (hour_ago, hour_ago))
+        with runtime(workers=1, containment="cgroup"):
+            assert not os.path.exists(empty)
+            assert os.path.isdir(busy) and sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for d in (busy, empty, group):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
