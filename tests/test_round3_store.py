@@ -358,3 +358,50 @@ def test_an_abort_lands_at_once_while_a_dormant_sessions_status_waits_for_the_st
         turns = _until(lambda: rt.turns(running), 20.0, "the store recovered")
         assert [(t.id, t.outcome) for t in turns] == [(turn, "aborted")]
         assert rt.status(dormant).state == "dormant"
+
+
+def test_steers_for_a_turn_held_for_its_claim_are_bounded_like_any_waiting_turns(
+    db_path: str,
+) -> None:
+    """A turn whose claim cannot commit (another process holds the write lock) waits
+    in the claim gate as one waiting for a worker; the steers held for it are bounded
+    by the same HELD_BYTES as in the pool (the gate once kept them without a bound: a
+    store that stays down would have held them all in memory, and a turn that then
+    started carried more than the pool would have accepted)."""
+    from tether.actors.ports import HELD_BYTES
+
+    big = "\U0001f600" * 2000  # 8,000 bytes of UTF-8 in a 2,000-character reason
+    with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
+        root = rt.open_session("tether:Scripted")
+        me = User(parent=root)
+        steps = {"steps": [{"op": "sleep", "seconds": 2}]}
+        first = rt.send(root, "first", authority=me, data=steps)
+        # claimed when the first ends; its first boundary delivers the held steers
+        rt.send(
+            root, "second", authority=me, wake=False, data={"steps": [{"op": "say", "text": "2"}]}
+        )
+        t1 = _until(lambda: rt.status(root).turn, 30.0, "the first turn")
+        with write_locked(db_path):
+
+            def second_held() -> bool:
+                info = rt.status(root)  # a live session: no store read
+                return info.state == "running" and info.turn != t1 and not info.dispatched
+
+            _until(second_held, 30.0, "the second turn held for its claim")
+            accepted = 0
+            refused: tether.TetherError | None = None
+            for i in range(400):
+                try:
+                    rt.interrupt(root, authority=me, kind="steer", reason=f"{i:05d}{big}"[:2000])
+                except tether.TetherError as exc:
+                    refused = exc
+                    break
+                accepted += 1
+            assert refused is not None and refused.code == "invalid-params", refused
+            assert 0 < accepted * len(big.encode()) <= HELD_BYTES
+        rt.wait(root, until="idle", timeout=60.0)
+        turns = rt.turns(root)
+        assert [t.outcome for t in turns] == ["completed", "completed"]
+        assert turns[0].message == first
+        said = [e for e in rt.transcript(root) if e.kind == "assistant" and big[:10] in e.text]
+        assert len(said) == accepted  # every accepted steer reached the driver

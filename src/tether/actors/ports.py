@@ -12,11 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
+from tether.wire.errors import InvalidParams
 from tether.wire.frames import (
     CancelFrame,
     Delivered,
     Escalating,
     HostFrame,
+    Preempt,
     Progress,
     RunTurn,
     Say,
@@ -26,7 +30,34 @@ from tether.wire.frames import (
 )
 from tether.wire.records import Message, ProcessFate, SessionHeader, StopReport
 
-__all__ = ["AgentStore", "Durable", "EventSink", "Executor", "TurnJob", "TurnSink"]
+__all__ = [
+    "HELD_BYTES",
+    "AgentStore",
+    "Durable",
+    "EventSink",
+    "Executor",
+    "TurnJob",
+    "TurnSink",
+    "held_over",
+]
+
+
+# Steers and preempts waiting for a turn that cannot take them now (it waits for a
+# worker, or its worker is paused and stops reading), in encoded bytes: past this one is
+# refused when issued. It keeps a paused turn's memory bounded, and a turn's start frame
+# (which carries what was held) far under the frame cap.
+HELD_BYTES = 1 << 20
+_held_encoder = msgspec.msgpack.Encoder()
+
+
+def held_over(frame: HostFrame, held: int) -> InvalidParams:
+    """The refusal of a steer or preempt that would pass HELD_BYTES."""
+    what = "steer" if isinstance(frame, SteerFrame) else "preempt"
+    return InvalidParams(
+        f"{what} refused: {held} bytes of steers and preempts already wait for this turn,"
+        f" which cannot take them now (it is paused, or waits for a worker); at most"
+        f" {HELD_BYTES} bytes may wait. Resume the turn, or wait for it to start."
+    )
 
 
 class TurnSink(Protocol):
@@ -64,7 +95,7 @@ class TurnJob:
     progress_every: float | None = None  # see RunTurn
     repeat: int | None = None
     frozen: bool = False  # paused before a worker took it: held back until thawed
-    held_bytes: int = 0  # steers and preempts in ``pending``, encoded (bounded by the executor)
+    held_bytes: int = 0  # steers and preempts in ``pending``, encoded (see ``hold``)
     # Filled by the executor when it kills the turn's tree, before it reports the end
     # (the stop report, SPEC §15.6): how the tree was killed ("cgroup" or "walk") and
     # every process signalled, with its fate.
@@ -79,6 +110,21 @@ class TurnJob:
     limits: dict[str, float] | None = None
     resources: dict[str, float] | None = None
 
+    def hold(self, frame: HostFrame) -> None:
+        """Keep ``frame`` until a worker takes this turn (it rides in the start frame).
+
+        Steers and preempts count against HELD_BYTES and one past it is refused
+        (InvalidParams, nothing kept); a cancel, an escalation or an answer is never
+        refused. Every executor holds a waiting turn's frames here, so the bound has one
+        home whatever holds the turn (the claim gate, the pool, Ray's scheduler).
+        """
+        if isinstance(frame, SteerFrame | Preempt):
+            size = len(_held_encoder.encode(frame))
+            if self.held_bytes + size > HELD_BYTES:
+                raise held_over(frame, self.held_bytes)
+            self.held_bytes += size
+        self.pending.append(frame)
+
     def start(self) -> tuple[RunTurn, list[HostFrame]]:
         """The frame that starts this turn on a worker, and the frames held for it that
         follow it, in order; ``pending`` is left empty. Steers and a cancel issued before
@@ -90,6 +136,7 @@ class TurnJob:
             f for f in self.pending if not isinstance(f, SteerFrame | CancelFrame)
         ]
         self.pending.clear()
+        self.held_bytes = 0
         run = RunTurn(
             turn=self.turn,
             session=self.session,

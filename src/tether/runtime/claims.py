@@ -75,7 +75,7 @@ class ClaimGate:
             if job is None:
                 self._backend.signal(turn, frame)
             else:
-                job.pending.append(frame)
+                job.hold(frame)  # bounded as in the backend: a held turn waits as one
 
     def kill(self, turn: str) -> None:
         with self._lock:

@@ -69,11 +69,10 @@ import time
 from collections import deque
 from typing import Any
 
-import msgspec
 import psutil
 import structlog
 
-from tether.actors.ports import TurnJob
+from tether.actors.ports import HELD_BYTES, TurnJob, held_over
 from tether.runtime import _contain
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
 from tether.runtime._procs import (
@@ -88,7 +87,7 @@ from tether.runtime._procs import (
 )
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
-from tether.wire.errors import DriverNotFound, FrameError, InvalidParams, TetherError
+from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
     Delivered,
     Escalating,
@@ -126,12 +125,6 @@ _MAX_START_FAILURES = 3  # at construction only: later, a failed start is retrie
 _BACKOFF_FIRST = 0.01  # seconds before the first retry (of a start, or of a kill) ...
 _BACKOFF_MAX = 1.0  # ... doubling up to this
 _KILL_STUCK_TRIES = 20  # a kill retried this often is logged as an error (escalation)
-# Steers and preempts waiting for a turn that cannot take them now (it waits for a
-# worker, or its worker is paused and stops reading), in encoded bytes: past this one is
-# refused when issued. It keeps a paused turn's memory bounded, and a turn's start frame
-# (which carries what was held) far under the frame cap.
-HELD_BYTES = 1 << 20
-_held_encoder = msgspec.msgpack.Encoder()
 
 _fs_lock = threading.Lock()
 _fs_users = 0
@@ -294,7 +287,7 @@ class _Worker:
         with self._out_ready:
             counted = len(payload) if bounded else 0
             if counted and self._out_bytes + counted > HELD_BYTES:
-                raise _held_over(frame, self._out_bytes)
+                raise held_over(frame, self._out_bytes)
             self._queue_locked(payload, counted)
 
     def post_encoded(self, payloads: list[bytes]) -> None:
@@ -481,12 +474,7 @@ class Pool:
                 return
             w = self._where.get(turn)
             if w is None:
-                if bounded:
-                    size = len(_held_encoder.encode(frame))
-                    if job.held_bytes + size > HELD_BYTES:
-                        raise _held_over(frame, job.held_bytes)
-                    job.held_bytes += size
-                job.pending.append(frame)
+                job.hold(frame)
             elif not w.doomed:
                 # under the lock: frames reach the worker in issue order
                 w.post(frame, bounded=bounded)
@@ -599,7 +587,6 @@ class Pool:
                 return
             self._queue.remove(job)
             run, rest = job.start()
-            job.held_bytes = 0
             try:
                 payloads = [w.channel.encode(frame) for frame in (run, *rest)]
             except Exception as exc:  # FrameError (over the cap), or unencodable input
@@ -977,15 +964,6 @@ class Pool:
         with self._lock:
             self._all.discard(w)
             self._changed.notify_all()
-
-
-def _held_over(frame: HostFrame, held: int) -> InvalidParams:
-    what = "steer" if isinstance(frame, SteerFrame) else "preempt"
-    return InvalidParams(
-        f"{what} refused: {held} bytes of steers and preempts already wait for this turn,"
-        f" which cannot take them now (it is paused, or waits for a worker); at most"
-        f" {HELD_BYTES} bytes may wait. Resume the turn, or wait for it to start."
-    )
 
 
 def _start_in_leaf(leaf: Leaf | None, job: TurnJob) -> str | None:

@@ -331,7 +331,7 @@ class RayBackend:
                 return
             s = self._where.get(turn)
             if s is None:
-                job.pending.append(frame)
+                job.hold(frame)  # bounded: a steer past HELD_BYTES is refused
                 return
             if s.killing:
                 return
