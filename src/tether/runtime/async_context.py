@@ -435,6 +435,23 @@ class AsyncTurnContext(BaseContext):
             st.progress.in_tool = any(not c.never for c in self._calls)
             self._progress()
 
+    def preempt_now(self, frame: Preempt) -> None:
+        """Preempt this turn's innermost tool from inside the worker, on the loop: what a
+        host's preempt does (kill a running command, or stop the innermost call), for a
+        tool policy's own limits (``max_duration``: origin ``system``)."""
+        st = self._state
+        with st.lock:
+            victims = [p for p, by in st.tools.items() if by is None]
+            for p in victims:
+                st.tools[p] = frame
+            if st.starting and st.early is None:
+                st.early = frame  # still starting: killed once it has a pid
+            busy = bool(victims) or bool(st.starting)
+        for p in victims:
+            _kill_command(p)
+        if not busy:
+            self._on_preempt(frame)
+
     def _on_preempt(self, frame: Preempt) -> None:
         """On the loop: a preempt with no command running stops the innermost call."""
         st = self._state

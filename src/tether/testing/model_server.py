@@ -66,6 +66,7 @@ class Request:
     status: int = 200
     ended: float | None = None  # when the response ended (written, or the client left)
     outcome: str = "open"  # open | done | error | disconnected
+    hanging: bool = False  # a ``hang`` reply sent all it will and now waits
     served_s: float = 0.0  # the server's own time on it: arrival to last byte written
 
     @property
@@ -341,7 +342,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         usage = reply.get("usage", _count(record.body, text, calls))
         if not record.stream:
             if reply.get("hang"):
-                self._hang()
+                self._hang(record)
             answer: dict[str, Any] = {"role": "assistant", "content": text or None}
             if calls:
                 answer["tool_calls"] = calls
@@ -397,7 +398,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     }
                 )
         if reply.get("hang"):
-            self._hang()
+            self._hang(record)
         event({}, _finish(calls))
         if usage is not None and (record.body.get("stream_options") or {}).get("include_usage"):
             self._event(
@@ -483,8 +484,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             self._wait_readable(min(left, 0.25))
 
-    def _hang(self) -> None:
+    def _hang(self, record: Request) -> None:
         """No end until the client goes away (or the server stops)."""
+        with self.log_.lock:
+            record.hanging = True
+            self.log_.lock.notify_all()
         while not self.stopping.is_set():
             if self._gone():
                 raise _Gone
