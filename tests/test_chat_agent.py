@@ -1,8 +1,8 @@
 """``tether.agents:ChatAgent`` (SPEC §15.2) against the real model server over HTTP.
 
-The model server (``tether.testing.model_server``) runs in this process on loopback; the
-agent runs in a worker process and talks to it with the official ``openai`` client. Each
-test has its own script, chosen by the model name it configures.
+The model server (``tether.testing.model_server``) runs in a process of its own on
+loopback; the agent runs in a worker process and talks to it with the official
+``openai`` client. Each test has its own script, chosen by the model name it configures.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def api_key() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ModelServer]:
-    with ModelServer() as s:
+    # A process of its own: it notices a client's disconnect at once, never waiting for
+    # this process's GIL behind the runtime's threads (the tests compare the two times).
+    with ModelServer(process=True) as s:
         yield s
 
 
@@ -317,3 +319,17 @@ def test_a_bad_config_ends_the_turn_failed_with_one_line_and_a_missing_key_too(
         assert ended["outcome"] == "failed" and "\n" not in ended["error"]
     assert "api_key_env" in rt.turns(str(rt.list_agents(root)[0].id))[0].error  # type: ignore[operator]
     wait_entry(rt, root, "notice", "failed")
+
+
+@pytest.mark.timeout(120)
+def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tether.cli.demo import main
+
+    assert main(["--agent"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "next request ends with: <steer" in out
+    assert "turn cancelled; partial reply kept" in out and "server saw the disconnect" in out
+    assert "the model got: preempted after" in out
+    assert "demo finished" in out

@@ -135,3 +135,18 @@ def test_the_module_runs_as_a_program_and_prints_its_url() -> None:
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_a_server_in_a_process_of_its_own_is_scripted_and_queried_over_http() -> None:
+    with ModelServer([{"text": "from the process", "hang": True}], process=True) as server:
+        server.script("named", [{"text": "named reply"}])
+        client = _client(server)
+        reply = client.chat.completions.create(model="named", messages=[])
+        assert reply.choices[0].message.content == "named reply"
+        stream = client.chat.completions.create(model="m", messages=[], stream=True)
+        next(iter(stream))
+        server.wait_for(lambda s: s.requests[-1].hanging, what="the hang")
+        stream.close()
+        gone = server.wait_disconnect(server.requests[-1].id)
+        assert [r.script for r in server.requests] == ["named", "m"]
+        assert server.requests[-1].outcome == "disconnected" and gone.time > 0

@@ -24,6 +24,7 @@ The loop of one turn::
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -153,12 +154,10 @@ class ChatAgent:
             # The partial reply (if a stream was cut) is already the last assistant
             # entry: the turn ends cancelled with it as its final text.
             return None
-        finally:
-            await client.close()
 
     async def _loop(self, ctx: AsyncTurnContext, cfg: _Config, client: Any) -> str | None:
         mcp = await _mcp_tools(ctx, cfg)
-        tools = [t for t in schemas("openai") if t["function"]["name"] in cfg.tools]
+        tools = [t for t in _host_schemas() if t["function"]["name"] in cfg.tools]
         if mcp is not None:
             tools.extend(await mcp.list_tools())
         messages = _messages(cfg, await ctx.load_history(), ctx)
@@ -266,6 +265,18 @@ class ChatAgent:
         return text
 
 
+# One client per endpoint in this worker process, kept across turns on the worker's one
+# event loop: its connections are reused (a cut stream's connection is closed, never
+# reused). Keyed by what makes a client, the key included: held in memory only.
+_clients: dict[tuple[Any, ...], Any] = {}
+
+
+@functools.cache
+def _host_schemas() -> tuple[dict[str, Any], ...]:
+    """The host tools' schemas, generated once per worker (a few ms each time)."""
+    return tuple(schemas("openai"))
+
+
 def _client(model: _Model) -> Any:
     import openai
 
@@ -277,13 +288,18 @@ def _client(model: _Model) -> Any:
                 f"the environment variable {model.api_key_env} (api_key_env) is not set"
             )
         key = found
-    return openai.AsyncOpenAI(
-        base_url=model.base_url,
-        api_key=key,
-        timeout=model.timeout,
-        max_retries=0,  # ours: the retries are counted and logged here
-        default_headers=model.headers or None,
-    )
+    ident = (model.base_url, key, model.timeout, tuple(sorted(model.headers.items())))
+    client = _clients.get(ident)
+    if client is None:
+        client = openai.AsyncOpenAI(
+            base_url=model.base_url,
+            api_key=key,
+            timeout=model.timeout,
+            max_retries=0,  # ours: the retries are counted and logged here
+            default_headers=model.headers or None,
+        )
+        _clients[ident] = client
+    return client
 
 
 def _take(ctx: AsyncTurnContext, reply: _Reply, chunk: Any) -> None:
@@ -369,7 +385,10 @@ def _result_text(result: dict[str, Any]) -> str:
 
 
 def _preempted_text(exc: Preempted) -> str:
-    elapsed = f"{exc.elapsed:.0f} s" if exc.elapsed is not None else "a while"
+    if exc.elapsed is None:
+        elapsed = "a while"
+    else:  # whole seconds, as a person says it; tenths for a short call
+        elapsed = f"{exc.elapsed:.0f} s" if exc.elapsed >= 10 else f"{exc.elapsed:.1f} s"
     who = exc.origin or "user"
     head = f"preempted after {elapsed} by {who}"
     if exc.by and who != "watchdog":

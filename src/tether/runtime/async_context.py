@@ -548,12 +548,28 @@ def run_async_turn(worker: _Worker, run: RunTurn, state: _TurnState, cls: type[A
     try:
         final = loop.run_until_complete(main())
     except asyncio.CancelledError:
+        _settle(loop)
         if state.cancel_delivered:
             return end_of(run, state)
         return end_of(run, state, error=RuntimeError("the driver's task was cancelled"))
     except Exception as exc:  # a driver's failure ends its turn, never the worker
+        _settle(loop)
         return end_of(run, state, error=exc)
     finally:
         with state.lock:
             state.on_cancel = state.on_preempt = state.on_reply = None
+    _settle(loop)
     return end_of(run, state, final=final)
+
+
+def _settle(loop: asyncio.AbstractEventLoop) -> None:
+    """Run what the turn left ready on the loop before its end is reported: a transport
+    closed in the driver's last steps closes its socket in a callback (asyncio's
+    ``connection_lost``), and a cancelled stream's connection must be gone before the
+    turn's end is recorded, not at the worker's next turn."""
+    loop.run_until_complete(_ticks(3))
+
+
+async def _ticks(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)

@@ -41,9 +41,11 @@ import http.server
 import json
 import select
 import socket
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,29 +105,52 @@ class _Gone(Exception):
 
 
 class ModelServer:
-    """The server, on a free loopback port in a thread; a context manager."""
+    """The server on a free loopback port, a context manager: in a thread of this process,
+    or (``process=True``) in a process of its own, queried over HTTP.
+
+    A process of its own sees a client's disconnect without waiting for this process's
+    GIL: use it when a test compares the disconnect's time with other events recorded
+    in this process (a busy host would otherwise delay the server's noticing).
+    """
 
     def __init__(
-        self, replies: list[dict[str, Any]] | None = None, *, host: str = "127.0.0.1", port: int = 0
+        self,
+        replies: list[dict[str, Any]] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        process: bool = False,
     ) -> None:
         self._log = _Log()
         self._stopping = threading.Event()
+        self._host, self._port = host, port
+        self._httpd: _Server | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._remote: str | None = None  # the process's base URL
+        self._thread: threading.Thread | None = None
         if replies is not None:
             self.script(_DEFAULT, replies)
-        handler = _handler_class(self._log, self._stopping)
-        self._httpd = _Server((host, port), handler)
-        self._thread: threading.Thread | None = None
+        if not process:
+            handler = _handler_class(self._log, self._stopping)
+            self._httpd = _Server((host, port), handler)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     @property
     def url(self) -> str:
         """The ``base_url`` for an OpenAI client: ``http://127.0.0.1:<port>/v1``."""
+        if self._httpd is None:
+            if self._remote is None:
+                raise RuntimeError("the model server process is not started")
+            return self._remote
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}/v1"
 
     def start(self) -> ModelServer:
-        if self._thread is None:
+        if self._httpd is None:
+            if self._proc is None:
+                self._spawn()
+        elif self._thread is None:
             self._thread = threading.Thread(
                 target=self._httpd.serve_forever,
                 kwargs={"poll_interval": 0.05},
@@ -135,19 +160,65 @@ class ModelServer:
             self._thread.start()
         return self
 
+    def _spawn(self) -> None:
+        argv = [sys.executable, "-m", "tether.testing.model_server"]
+        argv += ["--host", self._host, "--port", str(self._port), "--empty"]
+        self._proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline().strip()
+        if not line.startswith("http://"):
+            self.close()
+            raise RuntimeError(f"the model server process did not start: {line!r}")
+        self._remote = line
+        with self._log.lock:
+            scripts = {n: s.replies for n, s in self._log.scripts.items()}
+        for name, replies in scripts.items():
+            self._post("/_tether/script", {"name": name, "replies": replies})
+
     def close(self) -> None:
         self._stopping.set()  # hung responses end
-        if self._thread is not None:
+        if self._thread is not None and self._httpd is not None:
             self._httpd.shutdown()
             self._thread.join(5.0)
             self._thread = None
-        self._httpd.server_close()
+        if self._httpd is not None:
+            self._httpd.server_close()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+            self._proc = None
 
     def __enter__(self) -> ModelServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- the process's HTTP face --------------------------------------------------------
+
+    def _root(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def _post(self, path: str, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        request = urllib.request.Request(
+            self._root() + path, data, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
+    def _fetch(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self._root() + "/_tether/log", timeout=10) as response:
+            log: dict[str, Any] = json.load(response)
+        return log
 
     # ---- scripts and records ------------------------------------------------------------
 
@@ -157,14 +228,20 @@ class ModelServer:
             raise ValueError("a script needs at least one reply")
         with self._log.lock:
             self._log.scripts[name] = _Script([dict(r) for r in replies])
+        if self._remote is not None:
+            self._post("/_tether/script", {"name": name, "replies": replies})
 
     @property
     def requests(self) -> list[Request]:
+        if self._httpd is None:
+            return [_request_of(r) for r in self._fetch()["requests"]]
         with self._log.lock:
             return list(self._log.requests)
 
     @property
     def disconnects(self) -> list[Disconnect]:
+        if self._httpd is None:
+            return [Disconnect(d["request"], d["time"]) for d in self._fetch()["disconnects"]]
         with self._log.lock:
             return list(self._log.disconnects)
 
@@ -175,7 +252,8 @@ class ModelServer:
         self, predicate: Callable[[ModelServer], Any], *, timeout: float = 5.0, what: str = ""
     ) -> Any:
         """Wait until ``predicate(self)`` is truthy (woken by every request and response
-        end); its value. ``TimeoutError`` after ``timeout``."""
+        end; polled every few ms for a server process); its value. ``TimeoutError``
+        after ``timeout``."""
         deadline = time.monotonic() + timeout
         with self._log.lock:
             while True:
@@ -185,7 +263,7 @@ class ModelServer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"model server: timed out waiting for {what or predicate}")
-                self._log.lock.wait(left)
+                self._log.lock.wait(left if self._httpd is not None else min(left, 0.003))
 
     def wait_requests(
         self, count: int, *, script: str | None = None, timeout: float = 5.0
@@ -210,7 +288,22 @@ class ModelServer:
 
     def log(self) -> dict[str, Any]:
         """Everything recorded, JSON-ready (what ``GET /_tether/log`` returns)."""
-        return _log_json(self._log)
+        return self._fetch() if self._httpd is None else _log_json(self._log)
+
+
+def _request_of(raw: dict[str, Any]) -> Request:
+    return Request(
+        id=raw["id"],
+        time=raw["time"],
+        body=raw["body"],
+        script=raw["script"],
+        authorization=raw.get("authorization"),
+        status=raw["status"],
+        ended=raw["ended"],
+        outcome=raw["outcome"],
+        served_s=raw["served_s"],
+        hanging=raw["hanging"],
+    )
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -231,6 +324,8 @@ def _log_json(log: _Log) -> dict[str, Any]:
                     "outcome": r.outcome,
                     "ended": r.ended,
                     "served_s": r.served_s,
+                    "hanging": r.hanging,
+                    "authorization": r.authorization,
                     "body": r.body,
                 }
                 for r in log.requests
@@ -268,6 +363,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     log_: _Log
     stopping: threading.Event
+
+    def setup(self) -> None:
+        super().setup()
+        # Small writes (each event a chunk) go out at once: with Nagle's algorithm, a
+        # second small write waits for the client's delayed ACK (40 ms on Linux).
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: the log is what the tests query
@@ -553,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="default: a free port")
     parser.add_argument(
+        "--empty", action="store_true", help="no default script (set scripts over HTTP)"
+    )
+    parser.add_argument(
         "--script",
         help='a JSON file: a list of replies, or {"name": [replies], ...} for named scripts',
     )
@@ -567,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             server.script(str(name), script)
     elif isinstance(loaded, list):
         server.script(_DEFAULT, loaded)
-    if not isinstance(loaded, dict) or _DEFAULT not in loaded:
+    if not args.empty and (not isinstance(loaded, dict) or _DEFAULT not in loaded):
         with server._log.lock:
             known = _DEFAULT in server._log.scripts
         if not known:
