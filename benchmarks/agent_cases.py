@@ -64,7 +64,8 @@ def _cancel_case(cfg: Cfg, driver: str, config: Callable[[ModelServer], dict[str
                  script: str, grace: float, samples_n: int,
                  deadline: float | None = None) -> Iterator[Samples]:
     _need_openai()
-    with ModelServer(process=True) as server, tether.Runtime(workers=2, grace=grace) as rt:
+    with ModelServer(process=True, realtime=True) as server, \
+            tether.Runtime(workers=2, grace=grace) as rt:
         server.script(script, HUNG)
         parent, auth = _quiet_parent(rt)
         child = str(rt.spawn(parent, driver, config=config(server)))

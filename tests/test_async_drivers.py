@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import psutil
@@ -227,3 +228,45 @@ def test_an_async_host_tool_call_does_not_block_the_loop(rt: tether.Runtime) -> 
     report = json.loads(texts(rt, child, "assistant")[-1])
     assert report["result"]["error"] == "invalid-params"
     assert root
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_racing_an_async_turns_start_always_lands_on_that_turn(
+    rt: tether.Runtime,
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for i in range(60):
+            rt.send(child, f"race {i}", authority=me, data=steps({"op": "hang"}))
+            turn = rt.interrupt(child, authority=me, kind="cancel", reason=f"race {i}")
+            ended = rec.turn_ended(child, count=i + 1, timeout=10.0)
+            assert (ended["turn"], ended["outcome"], ended["forced"]) == (turn, "cancelled", False)
+    finally:
+        sys.setswitchinterval(old)
+    assert all(t.outcome == "cancelled" for t in rt.turns(child))
+    assert _actions(rt, child) == ["cancelled"] * 60
+
+
+@pytest.mark.timeout(180)
+def test_a_deadline_racing_the_delivery_at_an_await_ends_the_turn_one_way_or_the_other(
+    rt: tether.Runtime,
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    seen = set()
+    for i in range(25):
+        data = steps({"op": "say", "text": f"up {i}"}, {"op": "sleep", "seconds": 60})
+        rt.send(child, "race", authority=me, data=data)
+        wait_entry(rt, child, "assistant", f"up {i}")
+        rt.interrupt(child, authority=me, kind="cancel", reason="race", deadline=0.001)
+        ended = rec.turn_ended(child, count=i + 1, timeout=10.0)
+        # delivered first: cancelled, never escalated; else the escalation's abort
+        assert (ended["outcome"], ended["escalated"]) in (("cancelled", False), ("aborted", True))
+        seen.add(ended["outcome"])
+        refilled(rt)
+    actions = _actions(rt, child)
+    assert actions.count("escalated") == sum(t.outcome == "aborted" for t in rt.turns(child))
+    print(f"\noutcomes seen: {sorted(seen)}")

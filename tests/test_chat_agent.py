@@ -40,7 +40,7 @@ def api_key() -> Iterator[str]:
 def server() -> Iterator[ModelServer]:
     # A process of its own: it notices a client's disconnect at once, never waiting for
     # this process's GIL behind the runtime's threads (the tests compare the two times).
-    with ModelServer(process=True) as s:
+    with ModelServer(process=True, realtime=True) as s:
         yield s
 
 
@@ -99,7 +99,7 @@ def test_a_turn_calls_run_command_and_completes_with_replies_tool_entries_usage_
     ]
     root, child, me = _agent(art, server, "runs-a-command", replies)
     art.send(child, "what does the tool say?", authority=me)
-    ended = rec.turn_ended(child, timeout=20.0)
+    ended = rec.turn_ended(child, timeout=30.0)
     assert ended["outcome"] == "completed", ended
 
     said = [(e.kind, e.text) for e in art.transcript(child)]
@@ -138,12 +138,12 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
         rt, server, "cut-mid-stream", [{"text": text, "chunk": 4, "hang": True}]
     )
     rt.send(child, "tell me everything", authority=me)
-    [request] = server.wait_requests(1, script="cut-mid-stream", timeout=10.0)
+    [request] = server.wait_requests(1, script="cut-mid-stream", timeout=30.0)
     server.wait_for(lambda s: s.requests_for("cut-mid-stream")[0].hanging, what="the hang")
     eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
 
     rt.interrupt(child, authority=me, kind="cancel", reason="enough")
-    ended = rec.turn_ended(child, timeout=10.0)
+    ended = rec.turn_ended(child, timeout=30.0)
     assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
     gone = server.wait_disconnect(request.id)
     [turn] = rt.turns(child)
@@ -170,9 +170,9 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(
     ]
     root, child, me = _agent(rt, server, "steered", replies)
     rt.send(child, "do the task", authority=me)
-    server.wait_requests(1, script="steered", timeout=10.0)
+    server.wait_requests(1, script="steered", timeout=30.0)
     rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
-    assert rec.turn_ended(child, timeout=20.0)["outcome"] == "completed"
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     [_, second] = server.requests_for("steered")
     steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
     assert second.body["messages"][-1] == {"role": "user", "content": steer}
@@ -191,9 +191,11 @@ def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_th
     ]
     root, child, me = _agent(rt, server, "preempted", replies)
     rt.send(child, "run it", authority=me)
+    # a fresh worker imports the openai client first (seconds on a loaded machine)
+    server.wait_requests(1, script="preempted", timeout=30.0)
     worker_with_tool(rt, "sleep")
     rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
-    assert rec.turn_ended(child, timeout=20.0)["outcome"] == "completed"
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     [_, second] = server.requests_for("preempted")
     result = second.body["messages"][-1]
     assert result["role"] == "tool"
@@ -204,6 +206,26 @@ def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_th
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
 
 
+def test_a_run_command_past_its_max_duration_is_preempted_by_system_and_the_turn_goes_on(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {"tool_calls": [{"name": "run_command", "arguments": {"argv": ["sleep", "30"]}}]},
+        {"text": "Gave up on the slow command."},
+    ]
+    policy = {"run_command": {"max_duration": 0.5}}
+    _root, child, me = _agent(rt, server, "max-duration", replies, tool_policy=policy)
+    rt.send(child, "run it", authority=me)
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("max-duration")
+    result = second.body["messages"][-1]["content"]
+    assert result.startswith("preempted after ")
+    assert "by system (policy): max_duration 0.5 s exceeded" in result
+    [marker] = entries(rt, child, "marker")
+    assert (marker.action, marker.origin) == ("preempted", "system")
+
+
 def test_429_and_500_are_retried_with_backoff_and_the_turn_completes(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
@@ -211,7 +233,7 @@ def test_429_and_500_are_retried_with_backoff_and_the_turn_completes(
     replies = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
     _root, child, me = _agent(rt, server, "flaky", replies)
     rt.send(child, "try", authority=me)
-    assert rec.turn_ended(child, timeout=20.0)["outcome"] == "completed"
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     assert [r.status for r in server.requests_for("flaky")] == [429, 500, 200]
     assert texts(rt, child, "assistant") == ["third time lucky"]
 
@@ -225,7 +247,7 @@ def test_errors_past_the_retries_and_a_400_end_the_turn_failed_with_one_line(
     rt.send(down, "try", authority=me1)
     rt.send(bad, "try", authority=me2)
     for sid, n in ((down, 3), (bad, 1)):
-        ended = rec.turn_ended(sid, timeout=20.0)
+        ended = rec.turn_ended(sid, timeout=30.0)
         assert ended["outcome"] == "failed"
         error = ended["error"]
         assert "\n" not in error and "Traceback" not in error
@@ -241,9 +263,9 @@ def test_abort_mid_stream_kills_the_turn_and_the_server_sees_the_disconnect(
     rec = Recorder(rt)
     _root, child, me = _agent(rt, server, "aborted", [{"text": "streaming...", "hang": True}])
     rt.send(child, "go", authority=me)
-    [request] = server.wait_requests(1, script="aborted", timeout=10.0)
+    [request] = server.wait_requests(1, script="aborted", timeout=30.0)
     rt.interrupt(child, authority=me, kind="abort", reason="kill it")
-    assert rec.turn_ended(child, timeout=10.0)["outcome"] == "aborted"
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
     server.wait_disconnect(request.id)
 
 
@@ -254,7 +276,7 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     text = "".join(f"word{i} " for i in range(40)).strip()
     _root, child, me = _agent(rt, server, "paused", [{"text": text, "chunk": 6, "pace": 0.03}])
     rt.send(child, "go", authority=me)
-    server.wait_requests(1, script="paused", timeout=10.0)
+    server.wait_requests(1, script="paused", timeout=30.0)
     worker = eventually(lambda: _talking_to(rt, server), what="the agent's worker")
     assert rt.pause(child, authority=me) != []
     eventually(lambda: worker.status() == psutil.STATUS_STOPPED, what="the worker stopped")
@@ -262,7 +284,7 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     assert worker.status() == psutil.STATUS_STOPPED
     assert texts(rt, child, "assistant") == []
     rt.resume(child, authority=me)
-    assert rec.turn_ended(child, timeout=20.0)["outcome"] == "completed"
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     assert texts(rt, child, "assistant") == [text]
     assert server.disconnects == [] or all(
         d.request not in {r.id for r in server.requests_for("paused")} for d in server.disconnects
@@ -315,7 +337,7 @@ def test_a_bad_config_ends_the_turn_failed_with_one_line_and_a_missing_key_too(
         )
     ):
         sid = str(rt.spawn(root, CHAT, slug=f"bad{i}", config=config, prompt="hi"))
-        ended = rec.turn_ended(sid, timeout=20.0)
+        ended = rec.turn_ended(sid, timeout=30.0)
         assert ended["outcome"] == "failed" and "\n" not in ended["error"]
     assert "api_key_env" in rt.turns(str(rt.list_agents(root)[0].id))[0].error  # type: ignore[operator]
     wait_entry(rt, root, "notice", "failed")
