@@ -121,17 +121,19 @@ def cancel_inflight_sync(cfg: Cfg) -> Iterator[Samples]:
 
 def agent_turn(cfg: Cfg) -> Iterator[Samples]:
     """A one-reply ChatAgent turn (send → turn ended event) minus the model server's own
-    time on its request (arrival to last byte): what Tether and the agent add."""
+    time on its request (arrival to last byte): what Tether and the agent add. Each
+    sample is the first turn of a fresh session (spawned before the clock starts), so
+    the request carries one message, not a growing history."""
     _need_openai()
     with ModelServer() as server, tether.Runtime(workers=2) as rt:
         server.script("one", [{"text": "ok"}])
         parent, auth = _quiet_parent(rt)
         config = {"model": {"base_url": server.url, "name": "one", "retries": 0}}
-        child = str(rt.spawn(parent, CHAT, config=config))
-        events = Events(rt, {"turn.ended"}, sessions={child})
+        events = Events(rt, {"turn.ended"})
         _pool_steady(rt, 2)
 
         def once() -> float:
+            child = str(rt.spawn(parent, CHAT, config=config))
             mark = events.mark()
             t0 = time.perf_counter_ns()
             rt.send(child, "hi", authority=auth)
