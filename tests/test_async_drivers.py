@@ -27,6 +27,7 @@ from drivers import (
     steps,
     texts,
     wait_entry,
+    worker_with_tool,
 )
 from tether import User
 
@@ -270,3 +271,37 @@ def test_a_deadline_racing_the_delivery_at_an_await_ends_the_turn_one_way_or_the
     actions = _actions(rt, child)
     assert actions.count("escalated") == sum(t.outcome == "aborted" for t in rt.turns(child))
     print(f"\noutcomes seen: {sorted(seen)}")
+
+
+def _report(rt: tether.Runtime, turn: str) -> tether.StopReport:
+    def complete() -> tether.StopReport | None:
+        r = rt.stop_report(turn)
+        return r if r is not None and r.outcome is not None else None
+
+    return eventually(complete, timeout=15.0, what=f"the complete stop report of {turn}")
+
+
+def test_a_cancel_at_an_await_is_reported_cancel_at_await_with_the_command_it_cut(
+    rt: tether.Runtime,
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    rt.send(child, "tool", authority=me, data=steps({"op": "tool", "argv": ["sleep", "30"]}))
+    worker_with_tool(rt, "sleep")
+    turn = rt.interrupt(child, authority=me, kind="cancel", reason="stop")
+    assert turn is not None and rec.turn_ended(child)["outcome"] == "cancelled"
+    report = _report(rt, turn)
+    assert (report.via, report.outcome) == ("cancel-at-await", "cancelled")
+    assert [(t.name, t.fate) for t in report.tools] == [("run_command", "cancelled")]
+
+
+def test_a_preempted_tool_await_is_reported_with_its_fate(rt: tether.Runtime) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, "drivers:AsyncPreemptable")
+    rt.send(child, "work", authority=me)
+    wait_entry(rt, child, "assistant", "calling")
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert turn is not None and rec.turn_ended(child)["outcome"] == "completed"
+    report = _report(rt, turn)
+    assert (report.kind, report.via) == ("preempt", "cancel-at-await")
+    assert [(t.name, t.fate) for t in report.tools] == [("slow", "preempted")]

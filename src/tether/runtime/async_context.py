@@ -416,7 +416,9 @@ class AsyncTurnContext(BaseContext):
             except asyncio.CancelledError:
                 fate = "cancelled"
                 if call.preempt is not None and inner.cancelled():
-                    fate = "preempted"
+                    if tool is not None:  # closed before ToolKilled: its report lists it
+                        st.tool_closed(tool, "preempted")
+                        tool = None
                     error = self._preempted(call.preempt, name, call.started, via="cancel-at-await")
                     if me is None or me.cancelling() <= base:
                         raise error from None  # only the tool was stopped: the turn goes on
