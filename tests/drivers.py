@@ -627,3 +627,14 @@ class AsyncCallTool:
         finally:
             task.cancel()
         return json.dumps({"result": result, "ticked": ticks > 1})
+
+
+class AsyncHistory:
+    """Answers JSON: ``ctx.history`` (the blocking property) and ``await
+    ctx.load_history()``, each as [kind, text] pairs, and whether they agree."""
+
+    async def run(self, ctx: Any) -> str:
+        fetched = [[e.kind, e.text] for e in await ctx.load_history()]
+        ctx._history = None  # fetch again, the other way
+        blocking = [[e.kind, e.text] for e in ctx.history]
+        return json.dumps({"history": fetched, "same": fetched == blocking})

@@ -305,3 +305,16 @@ def test_a_preempted_tool_await_is_reported_with_its_fate(rt: tether.Runtime) ->
     report = _report(rt, turn)
     assert (report.kind, report.via) == ("preempt", "cancel-at-await")
     assert [(t.name, t.fate) for t in report.tools] == [("slow", "preempted")]
+
+
+def test_an_async_driver_reads_its_history_with_or_without_awaiting(rt: tether.Runtime) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, "drivers:AsyncHistory")
+    rt.send(child, "first", authority=me)
+    rec.turn_ended(child)
+    rt.send(child, "second", authority=me)
+    rec.turn_ended(child, count=2)
+    report = json.loads(texts(rt, child, "assistant")[-1])
+    assert report["same"] is True
+    assert report["history"][:2] == [["user", "first"], ["assistant", report["history"][1][1]]]
+    assert report["history"][-1] == ["user", "second"]

@@ -208,6 +208,13 @@ class ChatAgent:
         if cfg.model.max_tokens is not None:
             kwargs["max_tokens"] = cfg.model.max_tokens
         attempt = 0
+        log.debug(
+            "model.request",
+            turn=ctx.turn,
+            model=cfg.model.name,
+            base_url=cfg.model.base_url,
+            messages=len(messages),
+        )
         while True:
             reply = _Reply()
             stream: Any = None

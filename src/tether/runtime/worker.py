@@ -44,6 +44,7 @@ from typing import Any, Literal, NoReturn, overload
 
 import msgspec
 
+from tether.runtime._log import configure_logging
 from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, Preempted, TetherError, error_from_code
@@ -849,6 +850,9 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
     # pool finds what our tree left behind by this tag.
     os.environ[TREE_ENV] = token
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
+    # Drivers log through structlog too (an agent's retries): the host's settings
+    # (TETHER_LOG, TETHER_LOG_FORMAT), to stderr, quiet by default.
+    configure_logging()
     channel: Channel[HostFrame] = Channel(sock, HostFrame)
     worker = _Worker(channel)
     reader = threading.Thread(target=worker.read_loop, name="tether-worker-reader", daemon=True)
