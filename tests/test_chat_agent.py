@@ -7,19 +7,34 @@ loopback; the agent runs in a worker process and talks to it with the official
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, eventually, texts, wait_entry, worker_with_tool
+from drivers import (
+    SCRIPTED,
+    Recorder,
+    alive,
+    entries,
+    eventually,
+    refilled,
+    texts,
+    wait_entry,
+    worker_with_tool,
+)
 from tether import User
 from tether.testing import ModelServer
+from tether.testing.mcp_server import LOG_ENV, read_log
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -358,5 +373,115 @@ def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert "next request ends with: <steer" in out
     assert "turn cancelled; partial reply kept" in out and "server saw the disconnect" in out
+    assert "the MCP server got notifications/cancelled" in out
     assert "the model got: preempted after" in out
     assert "demo finished" in out
+
+
+# ---- MCP tools (tether.agents.mcp, SPEC §15.3) ------------------------------------------
+
+
+def _mcp(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """An MCP stdio server (the SDK's, tests' own build) logging what it receives."""
+    log = tmp_path / "mcp.log"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    server = {
+        "command": [sys.executable, "-m", "tether.testing.mcp_server"],
+        "env": {LOG_ENV: str(log), "PYTHONPATH": path},
+    }
+    return {"servers": {"files": server}, "grace": 2.0}, log
+
+
+def _mcp_server_procs(rt: tether.Runtime) -> list[psutil.Process]:
+    found = []
+    for pid in rt.worker_pids:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "tether.testing.mcp_server" in " ".join(p.cmdline()):
+                        found.append(p)
+    return found
+
+
+def test_a_turn_calls_run_command_and_an_mcp_tool_and_completes(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "run_command", "arguments": {"argv": ["echo", "from-the-shell"]}},
+                {"name": "mcp__files__echo", "arguments": {"text": "from-the-mcp-server"}},
+            ]
+        },
+        {"text": "Both tools answered."},
+    ]
+    _root, child, me = _agent(rt, server, "with-mcp", replies, mcp=mcp)
+    rt.send(child, "use both tools", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [first, second] = server.requests_for("with-mcp")
+    offered = [t["function"]["name"] for t in first.body["tools"]]
+    assert "run_command" in offered and "mcp__files__echo" in offered
+    results = [m["content"] for m in second.body["messages"] if m["role"] == "tool"]
+    assert "from-the-shell" in results[0] and "from-the-mcp-server" in results[1]
+    tools = entries(rt, child, "tool")
+    assert [(e.data or {}).get("name") for e in tools] == ["run_command", "mcp__files__echo"]
+    assert texts(rt, child, "assistant")[-1] == "Both tools answered."
+
+
+@pytest.mark.timeout(120)
+def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_turn_goes_on(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "The search hung; going on without it."},
+    ]
+    root, child, me = _agent(rt, server, "mcp-preempt", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    call = eventually(
+        lambda: next((r for r in read_log(str(log)) if r.get("method") == "tools/call"), None),
+        timeout=60.0,
+        what="the MCP server to receive the call",
+    )
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="search is stuck")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    cancelled = [r for r in read_log(str(log)) if r.get("method") == "notifications/cancelled"]
+    assert [r["requestId"] for r in cancelled] == [call["id"]]
+    [_, second] = server.requests_for("mcp-preempt")
+    result = second.body["messages"][-1]["content"]
+    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+    assert texts(rt, child, "assistant")[-1] == "The search hung; going on without it."
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "preempted")]
+
+
+@pytest.mark.timeout(120)
+def test_abort_kills_the_mcp_servers_tree_and_pause_freezes_it(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [{"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]}]
+    _root, child, me = _agent(rt, server, "mcp-abort", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    eventually(
+        lambda: any(r.get("method") == "tools/call" for r in read_log(str(log))),
+        timeout=60.0,
+        what="the MCP server to receive the call",
+    )
+    [srv] = _mcp_server_procs(rt)
+    assert rt.pause(child, authority=me) != []
+    eventually(lambda: srv.status() == psutil.STATUS_STOPPED, what="the MCP server frozen")
+    rt.resume(child, authority=me)
+    eventually(lambda: srv.status() != psutil.STATUS_STOPPED, what="the MCP server thawed")
+    rt.interrupt(child, authority=me, kind="abort", reason="enough")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
+    eventually(lambda: not alive(srv), what="the MCP server's death")
+    refilled(rt)

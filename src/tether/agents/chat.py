@@ -28,11 +28,13 @@ import functools
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from tether.agents.mcp import McpTimeout, McpTools
 from tether.runtime.async_context import AsyncTurnContext
 from tether.runtime.tools import TOOLS, schemas
 from tether.wire.errors import InvalidParams, Preempted, TetherError
@@ -45,6 +47,7 @@ __all__ = ["ChatAgent", "ModelError"]
 log = structlog.get_logger("tether.agents.chat")
 
 _DEFAULT_STEPS = 50
+_MCP_GRACE = 5.0  # seconds a stopped MCP call may take to end (config.mcp.grace)
 _RESULT_CAP = 20_000  # characters of one tool result sent to the model
 _ERROR_CAP = 300  # characters of a one-line error
 
@@ -430,44 +433,54 @@ def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.Tim
 
 # ---- MCP (tether.agents.mcp) ----------------------------------------------------------
 
-_mcp_cache: dict[str, Any] = {}  # per worker process: servers live across turns
+_mcp_cache: dict[str, McpTools] = {}  # per worker process: servers live across turns
 
 
-async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> Any:
-    servers = (cfg.mcp or {}).get("servers")
+async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
+    mcp = cfg.mcp or {}
+    servers = mcp.get("servers")
     if not servers:
         return None
-    try:
-        from tether.agents import mcp as mcp_module  # type: ignore[attr-defined, unused-ignore]
-    except ImportError:
-        raise ModelError("config.mcp needs tether.agents.mcp, which is not installed") from None
-    key = json.dumps([servers, cfg.tool_policy], sort_keys=True)
+    grace = mcp.get("grace", _MCP_GRACE)
+    key = json.dumps([servers, cfg.tool_policy, grace], sort_keys=True)
     tools = _mcp_cache.get(key)
     if tools is None:
-        tools = mcp_module.McpTools(servers, policies=cfg.tool_policy)
+        try:
+            tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
+        except TetherError as exc:
+            raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
         _mcp_cache[key] = tools
     return tools
 
 
-async def _mcp_call(ctx: AsyncTurnContext, mcp: Any, name: str, arguments: str) -> str:
+async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: str) -> str:
+    """One MCP call as the innermost preemptable await: a preempt or cancel reaches the
+    server (``notifications/cancelled``, or the request's stream closed); a policy limit
+    stops it as a preempt of origin ``system``."""
     try:
         args = json.loads(arguments) if arguments.strip() else {}
     except json.JSONDecodeError as exc:
         return json.dumps({"error": "invalid-params", "message": f"arguments are not JSON: {exc}"})
+    if not isinstance(args, dict):
+        return json.dumps({"error": "invalid-params", "message": "arguments must be an object"})
     policy = mcp.policy(name)
+    started = time.monotonic()
     try:
         result = await ctx.preemptable(
-            name, mcp.call(name, args, on_progress=ctx.progress), preempt=policy.preempt
+            name,
+            mcp.call(name, args, on_progress=ctx.progress),
+            preempt=policy.preempt,
+            fate=lambda: mcp.last_fate,
         )
-    except Exception as exc:
-        kind = getattr(exc, "kind", None)
-        if kind is None:
-            raise
-        partial = str(getattr(exc, "partial", "") or "").strip()
-        head = f"stopped by system: {kind} exceeded"
-        return f"{head}\npartial output:\n{partial}" if partial else head
-    text = str(result.text)
-    return json.dumps({"error": "tool-error", "message": text}) if result.is_error else text
+    except McpTimeout as exc:
+        limit = policy.max_duration if exc.kind == "max_duration" else policy.idle_timeout
+        reason = f"{exc.kind} {limit:g} s exceeded" if limit is not None else exc.kind
+        return _preempted_text(
+            ctx.report_preempt(name, reason, started=started, partial=exc.partial)
+        )
+    if result.is_error:
+        return json.dumps({"error": "tool-error", "message": result.text})
+    return result.text
 
 
 # ---- errors -------------------------------------------------------------------------

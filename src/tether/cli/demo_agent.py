@@ -4,12 +4,15 @@ A lead session has three ``tether.agents:ChatAgent`` subagents talking to the mo
 of ``tether.testing`` (a real HTTP server on loopback replaying a script: no key, no
 network). A person steers one mid-stream (its next request carries the ``<steer>``), cancels
 another mid-reply (the stream is closed at once, the partial reply kept, and the server
-saw the client go), and preempts the third's hung tool (the model is told, and the turn
-goes on).
+saw the client go), and preempts the third's hung MCP tool call (the MCP server gets
+``notifications/cancelled``, the model is told, and the turn goes on).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +22,7 @@ from rich.text import Text
 
 from tether.actors.authority import User
 from tether.runtime.runtime import Runtime
+from tether.testing.mcp_server import LOG_ENV, read_log
 from tether.testing.model_server import ModelServer
 
 __all__ = ["main"]
@@ -49,15 +53,10 @@ _SCRIPTS: dict[str, list[dict[str, Any]]] = {
     ],
     "tester": [
         {
-            "text": "Running the whole test suite.",
-            "tool_calls": [
-                {
-                    "name": "run_command",
-                    "arguments": {"argv": ["sh", "-c", "echo 212 passed so far; sleep 300"]},
-                }
-            ],
+            "text": "Searching the issue tracker through its MCP server.",
+            "tool_calls": [{"name": "mcp__tracker__hang", "arguments": {"seconds": 300}}],
         },
-        {"text": "The suite hung after 212 passing tests; reporting those and moving on."},
+        {"text": "The tracker search hung; I'll answer from the CI log alone."},
     ],
 }
 
@@ -77,19 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     del argv
     console = Console()
     console.rule("[bold]Tether demo: stopping model agents inside their work")
-    with ModelServer() as server, Runtime(workers=3, grace=2.0) as rt:
+    with (
+        tempfile.TemporaryDirectory(prefix="tether-demo-") as tmp,
+        ModelServer() as server,
+        Runtime(workers=3, grace=2.0) as rt,
+    ):
         for name, replies in _SCRIPTS.items():
             server.script(name, replies)
         console.print(f"model server (OpenAI-compatible, scripted): {server.url}")
         lead = rt.open_session("tether:Scripted", slug="lead")
         me = User(parent=lead, name="you")
         kids: dict[str, str] = {}
+        mcp_log = os.path.join(tmp, "mcp.log")
+        tracker = {
+            "command": [sys.executable, "-m", "tether.testing.mcp_server"],
+            "env": {LOG_ENV: mcp_log, "PYTHONPATH": os.pathsep.join(sys.path)},
+        }
         for name in _SCRIPTS:
-            config = {
+            config: dict[str, Any] = {
                 "model": {"base_url": server.url, "name": name, "retries": 1},
                 "system": f"You are the team's {name}.",
                 "tools": ["run_command"],
             }
+            if name == "tester":  # an MCP tool server of its own (stdio, the SDK's)
+                config["mcp"] = {"servers": {"tracker": tracker}, "grace": 2.0}
             kids[name] = str(rt.spawn(lead, CHAT, slug=name, config=config))
 
         def ended(sid: str) -> Callable[[], bool]:
@@ -134,12 +144,21 @@ def main(argv: list[str] | None = None) -> int:
         notice = _wait("the lead's notice", lambda: _notice(rt, lead, kids["writer"]))
         say(f"  the lead's notice carries it: {notice[:70]!r}…")
 
-        # ---- 3. a preempt stops only the hung tool -----------------------------------
-        console.rule("3. preempt: only the hung tool stops; the model is told, the turn goes on")
-        rt.send(kids["tester"], "Run the test suite.", authority=me)
-        _wait("the tester's tool", lambda: _tool_running(rt, kids["tester"]))
-        rt.interrupt(kids["tester"], authority=me, kind="preempt", reason="the suite is hung")
-        _wait("the tester's turn", ended(kids["tester"]))
+        # ---- 3. a preempt stops only the hung MCP tool -------------------------------
+        console.rule(
+            "3. preempt: only the hung MCP call stops; the server is told, the turn goes on"
+        )
+        rt.send(kids["tester"], "Find the flaky test's issue.", authority=me)
+        call = _wait("the MCP call", lambda: _logged(mcp_log, "tools/call"), timeout=60)
+        rt.interrupt(kids["tester"], authority=me, kind="preempt", reason="the tracker is hung")
+        _wait("the tester's turn", ended(kids["tester"]), timeout=60)
+        cancelled = _logged(mcp_log, "notifications/cancelled")
+        if cancelled is not None:
+            say(
+                f"→ the MCP server got notifications/cancelled for request "
+                f"{cancelled.get('requestId')} (the call was {call.get('id')})",
+                "bold",
+            )
         tool = server.requests_for("tester")[1].body["messages"][-1]["content"]
         say(f"→ turn {rt.turns(kids['tester'])[0].outcome}; the model got:", "bold")
         for line in tool.splitlines()[:3]:
@@ -164,13 +183,6 @@ def _notice(rt: Runtime, lead: str, child: str) -> str | None:
     return None
 
 
-def _tool_running(rt: Runtime, sid: str) -> bool:
-    import psutil
-
-    for pid in rt.worker_pids:
-        try:
-            if any(p.name() == "sleep" for p in psutil.Process(pid).children(recursive=True)):
-                return True
-        except psutil.Error:
-            continue
-    return False
+def _logged(path: str, method: str) -> dict[str, Any] | None:
+    """The first record of ``method`` the MCP server logged, if any yet."""
+    return next((r for r in read_log(path) if r.get("method") == method), None)

@@ -29,8 +29,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Iterator
-from typing import Any, Literal, TypeVar, overload
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Literal, TypeVar, cast, overload
 
 import msgspec
 import structlog
@@ -50,7 +50,7 @@ from tether.runtime.worker import (
     _Worker,
     end_of,
 )
-from tether.wire.errors import error_from_code
+from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
     Delivered,
@@ -385,6 +385,7 @@ class AsyncTurnContext(BaseContext):
         *,
         preempt: PreemptPolicy = "cooperative",
         track: bool = True,
+        fate: Callable[[], str | None] | None = None,
     ) -> T:
         """Await a tool call of your own (an MCP call, an HTTP request) as the innermost
         preemptable one: a preempt cancels it (the awaitable gets ``CancelledError`` and
@@ -392,7 +393,9 @@ class AsyncTurnContext(BaseContext):
         ``preempt="never"``: a preempt is a no-op (reported ``shielded``) and a cancel of
         the turn waits for the call (it runs inside ``shield()``); abort still kills.
         The call is reported to the host as an open tool (stop reports, SPEC §15.6)
-        unless ``track=False`` (a caller that reports it itself)."""
+        unless ``track=False`` (a caller that reports it itself); ``fate``, when given,
+        says how a call stopped by the turn's cancel or by its own limit really ended
+        (``cancelled``, ``abandoned``, ``killed``: what only the tool's client knows)."""
         st = self._state
         me = asyncio.current_task()
         base = me.cancelling() if me is not None else 0
@@ -403,18 +406,18 @@ class AsyncTurnContext(BaseContext):
         st.progress.in_tool = True
         self._progress((name, ""))
         tool = st.tool_opened(name) if track else None
-        fate: ToolFateName = "returned"
+        ended: ToolFateName = "returned"
         try:
             if inner is None:
                 with self.shield():
                     result: T = await awaitable
                 if call.shielded:
-                    fate = "shielded"
+                    ended = "shielded"
                 return result
             try:
                 result = await inner
             except asyncio.CancelledError:
-                fate = "cancelled"
+                ended = "cancelled"
                 if call.preempt is not None and inner.cancelled():
                     if tool is not None:  # closed before ToolKilled: its report lists it
                         st.tool_closed(tool, "preempted")
@@ -424,7 +427,7 @@ class AsyncTurnContext(BaseContext):
                         raise error from None  # only the tool was stopped: the turn goes on
                 raise
             except BaseException:
-                fate = "returned"  # it ended on its own, with an error
+                ended = "returned"  # it ended on its own, with an error (or a limit's stop)
                 raise
             if me is not None and me.cancelling() > base:
                 # the call swallowed the turn's cancel on its way through: re-raise it
@@ -433,9 +436,26 @@ class AsyncTurnContext(BaseContext):
         finally:
             self._calls.remove(call)
             if tool is not None:
-                st.tool_closed(tool, fate)
+                st.tool_closed(tool, ended if ended == "shielded" else _known(fate, ended))
             st.progress.in_tool = any(not c.never for c in self._calls)
             self._progress()
+
+    def report_preempt(
+        self,
+        tool: str,
+        reason: str,
+        *,
+        started: float,
+        partial: str = "",
+        origin: str = "system",
+        by: str = "policy",
+    ) -> Preempted:
+        """A tool call you stopped yourself by its policy (an MCP call past its
+        ``max_duration``): the host writes the ``preempted`` marker and a stop report as
+        for any preempt; returns the ``Preempted`` to describe it (``started`` is the
+        call's ``time.monotonic()`` start)."""
+        frame = Preempt(turn=self.turn, reason=reason, origin=origin, by=by)
+        return self._preempted(frame, tool, started, partial.encode(), via="cancel-at-await")
 
     def preempt_now(self, frame: Preempt) -> None:
         """Preempt this turn's innermost tool from inside the worker, on the loop: what a
@@ -471,6 +491,19 @@ class AsyncTurnContext(BaseContext):
         if call.preempt is None and call.task is not None and not call.task.done():
             call.preempt = frame
             call.task.cancel()
+
+
+_FATES: frozenset[str] = frozenset(
+    ("returned", "preempted", "cancelled", "abandoned", "killed", "shielded")
+)
+
+
+def _known(fate: Callable[[], str | None] | None, default: ToolFateName) -> ToolFateName:
+    """The tool client's own word on how a stopped call ended, if it has one."""
+    if fate is None:
+        return default
+    said = fate()
+    return cast(ToolFateName, said) if said in _FATES else default
 
 
 def _resolve(fut: asyncio.Future[ToolReply], reply: ToolReply) -> None:
