@@ -485,3 +485,25 @@ def test_abort_kills_the_mcp_servers_tree_and_pause_freezes_it(
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
     eventually(lambda: not alive(srv), what="the MCP server's death")
     refilled(rt)
+
+
+@pytest.mark.timeout(120)
+def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "Too slow; moving on."},
+    ]
+    policy = {"mcp:files/hang": {"max_duration": 0.5}}
+    _root, child, me = _agent(rt, server, "mcp-limit", replies, mcp=mcp, tool_policy=policy)
+    rt.send(child, "search", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    assert any(r.get("method") == "notifications/cancelled" for r in read_log(str(log)))
+    [_, second] = server.requests_for("mcp-limit")
+    result = second.body["messages"][-1]["content"]
+    assert "by system (policy): max_duration 0.5 s exceeded" in result
+    [marker] = entries(rt, child, "marker")
+    assert (marker.action, marker.origin) == ("preempted", "system")
