@@ -29,6 +29,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    frozen,
     refilled,
     texts,
     wait_entry,
@@ -305,9 +306,9 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     server.wait_requests(1, script="paused", timeout=30.0)
     worker = eventually(lambda: _talking_to(rt, server), what="the agent's worker")
     assert rt.pause(child, authority=me) != []
-    eventually(lambda: worker.status() == psutil.STATUS_STOPPED, what="the worker stopped")
+    eventually(lambda: frozen(worker), what="the worker frozen")
     time.sleep(0.5)  # frozen: the stream is not read meanwhile
-    assert worker.status() == psutil.STATUS_STOPPED
+    assert frozen(worker)
     assert texts(rt, child, "assistant") == []
     rt.resume(child, authority=me)
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
@@ -484,9 +485,9 @@ def test_abort_kills_the_mcp_servers_tree_and_pause_freezes_it(
     )
     [srv] = _mcp_server_procs(rt)
     assert rt.pause(child, authority=me) != []
-    eventually(lambda: srv.status() == psutil.STATUS_STOPPED, what="the MCP server frozen")
+    eventually(lambda: frozen(srv), what="the MCP server frozen")
     rt.resume(child, authority=me)
-    eventually(lambda: srv.status() != psutil.STATUS_STOPPED, what="the MCP server thawed")
+    eventually(lambda: not frozen(srv), what="the MCP server thawed")
     rt.interrupt(child, authority=me, kind="abort", reason="enough")
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
     eventually(lambda: not alive(srv), what="the MCP server's death")
