@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: demo test test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
+.PHONY: demo demo-agent test test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/tether demo
+
+# Model agents (tether.agents:ChatAgent) against the local scripted model server: no key,
+# no network. A steer mid-stream, a cancel cutting a streamed reply, a preempt of a hung tool.
+demo-agent: $(STAMP)
+	$(BIN)/tether demo --agent
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

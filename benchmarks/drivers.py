@@ -58,3 +58,23 @@ class Stamped(Scripted):
     def run(self, ctx: TurnContext) -> str | None:
         ctx.say(f"{STARTED}{time.perf_counter_ns()}")
         return super().run(ctx)
+
+
+class SyncStreamer:
+    """A sync driver streaming one chat completion with the sync `openai` client, blocking
+    on each chunk: the contrast to the async ChatAgent. It hears a cancel only at a
+    boundary, which a hung stream never reaches, so a cancel ends it by the grace kill.
+    Config: `{"base_url": ..., "model": ...}`."""
+
+    def run(self, ctx: TurnContext) -> str | None:
+        import openai
+
+        client = openai.OpenAI(base_url=ctx.config["base_url"], api_key="unused", max_retries=0)
+        text = ""
+        for chunk in client.chat.completions.create(
+            model=ctx.config["model"], messages=[{"role": "user", "content": "go"}], stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        ctx.checkpoint()
+        return text

@@ -89,6 +89,13 @@ CASES: dict[str, Case] = {
         _c("tether.watchdog_overhead", "tether_cases:watchdog_overhead", (3, 7), (120, 600)),
         # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
+        # Issue 18: the agent kit against the model server (needs tether[agents]).
+        _c("tether.cancel_inflight", "agent_cases:cancel_inflight", (3, 7), (90, 400),
+           optional=True),
+        _c("tether.cancel_inflight_sync", "agent_cases:cancel_inflight_sync", (2, 5),
+           (120, 500), optional=True),
+        _c("tether.agent_turn", "agent_cases:agent_turn", (3, 7), (90, 400), optional=True),
+        _c("baseline.stream", "agent_cases:stream_floor", (3, 7), (60, 300), optional=True),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
         _c("baseline.mp_pool", "baselines:mp_pool", (3, 7), (60, 300)),
@@ -177,6 +184,15 @@ FIGURES: list[Figure] = [
     # for it; paired, for context, with a whole echo call's round trip on the same pipe.
     Figure("mcp_cancel_p50_ms", "tether.mcp_cancel", "cancel_ms", "p50", "ms",
            Target(_LE, 20), "baseline.mcp_echo_rtt_p50_ms"),
+    # Issue 18: a cancel reaching inside a model request (async ChatAgent mid-stream; the
+    # server's recorded disconnect precedes the turn's end), the same stop of a sync
+    # driver (the grace kill, for contrast), and what a one-reply agent turn adds.
+    Figure("cancel_inflight_p50_ms", "tether.cancel_inflight", "cancel_ms", "p50", "ms",
+           Target(_LE, 10), "baseline.openai_stream_cancel_p50_ms"),
+    Figure("cancel_inflight_sync_p50_ms", "tether.cancel_inflight_sync", "cancel_ms", "p50",
+           "ms", None, "cancel_inflight_p50_ms"),
+    Figure("agent_turn_overhead_ms", "tether.agent_turn", "overhead_ms", "p50", "ms",
+           Target(_LE, 5), "baseline.openai_request_overhead_ms"),
     # --- baselines (floors measured in the same run) ---
     Figure("baseline.mcp_echo_rtt_p50_ms", "tether.mcp_cancel", "echo_rtt_ms", "p50", "ms"),
     Figure("baseline.killpg_reap_p50_ms", "baseline.killpg", "kill_ms", "p50", "ms"),
@@ -189,6 +205,9 @@ FIGURES: list[Figure] = [
     Figure("baseline.sqlite_insert_commit_per_s", "baseline.sqlite", "commits_per_s", "p50",
            "/s"),
     Figure("baseline.pykka_actor_kib", "baseline.pykka_actor_mem", "actor_kib", "p50", "KiB"),
+    Figure("baseline.openai_stream_cancel_p50_ms", "baseline.stream", "cancel_ms", "p50", "ms"),
+    Figure("baseline.openai_request_overhead_ms", "baseline.stream", "overhead_ms", "p50",
+           "ms"),
     # What a v1 session cost to start (one pykka actor, one thread each); spawn_per_s is
     # now paired with the SQLite commit rate, since a durable spawn is at least one commit.
     Figure("baseline.pykka_actor_start_per_s", "baseline.pykka_actor_mem", "starts_per_s",

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 import tether
-from drivers import ray_idle_worker
+from drivers import SCRIPTED_BY_KIND, ray_idle_worker
 
 _LEAK_TIMEOUT = 5.0
 
@@ -155,6 +155,19 @@ def rt(backend: str) -> Iterator[tether.Runtime]:
     """An in-memory runtime with two workers and a short grace."""
     with tether.Runtime(workers=2, grace=1.0, backend=backend) as runtime:
         yield runtime
+
+
+@pytest.fixture(params=sorted(SCRIPTED_BY_KIND, reverse=True))
+def driver_kind(request: pytest.FixtureRequest) -> str:
+    """``sync`` or ``async``: which kind of driver the test's scripted sessions run (a
+    test that takes ``scripted`` runs once with each: SPEC §11, §15.1)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def scripted(driver_kind: str) -> str:
+    """The import string of the scripted driver of ``driver_kind``."""
+    return SCRIPTED_BY_KIND[driver_kind]
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ import tether
 from tether.runtime._cgroup import v2_mount
 
 SCRIPTED = "tether:Scripted"
+ASYNC_SCRIPTED = "tether:AsyncScripted"
+SCRIPTED_BY_KIND = {"sync": SCRIPTED, "async": ASYNC_SCRIPTED}
 
 # ---- drivers (run in worker processes) ------------------------------------------------
 
@@ -510,3 +512,129 @@ class Hostile:
                     return "stopped"
                 time.sleep(0.01)
         return "survived"
+
+
+# ---- async drivers (tests/test_async_drivers.py, SPEC §15.1) -----------------------------
+
+
+class AsyncWrapUp:
+    """Says ``ready``, awaits a 60 s sleep; a cancel landing there is caught and the turn
+    returns ``wrapped up: <reason>`` (its final text)."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        ctx.say("ready")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # wrapping up may await: the cancel was taken
+            return f"wrapped up: {ctx.cancel.reason}"
+        return "slept a minute"
+
+
+class AsyncShielded:
+    """Says ``shielded`` and holds a shield for ``data["hold"]`` seconds, then says
+    ``shield done`` and awaits a long sleep; on the cancel it returns ``after shield``."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        hold = float((ctx.message.data or {})["hold"])
+        try:
+            with ctx.shield():
+                ctx.say("shielded")
+                await asyncio.sleep(hold)
+                ctx.say("shield done")
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            return "after shield"
+        return "never cancelled"
+
+
+class AsyncPreemptable:
+    """Awaits a 'tool' of its own (a sleep of ``data["seconds"]``) through
+    ``ctx.preemptable`` with policy ``data["preempt"]``; says how it ended and goes on."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        data = ctx.message.data or {}
+        seconds = float(data.get("seconds", 60))
+
+        async def tool() -> str:
+            await asyncio.sleep(seconds)
+            return "tool finished"
+
+        ctx.say("calling")
+        try:
+            said = await ctx.preemptable("slow", tool(), preempt=data.get("preempt", "cooperative"))
+        except tether.Preempted as exc:
+            said = f"preempted by {exc.origin} ({exc.by}): {exc.reason} after {exc.elapsed:.1f}s"
+        ctx.say(said)
+        return "went on"
+
+
+class AsyncLeftovers:
+    """Starts a long-lived child of its own (as a tool server would be), then runs a
+    command that leaves a background child behind; answers JSON with both pids and
+    whether the long-lived one survived the command, then ends it."""
+
+    async def run(self, ctx: Any) -> str:
+        import subprocess
+
+        server = subprocess.Popen(["sleep", "60"])
+        try:
+            result = await ctx.run_command(["sh", "-c", "sleep 30 & echo $!"])
+            survived = server.poll() is None
+        finally:
+            server.kill()
+            server.wait()
+        return json.dumps(
+            {"left": int(result.stdout.strip()), "server": server.pid, "survived": survived}
+        )
+
+
+class AsyncLoopId:
+    """Answers ``<pid> <id of the running event loop>``."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        return f"{os.getpid()} {id(asyncio.get_running_loop())}"
+
+
+class AsyncCallTool:
+    """Calls the host tool ``data["tool"]`` with ``data["args"]`` through
+    ``await ctx.call_tool`` while a ticker task runs, and answers JSON with the result and
+    whether the ticker ran during the call (the host call did not block the loop)."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        data = ctx.message.data or {}
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(ticker())
+        try:
+            result = await ctx.call_tool(data["tool"], data.get("args", {}))
+        finally:
+            task.cancel()
+        return json.dumps({"result": result, "ticked": ticks > 1})
+
+
+class AsyncHistory:
+    """Answers JSON: ``ctx.history`` (the blocking property) and ``await
+    ctx.load_history()``, each as [kind, text] pairs, and whether they agree."""
+
+    async def run(self, ctx: Any) -> str:
+        fetched = [[e.kind, e.text] for e in await ctx.load_history()]
+        ctx._history = None  # fetch again, the other way
+        blocking = [[e.kind, e.text] for e in ctx.history]
+        return json.dumps({"history": fetched, "same": fetched == blocking})

@@ -672,9 +672,10 @@ def test_layering_wire_imports_nothing_of_ours_and_actors_imports_only_wire() ->
     assert checked >= 20
     # The check itself sees imports (it would not pass vacuously).
     assert "tether.wire.errors" in _imports(SRC / "actors" / "authority.py")
-    # and no room of the engine reaches up into the agent kit
-    for layer in ("wire", "actors", "runtime"):
-        for path in (SRC / layer).glob("*.py"):
+    # and nothing outside the agent kit imports it (it needs an extra; the engine never
+    # calls it, and the demo names its driver by import string)
+    for path in sorted(SRC.rglob("*.py")):
+        if "agents" not in path.relative_to(SRC).parts:
             assert not {m for m in _imports(path) if m.startswith("tether.agents")}, path
 
 

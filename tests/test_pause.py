@@ -15,7 +15,6 @@ import pytest
 import tether
 from drivers import (
     HANG,
-    SCRIPTED,
     Recorder,
     alive,
     entries,
@@ -35,9 +34,9 @@ pytestmark = pytest.mark.timeout(60)
 SLOW_TOOL = ["sh", "-c", "sleep 1; echo out-of-the-tool; exit 3"]
 
 
-def _family(rt: tether.Runtime, **spawn: object) -> tuple[str, str, User]:
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, SCRIPTED, **spawn)  # type: ignore[arg-type]
+def _family(rt: tether.Runtime, scripted: str, **spawn: object) -> tuple[str, str, User]:
+    root = rt.open_session(scripted)
+    child = rt.spawn(root, scripted, **spawn)  # type: ignore[arg-type]
     assert isinstance(child, str)
     return root, child, User(parent=root)
 
@@ -60,9 +59,10 @@ def _markers(rt: tether.Runtime, sid: str) -> list[str]:
 
 def test_pause_mid_tool_stops_every_process_and_resume_finishes_the_turn_intact(
     rt: tether.Runtime,
+    scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = _family(rt, scripted)
     data = steps({"op": "tool", "argv": SLOW_TOOL}, {"op": "say", "text": "after the tool"})
     rt.send(child, "work", authority=me, data=data)
     worker = worker_with_tool(rt, "sleep")
@@ -90,16 +90,18 @@ def test_pause_mid_tool_stops_every_process_and_resume_finishes_the_turn_intact(
     assert resumed == f"▶ Resumed by user ({me.parent})"
 
 
-def test_pause_of_a_subtree_freezes_its_running_descendants_and_leaves_a_sibling_running() -> None:
+def test_pause_of_a_subtree_freezes_its_running_descendants_and_leaves_a_sibling_running(
+    scripted: str,
+) -> None:
     with tether.Runtime(workers=3, grace=1.0) as rt:  # a worker for each hanging turn
-        _subtree(rt)
+        _subtree(rt, scripted)
 
 
-def _subtree(rt: tether.Runtime) -> None:
-    root = rt.open_session(SCRIPTED)
-    a = str(rt.spawn(root, SCRIPTED, slug="a"))
-    a1 = str(rt.spawn(a, SCRIPTED, slug="a1"))
-    b = str(rt.spawn(root, SCRIPTED, slug="b"))
+def _subtree(rt: tether.Runtime, scripted: str) -> None:
+    root = rt.open_session(scripted)
+    a = str(rt.spawn(root, scripted, slug="a"))
+    a1 = str(rt.spawn(a, scripted, slug="a1"))
+    b = str(rt.spawn(root, scripted, slug="b"))
     me = User(parent=root)
     rt.send(a, "hang", authority=me, data=HANG)
     rt.send(a1, "hang", authority=User(parent=a), data=HANG)
@@ -125,9 +127,10 @@ def _subtree(rt: tether.Runtime) -> None:
 
 def test_steers_and_a_cancel_sent_while_paused_take_effect_after_resume(
     rt: tether.Runtime,
+    scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = _family(rt, scripted)
     rt.send(child, "hang", authority=me, data=HANG)
     rt.wait(child, until="running")
     turn = rt.status(child).turn
@@ -154,9 +157,11 @@ def test_steers_and_a_cancel_sent_while_paused_take_effect_after_resume(
     assert [m.id for m in rt.inbox(child)] == [queued]
 
 
-def test_abort_of_a_paused_turn_kills_the_frozen_tree_at_once(rt: tether.Runtime) -> None:
+def test_abort_of_a_paused_turn_kills_the_frozen_tree_at_once(
+    rt: tether.Runtime, scripted: str
+) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = _family(rt, scripted)
     rt.send(child, "tool", authority=me, data=steps({"op": "tool", "argv": SLOW_TOOL}))
     worker = worker_with_tool(rt, "sleep")
     tree = tree_of(worker)
@@ -169,10 +174,10 @@ def test_abort_of_a_paused_turn_kills_the_frozen_tree_at_once(rt: tether.Runtime
     assert rt.status(child).state == "parked"
 
 
-def test_dispose_and_close_leave_no_process_of_a_paused_turn(db_path: str) -> None:
+def test_dispose_and_close_leave_no_process_of_a_paused_turn(db_path: str, scripted: str) -> None:
     with tether.Runtime(db_path, workers=2, grace=1.0) as rt:
-        _root, child, me = _family(rt)
-        _r2, other, me2 = _family(rt)
+        _root, child, me = _family(rt, scripted)
+        _r2, other, me2 = _family(rt, scripted)
         for sid, auth in ((child, me), (other, me2)):
             rt.send(sid, "t", authority=auth, data=steps({"op": "tool", "argv": SLOW_TOOL}))
         worker_with_tool(rt, "sleep", count=1)
@@ -194,8 +199,9 @@ def test_dispose_and_close_leave_no_process_of_a_paused_turn(db_path: str) -> No
 
 def test_pausing_an_idle_parked_or_absent_target_is_an_accepted_no_op(
     rt: tether.Runtime,
+    scripted: str,
 ) -> None:
-    root, child, me = _family(rt)
+    root, child, me = _family(rt, scripted)
     assert rt.pause(child, authority=me) == []  # idle
     rt.send(child, "x", authority=me, wake=False)
     assert rt.status(child).state == "parked"
@@ -206,9 +212,9 @@ def test_pausing_an_idle_parked_or_absent_target_is_an_accepted_no_op(
     assert _markers(rt, child) == []
 
 
-def test_pause_authority_is_the_interrupts(rt: tether.Runtime) -> None:
-    root, child, me = _family(rt)
-    sibling = str(rt.spawn(root, SCRIPTED))
+def test_pause_authority_is_the_interrupts(rt: tether.Runtime, scripted: str) -> None:
+    root, child, me = _family(rt, scripted)
+    sibling = str(rt.spawn(root, scripted))
     rt.send(child, "hang", authority=me, data=HANG)
     rt.wait(child, until="running")
     for bad in (
@@ -236,10 +242,13 @@ STALL = {"after": 0.4, "every": 0.4, "steps": ["steer", "cancel", "abort"], "gra
 
 def test_a_stalled_turn_is_nudged_then_cancelled_then_aborted_each_with_its_marker(
     rt: tether.Runtime,
+    scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, stall=STALL)
-    rt.send(child, "stall", authority=me, data=steps({"op": "sleep", "seconds": 30}))
+    _root, child, me = _family(rt, scripted, stall=STALL)
+    # a call that blocks the driver (for an async one: its loop): no cancel can land
+    # (an awaited hang takes the watchdog's cancel at once: tests/test_async_drivers.py)
+    rt.send(child, "stall", authority=me, data=steps({"op": "block", "seconds": 30}))
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("aborted", "system", "watchdog")
     assert _markers(rt, child) == ["cancelled", "aborted"]  # the steer is never delivered
@@ -252,9 +261,10 @@ def test_a_stalled_turn_is_nudged_then_cancelled_then_aborted_each_with_its_mark
 
 def test_a_nudged_turn_that_wraps_up_at_its_next_boundary_is_left_alone(
     rt: tether.Runtime,
+    scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, stall=STALL | {"nudge": "say where you are"})
+    _root, child, me = _family(rt, scripted, stall=STALL | {"nudge": "say where you are"})
     data = steps({"op": "sleep", "seconds": 0.7}, {"op": "work", "steps": 60, "every": 0.02})
     rt.send(child, "slow start", authority=me, data=data)
     ended = rec.turn_ended(child, timeout=10.0)
@@ -266,9 +276,9 @@ def test_a_nudged_turn_that_wraps_up_at_its_next_boundary_is_left_alone(
     assert marker.startswith("⊘ Steered by watchdog: no progress for")
 
 
-def test_a_paused_turn_is_never_stepped_by_the_watchdog(rt: tether.Runtime) -> None:
+def test_a_paused_turn_is_never_stepped_by_the_watchdog(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, stall=STALL)
+    _root, child, me = _family(rt, scripted, stall=STALL)
     rt.send(child, "hang", authority=me, data=HANG)
     rt.wait(child, until="running")
     rt.pause(child, authority=me)
@@ -281,25 +291,31 @@ def test_a_paused_turn_is_never_stepped_by_the_watchdog(rt: tether.Runtime) -> N
     assert _markers(rt, child) == ["paused", "resumed", "aborted"]
 
 
-def test_a_loop_of_identical_tool_calls_counts_as_no_progress(rt: tether.Runtime) -> None:
+def test_a_loop_of_identical_tool_calls_counts_as_no_progress(
+    rt: tether.Runtime, scripted: str
+) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, stall=STALL | {"repeat": 3, "steps": ["cancel", "abort"]})
+    _root, child, me = _family(
+        rt, scripted, stall=STALL | {"repeat": 3, "steps": ["cancel", "abort"]}
+    )
     rt.send(child, "loop", authority=me, data=steps({"op": "loop", "argv": ["true"]}))
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["by"]) == ("cancelled", "watchdog")
 
 
-def test_a_child_inherits_its_parents_stall_policy(rt: tether.Runtime) -> None:
+def test_a_child_inherits_its_parents_stall_policy(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
-    root = rt.open_session(SCRIPTED, stall=STALL | {"steps": ["abort"]})
-    kid = str(rt.spawn(root, SCRIPTED))
+    root = rt.open_session(scripted, stall=STALL | {"steps": ["abort"]})
+    kid = str(rt.spawn(root, scripted))
     rt.send(kid, "stall", authority=User(parent=root), data=steps({"op": "sleep", "seconds": 30}))
     ended = rec.turn_ended(kid, timeout=10.0)
     assert (ended["outcome"], ended["by"]) == ("aborted", "watchdog")
 
 
-def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(rt: tether.Runtime) -> None:
-    root = rt.open_session(SCRIPTED)
+def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(
+    rt: tether.Runtime, scripted: str
+) -> None:
+    root = rt.open_session(scripted)
     for bad in (
         {},
         {"after": 0},
@@ -311,12 +327,14 @@ def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(rt: tether.Run
         {"after": 1, "surprise": True},
     ):
         with pytest.raises(tether.InvalidParams):
-            rt.spawn(root, SCRIPTED, stall=bad)
+            rt.spawn(root, scripted, stall=bad)
     assert rt.list_agents(root) == []
 
 
-def test_a_pause_guarded_by_an_ended_turn_freezes_nothing(rt: tether.Runtime) -> None:
-    _root, child, me = _family(rt)
+def test_a_pause_guarded_by_an_ended_turn_freezes_nothing(
+    rt: tether.Runtime, scripted: str
+) -> None:
+    _root, child, me = _family(rt, scripted)
     rt.send(child, "first", authority=me, data=HANG)
     rt.wait(child, until="running")
     first = rt.status(child).turn

@@ -18,8 +18,9 @@ Layering (imports only ever point down):
 
 from tether import tools
 from tether.actors.authority import Ancestor, User
+from tether.runtime.async_context import AsyncTurnContext
 from tether.runtime.runtime import OneShot, Runtime
-from tether.runtime.scripted import Scripted
+from tether.runtime.scripted import AsyncScripted, Scripted
 from tether.runtime.worker import CommandResult, TurnContext
 from tether.wire.errors import (
     DriverNotFound,
@@ -52,6 +53,8 @@ __all__ = [
     "AgentInfo",
     "AgentRef",
     "Ancestor",
+    "AsyncScripted",
+    "AsyncTurnContext",
     "Cancel",
     "ChildTurnEnded",
     "CommandResult",

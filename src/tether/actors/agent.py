@@ -763,6 +763,7 @@ class Session:
             error=error,
             final=final,
             resources=t.job.resources,
+            usage=end.usage if end is not None else None,
         )
         if stop is not None:
             self._final_report(

@@ -1,8 +1,20 @@
 """The agent kit (SPEC §15.1-15.3): what a model-driven agent uses inside a turn.
 
-Above the engine: nothing in tether.wire, tether.actors or tether.runtime imports it.
+``"tether.agents:ChatAgent"`` is a model agent over any OpenAI-compatible endpoint;
+``McpTools`` its client for MCP tool servers. This room stands on the engine's public
+driver API; nothing outside it imports it (it needs the extra ``tether[agents]``: the
+``openai`` client, the ``mcp`` SDK).
 """
 
+from tether.agents.chat import ChatAgent, ModelError
 from tether.agents.mcp import McpResult, McpTimeout, McpTools, McpUnavailable, ToolPolicy
 
-__all__ = ["McpResult", "McpTimeout", "McpTools", "McpUnavailable", "ToolPolicy"]
+__all__ = [
+    "ChatAgent",
+    "McpResult",
+    "McpTimeout",
+    "McpTools",
+    "McpUnavailable",
+    "ModelError",
+    "ToolPolicy",
+]

@@ -90,11 +90,22 @@ def _note(rt: Runtime, live: Live, slug: str, sid: str, what: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="tether demo",
         description="Run the embedded demo: a lead and three subagents, steered, "
         "cancelled and aborted while they work. Example: tether demo",
-    ).parse_args(argv)
+    )
+    parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="model agents (tether.agents:ChatAgent) against a local scripted model "
+        "server: a steer, a cancel cutting a streamed reply, a preempt of a hung tool "
+        "(needs the extra tether[agents])",
+    )
+    if parser.parse_args(argv).agent:
+        from tether.cli.demo_agent import main as agent_main
+
+        return agent_main()
     console = Console()
     console.rule("[bold]Tether demo: steer, cancel and abort running subagents")
     with Runtime(workers=3, grace=2.0) as rt:

@@ -1,18 +1,33 @@
-"""The deterministic ``Scripted`` driver (SPEC §11), for tests, demos and benchmarks.
+"""The deterministic ``Scripted`` driver (SPEC §11), for tests, demos and benchmarks,
+and its async twin ``AsyncScripted`` (``"tether:AsyncScripted"``, SPEC §15.1).
 
 ``message.data["steps"]`` is run in order with ``ctx.checkpoint()`` before every step.
+Both run the same ops; the async one awaits where the sync one blocks, so a cancel
+reaches it at once as ``CancelledError`` (``sleep``, ``tool``, ``hang`` ...) instead of
+at the next boundary. Ops beyond SPEC §11:
+
+- ``{"op":"sleep","seconds":S}``: a call that hangs with no boundary and no progress
+  (sync: a blocking sleep; async: an awaited one, where a cancel lands at once).
+- ``{"op":"block","seconds":S}``: a blocking sleep in both (async: a driver that blocks
+  its own event loop, which nothing but an abort or a force-break can end).
+- ``{"op":"shield","steps":[...]}``: async only: the steps run inside ``ctx.shield()``
+  (the sync driver runs them as they are: a sync cancel waits for a boundary anyway).
+- ``{"op":"loop","argv":[...]}``: the same command again and again, a boundary between.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tether.wire.errors import TetherError
 from tether.wire.frames import Cancel, Steer
 from tether.wire.text import escape
 
-__all__ = ["Scripted"]
+__all__ = ["AsyncScripted", "Scripted"]
 
 
 class Scripted:
@@ -28,28 +43,20 @@ class Scripted:
         steps = (ctx.message.data or {}).get("steps")
         if steps is None:
             return f"ok: {ctx.message.content}"
-        try:
-            for step in steps:
-                if self._boundary():
-                    return None
-                self._step(step)
-        except _Stop:
-            pass
+        with contextlib.suppress(_Stop):
+            self._steps(steps)
         return None
+
+    def _steps(self, steps: list[dict[str, Any]]) -> None:
+        for step in steps:
+            if self._boundary():
+                raise _Stop
+            self._step(step)
 
     def _boundary(self) -> bool:
         """One checkpoint; True when a cancel was delivered and the script must stop."""
         self._steps_done += 1
-        for frame in self._ctx.checkpoint():
-            match frame:
-                case Steer():
-                    self._ctx.say(frame.render())
-                case Cancel() if not self._ignore_cancel:
-                    self._ctx.say(
-                        f"cancelled after {self._steps_done - 1} steps: {escape(frame.reason)}"
-                    )
-                    return True
-        return False
+        return _take(self, self._ctx.checkpoint(), self._steps_done - 1)
 
     def _step(self, step: dict[str, Any]) -> None:
         ctx = self._ctx
@@ -68,67 +75,187 @@ class Scripted:
                     time.sleep(0.01)
                     if self._boundary():
                         raise _Stop
-            case "sleep":  # a model call that hangs: no boundary, no progress
+            case "sleep" | "block":  # a call that hangs: no boundary, no progress
                 time.sleep(float(step.get("seconds", 1.0)))
-            case "tool":
-                self._tool("run_command", lambda: _fmt_command(ctx.run_command(step["argv"])))
             case "loop":  # the same tool call over and over, a boundary between, until stopped
                 while True:
-                    self._tool("run_command", lambda: _fmt_command(ctx.run_command(step["argv"])))
+                    self._tool(_TOOL_OPS["tool"], step)
                     if self._boundary():
                         raise _Stop
-            case "spawn":  # the child runs this same driver (the host chooses it)
-                self._tool(
-                    "spawn_agent",
-                    lambda: (
-                        "spawned "
-                        + ctx.spawn_agent(
-                            slug=step.get("slug"),
-                            mode=step.get("mode", "continuable"),
-                            prompt=_spawn_prompt(step),
-                            data=step.get("data"),
-                        )
-                    ),
-                )
-            case "send":
-                self._tool(
-                    "send_message",
-                    lambda: (
-                        f"sent to {step['to']} as "
-                        + ctx.send_message(step["to"], step.get("text", ""), data=step.get("data"))
-                    ),
-                )
-            case "interrupt":
-                self._tool(
-                    "interrupt_agent",
-                    lambda: (
-                        f"{step.get('kind', 'cancel')} issued to {step['target']}: "
-                        + str(
-                            ctx.interrupt_agent(
-                                step["target"],
-                                kind=step.get("kind", "cancel"),
-                                reason=step.get("reason", ""),
-                            )
-                            or "no-op"
-                        )
-                    ),
-                )
+            case "shield":
+                self._steps(list(step.get("steps", [])))
             case "ignore_cancel":
                 self._ignore_cancel = True
+            case op if op in _TOOL_OPS:
+                self._tool(_TOOL_OPS[op], step)
             case other:
                 ctx.record_tool(f"unknown op {other!r}")
 
-    def _tool(self, name: str, call: Any) -> None:
+    def _tool(self, op: _ToolOp, step: dict[str, Any]) -> None:
         """Run one tool; a refusal or failure is recorded and the script goes on."""
         try:
-            result = call()
+            result = op.invoke(self._ctx, step)
         except TetherError as exc:
-            self._ctx.record_tool(f"{name} failed: {exc.code}: {exc.message}")
+            self._ctx.record_tool(f"{op.name} failed: {exc.code}: {exc.message}")
             return
-        if name != "run_command":
-            self._ctx.record_tool(str(result))
-        elif result is not None:
-            self._ctx.record_tool(result)
+        self._ctx.record_tool(op.shape(step, result))
+
+
+class AsyncScripted:
+    """The async twin of ``Scripted`` (``"tether:AsyncScripted"``): the same ops, awaited.
+
+    A cancel arrives as ``CancelledError`` wherever the script awaits; the script then
+    says ``cancelled after N steps: <reason>`` and returns, as the sync one does at a
+    boundary. After ``ignore_cancel`` it swallows the error and goes on (to test
+    force-break).
+    """
+
+    def __init__(self) -> None:
+        self._ignore_cancel = False
+        self._steps_done = 0
+        self._ctx: Any = None
+
+    async def run(self, ctx: Any) -> str | None:
+        self._ctx = ctx
+        steps = (ctx.message.data or {}).get("steps")
+        if steps is None:
+            return f"ok: {ctx.message.content}"
+        try:
+            await self._steps(steps)
+        except _Stop:
+            pass
+        except asyncio.CancelledError:
+            cancel = ctx.cancel
+            if cancel is None:
+                raise  # not our turn's cancel: let it end the turn
+            ctx.say(f"cancelled after {self._steps_done} steps: {escape(cancel.reason)}")
+        return None
+
+    async def _steps(self, steps: list[dict[str, Any]]) -> None:
+        for step in steps:
+            if await self._boundary():
+                raise _Stop
+            await self._step(step)
+
+    async def _wait(self, awaitable: Any) -> Any:
+        """Await; after ``ignore_cancel``, a cancel landing here is swallowed (None)."""
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._ignore_cancel and self._ctx.cancel is not None:
+                return None
+            raise
+
+    async def _boundary(self) -> bool:
+        self._steps_done += 1
+        frames = await self._wait(self._ctx.checkpoint())
+        return _take(self, frames or [], self._steps_done - 1)
+
+    async def _step(self, step: dict[str, Any]) -> None:
+        ctx = self._ctx
+        match step.get("op"):
+            case "say":
+                ctx.say(str(step.get("text", "")))
+            case "work":
+                every = float(step.get("every", 0.0))
+                for _ in range(int(step.get("steps", 1))):
+                    if every:
+                        await self._wait(asyncio.sleep(every))
+                    if await self._boundary():
+                        raise _Stop
+            case "hang":
+                while True:
+                    await self._wait(asyncio.sleep(0.01))
+                    if await self._boundary():
+                        raise _Stop
+            case "sleep":  # an awaited call that hangs: a cancel lands here at once
+                await self._wait(asyncio.sleep(float(step.get("seconds", 1.0))))
+            case "block":  # a driver that blocks its own loop
+                time.sleep(float(step.get("seconds", 1.0)))
+            case "loop":
+                while True:
+                    await self._tool(_TOOL_OPS["tool"], step)
+                    if await self._boundary():
+                        raise _Stop
+            case "shield":
+                with ctx.shield():
+                    await self._steps(list(step.get("steps", [])))
+            case "ignore_cancel":
+                self._ignore_cancel = True
+            case op if op in _TOOL_OPS:
+                await self._tool(_TOOL_OPS[op], step)
+            case other:
+                ctx.record_tool(f"unknown op {other!r}")
+
+    async def _tool(self, op: _ToolOp, step: dict[str, Any]) -> None:
+        try:
+            result = await self._wait(op.invoke(self._ctx, step))
+        except TetherError as exc:
+            self._ctx.record_tool(f"{op.name} failed: {exc.code}: {exc.message}")
+            return
+        if result is not None:  # None: a swallowed cancel cut it
+            self._ctx.record_tool(op.shape(step, result))
+
+
+def _take(driver: Any, frames: list[Steer | Cancel], steps: int) -> bool:
+    """Act on a boundary's frames: each steer said as a model would read it; a cancel
+    (unless ignored) said and True: the script stops."""
+    for frame in frames:
+        match frame:
+            case Steer():
+                driver._ctx.say(frame.render())
+            case Cancel() if not driver._ignore_cancel:
+                driver._ctx.say(f"cancelled after {steps} steps: {escape(frame.reason)}")
+                return True
+    return False
+
+
+class _ToolOp:
+    """A tool op: how to call it on a context (a value, or an awaitable for an async one)
+    and how its result reads in the transcript."""
+
+    def __init__(
+        self,
+        name: str,
+        invoke: Callable[[Any, dict[str, Any]], Any],
+        shape: Callable[[dict[str, Any], Any], str],
+    ) -> None:
+        self.name = name
+        self.invoke = invoke
+        self.shape = shape
+
+
+def _interrupt_text(step: dict[str, Any], turn: Any) -> str:
+    return f"{step.get('kind', 'cancel')} issued to {step['target']}: {turn or 'no-op'}"
+
+
+_TOOL_OPS: dict[str, _ToolOp] = {
+    "tool": _ToolOp(
+        "run_command", lambda ctx, st: ctx.run_command(st["argv"]), lambda st, r: _fmt_command(r)
+    ),
+    "spawn": _ToolOp(
+        "spawn_agent",
+        lambda ctx, st: ctx.spawn_agent(
+            slug=st.get("slug"),
+            mode=st.get("mode", "continuable"),
+            prompt=_spawn_prompt(st),
+            data=st.get("data"),
+        ),
+        lambda st, child: f"spawned {child}",
+    ),
+    "send": _ToolOp(
+        "send_message",
+        lambda ctx, st: ctx.send_message(st["to"], st.get("text", ""), data=st.get("data")),
+        lambda st, message: f"sent to {st['to']} as {message}",
+    ),
+    "interrupt": _ToolOp(
+        "interrupt_agent",
+        lambda ctx, st: ctx.interrupt_agent(
+            st["target"], kind=st.get("kind", "cancel"), reason=st.get("reason", "")
+        ),
+        _interrupt_text,
+    ),
+}
 
 
 class _Stop(BaseException):

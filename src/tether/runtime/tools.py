@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Protocol, overload
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from tether.wire.errors import TetherError
+from tether.wire.errors import Preempted, TetherError
 from tether.wire.vocab import MAX_SECONDS
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "SpawnAgentArgs",
     "StopReportArgs",
     "ToolHost",
+    "acall_tool",
     "call_tool",
     "parameters",
     "schemas",
@@ -239,61 +240,90 @@ def _given(value: Any) -> Any:
     return None if value is UNSET else value
 
 
-def _spawn(host: ToolHost, a: SpawnAgentArgs) -> dict[str, Any]:
-    agent = host.spawn_agent(
+# Each tool is two halves: ``invoke`` calls the host (a value for a sync context, an
+# awaitable for an async one) and ``shape`` makes the JSON-ready result, so the sync and
+# the async dispatchers share every line but the await.
+
+
+def _spawn(host: Any, a: SpawnAgentArgs) -> Any:
+    return host.spawn_agent(
         slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data)
     )
-    return {"agent": agent}
 
 
-def _send(host: ToolHost, a: SendMessageArgs) -> dict[str, Any]:
-    message = host.send_message(a.to, a.text, data=_given(a.data), wake=a.wake)
-    return {"sent": True, "message": message}
+def _send(host: Any, a: SendMessageArgs) -> Any:
+    return host.send_message(a.to, a.text, data=_given(a.data), wake=a.wake)
 
 
-def _list(host: ToolHost, a: ListAgentsArgs) -> dict[str, Any]:
-    return {"agents": msgspec.to_builtins(list(host.list_agents(scope=a.scope)))}
+def _list(host: Any, a: ListAgentsArgs) -> Any:
+    return host.list_agents(scope=a.scope)
 
 
-def _interrupt(host: ToolHost, a: InterruptAgentArgs) -> dict[str, Any]:
+def _interrupt(host: Any, a: InterruptAgentArgs) -> Any:
     if a.scope == "subtree":
-        turns = host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason, scope="subtree")
+        return host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason, scope="subtree")
+    return host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason)
+
+
+def _shape_interrupt(turns: Any) -> dict[str, Any]:
+    if isinstance(turns, list | tuple):  # a subtree stop: the turns stopped
         return {"accepted": True, "turns": list(turns)}
-    turn = host.interrupt_agent(a.agent, kind=a.kind, reason=a.reason)
-    return {"accepted": True, "turn": turn}
+    return {"accepted": True, "turn": turns}
 
 
-def _stop_report(host: ToolHost, a: StopReportArgs) -> dict[str, Any]:
-    report = host.stop_report(a.turn)
+def _stop_report(host: Any, a: StopReportArgs) -> Any:
+    return host.stop_report(a.turn)
+
+
+def _shape_report(report: Any) -> dict[str, Any]:
     return {"report": None if report is None else msgspec.to_builtins(report)}
 
 
-def _pause(host: ToolHost, a: PauseAgentArgs) -> dict[str, Any]:
-    turns = host.pause_agent(a.agent, scope=a.scope, reason=a.reason)
-    return {"accepted": True, "turns": list(turns)}
+def _pause(host: Any, a: PauseAgentArgs) -> Any:
+    return host.pause_agent(a.agent, scope=a.scope, reason=a.reason)
 
 
-def _resume(host: ToolHost, a: ResumeAgentArgs) -> dict[str, Any]:
-    return {"accepted": True, "turns": list(host.resume_agent(a.agent, scope=a.scope))}
+def _resume(host: Any, a: ResumeAgentArgs) -> Any:
+    return host.resume_agent(a.agent, scope=a.scope)
 
 
-def _run(host: ToolHost, a: RunCommandArgs) -> dict[str, Any]:
-    r = host.run_command(list(a.argv), timeout=_given(a.timeout), cwd=_given(a.cwd))
+def _run(host: Any, a: RunCommandArgs) -> Any:
+    return host.run_command(list(a.argv), timeout=_given(a.timeout), cwd=_given(a.cwd))
+
+
+def _shape_run(r: Any) -> dict[str, Any]:
     return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
 
 
+_Invoke = Callable[[Any, Any], Any]
+_Shape = Callable[[Any], dict[str, Any]]
+
+# Tool name -> (argument Struct, invoke, shape). The order is the order of schemas().
+_CALLS: dict[str, tuple[type[_Args], _Invoke, _Shape]] = {
+    "spawn_agent": (SpawnAgentArgs, _spawn, lambda agent: {"agent": agent}),
+    "send_message": (SendMessageArgs, _send, lambda m: {"sent": True, "message": m}),
+    "list_agents": (
+        ListAgentsArgs,
+        _list,
+        lambda agents: {"agents": msgspec.to_builtins(list(agents))},
+    ),
+    "interrupt_agent": (InterruptAgentArgs, _interrupt, _shape_interrupt),
+    "pause_agent": (PauseAgentArgs, _pause, lambda ts: {"accepted": True, "turns": list(ts)}),
+    "resume_agent": (ResumeAgentArgs, _resume, lambda ts: {"accepted": True, "turns": list(ts)}),
+    "stop_report": (StopReportArgs, _stop_report, _shape_report),
+    "run_command": (RunCommandArgs, _run, _shape_run),
+}
+
 _Impl = Callable[[ToolHost, Any], dict[str, Any]]
+
+
+def _sync(invoke: _Invoke, shape: _Shape) -> _Impl:
+    return lambda host, args: shape(invoke(host, args))
+
 
 # Tool name -> (argument Struct, implementation). The order is the order of schemas().
 TOOLS: dict[str, tuple[type[_Args], _Impl]] = {
-    "spawn_agent": (SpawnAgentArgs, _spawn),
-    "send_message": (SendMessageArgs, _send),
-    "list_agents": (ListAgentsArgs, _list),
-    "interrupt_agent": (InterruptAgentArgs, _interrupt),
-    "pause_agent": (PauseAgentArgs, _pause),
-    "resume_agent": (ResumeAgentArgs, _resume),
-    "stop_report": (StopReportArgs, _stop_report),
-    "run_command": (RunCommandArgs, _run),
+    name: (args, _sync(invoke, shape)) for name, (args, invoke, shape) in _CALLS.items()
 }
 
 
@@ -346,6 +376,21 @@ def _parse(arguments: str | bytes | Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in raw.items() if v is not None}
 
 
+def _validate(
+    name: str, arguments: str | bytes | Mapping[str, Any] | None
+) -> tuple[_Args | None, dict[str, Any] | None]:
+    """The parsed arguments, or the error result (nothing was called)."""
+    tool = TOOLS.get(name)
+    if tool is None:
+        return None, _error("unknown-tool", f"no tool named {name!r}; tools: {', '.join(TOOLS)}")
+    try:
+        return msgspec.convert(_parse(arguments), tool[0]), None
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
+        return None, _error("invalid-params", f"{name}: {exc}")
+    except msgspec.DecodeError as exc:
+        return None, _error("invalid-params", f"{name}: arguments are not valid JSON: {exc}")
+
+
 def call_tool(
     host: ToolHost, name: str, arguments: str | bytes | Mapping[str, Any] | None
 ) -> dict[str, Any]:
@@ -356,17 +401,31 @@ def call_tool(
     (``invalid-params``; nothing was called), or a refusal from the runtime (the
     ``TetherError``'s code, e.g. ``subagent-unauthorized``). Other exceptions propagate.
     """
-    tool = TOOLS.get(name)
-    if tool is None:
-        return _error("unknown-tool", f"no tool named {name!r}; tools: {', '.join(TOOLS)}")
-    args_type, impl = tool
+    args, failed = _validate(name, arguments)
+    if args is None:
+        assert failed is not None
+        return failed
+    _, invoke, shape = _CALLS[name]
     try:
-        args = msgspec.convert(_parse(arguments), args_type)
-    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
-        return _error("invalid-params", f"{name}: {exc}")
-    except msgspec.DecodeError as exc:
-        return _error("invalid-params", f"{name}: arguments are not valid JSON: {exc}")
+        return shape(invoke(host, args))
+    except TetherError as exc:
+        return _error(exc.code, exc.message)
+
+
+async def acall_tool(
+    host: Any, name: str, arguments: str | bytes | Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``call_tool`` for an async context (``AsyncTurnContext``): the same validation and
+    results, except that a ``Preempted`` error propagates (SPEC §15.1: a preempt raises
+    ``tether.Preempted`` at the innermost tool await)."""
+    args, failed = _validate(name, arguments)
+    if args is None:
+        assert failed is not None
+        return failed
+    _, invoke, shape = _CALLS[name]
     try:
-        return impl(host, args)
+        return shape(await invoke(host, args))
+    except Preempted:
+        raise
     except TetherError as exc:
         return _error(exc.code, exc.message)

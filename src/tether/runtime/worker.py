@@ -25,9 +25,11 @@ their subreaper), and then its own process group.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import importlib
+import inspect
 import itertools
 import multiprocessing.forkserver
 import os
@@ -37,11 +39,12 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NoReturn, overload
 
 import msgspec
 
+from tether.runtime._log import configure_logging
 from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound, Preempted, TetherError, error_from_code
@@ -71,9 +74,10 @@ from tether.wire.frames import (
 )
 from tether.wire.records import AgentInfo, Entry, Message, StopReport
 
-__all__ = ["CommandResult", "TurnContext", "load_driver", "worker_main"]
+__all__ = ["BaseContext", "CommandResult", "TurnContext", "load_driver", "worker_main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PARTIAL_CAP = 4000  # characters of a preempted tool's output kept for the driver
 _PR_SET_PDEATHSIG = 1
 
 
@@ -147,6 +151,13 @@ class _TurnState:
         # Held to start a command and to clean up after one: a clean-up that sweeps
         # every orphan (the last command out) never meets a command just forked.
         self.spawn_lock = threading.Lock()
+        self.usage: dict[str, int] = {}
+        # An async turn (runtime/async_context.py) hooks in here; the reader thread calls
+        # each hook outside the lock (``on_reply`` inside it: it only pops a waiter and
+        # schedules a callback), and the hooks hand the work to the event loop.
+        self.on_cancel: Callable[[], None] | None = None
+        self.on_preempt: Callable[[Preempt], None] | None = None
+        self.on_reply: Callable[[ToolReply], bool] | None = None
 
     # ---- open tool calls, for the host's stop reports (SPEC §15.6) ---------------------
 
@@ -201,8 +212,9 @@ class _ProgressMeter:
         return True
 
 
-class TurnContext:
-    """What a driver's ``run(ctx)`` gets. Tool calls go to the host, bound to this session."""
+class BaseContext:
+    """What every driver's context has, sync or async: the turn's identity, its message
+    and config, ``say``, ``cancel_requested``, progress and usage reports."""
 
     def __init__(self, worker: _Worker, run: RunTurn, state: _TurnState) -> None:
         self._worker = worker
@@ -215,12 +227,109 @@ class TurnContext:
         self.config: dict[str, Any] = dict(run.config or {})
         self.permissions: dict[str, str] = dict(run.permissions or {})
 
-    # ---- boundaries -----------------------------------------------------------------
-
     @property
     def cancel_requested(self) -> bool:
         """True as soon as a cancel for this turn reached the worker (before any boundary)."""
         return self._state.cancel_event.is_set()
+
+    def _progress(self, call: tuple[str, str] | None = None) -> None:
+        meter = self._state.progress
+        if meter.note(call):
+            self._worker.send(Progress(turn=self.turn, in_tool=meter.in_tool))
+
+    def progress(self) -> None:
+        """Report progress to the stall watchdog (SPEC §14.5) without a boundary, e.g. for
+        each streamed chunk of a model reply. Rate-limited: call it as often as you like."""
+        self._progress()
+
+    def add_usage(self, usage: Mapping[str, int]) -> None:
+        """Add token counts (``{"prompt_tokens": 12, ...}``) to the turn's
+        ``TurnRecord.usage``; summed over the turn, stored when it ends."""
+        total = self._state.usage
+        for key, value in usage.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+
+    def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
+        """Append an assistant entry to the transcript."""
+        self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
+        self._progress()
+
+    def record_tool(self, text: str, *, data: dict[str, Any] | None = None) -> None:
+        """Append a ``tool`` entry (a tool call's visible result) to the transcript."""
+        self._worker.send(Say(turn=self.turn, kind="tool", text=text, data=data))
+
+    def _host_call_blocking(self, name: str, args: dict[str, Any]) -> Any:
+        if name != "history":
+            self._progress((name, repr(sorted(args.items()))))
+        self._next_call += 1
+        call = self._next_call
+        st = self._state
+        self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
+        with st.lock:
+            while call not in st.replies:
+                st.reply_ready.wait()
+            reply = st.replies.pop(call)
+        if reply.code is not None:
+            raise error_from_code(reply.code, reply.message or reply.code)
+        return reply.result
+
+    def _preempted(
+        self,
+        preempt: Preempt,
+        tool: str,
+        started: float,
+        out: bytes | bytearray = b"",
+        err: bytes | bytearray = b"",
+        *,
+        via: str = "walk",
+    ) -> Preempted:
+        """Report a preempt that took effect (the host writes its marker) and build the
+        error the driver sees, with what the tool wrote until then."""
+        self._worker.send(
+            ToolKilled(
+                turn=self.turn,
+                reason=preempt.reason,
+                origin=preempt.origin,
+                by=preempt.by,
+                via=via,
+            )
+        )
+        partial = (out.decode(errors="replace") + err.decode(errors="replace"))[-_PARTIAL_CAP:]
+        return Preempted(
+            preempt.reason or f"{tool} was preempted",
+            origin=preempt.origin,
+            by=preempt.by,
+            reason=preempt.reason,
+            elapsed=time.monotonic() - started,
+            partial=partial,
+        )
+
+    def _fetch_history(self) -> list[Entry]:
+        # Page by page, each bounded by count and by size on the host: a long
+        # transcript, or one of huge entries, never has to fit in one frame.
+        history: list[Entry] = []
+        while True:
+            after = history[-1].seq if history else 0
+            raw = self._host_call_blocking("history", {"after": after})
+            page = msgspec.convert(raw["entries"], list[Entry])
+            history.extend(page)
+            if not raw["more"] or not page:
+                return history
+
+    @property
+    def history(self) -> list[Entry]:
+        """The session's transcript before this turn's own entries; fetched on first use."""
+        if self._history is None:
+            self._history = self._fetch_history()
+        return self._history
+
+
+class TurnContext(BaseContext):
+    """What a sync driver's ``run(ctx)`` gets. Tool calls go to the host, bound to this
+    session, and block until the host answers."""
+
+    # ---- boundaries -----------------------------------------------------------------
 
     def checkpoint(self) -> list[Steer | Cancel]:
         """The frames delivered at this boundary: pending steers in order, then a cancel."""
@@ -241,53 +350,10 @@ class TurnContext:
             self._worker.send(Delivered(turn=self.turn, steers=steers))
         return list(steers)
 
-    def _progress(self, call: tuple[str, str] | None = None) -> None:
-        meter = self._state.progress
-        if meter.note(call):
-            self._worker.send(Progress(turn=self.turn, in_tool=meter.in_tool))
-
-    def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
-        """Append an assistant entry to the transcript."""
-        self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
-        self._progress()
-
-    def record_tool(self, text: str, *, data: dict[str, Any] | None = None) -> None:
-        """Append a ``tool`` entry (a tool call's visible result) to the transcript."""
-        self._worker.send(Say(turn=self.turn, kind="tool", text=text, data=data))
-
-    @property
-    def history(self) -> list[Entry]:
-        """The session's transcript before this turn's own entries; fetched on first use."""
-        if self._history is None:
-            # Page by page, each bounded by count and by size on the host: a long
-            # transcript, or one of huge entries, never has to fit in one frame.
-            history: list[Entry] = []
-            while True:
-                after = history[-1].seq if history else 0
-                raw = self._host_call("history", {"after": after})
-                page = msgspec.convert(raw["entries"], list[Entry])
-                history.extend(page)
-                if not raw["more"] or not page:
-                    break
-            self._history = history
-        return self._history
-
     # ---- tools ----------------------------------------------------------------------
 
     def _host_call(self, name: str, args: dict[str, Any]) -> Any:
-        if name != "history":
-            self._progress((name, repr(sorted(args.items()))))
-        self._next_call += 1
-        call = self._next_call
-        st = self._state
-        self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
-        with st.lock:
-            while call not in st.replies:
-                st.reply_ready.wait()
-            reply = st.replies.pop(call)
-        if reply.code is not None:
-            raise error_from_code(reply.code, reply.message or reply.code)
-        return reply.result
+        return self._host_call_blocking(name, args)
 
     def spawn_agent(
         self,
@@ -417,6 +483,7 @@ class TurnContext:
             _kill_command(proc)
         assert proc.stdout is not None and proc.stderr is not None
         out, err = bytearray(), bytearray()
+        started = time.monotonic()
         try:
             _wait_exit(proc, {proc.stdout.fileno(): out, proc.stderr.fileno(): err}, timeout)
         finally:
@@ -437,12 +504,7 @@ class TurnContext:
         preempted = preempt is not None and proc.returncode == -signal.SIGKILL
         st.tool_closed(tool, "preempted" if preempted else "returned")
         if preempt is not None and preempted:
-            self._worker.send(
-                ToolKilled(
-                    turn=self.turn, reason=preempt.reason, origin=preempt.origin, by=preempt.by
-                )
-            )
-            raise Preempted(preempt.reason or "the command was preempted")
+            raise self._preempted(preempt, "run_command", started, out, err)
         return CommandResult(
             returncode=proc.returncode,
             stdout=out.decode(errors="replace"),
@@ -595,12 +657,16 @@ def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
             return
         st.cancel = frame.cancel
         st.steers.clear()
+        hook = st.on_cancel
     st.cancel_event.set()
+    if hook is not None:  # an async turn: cancel its task now, at whatever it awaits
+        hook()
 
 
 class _Worker:
     def __init__(self, channel: Channel[HostFrame]) -> None:
         self.channel = channel
+        self.loop: asyncio.AbstractEventLoop | None = None  # made by the first async turn
         self.current: _TurnState | None = None
         self.lock = threading.Lock()
         self.runs: list[RunTurn | Probe | None] = []
@@ -651,10 +717,14 @@ class _Worker:
                                 st.tools[p] = frame
                             if st.starting and st.early is None:
                                 st.early = frame  # still starting: killed once it has a pid
+                            busy = bool(victims) or bool(st.starting)
+                            hook = None if busy else st.on_preempt
                         for p in victims:
                             # run_command tells a kill from the command's own exit by
                             # its status: SIGKILL means this kill landed
                             _kill_command(p)
+                        if hook is not None:  # an async turn's innermost tool call
+                            hook(frame)
                 case Escalate(turn=turn):
                     st = self._state_for(turn)
                     if st is not None:
@@ -667,8 +737,9 @@ class _Worker:
                     st = self._state_for(turn)
                     if st is not None:
                         with st.lock:
-                            st.replies[call] = frame
-                            st.reply_ready.notify_all()
+                            if st.on_reply is None or not st.on_reply(frame):
+                                st.replies[call] = frame
+                                st.reply_ready.notify_all()
                 case Shutdown():
                     break
         with self.lock:
@@ -696,28 +767,54 @@ class _Worker:
                     assert state is not None and state.turn == item.turn
                     self.send(self._run(item, state))
 
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """This worker's one event loop, for its whole life: whatever an async driver keeps
+        open on it (a tool server's session, a connection pool) outlives the turn."""
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+        return self.loop
+
     def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
-        ctx = TurnContext(self, run, state)
         if run.progress_every is not None:
             # The host's stall watchdog counts from here, when the turn really starts,
             # not from when it was claimed and waited for a worker.
             self.send(Progress(turn=run.turn, in_tool=False))
         try:
-            driver = load_driver(run.driver)()
-            final = driver.run(ctx)
+            cls = load_driver(run.driver)
+            if inspect.iscoroutinefunction(cls.run):
+                from tether.runtime.async_context import run_async_turn
+
+                return run_async_turn(self, run, state, cls)
+            ctx = TurnContext(self, run, state)
+            final = cls().run(ctx)
         except Exception as exc:  # a driver's failure ends its turn, never the worker
-            return TurnEnd(
-                turn=run.turn,
-                outcome="cancelled" if state.cancel_delivered else "failed",
-                error=_describe(exc),
-            )
-        if final is not None and not isinstance(final, str):
-            final = str(final)
+            return end_of(run, state, error=exc)
+        return end_of(run, state, final=final)
+
+
+def end_of(
+    run: RunTurn, state: _TurnState, *, final: Any = None, error: BaseException | None = None
+) -> TurnEnd:
+    """The turn's end as the driver left it: ``failed`` with a one-line error when it
+    raised (``cancelled`` if a cancel had been handed to it), else ``completed`` (or
+    ``cancelled`` once a cancel reached the worker) with its final text."""
+    usage = dict(state.usage) or None
+    if error is not None:
         return TurnEnd(
             turn=run.turn,
-            outcome="cancelled" if state.cancel_event.is_set() else "completed",
-            final=final,
+            outcome="cancelled" if state.cancel_delivered else "failed",
+            error=_describe(error),
+            usage=usage,
         )
+    if final is not None and not isinstance(final, str):
+        final = str(final)
+    return TurnEnd(
+        turn=run.turn,
+        outcome="cancelled" if state.cancel_event.is_set() else "completed",
+        final=final,
+        usage=usage,
+    )
 
 
 def _describe(exc: BaseException) -> str:
@@ -753,6 +850,9 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
     # pool finds what our tree left behind by this tag.
     os.environ[TREE_ENV] = token
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
+    # Drivers log through structlog too (an agent's retries): the host's settings
+    # (TETHER_LOG, TETHER_LOG_FORMAT), to stderr, quiet by default.
+    configure_logging()
     channel: Channel[HostFrame] = Channel(sock, HostFrame)
     worker = _Worker(channel)
     reader = threading.Thread(target=worker.read_loop, name="tether-worker-reader", daemon=True)

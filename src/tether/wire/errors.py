@@ -75,9 +75,32 @@ class FrameError(TetherError):
 
 
 class Preempted(TetherError):
-    """Raised by ``ctx.run_command`` when the running tool was preempted."""
+    """Raised by ``ctx.run_command`` (and, for an async driver, by the innermost
+    ``ctx.call_tool`` or ``ctx.preemptable`` await) when the running tool was preempted.
+
+    Where the worker knows them: who preempted it (``origin``, ``by``), why (``reason``),
+    how long the tool had run (``elapsed``, seconds) and what it wrote until then
+    (``partial``), so that a driver can give its model an honest tool result.
+    """
 
     code = "preempted"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        origin: str | None = None,
+        by: str | None = None,
+        reason: str = "",
+        elapsed: float | None = None,
+        partial: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.origin = origin
+        self.by = by
+        self.reason = reason
+        self.elapsed = elapsed
+        self.partial = partial
 
 
 class StoreUnavailable(TetherError):

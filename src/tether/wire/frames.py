@@ -182,6 +182,8 @@ class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
     outcome: Literal["completed", "cancelled", "failed"]
     final: str | None = None
     error: str | None = None
+    # Token usage the driver reported (``ctx.add_usage``), summed over the turn.
+    usage: dict[str, int] | None = None
 
 
 ToolFateName = Literal["returned", "preempted", "cancelled", "abandoned", "killed", "shielded"]

@@ -1,0 +1,506 @@
+"""``tether.agents:ChatAgent``: a model agent over any OpenAI-compatible endpoint (SPEC §15.2).
+
+An async driver (SPEC §15.1) over the official client (``openai.AsyncOpenAI``, streaming).
+The loop of one turn::
+
+    history + message ─► boundary ─► model request (streamed) ─► assistant entry
+          ▲                                                          │ tool calls?
+          └────── boundary ◄── tool entry ◄── run the tool ◄─────────┘ (else: done)
+
+- A steer delivered at a boundary becomes a user-role ``<steer origin=… by=…>`` message
+  in the next request.
+- A cancel lands as ``CancelledError`` wherever the turn awaits: mid-stream, the response
+  is closed at once (the server sees the disconnect) and the partial reply is kept as the
+  turn's last assistant entry, so the parent's notice carries it.
+- A preempt stops only the running tool; the model gets an honest tool result:
+  ``preempted after 212 s by user (<by>): <reason>`` and the output so far.
+- HTTP 429/5xx and connection errors are retried with backoff up to ``retries``; any
+  other error ends the turn ``failed`` with a one-line error.
+- Token usage (``stream_options.include_usage``) goes to ``TurnRecord.usage``.
+- The API key is read from the environment variable the config names, at each turn: it
+  is never in the config, the store or a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from tether.agents.mcp import McpTimeout, McpTools
+from tether.runtime.async_context import AsyncTurnContext
+from tether.runtime.tools import TOOLS, schemas
+from tether.wire.errors import InvalidParams, Preempted, TetherError
+from tether.wire.frames import Preempt, Steer
+from tether.wire.records import Entry
+from tether.wire.text import render_frame
+
+__all__ = ["ChatAgent", "ModelError"]
+
+log = structlog.get_logger("tether.agents.chat")
+
+_DEFAULT_STEPS = 50
+_MCP_GRACE = 5.0  # seconds a stopped MCP call may take to end (config.mcp.grace)
+_RESULT_CAP = 20_000  # characters of one tool result sent to the model
+_ERROR_CAP = 300  # characters of a one-line error
+
+
+class ModelError(TetherError):
+    """The model endpoint refused the request for good (not retried), or kept failing."""
+
+    code = "model-error"
+
+
+@dataclass
+class _Model:
+    base_url: str | None = None
+    name: str = "default"
+    api_key_env: str | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    timeout: float = 600.0
+    retries: int = 3
+    backoff: float = 0.5  # seconds before the first retry, doubling (capped at 30)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Config:
+    model: _Model
+    system: str | None = None
+    tools: list[str] = field(default_factory=list)
+    mcp: dict[str, Any] | None = None
+    tool_policy: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_steps: int = _DEFAULT_STEPS
+
+
+def _config(raw: dict[str, Any]) -> _Config:
+    """The session config, checked: a mistake is a one-line ``InvalidParams``."""
+    model = dict(raw.get("model") or {})
+    if "api_key" in model:  # never: a key in the config would be stored
+        raise InvalidParams("config.model: give api_key_env, never the key itself")
+    unknown = set(model) - set(_Model.__dataclass_fields__)
+    if unknown:
+        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+    try:
+        m = _Model(**model)
+        tools = [str(t) for t in raw.get("tools") or []]
+        steps = int(raw.get("max_steps", _DEFAULT_STEPS))
+    except (TypeError, ValueError) as exc:
+        raise InvalidParams(f"config: {exc}") from None
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
+    if steps < 1:
+        raise InvalidParams("config.max_steps must be at least 1")
+    return _Config(
+        model=m,
+        system=raw.get("system"),
+        tools=tools,
+        mcp=raw.get("mcp"),
+        tool_policy=dict(raw.get("tool_policy") or {}),
+        max_steps=steps,
+    )
+
+
+@dataclass
+class _Reply:
+    text: str = ""
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # index -> id, name, args
+    finish: str | None = None
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": c.get("id") or f"call_{i}",
+                "type": "function",
+                "function": {"name": c.get("name", ""), "arguments": c.get("arguments", "")},
+            }
+            for i, c in sorted(self.calls.items())
+        ]
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.calls:
+            out["tool_calls"] = self.tool_calls()
+        return out
+
+
+class ChatAgent:
+    """A model agent: ``rt.open_session("tether.agents:ChatAgent", config={...})``.
+
+    Config (SPEC §15.2): ``model`` {``base_url``, ``name``, ``api_key_env``,
+    ``temperature``, ``max_tokens``, ``timeout``, ``retries``, ``backoff``, ``headers``},
+    ``system``, ``tools`` (the host tools it may call: ``run_command``, ``spawn_agent``,
+    ``send_message``, ``list_agents``, ``interrupt_agent``, ``pause_agent``,
+    ``resume_agent``), ``mcp`` {``servers``}, ``tool_policy``, ``max_steps``.
+    """
+
+    async def run(self, ctx: AsyncTurnContext) -> str | None:
+        try:
+            cfg = _config(ctx.config)
+            client = _client(cfg.model)
+        except TetherError as exc:
+            raise ModelError(_one_line(exc.message)) from None
+        try:
+            return await self._loop(ctx, cfg, client)
+        except asyncio.CancelledError:
+            if ctx.cancel is None:
+                raise  # not this turn's cancel
+            # The partial reply (if a stream was cut) is already the last assistant
+            # entry: the turn ends cancelled with it as its final text.
+            return None
+
+    async def _loop(self, ctx: AsyncTurnContext, cfg: _Config, client: Any) -> str | None:
+        mcp = await _mcp_tools(ctx, cfg)
+        tools = [t for t in _host_schemas() if t["function"]["name"] in cfg.tools]
+        if mcp is not None:
+            tools.extend(await mcp.list_tools())
+        messages = _messages(cfg, await ctx.load_history(), ctx)
+        for _ in range(cfg.max_steps):
+            messages.extend(_steers(await ctx.checkpoint()))  # a boundary before each request
+            reply = await self._request(ctx, cfg, client, messages, tools)
+            messages.append(reply.message())
+            if not reply.calls:
+                return None  # the reply, said already, is the turn's final text
+            steered: list[dict[str, Any]] = []
+            for call in reply.tool_calls():
+                result = await self._tool(ctx, cfg, mcp, call)
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+                # a boundary after each tool result; a steer waits until every call of
+                # the reply has its result (the API wants them right after the reply)
+                steered.extend(_steers(await ctx.checkpoint()))
+            messages.extend(steered)
+        raise ModelError(f"no final reply within max_steps ({cfg.max_steps}) model requests")
+
+    # ---- the model ----------------------------------------------------------------------
+
+    async def _request(
+        self,
+        ctx: AsyncTurnContext,
+        cfg: _Config,
+        client: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+    ) -> _Reply:
+        import openai
+
+        # The messages and tools are plain JSON already: they go in ``extra_body``, which
+        # the client sends as is. Given as typed params, the client walks them through its
+        # TypedDict transform on every request, which costs about a millisecond a message
+        # and grows with the history (60+ ms a request after a hundred turns).
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        kwargs: dict[str, Any] = {
+            "model": cfg.model.name,
+            "messages": [],  # replaced by extra_body's
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "extra_body": body,
+        }
+        if cfg.model.temperature is not None:
+            kwargs["temperature"] = cfg.model.temperature
+        if cfg.model.max_tokens is not None:
+            kwargs["max_tokens"] = cfg.model.max_tokens
+        attempt = 0
+        log.debug(
+            "model.request",
+            turn=ctx.turn,
+            model=cfg.model.name,
+            base_url=cfg.model.base_url,
+            messages=len(messages),
+        )
+        while True:
+            reply = _Reply()
+            stream: Any = None
+            try:
+                stream = await client.chat.completions.create(**kwargs)
+                async for chunk in stream:
+                    ctx.progress()  # every chunk is progress for the stall watchdog
+                    _take(ctx, reply, chunk)
+            except asyncio.CancelledError:
+                if reply.text:
+                    ctx.say(reply.text, data={"cut": True})  # what arrived is kept
+                raise
+            except (openai.APIConnectionError, openai.APIStatusError) as exc:
+                status = getattr(exc, "status_code", None)
+                retry = status is None or status == 429 or status >= 500
+                if not retry or attempt >= cfg.model.retries:
+                    raise ModelError(_describe(exc, attempt)) from None
+                attempt += 1
+                log.info("model.retry", turn=ctx.turn, attempt=attempt, status=status)
+                await asyncio.sleep(min(cfg.model.backoff * 2 ** (attempt - 1), 30.0))
+                continue
+            finally:
+                if stream is not None:
+                    await stream.close()  # at once on a cancel: the connection goes
+            data: dict[str, Any] | None = None
+            if reply.calls:
+                data = {"tool_calls": reply.tool_calls()}
+            if reply.text or data:
+                ctx.say(reply.text, data=data)
+            return reply
+
+    # ---- tools --------------------------------------------------------------------------
+
+    async def _tool(
+        self, ctx: AsyncTurnContext, cfg: _Config, mcp: Any, call: dict[str, Any]
+    ) -> str:
+        """Run one tool call; the text the model gets back (also its ``tool`` entry)."""
+        name = call["function"]["name"]
+        arguments = call["function"]["arguments"]
+        data = {"tool_call_id": call["id"], "name": name, "arguments": arguments}
+        try:
+            if name in cfg.tools:
+                timer = _max_duration(ctx, cfg, name)
+                try:
+                    text = _result_text(await ctx.call_tool(name, arguments))
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+            elif mcp is not None and name.startswith("mcp__"):
+                text = await _mcp_call(ctx, mcp, name, arguments)
+            else:
+                offered = [*cfg.tools, *(["mcp__…"] if mcp is not None else [])]
+                text = json.dumps(
+                    {"error": "unknown-tool", "message": f"no tool {name!r}; tools: {offered}"}
+                )
+        except Preempted as exc:
+            text = _preempted_text(exc)
+            data["preempted"] = True
+        text = text[:_RESULT_CAP]
+        ctx.record_tool(text, data=data)
+        return text
+
+
+# One client per endpoint in this worker process, kept across turns on the worker's one
+# event loop: its connections are reused (a cut stream's connection is closed, never
+# reused). Keyed by what makes a client, the key included: held in memory only.
+_clients: dict[tuple[Any, ...], Any] = {}
+
+
+@functools.cache
+def _host_schemas() -> tuple[dict[str, Any], ...]:
+    """The host tools' schemas, generated once per worker (a few ms each time)."""
+    return tuple(schemas("openai"))
+
+
+def _client(model: _Model) -> Any:
+    import openai
+
+    key = "unused"  # a local server needs none; the client insists on a value
+    if model.api_key_env:
+        found = os.environ.get(model.api_key_env)
+        if not found:
+            raise ModelError(
+                f"the environment variable {model.api_key_env} (api_key_env) is not set"
+            )
+        key = found
+    ident = (model.base_url, key, model.timeout, tuple(sorted(model.headers.items())))
+    client = _clients.get(ident)
+    if client is None:
+        client = openai.AsyncOpenAI(
+            base_url=model.base_url,
+            api_key=key,
+            timeout=model.timeout,
+            max_retries=0,  # ours: the retries are counted and logged here
+            default_headers=model.headers or None,
+        )
+        _clients[ident] = client
+    return client
+
+
+def _take(ctx: AsyncTurnContext, reply: _Reply, chunk: Any) -> None:
+    usage = getattr(chunk, "usage", None)
+    if usage is not None:
+        ctx.add_usage(
+            {
+                "prompt_tokens": int(getattr(usage, "prompt_tokens", 0) or 0),
+                "completion_tokens": int(getattr(usage, "completion_tokens", 0) or 0),
+            }
+        )
+    for choice in chunk.choices or ():
+        delta = choice.delta
+        if delta is not None:
+            if delta.content:
+                reply.text += delta.content
+            for tc in delta.tool_calls or ():
+                slot = reply.calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                if tc.id:
+                    slot["id"] = tc.id
+                if tc.function is not None:
+                    slot["name"] += tc.function.name or ""
+                    slot["arguments"] += tc.function.arguments or ""
+        if choice.finish_reason:
+            reply.finish = choice.finish_reason
+
+
+def _steers(frames: list[Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f.render()} for f in frames if isinstance(f, Steer)]
+
+
+def _messages(cfg: _Config, history: list[Entry], ctx: AsyncTurnContext) -> list[dict[str, Any]]:
+    """The request's messages: the system prompt, earlier turns' entries, this message."""
+    out: list[dict[str, Any]] = []
+    if cfg.system:
+        out.append({"role": "system", "content": cfg.system})
+    for e in history:
+        if e.turn == ctx.turn:
+            continue  # this turn's own message comes last, from ctx.message
+        data = e.data or {}
+        match e.kind:
+            case "user" | "notice":
+                out.append({"role": "user", "content": e.text})
+            case "assistant":
+                msg: dict[str, Any] = {"role": "assistant", "content": e.text or None}
+                if data.get("tool_calls") and not data.get("cut"):
+                    msg["tool_calls"] = data["tool_calls"]
+                out.append(msg)
+            case "tool" if data.get("tool_call_id"):
+                out.append(
+                    {"role": "tool", "tool_call_id": data["tool_call_id"], "content": e.text}
+                )
+            case "marker" if e.action == "steered":
+                steer = render_frame("steer", e.origin or "", e.by or "", e.reason or "")
+                out.append({"role": "user", "content": steer})
+    out.append({"role": "user", "content": ctx.message.content})
+    return _paired(out)
+
+
+def _paired(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every assistant tool call answered right after its reply, as the API requires: a
+    call left without a result (its turn was stopped) gets one saying so; a tool result
+    with no call before it is dropped."""
+    out: list[dict[str, Any]] = []
+    open_ids: list[str] = []
+    for m in messages:
+        if m["role"] == "tool":
+            if m["tool_call_id"] in open_ids:
+                open_ids.remove(m["tool_call_id"])
+                out.append(m)
+            continue
+        for missing in open_ids:
+            out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
+        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
+        out.append(m)
+    for missing in open_ids:
+        out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
+    return out
+
+
+def _result_text(result: dict[str, Any]) -> str:
+    return json.dumps(result, ensure_ascii=False)
+
+
+def _preempted_text(exc: Preempted) -> str:
+    if exc.elapsed is None:
+        elapsed = "a while"
+    else:  # whole seconds, as a person says it; tenths for a short call
+        elapsed = f"{exc.elapsed:.0f} s" if exc.elapsed >= 10 else f"{exc.elapsed:.1f} s"
+    who = exc.origin or "user"
+    head = f"preempted after {elapsed} by {who}"
+    if exc.by and who != "watchdog":
+        head += f" ({exc.by})"
+    if exc.reason:
+        head += f": {exc.reason}"
+    partial = exc.partial.strip()
+    return f"{head}\npartial output:\n{partial}" if partial else head
+
+
+def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.TimerHandle | None:
+    """A ``max_duration`` policy for a host tool (``run_command``): a preempt of origin
+    ``system`` when the call outlasts it."""
+    policy = cfg.tool_policy.get(name) or {}
+    limit = policy.get("max_duration")
+    if limit is None:
+        return None
+    frame = Preempt(
+        turn=ctx.turn,
+        reason=f"max_duration {float(limit):g} s exceeded",
+        origin="system",
+        by="policy",
+    )
+    return asyncio.get_running_loop().call_later(float(limit), ctx.preempt_now, frame)
+
+
+# ---- MCP (tether.agents.mcp) ----------------------------------------------------------
+
+_mcp_cache: dict[str, McpTools] = {}  # per worker process: servers live across turns
+
+
+async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
+    mcp = cfg.mcp or {}
+    servers = mcp.get("servers")
+    if not servers:
+        return None
+    grace = mcp.get("grace", _MCP_GRACE)
+    key = json.dumps([servers, cfg.tool_policy, grace], sort_keys=True)
+    tools = _mcp_cache.get(key)
+    if tools is None:
+        try:
+            tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
+        except TetherError as exc:
+            raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
+        _mcp_cache[key] = tools
+    return tools
+
+
+async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: str) -> str:
+    """One MCP call as the innermost preemptable await: a preempt or cancel reaches the
+    server (``notifications/cancelled``, or the request's stream closed); a policy limit
+    stops it as a preempt of origin ``system``."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as exc:
+        return json.dumps({"error": "invalid-params", "message": f"arguments are not JSON: {exc}"})
+    if not isinstance(args, dict):
+        return json.dumps({"error": "invalid-params", "message": "arguments must be an object"})
+    policy = mcp.policy(name)
+    started = time.monotonic()
+    try:
+        result = await ctx.preemptable(
+            name,
+            mcp.call(name, args, on_progress=ctx.progress),
+            preempt=policy.preempt,
+            fate=lambda: mcp.last_fate,
+        )
+    except McpTimeout as exc:
+        limit = policy.max_duration if exc.kind == "max_duration" else policy.idle_timeout
+        reason = f"{exc.kind} {limit:g} s exceeded" if limit is not None else exc.kind
+        return _preempted_text(
+            ctx.report_preempt(name, reason, started=started, partial=exc.partial)
+        )
+    if result.is_error:
+        return json.dumps({"error": "tool-error", "message": result.text})
+    return result.text
+
+
+# ---- errors -------------------------------------------------------------------------
+
+
+def _one_line(text: str) -> str:
+    line = re.sub(r"\s+", " ", text).strip()
+    return line if len(line) <= _ERROR_CAP else line[: _ERROR_CAP - 1] + "…"
+
+
+def _describe(exc: Exception, retries: int) -> str:
+    status = getattr(exc, "status_code", None)
+    message = getattr(exc, "message", None) or str(exc)
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            message = str(inner["message"])
+        elif isinstance(body.get("message"), str):
+            message = body["message"]
+    head = f"HTTP {status}" if status is not None else type(exc).__name__
+    after = f" after {retries} retries" if retries else ""
+    return _one_line(f"model request failed{after}: {head}: {message}")

@@ -1,0 +1,188 @@
+"""``tether demo --agent``: model agents stopped inside their work, in about fifteen seconds.
+
+A lead session has three ``tether.agents:ChatAgent`` subagents talking to the model server
+of ``tether.testing`` (a real HTTP server on loopback replaying a script: no key, no
+network). A person steers one mid-stream (its next request carries the ``<steer>``), cancels
+another mid-reply (the stream is closed at once, the partial reply kept, and the server
+saw the client go), and preempts the third's hung MCP tool call (the MCP server gets
+``notifications/cancelled``, the model is told, and the turn goes on).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from tether.actors.authority import User
+from tether.runtime.runtime import Runtime
+from tether.testing.mcp_server import LOG_ENV, read_log
+from tether.testing.model_server import ModelServer
+
+__all__ = ["main"]
+
+CHAT = "tether.agents:ChatAgent"
+
+_SCRIPTS: dict[str, list[dict[str, Any]]] = {
+    "researcher": [
+        {
+            "text": "I'll start by grepping the whole repository for every timeout setting.",
+            "tool_calls": [
+                {"name": "run_command", "arguments": {"argv": ["sh", "-c", "echo 41 matches"]}}
+            ],
+            "chunk": 4,
+            "pace": 0.04,
+        },
+        {"text": "Switching to the CI log as asked: the failure is test_net's 2 s timeout."},
+    ],
+    "writer": [
+        {
+            "text": "Here is the full design document for the new retry policy. Section 1: "
+            "goals. Section 2: the backoff schedule, with jitter, caps and budgets. "
+            "Section 3: ...",
+            "chunk": 6,
+            "pace": 0.05,
+            "hang": True,
+        }
+    ],
+    "tester": [
+        {
+            "text": "Searching the issue tracker through its MCP server.",
+            "tool_calls": [{"name": "mcp__tracker__hang", "arguments": {"seconds": 300}}],
+        },
+        {"text": "The tracker search hung; I'll answer from the CI log alone."},
+    ],
+}
+
+
+def _wait(what: str, done: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = done()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"demo step timed out: {what}")
+        time.sleep(0.02)
+
+
+def main(argv: list[str] | None = None) -> int:
+    del argv
+    console = Console()
+    console.rule("[bold]Tether demo: stopping model agents inside their work")
+    with (
+        tempfile.TemporaryDirectory(prefix="tether-demo-") as tmp,
+        ModelServer() as server,
+        Runtime(workers=3, grace=2.0) as rt,
+    ):
+        for name, replies in _SCRIPTS.items():
+            server.script(name, replies)
+        console.print(f"model server (OpenAI-compatible, scripted): {server.url}")
+        lead = rt.open_session("tether:Scripted", slug="lead")
+        me = User(parent=lead, name="you")
+        kids: dict[str, str] = {}
+        mcp_log = os.path.join(tmp, "mcp.log")
+        tracker = {
+            "command": [sys.executable, "-m", "tether.testing.mcp_server"],
+            "env": {LOG_ENV: mcp_log, "PYTHONPATH": os.pathsep.join(sys.path)},
+        }
+        for name in _SCRIPTS:
+            config: dict[str, Any] = {
+                "model": {"base_url": server.url, "name": name, "retries": 1},
+                "system": f"You are the team's {name}.",
+                "tools": ["run_command"],
+            }
+            if name == "tester":  # an MCP tool server of its own (stdio, the SDK's)
+                config["mcp"] = {"servers": {"tracker": tracker}, "grace": 2.0}
+            kids[name] = str(rt.spawn(lead, CHAT, slug=name, config=config))
+
+        def ended(sid: str) -> Callable[[], bool]:
+            return lambda: any(t.outcome for t in rt.turns(sid))
+
+        def say(line: str, style: str = "") -> None:
+            console.print(Text(line, style=style))
+
+        # ---- 1. a steer changes course mid-stream ------------------------------------
+        console.rule("1. steer: a correction reaches the model's next request")
+        rt.send(kids["researcher"], "Why is CI flaky?", authority=me)
+        _wait("the researcher's request", lambda: server.requests_for("researcher"))
+        rt.interrupt(
+            kids["researcher"], authority=me, kind="steer", reason="look at the CI log instead"
+        )
+        say("→ steered while its first reply was still streaming", "bold")
+        _wait("the researcher's turn", ended(kids["researcher"]))
+        second = server.requests_for("researcher")[1].body["messages"][-1]["content"]
+        say(f"  next request ends with: {second}", "yellow")
+        for e in rt.transcript(kids["researcher"]):
+            if e.kind in ("assistant", "tool"):
+                say(f"  {e.kind:<9} {e.text[:90]}")
+
+        # ---- 2. a cancel cuts a streaming reply --------------------------------------
+        console.rule("2. cancel: the stream is cut at once, the partial reply kept")
+        rt.send(kids["writer"], "Write the retry-policy design doc.", authority=me)
+        _wait("the writer's stream", lambda: any(r.hanging for r in server.requests_for("writer")))
+        start = time.time()
+        rt.interrupt(kids["writer"], authority=me, kind="cancel", reason="enough detail")
+        _wait("the writer's turn", ended(kids["writer"]))
+        [turn] = rt.turns(kids["writer"])
+        [request] = server.requests_for("writer")
+        gone = server.wait_disconnect(request.id)
+        partial = [e.text for e in rt.transcript(kids["writer"]) if e.kind == "assistant"]
+        say(f"→ turn {turn.outcome}; partial reply kept: {(partial or [''])[-1][:70]!r}…", "bold")
+        end_ms = ((turn.ended_at or start) - start) * 1000
+        say(
+            f"  server saw the disconnect {(gone.time - start) * 1000:.0f} ms after the "
+            f"cancel; the turn ended {end_ms:.0f} ms after it",
+            "yellow",
+        )
+        notice = _wait("the lead's notice", lambda: _notice(rt, lead, kids["writer"]))
+        say(f"  the lead's notice carries it: {notice[:70]!r}…")
+
+        # ---- 3. a preempt stops only the hung MCP tool -------------------------------
+        console.rule(
+            "3. preempt: only the hung MCP call stops; the server is told, the turn goes on"
+        )
+        rt.send(kids["tester"], "Find the flaky test's issue.", authority=me)
+        call = _wait("the MCP call", lambda: _logged(mcp_log, "tools/call"), timeout=60)
+        rt.interrupt(kids["tester"], authority=me, kind="preempt", reason="the tracker is hung")
+        _wait("the tester's turn", ended(kids["tester"]), timeout=60)
+        cancelled = _logged(mcp_log, "notifications/cancelled")
+        if cancelled is not None:
+            say(
+                f"→ the MCP server got notifications/cancelled for request "
+                f"{cancelled.get('requestId')} (the call was {call.get('id')})",
+                "bold",
+            )
+        tool = server.requests_for("tester")[1].body["messages"][-1]["content"]
+        say(f"→ turn {rt.turns(kids['tester'])[0].outcome}; the model got:", "bold")
+        for line in tool.splitlines()[:3]:
+            say(f"  {line}", "yellow")
+        last = [e.text for e in rt.transcript(kids["tester"]) if e.kind == "assistant"][-1]
+        say(f"  and answered: {last}")
+
+        console.rule("[bold]Markers")
+        for name, sid in kids.items():
+            for e in rt.transcript(sid):
+                if e.kind == "marker":
+                    say(f"  {name:<11} {e.text}", "yellow")
+    console.print("[bold green]demo finished: every stream closed, every process stopped[/]")
+    return 0
+
+
+def _notice(rt: Runtime, lead: str, child: str) -> str | None:
+    for e in rt.transcript(lead):
+        notice = (e.data or {}).get("notice") if e.kind == "notice" else None
+        if notice and notice.get("child") == child:
+            return str(notice.get("partial") or "")
+    return None
+
+
+def _logged(path: str, method: str) -> dict[str, Any] | None:
+    """The first record of ``method`` the MCP server logged, if any yet."""
+    return next((r for r in read_log(path) if r.get("method") == method), None)

@@ -1,0 +1,610 @@
+"""Async drivers (SPEC §15.1): ``async def run(self, ctx)`` on the worker's event loop.
+
+::
+
+    reader thread (worker.py)                 main thread: the worker's one event loop
+    ─────────────────────────                 ─────────────────────────────────────────
+    CancelFrame ── on_cancel ── call_soon_threadsafe ──► _deliver: Delivered to the host,
+                                                          then task.cancel() (at a shield's
+                                                          exit if one is open)
+    Preempt ─┬─ a command runs: kill its tree            run_command sees SIGKILL: Preempted
+             └─ on_preempt ── call_soon_threadsafe ──►  cancel the innermost tool-call task:
+                                                          Preempted at its await
+    ToolReply ── on_reply ── call_soon_threadsafe ──►   resolve the host call's future
+    Escalate: answered by the reader, as for sync: the cancel was not handed over yet (the
+    loop is blocked), so it never will be; the deadline's abort follows.
+
+The cancel reaches the driver as ``asyncio.CancelledError`` at whatever it awaits, within
+milliseconds of reaching the worker; it is reported to the host exactly like a boundary's
+delivery (the ``Delivered`` frame), so the marker, grace and escalation rules of §5 hold
+unchanged. A preempt cancels only the innermost ``run_command``/``call_tool``/
+``preemptable`` await, which raises ``tether.Preempted`` there; the turn goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Literal, TypeVar, cast, overload
+
+import msgspec
+import structlog
+
+from tether.runtime.worker import (
+    _EXIT_POLL,
+    COMMAND_ENV,
+    BaseContext,
+    CommandResult,
+    _command_ids,
+    _drain,
+    _kill_command,
+    _kill_leftovers,
+    _pidfd,
+    _read_some,
+    _TurnState,
+    _Worker,
+    end_of,
+)
+from tether.wire.errors import Preempted, error_from_code
+from tether.wire.frames import (
+    Cancel,
+    Delivered,
+    Preempt,
+    RunTurn,
+    Steer,
+    ToolCall,
+    ToolFateName,
+    ToolReply,
+    TurnEnd,
+)
+from tether.wire.records import AgentInfo, Entry, StopReport
+
+__all__ = ["AsyncTurnContext", "PreemptPolicy", "run_async_turn"]
+
+log = structlog.get_logger("tether.worker")
+
+T = TypeVar("T")
+PreemptPolicy = Literal["cooperative", "kill", "never"]
+
+
+class _Call:
+    """One preemptable tool-call await in flight (innermost last in ``AsyncTurnContext``)."""
+
+    __slots__ = ("name", "never", "preempt", "shielded", "started", "task")
+
+    def __init__(self, name: str, task: asyncio.Future[Any] | None, never: bool) -> None:
+        self.name = name
+        self.task = task
+        self.never = never
+        self.preempt: Preempt | None = None
+        self.shielded = False  # a preempt hit it and, by its policy, did nothing
+        self.started = time.monotonic()
+
+
+class AsyncTurnContext(BaseContext):
+    """What an async driver's ``run(ctx)`` gets: the sync context's surface, with every
+    call that waits as a coroutine.
+
+    ``await ctx.checkpoint()`` delivers steers (SPEC §5); a cancel needs no boundary: it
+    arrives as ``asyncio.CancelledError`` wherever the driver awaits. Catch it (or use
+    ``finally``) to wrap up within ``grace`` and return the final text; ``ctx.cancel``
+    then says who cancelled and why. ``with ctx.shield():`` holds a cancel back until the
+    block exits (grace still bounds the turn). Host tools (``spawn_agent`` & co) await the
+    host's reply without blocking the loop.
+    """
+
+    def __init__(self, worker: _Worker, run: RunTurn, state: _TurnState) -> None:
+        super().__init__(worker, run, state)
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task[Any] | None = None
+        self._waiters: dict[int, asyncio.Future[ToolReply]] = {}
+        self._calls: list[_Call] = []
+        self._shield = 0
+        self._deferred = False  # a cancel delivered inside a shield: raised at its exit
+
+    # ---- cancel delivery --------------------------------------------------------------
+
+    @property
+    def cancel(self) -> Cancel | None:
+        """The cancel handed to this turn (reason, origin, by), once it was delivered."""
+        st = self._state
+        with st.lock:
+            return st.cancel if st.cancel_delivered else None
+
+    def _deliver(self) -> None:
+        """On the loop: hand a pending cancel over, unless the deadline's escalation or a
+        natural end came first. Idempotent: scheduled from both threads."""
+        st = self._state
+        task = self._task
+        with st.lock:
+            if (
+                st.cancel is None
+                or st.cancel_delivered
+                or st.escalating
+                or task is None
+                or task.done()
+            ):
+                return
+            st.cancel_delivered = True
+        self._worker.send(Delivered(turn=self.turn, steers=[], cancel=True, via="cancel-at-await"))
+        if self._shield:
+            self._deferred = True
+        else:
+            task.cancel()
+
+    @contextlib.contextmanager
+    def shield(self) -> Iterator[None]:
+        """Hold a cancel back while the block runs (a commit, a migration): it is raised
+        at the first await after the block. The host still force-breaks the turn when
+        the block outlasts ``grace`` (counted from the cancel's arrival)."""
+        self._shield += 1
+        try:
+            yield
+        finally:
+            self._shield -= 1
+            if not self._shield and self._deferred and self._task is not None:
+                self._deferred = False
+                self._task.cancel()
+
+    async def checkpoint(self) -> list[Steer | Cancel]:
+        """A boundary: the steers pending, in order; ``[Cancel]`` once a cancel was handed
+        over (inside a shield, or after the driver caught it). A pending cancel is raised
+        here if it was not already."""
+        st = self._state
+        self._progress()
+        self._deliver()
+        await asyncio.sleep(0)  # a cancel just handed over is raised here
+        with st.lock:
+            if st.cancel is not None:
+                return [st.cancel] if st.cancel_delivered else []
+            steers, st.steers = st.steers, []
+        if steers:
+            self._worker.send(Delivered(turn=self.turn, steers=steers))
+        return list(steers)
+
+    # ---- host calls -------------------------------------------------------------------
+
+    def _on_reply(self, reply: ToolReply) -> bool:
+        """Reader thread, under the turn's lock: route a reply to its waiting future."""
+        fut = self._waiters.pop(reply.call, None)
+        if fut is None:
+            return False  # a blocking call (``history``), or one abandoned by a cancel
+        self._loop.call_soon_threadsafe(_resolve, fut, reply)
+        return True
+
+    async def _host_call(self, name: str, args: dict[str, Any]) -> Any:
+        if name != "history":
+            self._progress((name, repr(sorted(args.items()))))
+        self._next_call += 1
+        call = self._next_call
+        st = self._state
+        fut: asyncio.Future[ToolReply] = self._loop.create_future()
+        with st.lock:
+            self._waiters[call] = fut
+        try:
+            self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
+            reply = await fut
+        finally:
+            with st.lock:
+                self._waiters.pop(call, None)
+        if reply.code is not None:
+            raise error_from_code(reply.code, reply.message or reply.code)
+        return reply.result
+
+    async def load_history(self) -> list[Entry]:
+        """``ctx.history`` without blocking the loop (the property fetches synchronously)."""
+        if self._history is None:
+            history: list[Entry] = []
+            while True:
+                after = history[-1].seq if history else 0
+                raw = await self._host_call("history", {"after": after})
+                page = msgspec.convert(raw["entries"], list[Entry])
+                history.extend(page)
+                if not raw["more"] or not page:
+                    break
+            self._history = history
+        return self._history
+
+    async def spawn_agent(
+        self,
+        *,
+        slug: str | None = None,
+        mode: str = "continuable",
+        prompt: str | None = None,
+        data: dict[str, Any] | None = None,
+        permissions: dict[str, str] | None = None,
+    ) -> str:
+        """Spawn a child running this session's own driver and config."""
+        args = {
+            "slug": slug,
+            "mode": mode,
+            "prompt": prompt,
+            "data": data,
+            "permissions": permissions,
+        }
+        return str(await self._host_call("spawn_agent", args))
+
+    async def send_message(
+        self, to: str, text: str, *, data: dict[str, Any] | None = None, wake: bool = True
+    ) -> str:
+        """Send to a direct child (id or slug); returns the new message's id."""
+        args = {"to": to, "text": text, "data": data, "wake": wake}
+        return str(await self._host_call("send_message", args))
+
+    async def list_agents(self, *, scope: str = "children") -> list[AgentInfo]:
+        raw = await self._host_call("list_agents", {"scope": scope})
+        return msgspec.convert(raw, list[AgentInfo])
+
+    @overload
+    async def interrupt_agent(
+        self,
+        agent_id: str,
+        *,
+        kind: str = ...,
+        reason: str = ...,
+        scope: Literal["session"] = ...,
+    ) -> str | None: ...
+
+    @overload
+    async def interrupt_agent(
+        self, agent_id: str, *, kind: str = ..., reason: str = ..., scope: Literal["subtree"]
+    ) -> list[str]: ...
+
+    async def interrupt_agent(
+        self, agent_id: str, *, kind: str = "cancel", reason: str = "", scope: str = "session"
+    ) -> str | list[str] | None:
+        """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
+        ``scope="subtree"`` (cancel or abort): the turns stopped."""
+        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
+        if scope != "session":
+            args["scope"] = scope
+            return [str(t) for t in await self._host_call("interrupt_agent", args)]
+        turn = await self._host_call("interrupt_agent", args)
+        return None if turn is None else str(turn)
+
+    async def stop_report(self, turn: str) -> StopReport | None:
+        """What a stop did to ``turn`` (of this session or one below), or None."""
+        raw = await self._host_call("stop_report", {"turn": turn})
+        return None if raw is None else msgspec.convert(raw, StopReport)
+
+    async def pause_agent(
+        self, agent_id: str, *, scope: str = "session", reason: str = ""
+    ) -> list[str]:
+        args = {"agent_id": agent_id, "scope": scope, "reason": reason}
+        return [str(t) for t in await self._host_call("pause_agent", args)]
+
+    async def resume_agent(self, agent_id: str, *, scope: str = "session") -> list[str]:
+        args = {"agent_id": agent_id, "scope": scope}
+        return [str(t) for t in await self._host_call("resume_agent", args)]
+
+    # ---- tools ------------------------------------------------------------------------
+
+    async def run_command(
+        self, argv: list[str], *, timeout: float | None = None, cwd: str | None = None
+    ) -> CommandResult:
+        """Run a subprocess in this worker's process group, as the sync ``run_command``
+        does: it returns when the command exits, whatever the command leaves running is
+        killed, a preempt kills its tree (``Preempted`` here, with its partial output).
+        A cancel of the turn kills the command and raises ``CancelledError`` here.
+        Other children of the worker (a tool server's process, a command awaited
+        alongside) are not its leftovers and stay.
+        """
+        if self.permissions.get("run_command", "allow") == "deny":
+            raise error_from_code(
+                "subagent-unauthorized", "run_command is denied by this session's permissions"
+            )
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
+        st = self._state
+        st.progress.in_tool = True
+        self._progress(("run_command", repr((argv, cwd))))
+        tool = st.tool_opened("run_command")
+        # Its own tag, as for the sync run_command: its clean-up kills the orphans that
+        # carry it, and only those, so a tool server the driver keeps (a child of this
+        # worker too) and commands awaited alongside it are never taken for leftovers.
+        tag = f"{os.getpid()}.{next(_command_ids)}"
+        with st.lock:
+            st.starting += 1
+        try:
+            with st.spawn_lock:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env={**os.environ, COMMAND_ENV: tag},
+                )
+        except BaseException as exc:
+            st.tool_closed(tool)  # it never ran: nothing of it was cut
+            with st.lock:
+                st.starting -= 1
+                if st.starting == 0:
+                    st.early = None
+                st.progress.in_tool = bool(st.tools)
+            if isinstance(exc, OSError):
+                raise error_from_code("invalid-params", f"cannot run {argv[0]!r}: {exc}") from None
+            raise
+        with st.lock:
+            st.starting -= 1
+            early = st.tools[proc] = st.early
+            if st.starting == 0:
+                st.early = None
+        if early is not None:
+            _kill_command(proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = bytearray(), bytearray()
+        started = time.monotonic()
+        try:
+            await _exited(proc, {proc.stdout.fileno(): out, proc.stderr.fileno(): err}, timeout)
+        except BaseException:
+            _kill_command(proc)  # the turn was cancelled: the command goes with it
+            st.tool_closed(tool, "cancelled")
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.wait()  # killed just above: its exit is immediate
+            with st.spawn_lock:
+                with st.lock:
+                    preempt = st.tools.pop(proc, None)
+                    st.progress.in_tool = bool(st.tools) or bool(st.starting)
+                _kill_leftovers(tag)
+            _drain(proc.stdout.fileno(), out)
+            _drain(proc.stderr.fileno(), err)
+            proc.stdout.close()
+            proc.stderr.close()
+            self._progress()
+        preempted = preempt is not None and proc.returncode == -signal.SIGKILL
+        st.tool_closed(tool, "preempted" if preempted else "returned")
+        if preempt is not None and preempted:
+            raise self._preempted(preempt, "run_command", started, out, err)
+        return CommandResult(
+            returncode=proc.returncode,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+        )
+
+    async def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
+        """Validate a model's call of a host tool and run it; errors come back as
+        ``{"error": ...}``, except a preempt, which raises ``Preempted`` here."""
+        from tether.runtime import tools
+
+        # run_command reports its own open call (as the sync one does)
+        track = name != "run_command"
+        return await self.preemptable(name, tools.acall_tool(self, name, arguments), track=track)
+
+    async def preemptable(
+        self,
+        name: str,
+        awaitable: Awaitable[T],
+        *,
+        preempt: PreemptPolicy = "cooperative",
+        track: bool = True,
+        fate: Callable[[], str | None] | None = None,
+    ) -> T:
+        """Await a tool call of your own (an MCP call, an HTTP request) as the innermost
+        preemptable one: a preempt cancels it (the awaitable gets ``CancelledError`` and
+        may clean up) and raises ``Preempted`` here, and the host writes the marker.
+        ``preempt="never"``: a preempt is a no-op (reported ``shielded``) and a cancel of
+        the turn waits for the call (it runs inside ``shield()``); abort still kills.
+        The call is reported to the host as an open tool (stop reports, SPEC §15.6)
+        unless ``track=False`` (a caller that reports it itself); ``fate``, when given,
+        says how a call stopped by the turn's cancel or by its own limit really ended
+        (``cancelled``, ``abandoned``, ``killed``: what only the tool's client knows)."""
+        st = self._state
+        me = asyncio.current_task()
+        base = me.cancelling() if me is not None else 0
+        never = preempt == "never"
+        inner = None if never else asyncio.ensure_future(awaitable)
+        call = _Call(name, inner, never)
+        self._calls.append(call)
+        st.progress.in_tool = True
+        self._progress((name, ""))
+        tool = st.tool_opened(name) if track else None
+        ended: ToolFateName = "returned"
+        try:
+            if inner is None:
+                with self.shield():
+                    result: T = await awaitable
+                if call.shielded:
+                    ended = "shielded"
+                return result
+            try:
+                result = await inner
+            except asyncio.CancelledError:
+                ended = "cancelled"
+                if call.preempt is not None and inner.cancelled():
+                    if tool is not None:  # closed before ToolKilled: its report lists it
+                        st.tool_closed(tool, "preempted")
+                        tool = None
+                    error = self._preempted(call.preempt, name, call.started, via="cancel-at-await")
+                    if me is None or me.cancelling() <= base:
+                        raise error from None  # only the tool was stopped: the turn goes on
+                raise
+            except BaseException:
+                ended = "returned"  # it ended on its own, with an error (or a limit's stop)
+                raise
+            if me is not None and me.cancelling() > base:
+                # the call swallowed the turn's cancel on its way through: re-raise it
+                raise asyncio.CancelledError
+            return result
+        finally:
+            self._calls.remove(call)
+            if tool is not None:
+                st.tool_closed(tool, ended if ended == "shielded" else _known(fate, ended))
+            st.progress.in_tool = any(not c.never for c in self._calls)
+            self._progress()
+
+    def report_preempt(
+        self,
+        tool: str,
+        reason: str,
+        *,
+        started: float,
+        partial: str = "",
+        origin: str = "system",
+        by: str = "policy",
+    ) -> Preempted:
+        """A tool call you stopped yourself by its policy (an MCP call past its
+        ``max_duration``): the host writes the ``preempted`` marker and a stop report as
+        for any preempt; returns the ``Preempted`` to describe it (``started`` is the
+        call's ``time.monotonic()`` start)."""
+        frame = Preempt(turn=self.turn, reason=reason, origin=origin, by=by)
+        return self._preempted(frame, tool, started, partial.encode(), via="cancel-at-await")
+
+    def preempt_now(self, frame: Preempt) -> None:
+        """Preempt this turn's innermost tool from inside the worker, on the loop: what a
+        host's preempt does (kill a running command, or stop the innermost call), for a
+        tool policy's own limits (``max_duration``: origin ``system``)."""
+        st = self._state
+        with st.lock:
+            victims = [p for p, by in st.tools.items() if by is None]
+            for p in victims:
+                st.tools[p] = frame
+            if st.starting and st.early is None:
+                st.early = frame  # still starting: killed once it has a pid
+            busy = bool(victims) or bool(st.starting)
+        for p in victims:
+            _kill_command(p)
+        if not busy:
+            self._on_preempt(frame)
+
+    def _on_preempt(self, frame: Preempt) -> None:
+        """On the loop: a preempt with no command running stops the innermost call."""
+        st = self._state
+        with st.lock:
+            if st.tools or st.starting:
+                return  # a command started meanwhile: the reader killed it
+        if not self._calls:
+            return  # nothing to stop: an accepted no-op
+        call = self._calls[-1]
+        if call.never:
+            # a no-op: no marker; the call's stop-report fate says ``shielded``
+            call.shielded = True
+            log.info("preempt.shielded", turn=self.turn, tool=call.name)
+            return
+        if call.preempt is None and call.task is not None and not call.task.done():
+            call.preempt = frame
+            call.task.cancel()
+
+
+_FATES: frozenset[str] = frozenset(
+    ("returned", "preempted", "cancelled", "abandoned", "killed", "shielded")
+)
+
+
+def _known(fate: Callable[[], str | None] | None, default: ToolFateName) -> ToolFateName:
+    """The tool client's own word on how a stopped call ended, if it has one."""
+    if fate is None:
+        return default
+    said = fate()
+    return cast(ToolFateName, said) if said in _FATES else default
+
+
+def _resolve(fut: asyncio.Future[ToolReply], reply: ToolReply) -> None:
+    if not fut.done():
+        fut.set_result(reply)
+
+
+async def _exited(
+    proc: subprocess.Popen[bytes], bufs: dict[int, bytearray], timeout: float | None
+) -> None:
+    """Collect the command's output until the command itself exits (or times out), on the
+    loop: readers for its pipes and for its pidfd (readable once it exits)."""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    watched: list[int] = []
+
+    def readable(fd: int) -> None:
+        if not _read_some(fd, bufs[fd]):
+            loop.remove_reader(fd)  # end of that pipe
+
+    def exited() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    exit_fd = _pidfd(proc.pid)
+    try:
+        for fd in bufs:
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, readable, fd)
+            watched.append(fd)
+        if exit_fd is not None:
+            loop.add_reader(exit_fd, exited)
+            watched.append(exit_fd)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while proc.poll() is None:
+            wait = _EXIT_POLL if exit_fd is None else None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _kill_command(proc)
+                    proc.wait()
+                    return
+                wait = left if wait is None else min(wait, left)
+            await asyncio.wait([gone], timeout=wait)
+    finally:
+        for fd in watched:
+            loop.remove_reader(fd)
+        if exit_fd is not None:
+            os.close(exit_fd)
+
+
+def run_async_turn(worker: _Worker, run: RunTurn, state: _TurnState, cls: type[Any]) -> TurnEnd:
+    """Run one async driver turn on the worker's loop; the turn's end as the driver left it
+    (a cancel that unwound the driver ends it ``cancelled``)."""
+    loop = worker.event_loop()
+
+    async def main() -> Any:
+        ctx = AsyncTurnContext(worker, run, state)
+        ctx._task = asyncio.current_task()
+        driver = cls()
+
+        def on_cancel() -> None:
+            loop.call_soon_threadsafe(ctx._deliver)
+
+        def on_preempt(frame: Preempt) -> None:
+            loop.call_soon_threadsafe(ctx._on_preempt, frame)
+
+        with state.lock:
+            state.on_cancel = on_cancel
+            state.on_preempt = on_preempt
+            state.on_reply = ctx._on_reply
+            held = state.cancel is not None
+        if held:  # issued before the turn started: raised at the driver's first await
+            loop.call_soon(ctx._deliver)
+        return await driver.run(ctx)
+
+    try:
+        final = loop.run_until_complete(main())
+    except asyncio.CancelledError:
+        _settle(loop)
+        if state.cancel_delivered:
+            return end_of(run, state)
+        return end_of(run, state, error=RuntimeError("the driver's task was cancelled"))
+    except Exception as exc:  # a driver's failure ends its turn, never the worker
+        _settle(loop)
+        return end_of(run, state, error=exc)
+    finally:
+        with state.lock:
+            state.on_cancel = state.on_preempt = state.on_reply = None
+    _settle(loop)
+    return end_of(run, state, final=final)
+
+
+def _settle(loop: asyncio.AbstractEventLoop) -> None:
+    """Run what the turn left ready on the loop before its end is reported: a transport
+    closed in the driver's last steps closes its socket in a callback (asyncio's
+    ``connection_lost``), and a cancelled stream's connection must be gone before the
+    turn's end is recorded, not at the worker's next turn."""
+    loop.run_until_complete(_ticks(3))
+
+
+async def _ticks(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)

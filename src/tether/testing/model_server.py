@@ -1,0 +1,719 @@
+"""An OpenAI-compatible chat-completions server that replays a script (SPEC §15.4).
+
+For tests, demos and benchmarks: real HTTP on loopback, no key, no network. It speaks
+``POST /v1/chat/completions`` (streamed as server-sent events, or not) and
+``GET /v1/models``, and records every request and every client disconnect, so that a
+test can prove a cancel closed the connection.
+
+::
+
+    with ModelServer([{"text": "Hello there", "chunk": 4, "pace": 0.01}]) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        ...
+        server.requests[0].body["messages"]      # what the model was sent
+        server.wait_disconnect(timeout=5)         # the client closed a stream early
+
+A script is a list of replies, used in order (the last one repeats once the script is
+spent). A reply:
+
+- ``text``: the assistant text; ``tool_calls``: ``[{"name", "arguments", "id"?}]``
+  (``arguments`` a dict or a JSON string);
+- ``chunk`` (characters per streamed chunk, default 8) and ``pace`` (seconds between
+  chunks, default 0); ``delay``: seconds before the first byte;
+- ``hang``: stream the text, then hang (no end) until the client goes away;
+- ``status`` (e.g. 429, 500, 400) with ``count`` (answer so that many requests with it,
+  default 1) and ``message``: an HTTP error instead of a reply;
+- ``usage``: the usage to report (default: counted; ``null``: report none).
+
+Several tests can share one server: ``server.script(name, replies)`` adds a named script,
+chosen per request by the ``X-Tether-Script`` header or by the request's ``model`` name.
+Over HTTP: ``POST /_tether/script`` ``{"name", "replies"}`` and ``GET /_tether/log``.
+
+``python -m tether.testing.model_server [--port P] [--script FILE.json]`` serves until
+interrupted and prints its URL (the ``base_url`` for a client) on the first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Disconnect", "ModelServer", "Request", "main"]
+
+_DEFAULT = "default"
+_POLL = 0.005  # how often a hung or paced response looks for the client's going away
+
+
+@dataclass
+class Request:
+    """One chat-completions request as the server saw it."""
+
+    id: str
+    time: float  # time.time() when it arrived
+    body: dict[str, Any]
+    script: str
+    authorization: str | None = None
+    status: int = 200
+    ended: float | None = None  # when the response ended (written, or the client left)
+    outcome: str = "open"  # open | done | error | disconnected
+    hanging: bool = False  # a ``hang`` reply sent all it will and now waits
+    served_s: float = 0.0  # the server's own time on it: arrival to last byte written
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass
+class Disconnect:
+    """A client that went away before its response ended."""
+
+    request: str
+    time: float
+
+
+@dataclass
+class _Script:
+    replies: list[dict[str, Any]]
+    position: int = 0
+    repeats: int = 0  # how often the current error reply was used
+
+
+@dataclass
+class _Log:
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    requests: list[Request] = field(default_factory=list)
+    disconnects: list[Disconnect] = field(default_factory=list)
+    scripts: dict[str, _Script] = field(default_factory=dict)
+    seq: int = 0
+
+
+class _Gone(Exception):
+    """The client closed the connection."""
+
+
+class ModelServer:
+    """The server on a free loopback port, a context manager: in a thread of this process,
+    or (``process=True``) in a process of its own, queried over HTTP.
+
+    A process of its own sees a client's disconnect without waiting for this process's
+    GIL: use it when a test compares the disconnect's time with other events recorded
+    in this process (a busy host would otherwise delay the server's noticing). With
+    ``realtime=True`` that process also asks for a real-time scheduling class (where it
+    may: as root), so that on a loaded machine it runs the moment a client's FIN
+    arrives; it only ever waits in ``select``, so it takes no CPU from anyone.
+    """
+
+    def __init__(
+        self,
+        replies: list[dict[str, Any]] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        process: bool = False,
+        realtime: bool = False,
+    ) -> None:
+        self._log = _Log()
+        self._stopping = threading.Event()
+        self._host, self._port = host, port
+        self._realtime = realtime
+        self._httpd: _Server | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._remote: str | None = None  # the process's base URL
+        self._thread: threading.Thread | None = None
+        if replies is not None:
+            self.script(_DEFAULT, replies)
+        if not process:
+            handler = _handler_class(self._log, self._stopping)
+            self._httpd = _Server((host, port), handler)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The ``base_url`` for an OpenAI client: ``http://127.0.0.1:<port>/v1``."""
+        if self._httpd is None:
+            if self._remote is None:
+                raise RuntimeError("the model server process is not started")
+            return self._remote
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/v1"
+
+    def start(self) -> ModelServer:
+        if self._httpd is None:
+            if self._proc is None:
+                self._spawn()
+        elif self._thread is None:
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name="model-server",
+                daemon=True,
+            )
+            self._thread.start()
+        return self
+
+    def _spawn(self) -> None:
+        argv = [sys.executable, "-m", "tether.testing.model_server"]
+        argv += ["--host", self._host, "--port", str(self._port), "--empty"]
+        if self._realtime:
+            argv.append("--realtime")
+        self._proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline().strip()
+        if not line.startswith("http://"):
+            self.close()
+            raise RuntimeError(f"the model server process did not start: {line!r}")
+        self._remote = line
+        with self._log.lock:
+            scripts = {n: s.replies for n, s in self._log.scripts.items()}
+        for name, replies in scripts.items():
+            self._post("/_tether/script", {"name": name, "replies": replies})
+
+    def close(self) -> None:
+        self._stopping.set()  # hung responses end
+        if self._thread is not None and self._httpd is not None:
+            self._httpd.shutdown()
+            self._thread.join(5.0)
+            self._thread = None
+        if self._httpd is not None:
+            self._httpd.server_close()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+            self._proc = None
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the process's HTTP face --------------------------------------------------------
+
+    def _root(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def _post(self, path: str, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        request = urllib.request.Request(
+            self._root() + path, data, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
+    def _fetch(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self._root() + "/_tether/log", timeout=10) as response:
+            log: dict[str, Any] = json.load(response)
+        return log
+
+    # ---- scripts and records ------------------------------------------------------------
+
+    def script(self, name: str, replies: list[dict[str, Any]]) -> None:
+        """Set the script ``name`` (``"default"``: for requests that name none)."""
+        if not replies:
+            raise ValueError("a script needs at least one reply")
+        with self._log.lock:
+            self._log.scripts[name] = _Script([dict(r) for r in replies])
+        if self._remote is not None:
+            self._post("/_tether/script", {"name": name, "replies": replies})
+
+    @property
+    def requests(self) -> list[Request]:
+        if self._httpd is None:
+            return [_request_of(r) for r in self._fetch()["requests"]]
+        with self._log.lock:
+            return list(self._log.requests)
+
+    @property
+    def disconnects(self) -> list[Disconnect]:
+        if self._httpd is None:
+            return [Disconnect(d["request"], d["time"]) for d in self._fetch()["disconnects"]]
+        with self._log.lock:
+            return list(self._log.disconnects)
+
+    def requests_for(self, script: str) -> list[Request]:
+        return [r for r in self.requests if r.script == script]
+
+    def wait_for(
+        self, predicate: Callable[[ModelServer], Any], *, timeout: float = 5.0, what: str = ""
+    ) -> Any:
+        """Wait until ``predicate(self)`` is truthy (woken by every request and response
+        end; polled every few ms for a server process); its value. ``TimeoutError``
+        after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._log.lock:
+            while True:
+                value = predicate(self)
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"model server: timed out waiting for {what or predicate}")
+                self._log.lock.wait(left if self._httpd is not None else min(left, 0.003))
+
+    def wait_requests(
+        self, count: int, *, script: str | None = None, timeout: float = 5.0
+    ) -> list[Request]:
+        """The first ``count`` requests (of ``script``), once they arrived."""
+
+        def enough(s: ModelServer) -> list[Request] | None:
+            found = s.requests if script is None else s.requests_for(script)
+            return found[:count] if len(found) >= count else None
+
+        result: list[Request] = self.wait_for(enough, timeout=timeout, what=f"{count} requests")
+        return result
+
+    def wait_disconnect(self, request: str | None = None, *, timeout: float = 5.0) -> Disconnect:
+        """The disconnect of ``request`` (or the first one), once it was seen."""
+
+        def seen(s: ModelServer) -> Disconnect | None:
+            return next((d for d in s.disconnects if request is None or d.request == request), None)
+
+        result: Disconnect = self.wait_for(seen, timeout=timeout, what="a disconnect")
+        return result
+
+    def log(self) -> dict[str, Any]:
+        """Everything recorded, JSON-ready (what ``GET /_tether/log`` returns)."""
+        return self._fetch() if self._httpd is None else _log_json(self._log)
+
+
+def _request_of(raw: dict[str, Any]) -> Request:
+    return Request(
+        id=raw["id"],
+        time=raw["time"],
+        body=raw["body"],
+        script=raw["script"],
+        authorization=raw.get("authorization"),
+        status=raw["status"],
+        ended=raw["ended"],
+        outcome=raw["outcome"],
+        served_s=raw["served_s"],
+        hanging=raw["hanging"],
+    )
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _log_json(log: _Log) -> dict[str, Any]:
+    with log.lock:
+        return {
+            "requests": [
+                {
+                    "id": r.id,
+                    "time": r.time,
+                    "script": r.script,
+                    "status": r.status,
+                    "stream": r.stream,
+                    "outcome": r.outcome,
+                    "ended": r.ended,
+                    "served_s": r.served_s,
+                    "hanging": r.hanging,
+                    "authorization": r.authorization,
+                    "body": r.body,
+                }
+                for r in log.requests
+            ],
+            "disconnects": [{"request": d.request, "time": d.time} for d in log.disconnects],
+        }
+
+
+def _next_reply(log: _Log, name: str) -> dict[str, Any]:
+    """The script's next reply (under the log's lock); an error reply with ``count`` is
+    used that many times before the script moves on."""
+    script = log.scripts.get(name) or log.scripts.get(_DEFAULT)
+    if script is None:
+        return {"status": 404, "message": f"no script named {name!r} (and no default)"}
+    reply = script.replies[min(script.position, len(script.replies) - 1)]
+    script.repeats += 1
+    if script.repeats >= int(reply.get("count", 1)):
+        script.repeats = 0
+        script.position += 1
+    return reply
+
+
+def _handler_class(
+    log: _Log, stopping: threading.Event
+) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        pass
+
+    Handler.log_ = log
+    Handler.stopping = stopping
+    return Handler
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    log_: _Log
+    stopping: threading.Event
+
+    def setup(self) -> None:
+        super().setup()
+        # Small writes (each event a chunk) go out at once: with Nagle's algorithm, a
+        # second small write waits for the client's delayed ACK (40 ms on Linux).
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: the log is what the tests query
+
+    # ---- routes ------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") in ("/v1/models", "/models"):
+            names = sorted(self.log_.scripts) or [_DEFAULT]
+            self._json(200, {"object": "list", "data": [_model(n) for n in names]})
+        elif self.path == "/_tether/log":
+            self._json(200, _log_json(self.log_))
+        else:
+            self._json(404, _error_body(404, f"no route {self.path}"))
+
+    def do_POST(self) -> None:
+        arrived = time.time()
+        started = time.monotonic()
+        try:
+            body = self._body()
+        except ValueError as exc:
+            self._json(400, _error_body(400, f"invalid JSON body: {exc}"))
+            return
+        if self.path == "/_tether/script":
+            replies = body.get("replies")
+            if not isinstance(replies, list) or not replies:
+                self._json(400, _error_body(400, "replies must be a non-empty list"))
+                return
+            with self.log_.lock:
+                self.log_.scripts[str(body.get("name", _DEFAULT))] = _Script(replies)
+            self._json(200, {"ok": True})
+            return
+        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
+            self._json(404, _error_body(404, f"no route {self.path}"))
+            return
+        name = self.headers.get("X-Tether-Script") or str(body.get("model") or _DEFAULT)
+        with self.log_.lock:
+            self.log_.seq += 1
+            record = Request(
+                id=f"req_{self.log_.seq}",
+                time=arrived,
+                body=body,
+                script=name,
+                authorization=self.headers.get("Authorization"),
+            )
+            reply = _next_reply(self.log_, name)
+            self.log_.requests.append(record)
+            self.log_.lock.notify_all()
+        try:
+            self._reply(record, reply, started)
+        except _Gone:
+            self._end(record, "disconnected", started, gone=True)
+            self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError):
+            self._end(record, "disconnected", started, gone=True)
+            self.close_connection = True
+
+    # ---- replies -----------------------------------------------------------------------
+
+    def _reply(self, record: Request, reply: dict[str, Any], started: float) -> None:
+        self._pause(float(reply.get("delay", 0.0)))
+        status = int(reply.get("status", 200))
+        if status != 200:
+            record.status = status
+            message = str(reply.get("message") or _REASONS.get(status, "error"))
+            self._json(status, _error_body(status, message), request_id=record.id)
+            self._end(record, "error", started)
+            return
+        text = str(reply.get("text") or "")
+        calls = [_tool_call(c, i, record.id) for i, c in enumerate(reply.get("tool_calls") or [])]
+        model = str(record.body.get("model") or _DEFAULT)
+        usage = reply.get("usage", _count(record.body, text, calls))
+        if not record.stream:
+            if reply.get("hang"):
+                self._hang(record)
+            answer: dict[str, Any] = {"role": "assistant", "content": text or None}
+            if calls:
+                answer["tool_calls"] = calls
+            payload = {
+                "id": f"chatcmpl-{record.id}",
+                "object": "chat.completion",
+                "created": int(record.time),
+                "model": model,
+                "choices": [{"index": 0, "message": answer, "finish_reason": _finish(calls)}],
+            }
+            if usage is not None:
+                payload["usage"] = usage
+            self._json(200, payload, request_id=record.id)
+            self._end(record, "done", started)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-request-id", record.id)
+        self.end_headers()
+        chunk = max(1, int(reply.get("chunk", 8)))
+        pace = float(reply.get("pace", 0.0))
+
+        def event(delta: dict[str, Any], finish: str | None = None) -> None:
+            self._event(
+                {
+                    "id": f"chatcmpl-{record.id}",
+                    "object": "chat.completion.chunk",
+                    "created": int(record.time),
+                    "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                }
+            )
+
+        event({"role": "assistant", "content": ""})
+        for i in range(0, len(text), chunk):
+            self._pause(pace)
+            event({"content": text[i : i + chunk]})
+        for index, call in enumerate(calls):
+            self._pause(pace)
+            head = {"index": index, "id": call["id"], "type": "function"}
+            head["function"] = {"name": call["function"]["name"], "arguments": ""}
+            event({"tool_calls": [head]})
+            arguments = call["function"]["arguments"]
+            for i in range(0, len(arguments), chunk):
+                self._pause(pace)
+                event(
+                    {
+                        "tool_calls": [
+                            {"index": index, "function": {"arguments": arguments[i : i + chunk]}}
+                        ]
+                    }
+                )
+        if reply.get("hang"):
+            self._hang(record)
+        event({}, _finish(calls))
+        if usage is not None and (record.body.get("stream_options") or {}).get("include_usage"):
+            self._event(
+                {
+                    "id": f"chatcmpl-{record.id}",
+                    "object": "chat.completion.chunk",
+                    "created": int(record.time),
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+        self._write(b"data: [DONE]\n\n")
+        self._write(b"", last=True)
+        self._end(record, "done", started)
+
+    def _end(self, record: Request, outcome: str, started: float, *, gone: bool = False) -> None:
+        now = time.time()
+        with self.log_.lock:
+            if record.outcome != "open":
+                return
+            record.outcome = outcome
+            record.ended = now
+            record.served_s = time.monotonic() - started
+            if gone:
+                self.log_.disconnects.append(Disconnect(record.id, now))
+            self.log_.lock.notify_all()
+
+    # ---- the wire ----------------------------------------------------------------------
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b"{}"
+        body = json.loads(raw or b"{}")
+        if not isinstance(body, dict):
+            raise ValueError("the body is not a JSON object")
+        return body
+
+    def _json(self, status: int, payload: dict[str, Any], *, request_id: str | None = None) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if request_id is not None:
+            self.send_header("x-request-id", request_id)
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _event(self, payload: dict[str, Any]) -> None:
+        self._write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _write(self, data: bytes, *, last: bool = False) -> None:
+        """One HTTP chunk (``last``: the terminating empty one)."""
+        if self._gone():
+            raise _Gone
+        frame = b"0\r\n\r\n" if last else b"%x\r\n%s\r\n" % (len(data), data)
+        self.wfile.write(frame)
+        self.wfile.flush()
+
+    def _gone(self) -> bool:
+        """The client closed its end: the socket reads as EOF (or errors). A client never
+        sends anything while its response is still coming, so readable means gone."""
+        sock: socket.socket = self.connection
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, watching for the client's going away (``_Gone``)."""
+        if seconds <= 0:
+            return
+        deadline = time.monotonic() + seconds
+        while True:
+            if self._gone():
+                raise _Gone
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wait_readable(min(left, 0.25))
+
+    def _hang(self, record: Request) -> None:
+        """No end until the client goes away (or the server stops)."""
+        with self.log_.lock:
+            record.hanging = True
+            self.log_.lock.notify_all()
+        while not self.stopping.is_set():
+            if self._gone():
+                raise _Gone
+            self._wait_readable(0.25)
+        raise _Gone
+
+    def _wait_readable(self, timeout: float) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            select.select([self.connection], [], [], timeout)
+
+
+_REASONS = {
+    400: "bad request",
+    401: "unauthorized",
+    404: "not found",
+    429: "rate limited",
+    500: "internal server error",
+    503: "service unavailable",
+}
+
+
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tether"}
+
+
+def _tool_call(call: dict[str, Any], index: int, request: str) -> dict[str, Any]:
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return {
+        "id": str(call.get("id") or f"call_{request}_{index}"),
+        "type": "function",
+        "function": {"name": str(call["name"]), "arguments": arguments},
+    }
+
+
+def _finish(calls: list[dict[str, Any]]) -> str:
+    return "tool_calls" if calls else "stop"
+
+
+def _count(body: dict[str, Any], text: str, calls: list[dict[str, Any]]) -> dict[str, int]:
+    """A deterministic usage: about four characters a token."""
+    prompt = max(1, len(json.dumps(body.get("messages", []))) // 4)
+    completion = max(1, (len(text) + sum(len(json.dumps(c)) for c in calls)) // 4)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _prioritize() -> None:
+    """SCHED_FIFO where allowed, else a lower nice value, else nothing."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+        return
+    except (AttributeError, OSError):
+        pass
+    with contextlib.suppress(OSError):
+        os.nice(-10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tether.testing.model_server",
+        description="An OpenAI-compatible chat-completions server replaying a script.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="default: a free port")
+    parser.add_argument(
+        "--empty", action="store_true", help="no default script (set scripts over HTTP)"
+    )
+    parser.add_argument(
+        "--realtime",
+        action="store_true",
+        help="ask for SCHED_FIFO (else a higher priority), to notice disconnects at once",
+    )
+    parser.add_argument(
+        "--script",
+        help='a JSON file: a list of replies, or {"name": [replies], ...} for named scripts',
+    )
+    args = parser.parse_args(argv)
+    if args.realtime:
+        _prioritize()  # before any thread starts: they inherit it
+    server = ModelServer(host=args.host, port=args.port)
+    loaded: Any = None
+    if args.script:
+        with open(args.script) as f:
+            loaded = json.load(f)
+    if isinstance(loaded, dict):
+        for name, script in loaded.items():
+            server.script(str(name), script)
+    elif isinstance(loaded, list):
+        server.script(_DEFAULT, loaded)
+    if not args.empty and (not isinstance(loaded, dict) or _DEFAULT not in loaded):
+        with server._log.lock:
+            known = _DEFAULT in server._log.scripts
+        if not known:
+            server.script(_DEFAULT, [{"text": "Hello from the Tether model server."}])
+    print(server.url, flush=True)
+    server.start()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,516 @@
+"""``tether.agents:ChatAgent`` (SPEC §15.2) against the real model server over HTTP.
+
+The model server (``tether.testing.model_server``) runs in a process of its own on
+loopback; the agent runs in a worker process and talks to it with the official
+``openai`` client. Each test has its own script, chosen by the model name it configures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import structlog
+import structlog.testing
+
+import tether
+from drivers import (
+    SCRIPTED,
+    Recorder,
+    alive,
+    entries,
+    eventually,
+    frozen,
+    refilled,
+    texts,
+    wait_entry,
+    worker_with_tool,
+)
+from tether import User
+from tether.testing import ModelServer
+from tether.testing.mcp_server import LOG_ENV, read_log
+
+pytestmark = pytest.mark.timeout(60)
+
+CHAT = "tether.agents:ChatAgent"
+KEY_ENV = "TETHER_TEST_MODEL_KEY"
+SECRET = "sk-tether-test-0123456789abcdef"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def api_key() -> Iterator[str]:
+    """The key in this process's environment (so every worker's) while these tests run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, SECRET)
+        yield SECRET
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ModelServer]:
+    # A process of its own: it notices a client's disconnect at once, never waiting for
+    # this process's GIL behind the runtime's threads (the tests compare the two times).
+    with ModelServer(process=True, realtime=True) as s:
+        yield s
+
+
+def _config(server: ModelServer, script: str, **extra: Any) -> dict[str, Any]:
+    model = {
+        "base_url": server.url,
+        "name": script,
+        "api_key_env": KEY_ENV,
+        "retries": 2,
+        "backoff": 0.01,
+        "timeout": 30,
+    }
+    return {"model": model, "system": "You are a test agent.", "tools": ["run_command"], **extra}
+
+
+def _agent(
+    rt: tether.Runtime,
+    server: ModelServer,
+    script: str,
+    replies: list[dict[str, Any]],
+    **extra: Any,
+) -> tuple[str, str, User]:
+    server.script(script, replies)
+    root = rt.open_session(SCRIPTED)
+    child = rt.spawn(root, CHAT, slug="agent", config=_config(server, script, **extra))
+    assert isinstance(child, str)
+    return root, child, User(parent=root)
+
+
+def _notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
+    eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
+    data = entries(rt, root, "notice")[-1].data
+    assert data is not None
+    notice: dict[str, Any] = data["notice"]
+    return notice
+
+
+def test_a_turn_calls_run_command_and_completes_with_replies_tool_entries_usage_and_no_key(
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    server: ModelServer,
+    db_path: str,
+) -> None:
+    # Everything logged (host and workers) to the captured stderr: the runtime starts
+    # here, in the test, so its workers inherit the captured descriptor.
+    monkeypatch.setenv("TETHER_LOG", "debug")
+    with (
+        structlog.testing.capture_logs() as host_logs,  # the host's events, every level
+        tether.Runtime(db_path, workers=2, grace=1.0) as art,
+    ):
+        _run_command_turn(art, server)
+    with sqlite3.connect(db_path) as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        for table in tables:
+            for row in db.execute(f"SELECT * FROM {table}"):
+                assert SECRET not in repr(row), table
+    out, err = capfd.readouterr()
+    assert "model.request" in err  # the workers' debug lines were captured ...
+    assert any(e["event"] == "turn.ended" for e in host_logs)  # ... and the host's ...
+    assert SECRET not in out and SECRET not in err  # ... and the key is in none of them
+    assert SECRET not in repr(host_logs)
+
+
+def _run_command_turn(art: tether.Runtime, server: ModelServer) -> None:
+    rec = Recorder(art)
+    replies = [
+        {
+            "text": "Let me look.",
+            "tool_calls": [{"name": "run_command", "arguments": {"argv": ["echo", "hello-tool"]}}],
+            "chunk": 3,
+        },
+        {"text": "The tool said hello-tool.", "chunk": 3},
+    ]
+    root, child, me = _agent(art, server, "runs-a-command", replies)
+    art.send(child, "what does the tool say?", authority=me)
+    ended = rec.turn_ended(child, timeout=30.0)
+    assert ended["outcome"] == "completed", ended
+
+    said = [(e.kind, e.text) for e in art.transcript(child)]
+    assert said[0] == ("user", "what does the tool say?")
+    assert said[1] == ("assistant", "Let me look.")
+    assert said[2][0] == "tool" and json.loads(said[2][1])["stdout"] == "hello-tool\n"
+    assert said[3] == ("assistant", "The tool said hello-tool.")
+    [first, second] = server.requests_for("runs-a-command")
+    assert first.body["messages"][0] == {"role": "system", "content": "You are a test agent."}
+    assert first.body["stream_options"] == {"include_usage": True}
+    assert [t["function"]["name"] for t in first.body["tools"]] == ["run_command"]
+    tool_msg = second.body["messages"][-1]
+    assert tool_msg["role"] == "tool" and "hello-tool" in tool_msg["content"]
+    usage = art.turns(child)[0].usage
+    assert usage is not None and usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+    assert _notice(art, root)["partial"] == "The tool said hello-tool."
+
+    # The key reached the server (and, the caller checks, nothing else)
+    assert first.authorization == f"Bearer {SECRET}"
+
+
+def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keeps_the_partial(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    text = "I am halfway through a long answer"
+    root, child, me = _agent(
+        rt, server, "cut-mid-stream", [{"text": text, "chunk": 4, "hang": True}]
+    )
+    rt.send(child, "tell me everything", authority=me)
+    [request] = server.wait_requests(1, script="cut-mid-stream", timeout=30.0)
+    server.wait_for(lambda s: s.requests_for("cut-mid-stream")[0].hanging, what="the hang")
+    eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
+
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    ended = rec.turn_ended(child, timeout=30.0)
+    assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+    gone = server.wait_disconnect(request.id)
+    [turn] = rt.turns(child)
+    assert turn.ended_at is not None and gone.time <= turn.ended_at
+    cut = texts(rt, child, "assistant")[-1]
+    assert cut and text.startswith(cut)  # what arrived, and nothing else
+    assert entries(rt, child, "assistant")[-1].data == {"cut": True}
+    notice = _notice(rt, root)
+    assert (notice["outcome"], notice["partial"]) == ("cancelled", cut)
+
+
+def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {
+            "text": "Working on the slow path, step by step.",
+            "tool_calls": [{"name": "run_command", "arguments": {"argv": ["true"]}}],
+            "chunk": 2,
+            "pace": 0.02,
+        },
+        {"text": "Switched to the fast path."},
+    ]
+    root, child, me = _agent(rt, server, "steered", replies)
+    rt.send(child, "do the task", authority=me)
+    server.wait_requests(1, script="steered", timeout=30.0)
+    rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("steered")
+    steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
+    assert second.body["messages"][-1] == {"role": "user", "content": steer}
+    assert second.body["messages"][-2]["role"] == "tool"
+    assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+
+
+def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_the_turn_completes(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    hung = {"argv": ["sh", "-c", "echo started; sleep 30"]}
+    replies = [
+        {"tool_calls": [{"name": "run_command", "arguments": hung}]},
+        {"text": "That took too long; moving on."},
+    ]
+    root, child, me = _agent(rt, server, "preempted", replies)
+    rt.send(child, "run it", authority=me)
+    # a fresh worker imports the openai client first (seconds on a loaded machine)
+    server.wait_requests(1, script="preempted", timeout=30.0)
+    worker_with_tool(rt, "sleep")
+    rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("preempted")
+    result = second.body["messages"][-1]
+    assert result["role"] == "tool"
+    assert result["content"].startswith("preempted after ")
+    assert f"by user ({root}): too slow" in result["content"]
+    assert "started" in result["content"]  # the partial output
+    assert texts(rt, child, "assistant")[-1] == "That took too long; moving on."
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+
+
+def test_a_run_command_past_its_max_duration_is_preempted_by_system_and_the_turn_goes_on(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {"tool_calls": [{"name": "run_command", "arguments": {"argv": ["sleep", "30"]}}]},
+        {"text": "Gave up on the slow command."},
+    ]
+    policy = {"run_command": {"max_duration": 0.5}}
+    _root, child, me = _agent(rt, server, "max-duration", replies, tool_policy=policy)
+    rt.send(child, "run it", authority=me)
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("max-duration")
+    result = second.body["messages"][-1]["content"]
+    assert result.startswith("preempted after ")
+    assert "by system (policy): max_duration 0.5 s exceeded" in result
+    [marker] = entries(rt, child, "marker")
+    assert (marker.action, marker.origin) == ("preempted", "system")
+
+
+def test_429_and_500_are_retried_with_backoff_and_the_turn_completes(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
+    _root, child, me = _agent(rt, server, "flaky", replies)
+    rt.send(child, "try", authority=me)
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    assert [r.status for r in server.requests_for("flaky")] == [429, 500, 200]
+    assert texts(rt, child, "assistant") == ["third time lucky"]
+
+
+def test_errors_past_the_retries_and_a_400_end_the_turn_failed_with_one_line(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    _r1, down, me1 = _agent(rt, server, "down", [{"status": 503, "count": 10}])
+    _r2, bad, me2 = _agent(rt, server, "bad", [{"status": 400, "message": "no such\nmodel"}])
+    rt.send(down, "try", authority=me1)
+    rt.send(bad, "try", authority=me2)
+    for sid, n in ((down, 3), (bad, 1)):
+        ended = rec.turn_ended(sid, timeout=30.0)
+        assert ended["outcome"] == "failed"
+        error = ended["error"]
+        assert "\n" not in error and "Traceback" not in error
+        assert all("Traceback" not in e.text for e in rt.transcript(sid))
+        assert len(server.requests_for("down" if sid == down else "bad")) == n
+    assert "after 2 retries: HTTP 503" in rt.turns(down)[0].error  # type: ignore[operator]
+    assert "HTTP 400: no such model" in rt.turns(bad)[0].error  # type: ignore[operator]
+
+
+def test_abort_mid_stream_kills_the_turn_and_the_server_sees_the_disconnect(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _agent(rt, server, "aborted", [{"text": "streaming...", "hang": True}])
+    rt.send(child, "go", authority=me)
+    [request] = server.wait_requests(1, script="aborted", timeout=30.0)
+    rt.interrupt(child, authority=me, kind="abort", reason="kill it")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
+    server.wait_disconnect(request.id)
+
+
+def test_pause_freezes_the_stream_and_resume_continues_it(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    text = "".join(f"word{i} " for i in range(40)).strip()
+    _root, child, me = _agent(rt, server, "paused", [{"text": text, "chunk": 6, "pace": 0.03}])
+    rt.send(child, "go", authority=me)
+    server.wait_requests(1, script="paused", timeout=30.0)
+    worker = eventually(lambda: _talking_to(rt, server), what="the agent's worker")
+    assert rt.pause(child, authority=me) != []
+    eventually(lambda: frozen(worker), what="the worker frozen")
+    time.sleep(0.5)  # frozen: the stream is not read meanwhile
+    assert frozen(worker)
+    assert texts(rt, child, "assistant") == []
+    rt.resume(child, authority=me)
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    assert texts(rt, child, "assistant") == [text]
+    assert server.disconnects == [] or all(
+        d.request not in {r.id for r in server.requests_for("paused")} for d in server.disconnects
+    )
+
+
+def _port(server: ModelServer) -> int:
+    return int(server.url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _all_read(server: ModelServer) -> bool:
+    """Every client connection to the server has read all that arrived (its receive
+    queue in /proc/net/tcp is empty): the agent has the streamed text, with no await
+    between reading it and adding it to its reply."""
+    port = f"{_port(server):04X}"
+    found = False
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[2].endswith(f":{port}") and fields[3] == "01":  # established, to us
+                found = True
+                if int(fields[4].split(":")[1], 16):
+                    return False
+    return found
+
+
+def _talking_to(rt: tether.Runtime, server: ModelServer) -> psutil.Process | None:
+    """The worker with a connection open to the model server (the agent's)."""
+    port = _port(server)
+    for pid in rt.worker_pids:
+        try:
+            proc = psutil.Process(pid)
+            if any(c.raddr and c.raddr.port == port for c in proc.net_connections(kind="tcp")):
+                return proc
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_bad_config_ends_the_turn_failed_with_one_line_and_a_missing_key_too(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    root = rt.open_session(SCRIPTED)
+    for i, config in enumerate(
+        (
+            {"model": {"base_url": server.url, "api_key": "sk-literal"}},
+            {"model": {"base_url": server.url}, "tools": ["rm_rf"]},
+            {"model": {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}},
+        )
+    ):
+        sid = str(rt.spawn(root, CHAT, slug=f"bad{i}", config=config, prompt="hi"))
+        ended = rec.turn_ended(sid, timeout=30.0)
+        assert ended["outcome"] == "failed" and "\n" not in ended["error"]
+    assert "api_key_env" in rt.turns(str(rt.list_agents(root)[0].id))[0].error  # type: ignore[operator]
+    wait_entry(rt, root, "notice", "failed")
+
+
+@pytest.mark.timeout(120)
+def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tether.cli.demo import main
+
+    assert main(["--agent"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "next request ends with: <steer" in out
+    assert "turn cancelled; partial reply kept" in out and "server saw the disconnect" in out
+    assert "the MCP server got notifications/cancelled" in out
+    assert "the model got: preempted after" in out
+    assert "demo finished" in out
+
+
+# ---- MCP tools (tether.agents.mcp, SPEC §15.3) ------------------------------------------
+
+
+def _mcp(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """An MCP stdio server (the SDK's, tests' own build) logging what it receives."""
+    log = tmp_path / "mcp.log"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    server = {
+        "command": [sys.executable, "-m", "tether.testing.mcp_server"],
+        "env": {LOG_ENV: str(log), "PYTHONPATH": path},
+    }
+    return {"servers": {"files": server}, "grace": 2.0}, log
+
+
+def _mcp_server_procs(rt: tether.Runtime) -> list[psutil.Process]:
+    found = []
+    for pid in rt.worker_pids:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "tether.testing.mcp_server" in " ".join(p.cmdline()):
+                        found.append(p)
+    return found
+
+
+def test_a_turn_calls_run_command_and_an_mcp_tool_and_completes(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "run_command", "arguments": {"argv": ["echo", "from-the-shell"]}},
+                {"name": "mcp__files__echo", "arguments": {"text": "from-the-mcp-server"}},
+            ]
+        },
+        {"text": "Both tools answered."},
+    ]
+    _root, child, me = _agent(rt, server, "with-mcp", replies, mcp=mcp)
+    rt.send(child, "use both tools", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [first, second] = server.requests_for("with-mcp")
+    offered = [t["function"]["name"] for t in first.body["tools"]]
+    assert "run_command" in offered and "mcp__files__echo" in offered
+    results = [m["content"] for m in second.body["messages"] if m["role"] == "tool"]
+    assert "from-the-shell" in results[0] and "from-the-mcp-server" in results[1]
+    tools = entries(rt, child, "tool")
+    assert [(e.data or {}).get("name") for e in tools] == ["run_command", "mcp__files__echo"]
+    assert texts(rt, child, "assistant")[-1] == "Both tools answered."
+
+
+@pytest.mark.timeout(120)
+def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_turn_goes_on(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "The search hung; going on without it."},
+    ]
+    root, child, me = _agent(rt, server, "mcp-preempt", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    call = eventually(
+        lambda: next((r for r in read_log(str(log)) if r.get("method") == "tools/call"), None),
+        timeout=60.0,
+        what="the MCP server to receive the call",
+    )
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="search is stuck")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    cancelled = [r for r in read_log(str(log)) if r.get("method") == "notifications/cancelled"]
+    assert [r["requestId"] for r in cancelled] == [call["id"]]
+    [_, second] = server.requests_for("mcp-preempt")
+    result = second.body["messages"][-1]["content"]
+    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+    assert texts(rt, child, "assistant")[-1] == "The search hung; going on without it."
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "preempted")]
+
+
+@pytest.mark.timeout(120)
+def test_abort_kills_the_mcp_servers_tree_and_pause_freezes_it(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [{"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]}]
+    _root, child, me = _agent(rt, server, "mcp-abort", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    eventually(
+        lambda: any(r.get("method") == "tools/call" for r in read_log(str(log))),
+        timeout=60.0,
+        what="the MCP server to receive the call",
+    )
+    [srv] = _mcp_server_procs(rt)
+    assert rt.pause(child, authority=me) != []
+    eventually(lambda: frozen(srv), what="the MCP server frozen")
+    rt.resume(child, authority=me)
+    eventually(lambda: not frozen(srv), what="the MCP server thawed")
+    rt.interrupt(child, authority=me, kind="abort", reason="enough")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
+    eventually(lambda: not alive(srv), what="the MCP server's death")
+    refilled(rt)
+
+
+@pytest.mark.timeout(120)
+def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "Too slow; moving on."},
+    ]
+    policy = {"mcp:files/hang": {"max_duration": 0.5}}
+    _root, child, me = _agent(rt, server, "mcp-limit", replies, mcp=mcp, tool_policy=policy)
+    rt.send(child, "search", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    assert any(r.get("method") == "notifications/cancelled" for r in read_log(str(log)))
+    [_, second] = server.requests_for("mcp-limit")
+    result = second.body["messages"][-1]["content"]
+    assert "by system (policy): max_duration 0.5 s exceeded" in result
+    [marker] = entries(rt, child, "marker")
+    assert (marker.action, marker.origin) == ("preempted", "system")
