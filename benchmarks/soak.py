@@ -1095,11 +1095,12 @@ class Checker:
                 if woke is not None and any(
                         w.get("value") == woke and w["t0"] <= start for w in wakers):
                     continue
-                # A send whose call died with its host has no id in the ledger: for those
-                # only the clocks are left.
+                # A send whose call died with its host has no id in the ledger, and a
+                # spawn's prompt is a message the ledger never names: for those only
+                # the clocks are left.
                 if woke is not None and any(
-                        w["result"] == "indeterminate" and w["t1"] >= hold
-                        and w["t0"] <= start for w in wakers):
+                        (w["result"] == "indeterminate" or w["op"] == "spawn")
+                        and w["t1"] >= hold and w["t0"] <= start for w in wakers):
                     continue
                 self.v("parked-woke", f"turn {n['id']} of {sid} started at {start:.3f} "
                        f"after a hold ({why}) at {hold:.3f}, woken by {woke or 'nothing'}, "

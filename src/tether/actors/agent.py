@@ -252,13 +252,11 @@ class Session:
                     t.wake_latch = True  # resume the queue when the stopping turn ends
             else:
                 self.hold = False
-                if self.woken_by is None:
-                    self.woken_by = msg.id
+                self.woken_by = msg.id  # this send starts the next turn, if any
                 self.start_next()
         elif wake == "if-idle":
             if t is None and not self.hold:
-                if self.woken_by is None:
-                    self.woken_by = msg.id
+                self.woken_by = msg.id
                 self.start_next()
         elif t is None:
             self.hold = True
@@ -807,6 +805,8 @@ class Session:
         if h.mode == "one-shot" or self.disposing:
             self.settled = True
         else:
+            if not t.wake_latch:
+                self.woken_by = None  # what starts now follows this turn (SPEC §4 rule 2)
             self.start_next()
 
     # ---- lifecycle ----------------------------------------------------------------

@@ -442,7 +442,7 @@ class SessionHost(pykka.ThreadingActor):
     def _adopt(self, s: Session) -> None:
         self._live[s.id] = s
         self._dir.registry[s.id] = s
-        if s.inbox:  # a spawn with a prompt: the prompt starts the first turn
+        if s.inbox and not s.hold:  # a spawn with a prompt: it starts the first turn
             s.woken_by = s.inbox[0].id
         s.start_next()
         self._after(s)

@@ -37,6 +37,8 @@ import itertools
 import os
 import re
 import select
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,6 +60,7 @@ _GROUP = "tether"
 _KILL_WAIT = 2.0  # seconds one kill pass waits for populated 0 before the caller retries
 _FREEZE_WAIT = 0.2  # seconds an abort waits for frozen 1 before it lists and kills anyway
 _CPU_PERIOD = 100_000  # µs: cpu.max's period for a limit in cores
+_GUARD_WAIT = 10.0  # seconds close() waits for the guard's last pass
 _names = itertools.count()
 log = structlog.get_logger("tether.cgroup")
 
@@ -310,6 +313,20 @@ class Cgroups:
     def __init__(self, base: str, controllers: frozenset[str]) -> None:
         self.base = base
         self.controllers = controllers
+        self._guard: subprocess.Popen[bytes] | None = None
+
+    def guard(self) -> None:
+        """Start the guard that clears this group when the host goes, a SIGKILL
+        included (see ``_cgroup_guard``: a paused turn's frozen worker cannot)."""
+        script = os.path.join(os.path.dirname(__file__), "_cgroup_guard.py")
+        self._guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", script, self.base],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a kill of the host's process group spares it
+            close_fds=True,
+        )
 
     @classmethod
     def open(cls, store_path: str | None) -> Cgroups:
@@ -361,6 +378,10 @@ class Cgroups:
         groups = cls(base, controllers)
         groups.recover()
         _remove_dead_memory_groups(top)
+        try:
+            groups.guard()
+        except OSError as exc:  # no process to spare: contained, but not past a SIGKILL
+            log.error("cgroup.guard_failed", group=base, error=repr(exc))
         return groups
 
     @classmethod
@@ -406,7 +427,19 @@ class Cgroups:
         return cleared
 
     def close(self) -> None:
-        """Remove the group once its leaves are gone (another host may hold it: fine)."""
+        """Remove the group once its leaves are gone (another host may hold it: fine),
+        and let the guard go (it clears what is left, then exits)."""
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            assert guard.stdin is not None
+            with contextlib.suppress(OSError):
+                guard.stdin.close()
+            try:
+                guard.wait(_GUARD_WAIT)
+            except subprocess.TimeoutExpired:
+                log.error("cgroup.guard_stuck", pid=guard.pid, group=self.base)
+                guard.kill()
+                guard.wait()
         with contextlib.suppress(OSError):
             os.rmdir(self.base)
 

@@ -1,0 +1,65 @@
+"""A host's cgroups die with the host (run as a script by ``_cgroup.Cgroups``).
+
+``python -I -S _cgroup_guard.py GROUP``: the host starts this guard, in a session of its
+own, with a pipe on its stdin that only the host holds. Once the pipe reads EOF (the
+host closed, or died: a SIGKILL included), the guard writes ``cgroup.kill`` in every
+leaf of the host's group, waits until each is empty, and removes them and the group.
+
+Why a process of its own: a worker whose turn is paused is frozen by ``cgroup.freeze``,
+and a frozen process runs nothing, not even the sweep a worker does when its host
+channel closes (SIGCONT does not thaw a cgroup). Only a process outside every leaf can
+end it, and ``cgroup.kill`` works on a frozen cgroup. Run by path with only the standard
+library, so it starts in milliseconds and holds none of the host's descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+_WAIT = 5.0  # seconds a leaf may take to empty after cgroup.kill
+
+
+def _leaves(group: str) -> list[str]:
+    try:
+        return [p for n in os.listdir(group) if os.path.isdir(p := os.path.join(group, n))]
+    except OSError:
+        return []
+
+
+def _populated(leaf: str) -> bool:
+    try:
+        with open(os.path.join(leaf, "cgroup.events")) as f:
+            return "populated 1" in f.read()
+    except OSError:
+        return False  # gone
+
+
+def clear(group: str) -> None:
+    """Kill every leaf of ``group``, wait for it to empty, remove it; then the group."""
+    leaves = _leaves(group)
+    for leaf in leaves:
+        with contextlib.suppress(OSError), open(os.path.join(leaf, "cgroup.kill"), "w") as f:
+            f.write("1")
+    deadline = time.monotonic() + _WAIT
+    for leaf in leaves:
+        while _populated(leaf) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with contextlib.suppress(OSError):
+            os.rmdir(leaf)
+    with contextlib.suppress(OSError):
+        os.rmdir(group)
+
+
+def main() -> None:
+    group = sys.argv[1]
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):
+            pass
+    clear(group)
+
+
+if __name__ == "__main__":
+    main()
