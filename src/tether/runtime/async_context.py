@@ -37,10 +37,8 @@ import structlog
 
 from tether.runtime.worker import (
     _EXIT_POLL,
-    COMMAND_ENV,
     BaseContext,
     CommandResult,
-    _command_ids,
     _drain,
     _kill_command,
     _kill_leftovers,
@@ -48,6 +46,7 @@ from tether.runtime.worker import (
     _read_some,
     _TurnState,
     _Worker,
+    check_command,
     end_of,
 )
 from tether.wire.errors import Preempted, error_from_code
@@ -294,49 +293,14 @@ class AsyncTurnContext(BaseContext):
         Other children of the worker (a tool server's process, a command awaited
         alongside) are not its leftovers and stay.
         """
-        if self.permissions.get("run_command", "allow") == "deny":
-            raise error_from_code(
-                "subagent-unauthorized", "run_command is denied by this session's permissions"
-            )
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
+        check_command(self.permissions, argv)
         st = self._state
         st.progress.in_tool = True
         self._progress(("run_command", repr((argv, cwd))))
-        tool = st.tool_opened("run_command")
         # Its own tag, as for the sync run_command: its clean-up kills the orphans that
         # carry it, and only those, so a tool server the driver keeps (a child of this
         # worker too) and commands awaited alongside it are never taken for leftovers.
-        tag = f"{os.getpid()}.{next(_command_ids)}"
-        with st.lock:
-            st.starting += 1
-        try:
-            with st.spawn_lock:
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env={**os.environ, COMMAND_ENV: tag},
-                )
-        except BaseException as exc:
-            st.tool_closed(tool)  # it never ran: nothing of it was cut
-            with st.lock:
-                st.starting -= 1
-                if st.starting == 0:
-                    st.early = None
-                st.progress.in_tool = bool(st.tools)
-            if isinstance(exc, OSError):
-                raise error_from_code("invalid-params", f"cannot run {argv[0]!r}: {exc}") from None
-            raise
-        with st.lock:
-            st.starting -= 1
-            early = st.tools[proc] = st.early
-            if st.starting == 0:
-                st.early = None
-        if early is not None:
-            _kill_command(proc)
+        proc, tool, tag = st.start_command(argv, cwd)
         assert proc.stdout is not None and proc.stderr is not None
         out, err = bytearray(), bytearray()
         started = time.monotonic()

@@ -176,6 +176,46 @@ class _TurnState:
         ``cancelled``, ``abandoned``, ``shielded``; ``killed`` is the host's to say)."""
         self._send(Progress(turn=self.turn, beat=False, tools=[ToolMark(tool, fate=fate)]))
 
+    def start_command(
+        self, argv: list[str], cwd: str | None
+    ) -> tuple[subprocess.Popen[bytes], int, str]:
+        """Start one ``run_command`` (sync or async) once its progress is noted: opened
+        as a tool call, tagged (its clean-up tells its orphans from another command's
+        among the processes re-parented to us), and killed at once if a preempt came
+        while it was starting. Returns the process, the tool call's id and the tag."""
+        tool = self.tool_opened("run_command")
+        tag = f"{os.getpid()}.{next(_command_ids)}"
+        with self.lock:
+            self.starting += 1
+        try:
+            with self.spawn_lock:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env={**os.environ, COMMAND_ENV: tag},
+                )
+        except BaseException as exc:
+            self.tool_closed(tool)  # it never ran: nothing of it was cut
+            with self.lock:
+                self.starting -= 1
+                if self.starting == 0:
+                    self.early = None
+                self.progress.in_tool = bool(self.tools)
+            if isinstance(exc, OSError):  # not found, not executable: the caller's input
+                raise error_from_code("invalid-params", f"cannot run {argv[0]!r}: {exc}") from None
+            raise
+        with self.lock:
+            self.starting -= 1
+            early = self.tools[proc] = self.early
+            if self.starting == 0:
+                self.early = None
+        if early is not None:
+            _kill_command(proc)
+        return proc, tool, tag
+
 
 class _ProgressMeter:
     """Progress for the host's stall watchdog, rate-limited: no frame per boundary.
@@ -439,48 +479,11 @@ class TurnContext(BaseContext):
         Whatever the command leaves running when it returns is killed with it, and only
         that: commands run at once from several threads never touch each other's.
         """
-        if self.permissions.get("run_command", "allow") == "deny":
-            raise error_from_code(
-                "subagent-unauthorized", "run_command is denied by this session's permissions"
-            )
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
+        check_command(self.permissions, argv)
         st = self._state
         st.progress.in_tool = True
         self._progress(("run_command", repr((argv, cwd))))
-        tool = st.tool_opened("run_command")
-        # Its own tag, inherited by what it starts: its clean-up tells its orphans from
-        # another command's among the processes re-parented to us.
-        tag = f"{os.getpid()}.{next(_command_ids)}"
-        with st.lock:
-            st.starting += 1
-        try:
-            with st.spawn_lock:
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env={**os.environ, COMMAND_ENV: tag},
-                )
-        except BaseException as exc:
-            st.tool_closed(tool)  # it never ran: nothing of it was cut
-            with st.lock:
-                st.starting -= 1
-                if st.starting == 0:
-                    st.early = None
-                st.progress.in_tool = bool(st.tools)
-            if isinstance(exc, OSError):  # not found, not executable: the caller's input
-                raise error_from_code("invalid-params", f"cannot run {argv[0]!r}: {exc}") from None
-            raise
-        with st.lock:
-            st.starting -= 1
-            early = st.tools[proc] = st.early
-            if st.starting == 0:
-                st.early = None
-        if early is not None:
-            _kill_command(proc)
+        proc, tool, tag = st.start_command(argv, cwd)
         assert proc.stdout is not None and proc.stderr is not None
         out, err = bytearray(), bytearray()
         started = time.monotonic()
@@ -586,6 +589,16 @@ def _drain(fd: int, buf: bytearray) -> None:
 # Set in each command's environment to a tag of its own (see ``run_command``).
 COMMAND_ENV = "TETHER_COMMAND"
 _command_ids = itertools.count(1)
+
+
+def check_command(permissions: dict[str, str], argv: list[str]) -> None:
+    """``run_command``'s input and permission, checked before anything runs."""
+    if permissions.get("run_command", "allow") == "deny":
+        raise error_from_code(
+            "subagent-unauthorized", "run_command is denied by this session's permissions"
+        )
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise error_from_code("invalid-params", "argv must be a non-empty list of strings")
 
 
 def _kill_command(proc: subprocess.Popen[bytes]) -> None:
