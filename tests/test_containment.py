@@ -243,9 +243,10 @@ def test_sigkill_of_the_turns_worker_leaves_no_process_of_the_turn(
 
 @contextlib.contextmanager
 def _killed_host(
-    db: str, containment: str, token: str, *, pause: bool = False
+    db: str, containment: str, token: str, *, pause: bool = False, guard: bool = True
 ) -> Iterator[dict[str, Any]]:
-    """``containment_host.py`` on ``db``, SIGKILLed once its turn's escapee runs."""
+    """``containment_host.py`` on ``db``, SIGKILLed once its turn's escapee runs.
+    ``guard=False``: its cgroup guard is SIGKILLed first (as by a kill of everything)."""
     argv = [
         sys.executable,
         str(TESTS / "containment_host.py"),
@@ -263,6 +264,15 @@ def _killed_host(
             assert line, "the host printed nothing"
             ready: dict[str, Any] = json.loads(line)
             tree = psutil.Process(proc.pid).children(recursive=True)
+            if not guard:
+                guards = [p for p in tree if "_cgroup_guard.py" in " ".join(p.cmdline())]
+                assert guards, "no cgroup guard under the host"
+                for p in guards:  # the host's child: dead once a zombie
+                    p.kill()
+                    deadline = time.monotonic() + 10.0
+                    while p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                        assert time.monotonic() < deadline, "the guard did not die"
+                        time.sleep(0.01)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10.0)
         finally:
@@ -305,9 +315,10 @@ def _only_this_hosts(rt: tether.Runtime, group: str) -> bool:
 def test_the_next_host_kills_and_removes_the_cgroups_a_sigkilled_host_left_frozen(
     token: str, db_path: str
 ) -> None:
-    """A paused turn cannot sweep itself when its host dies (its worker is frozen): its
+    """A paused turn cannot sweep itself when its host dies (its worker is frozen). Its
+    host's guard kills it (below); where even the guard died with the host, its
     processes stay, frozen, until the next host on the same store starts."""
-    with _killed_host(db_path, "cgroup", token, pause=True) as ready:
+    with _killed_host(db_path, "cgroup", token, pause=True, guard=False) as ready:
         group = ready["group"]
         left = _named(token)
         assert left and all(frozen(p) for p in left)  # nothing else would ever kill it
@@ -319,6 +330,21 @@ def test_the_next_host_kills_and_removes_the_cgroups_a_sigkilled_host_left_froze
             assert _only_this_hosts(rt, group)
             [rec] = rt.turns(ready["child"])
             assert rec.outcome == "crashed"
+
+
+def test_a_sigkilled_hosts_guard_kills_its_paused_turns_frozen_cgroup_at_once(
+    token: str, db_path: str
+) -> None:
+    """Before the guard, a SIGKILLed host's paused turn stayed frozen (its worker cannot
+    run its sweep) until a next host started on the same store, if ever: the soak saw
+    the host's forkserver and resource tracker outlive it too."""
+    with _killed_host(db_path, "cgroup", token, pause=True) as ready:
+        group = ready["group"]
+        deadline = time.monotonic() + 10.0
+        while (_named(token) or os.path.isdir(group)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _named(token) == [], "the paused turn's processes outlived their host"
+        assert not os.path.isdir(group), "the host's group was not removed"
 
 
 # ---- pause -------------------------------------------------------------------------
