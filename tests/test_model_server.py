@@ -38,7 +38,10 @@ def test_a_streamed_reply_arrives_in_chunks_with_usage_and_the_request_is_record
         [request] = server.requests
         assert request.body["messages"] == [{"role": "user", "content": "hi"}]
         assert request.authorization == "Bearer sk-test"
-        assert request.outcome == "done" and server.disconnects == []
+        # the client has read the last chunk; the server marks the request done just
+        # after writing it (a CI run read "open" in between)
+        server.wait_for(lambda s: s.requests[0].outcome != "open", what="the request's end")
+        assert server.requests[0].outcome == "done" and server.disconnects == []
 
 
 def test_tool_calls_stream_and_plain_replies_work_unstreamed() -> None:
