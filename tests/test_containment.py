@@ -339,12 +339,57 @@ def test_a_sigkilled_hosts_guard_kills_its_paused_turns_frozen_cgroup_at_once(
     run its sweep) until a next host started on the same store, if ever: the soak saw
     the host's forkserver and resource tracker outlive it too."""
     with _killed_host(db_path, "cgroup", token, pause=True) as ready:
-        group = ready["group"]
+        group, old = ready["group"], ready["leaves"]
+        assert old
+
+        def left() -> list[str]:
+            return [n for n in old if os.path.isdir(os.path.join(group, n))]
+
         deadline = time.monotonic() + 10.0
-        while (_named(token) or os.path.isdir(group)) and time.monotonic() < deadline:
+        while (_named(token) or left()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _named(token) == [], "the paused turn's processes outlived their host"
-        assert not os.path.isdir(group), "the host's group was not removed"
+        assert left() == [], "the host's leaves were not removed"
+
+
+@needs_cgroup
+def test_a_dead_hosts_guard_never_touches_the_next_hosts_leaves_on_the_same_store(
+    token: str, db_path: str
+) -> None:
+    """One group per store, one prefix per host. A SIGKILLed host's guard once cleared
+    the whole group, so when the next host on the store had started meanwhile it killed
+    that host's workers and removed their leaves (a CI run: 'worker processes fail to
+    start'). Here the old guard is held stopped until the new host runs."""
+    argv = [sys.executable, str(TESTS / "containment_host.py"), db_path, "cgroup", token]
+    argv += [escapee(token)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline(), "the host printed nothing"
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        [guard] = [p for p in tree if "_cgroup_guard.py" in " ".join(p.cmdline())]
+        guard.suspend()
+        proc.kill()
+        proc.wait(10.0)
+    try:
+        with runtime(db_path, workers=1, containment="cgroup") as rt:
+            root = rt.open_session(SCRIPTED)
+            me = User(parent=root)
+            rt.send(root, "before", authority=me)
+            assert rt.wait(root, until="idle", timeout=30.0).state == "idle"
+            mine = {_leaf_of(pid) for pid in rt.worker_pids}
+            guard.resume()  # the old host's guard sees its pipe closed and clears
+            deadline = time.monotonic() + 10.0
+            while guard.is_running() and guard.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, "the old guard did not finish"
+                time.sleep(0.02)
+            assert all(leaf is not None and os.path.isdir(leaf) for leaf in mine)
+            rt.send(root, "after", authority=me)
+            assert rt.wait(root, until="idle", timeout=30.0).state == "idle"
+            assert [t.outcome for t in rt.turns(root)] == ["completed", "completed"]
+    finally:
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 # ---- pause -------------------------------------------------------------------------

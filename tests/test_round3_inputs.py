@@ -314,7 +314,11 @@ def test_the_watchdog_never_steps_a_turn_that_waits_for_a_worker_and_steps_it_on
         assert isinstance(busy, str) and isinstance(waiting, str)
         rt.send(busy, "hang", authority=me, data={"steps": [{"op": "hang"}]})
         rt.wait(busy, until="running")
-        assert rt.status(busy).dispatched
+        # claimed, then dispatched once its claim is durable (the claim gate)
+        deadline = time.monotonic() + 10.0
+        while not rt.status(busy).dispatched:
+            assert time.monotonic() < deadline, "the busy turn never reached the worker"
+            time.sleep(0.01)
         # A model call that never returns: no progress once it runs.
         rt.send(waiting, "stall", authority=me, data={"steps": [{"op": "sleep", "seconds": 60}]})
         info = rt.wait(waiting, until="running")

@@ -405,3 +405,27 @@ def test_steers_for_a_turn_held_for_its_claim_are_bounded_like_any_waiting_turns
         assert turns[0].message == first
         said = [e for e in rt.transcript(root) if e.kind == "assistant" and big[:10] in e.text]
         assert len(said) == accepted  # every accepted steer reached the driver
+
+
+def test_a_runtime_whose_workers_fail_to_start_gives_back_its_store_and_cgroups(
+    db_path: str,
+) -> None:
+    """A start that fails after the store is open (its workers cannot start) releases
+    the store's lock, the cgroup guard and the threads: the next Runtime on the same
+    store starts at once. Before, the lock stayed held by the failed object (every later
+    Runtime on that path in this process was `store-locked`) and a guard process leaked."""
+
+    def broken(workers: int, host: object) -> Any:
+        raise tether.TetherError("worker processes fail to start (see their stderr)")
+
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(tether.TetherError, match="fail to start"):
+        tether.Runtime(db_path, workers=1, backend=broken)
+    leaked = [p for p in psutil.Process().children() if p.pid not in before]
+    for p in leaked:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.wait(5.0)  # a guard let go exits after its last pass
+    with tether.Runtime(db_path, workers=1) as rt:
+        root = rt.open_session("tether:Scripted")
+        rt.prompt(root, "works")
+        assert rt.wait(root, until="idle", timeout=30.0).state == "idle"

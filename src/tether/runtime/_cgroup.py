@@ -314,13 +314,16 @@ class Cgroups:
         self.base = base
         self.controllers = controllers
         self._guard: subprocess.Popen[bytes] | None = None
+        # This host's leaves carry its own prefix: a dead host's guard clears its own,
+        # never those of the next host on the same store (one group per store).
+        self.prefix = f"h{os.getpid()}-{_start_ticks('self') or '0'}-"
 
     def guard(self) -> None:
         """Start the guard that clears this group when the host goes, a SIGKILL
         included (see ``_cgroup_guard``: a paused turn's frozen worker cannot)."""
         script = os.path.join(os.path.dirname(__file__), "_cgroup_guard.py")
         self._guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", script, self.base],
+            [sys.executable, "-I", "-S", script, self.base, self.prefix],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -399,14 +402,16 @@ class Cgroups:
                     cls(base, frozenset()).close()
 
     def leaf(self, name: str) -> Leaf:
-        return Leaf(os.path.join(self.base, name), self.controllers)
+        """This host's leaf ``name`` (under its prefix)."""
+        return Leaf(os.path.join(self.base, self.prefix + name), self.controllers)
 
     def leaves(self) -> list[Leaf]:
+        """Every leaf in the group, whichever host made it."""
         try:
             names = [n for n in os.listdir(self.base) if os.path.isdir(f"{self.base}/{n}")]
         except FileNotFoundError:
             return []
-        return [self.leaf(n) for n in names]
+        return [Leaf(os.path.join(self.base, n), self.controllers) for n in names]
 
     def recover(self) -> list[str]:
         """Kill and remove every leaf left in this group (by a previous host on the same

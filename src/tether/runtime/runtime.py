@@ -247,18 +247,24 @@ class Runtime:
             self.containment = "walk" if self._cgroups is None else "cgroup"
             self._dir = Directory(self._store.boot())
         except BaseException:
-            self._store.close()
+            self._release_start()
             raise
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
-        self._pool: Backend = make_backend(
-            backend,
-            workers,
-            _Host(self),
-            ray_address=ray_address,
-            ray_options=ray_options,
-            cgroups=self._cgroups,
-        )
+        try:
+            self._pool: Backend = make_backend(
+                backend,
+                workers,
+                _Host(self),
+                ray_address=ray_address,
+                ray_options=ray_options,
+                cgroups=self._cgroups,
+            )
+        except BaseException:  # workers that fail to start: release all we hold
+            self._dispatcher.close()
+            self._timers.close()
+            self._release_start()
+            raise
         # A turn reaches a worker only once its claim is durable (see runtime.claims).
         executor: Executor = ClaimGate(self._pool, self._store)
         try:
@@ -284,6 +290,13 @@ class Runtime:
         except BaseException:
             self._shutdown()
             raise
+
+    def _release_start(self) -> None:
+        """A start that failed: give back the store (and its lock) and the cgroups."""
+        cgroups: Cgroups | None = getattr(self, "_cgroups", None)
+        if cgroups is not None:
+            cgroups.close()
+        self._store.close()
 
     def __enter__(self) -> Runtime:
         return self
