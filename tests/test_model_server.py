@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,35 @@ def test_a_streamed_reply_arrives_in_chunks_with_usage_and_the_request_is_record
         # after writing it (a CI run read "open" in between)
         server.wait_for(lambda s: s.requests[0].outcome != "open", what="the request's end")
         assert server.requests[0].outcome == "done" and server.disconnects == []
+
+
+def test_a_client_that_closes_right_after_done_is_not_a_disconnect() -> None:
+    """The openai client closes a stream once it reads [DONE], without reading the HTTP
+    terminating chunk; a CI run recorded that as a disconnect. A raw client closing at
+    [DONE], many times over, so the close lands in every window of the server's end."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = json.dumps({"model": "m", "stream": True, "messages": messages})
+    with ModelServer([{"text": "ok", "count": 200}]) as server:
+        host, port = server.url.split("//")[1].split("/")[0].split(":")
+        for _ in range(200):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    + b"Content-Length: %d\r\n\r\n" % len(body)
+                    + body.encode()
+                )
+                seen = b""
+                while b"data: [DONE]" not in seen:
+                    data = sock.recv(65536)
+                    assert data, "the server closed before [DONE]"
+                    seen += data
+        server.wait_for(
+            lambda s: len(s.requests) == 200 and all(r.outcome != "open" for r in s.requests),
+            what="every request's end",
+        )
+        assert {r.outcome for r in server.requests} == {"done"}
+        assert server.disconnects == []
 
 
 def test_tool_calls_stream_and_plain_replies_work_unstreamed() -> None:

@@ -522,8 +522,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 }
             )
         self._write(b"data: [DONE]\n\n")
-        self._write(b"", last=True)
+        # The reply is whole once [DONE] is out: a client may close without reading the
+        # terminating chunk (the openai client does), which is not a disconnect.
         self._end(record, "done", started)
+        try:
+            self._write(b"", last=True)
+        except (_Gone, OSError):
+            self.close_connection = True
 
     def _end(self, record: Request, outcome: str, started: float, *, gone: bool = False) -> None:
         now = time.time()
