@@ -69,6 +69,9 @@ CASES: dict[str, Case] = {
         _c("tether.abort_cgroup", "tether_cases:abort_cgroup", (3, 7), (90, 400),
            optional=True),
         _c("tether.abort_loaded", "tether_cases:abort_loaded", (2, 5), (120, 500)),
+        # Issue 19: a subtree abort of 100 running turns (100 workers: a fresh tree each
+        # sample, the pool refilled in between).
+        _c("tether.subtree_abort_100", "tether_cases:subtree_abort_100", (2, 3), (300, 900)),
         _c("tether.respawn", "tether_cases:respawn", (3, 7), (90, 400)),
         _c("tether.cancel_signal", "tether_cases:cancel_signal", (3, 7), (60, 300)),
         _c("tether.boundary_stop", "tether_cases:boundary_stop", (3, 7), (60, 300)),
@@ -131,6 +134,10 @@ FIGURES: list[Figure] = [
            baseline="abort_p50_ms"),
     Figure("abort_cgroup_p99_ms", "tether.abort_cgroup", "abort_ms", "p99", "ms",
            baseline="abort_p99_ms"),
+    # Issue 19: one subtree abort call on 100 running turns → all 100 recorded aborted;
+    # read next to one turn's abort.
+    Figure("subtree_abort_100_ms", "tether.subtree_abort_100", "abort_ms", "p50", "ms",
+           baseline="abort_p50_ms"),
     Figure("abort_p99_ms_loaded", "tether.abort_loaded", "abort_ms", "p99", "ms",
            Target(_LE, 30), "baseline.killpg_reap_p99_ms"),
     Figure("cancel_signal_p50_us", "tether.cancel_signal", "signal_us", "p50", "us",

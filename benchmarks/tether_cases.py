@@ -805,3 +805,68 @@ def pause_cgroup(cfg: Cfg) -> Iterator[Samples]:
                 rt.resume(child, authority=auth)
                 resumed.append(ms_since(t0, _until_frozen(events, False)))
             yield {"pause_ms": paused, "resume_ms": resumed}
+
+
+# ---------------------------------------------------------------- subtree abort
+
+
+SUBTREE_TURNS = 100  # the root, 9 children, 90 grandchildren: every one running
+
+
+def _running_subtree(rt: tether.Runtime) -> tuple[str, tether.User, dict[str, str]]:
+    """A fresh three-level tree of SUBTREE_TURNS sessions, each in a running turn (a hang
+    that reaches a boundary every 10 ms), every turn dispatched to a worker."""
+    root = rt.open_session(SCRIPTED)
+    auth = tether.User(parent=root)
+    rt.send(root, "hang", data=HANG, authority=auth)
+    sessions = [root]
+    for _ in range(9):
+        child = str(rt.spawn(root, SCRIPTED, prompt="hang", data=HANG))
+        sessions.append(child)
+        sessions += [str(rt.spawn(child, SCRIPTED, prompt="hang", data=HANG))
+                     for _ in range(10)]
+    running: dict[str, str] = {}
+    for sid in sessions:
+        turn = rt.wait(sid, until="running", timeout=WAIT).turn
+        if turn is None:
+            raise RuntimeError(f"{sid} is not running")
+        running[sid] = turn
+    poll_until(lambda: True if all(rt.status(s).dispatched for s in sessions) else None,
+               WAIT, "every turn of the subtree on a worker")
+    return root, auth, running
+
+
+def _ends_one_of(turns: set[str], ev: tether.Event) -> bool:
+    return ev.data.get("turn") in turns
+
+
+def subtree_abort_100(cfg: Cfg) -> Iterator[Samples]:
+    """`interrupt(root, kind="abort", scope="subtree")` on a tree of 100 running turns
+    (root, 9 children, 90 grandchildren, each on a worker of its own) → every one of the
+    100 turns recorded `aborted` (its turn.ended event); the call's return is checked to
+    name all 100. A fresh tree each sample (an aborted session is parked)."""
+    with tether.Runtime(workers=SUBTREE_TURNS) as rt:
+        events = Events(rt, {"turn.ended"})
+        while True:
+            samples = []
+            for _ in range(cfg.n(2, 4)):
+                _pool_steady(rt, SUBTREE_TURNS)
+                root, auth, running = _running_subtree(rt)
+                mark = events.mark()
+                wanted = set(running.values())
+                t0 = time.perf_counter_ns()
+                stopped = rt.interrupt(root, authority=auth, kind="abort", reason="bench",
+                                       scope="subtree")
+                last, left = t0, set(wanted)
+                while left:
+                    ns, ev = events.wait(mark, functools.partial(_ends_one_of, left))
+                    left.discard(ev.data["turn"])
+                    last = max(last, ns)
+                if set(stopped) != wanted:
+                    raise RuntimeError(f"the subtree abort named {len(stopped)} of {len(wanted)}")
+                bad = [(sid, t) for sid, t in running.items()
+                       if rt.turns(sid)[-1].outcome != "aborted"]
+                if bad:
+                    raise RuntimeError(f"turns not recorded aborted: {bad[:3]}")
+                samples.append(ms_since(t0, last))
+            yield {"abort_ms": samples}
