@@ -638,3 +638,34 @@ class AsyncHistory:
         ctx._history = None  # fetch again, the other way
         blocking = [[e.kind, e.text] for e in ctx.history]
         return json.dumps({"history": fetched, "same": fetched == blocking})
+
+
+# ---- issue 19's escapee and cgroup leaves (test_containment, test_ray_containment) ----
+
+
+def escapee(token: str, then: str = "sleep 60") -> str:
+    """Issue 19's repro: a double-forked, env-cleared, renamed ``setsid`` loop that ignores
+    SIGTERM; the tool itself then runs ``then`` (keeps the turn in its tool)."""
+    inner = 'trap \\"\\" TERM; while :; do sleep 0.05; done'
+    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{inner}\"' ) & ) & {then}"
+
+
+def escapee_procs(token: str) -> list[psutil.Process]:
+    """Live processes whose argv[0] is ``token``, and their descendants."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.info["cmdline"] or []
+            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+                out.extend(p.children(recursive=True))
+    return out
+
+
+def leaf_of(pid: int) -> str:
+    """The cgroup v2 directory ``pid`` is in."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        rel = next(ln[3:].strip() for ln in f if ln.startswith("0::"))
+    mount = v2_mount()
+    assert mount is not None
+    return os.path.join(mount, rel.lstrip("/"))

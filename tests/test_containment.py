@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED, eventually, frozen, runtime, steps
+from drivers import SCRIPTED, escapee, escapee_procs, eventually, frozen, leaf_of, runtime, steps
 from tether import InvalidParams, User
 from tether.actors.ports import TurnJob
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
@@ -70,28 +70,9 @@ def token() -> Iterator[str]:
     """A name no other process has: what the escapee renames itself to."""
     tok = f"tether-escapee-{uuid.uuid4().hex[:10]}"
     yield tok
-    for p in _named(tok):  # only after a failure: nothing of it may outlive the test
+    for p in escapee_procs(tok):  # only after a failure: nothing of it may outlive the test
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-
-
-def escapee(token: str, then: str = "sleep 60") -> str:
-    """Issue 19's repro: a double-forked, env-cleared, renamed ``setsid`` loop that ignores
-    SIGTERM; the tool itself then runs ``then`` (keeps the turn in its tool)."""
-    inner = 'trap \\"\\" TERM; while :; do sleep 0.05; done'
-    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{inner}\"' ) & ) & {then}"
-
-
-def _named(token: str) -> list[psutil.Process]:
-    """Live processes whose argv[0] is ``token``, and their descendants."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            cmd = p.info["cmdline"] or []
-            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-                out.extend(p.children(recursive=True))
-    return out
 
 
 def _argv0(p: psutil.Process) -> str | None:
@@ -134,17 +115,6 @@ def _worker_pid(rt: tether.Runtime, turn: str) -> int:
     return pid
 
 
-def _leaf_of(pid: int) -> str | None:
-    """The cgroup v2 directory ``pid`` is in (None outside a Tether group)."""
-    with open(f"/proc/{pid}/cgroup") as f:
-        rel = next(ln[3:].strip() for ln in f if ln.startswith("0::"))
-    from tether.runtime._cgroup import v2_mount
-
-    mount = v2_mount()
-    assert mount is not None
-    return os.path.join(mount, rel.lstrip("/"))
-
-
 def _ended(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
     rt.wait(sid, until=("idle", "parked"), timeout=15.0)
     rec = next(t for t in rt.turns(sid) if t.id == turn)
@@ -162,18 +132,18 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
         assert rt.containment == containment
         _, child, me = _family(rt)
         turn, job = _run_tool(rt, child, me, escapee(token))
-        found = eventually(lambda: _named(token), what="the escapee running")
+        found = eventually(lambda: escapee_procs(token), what="the escapee running")
         [esc] = [p for p in found if _argv0(p) == token]
         assert os.getsid(esc.pid) == esc.pid  # it left the worker's session
         assert b"TETHER_TREE" not in Path(f"/proc/{esc.pid}/environ").read_bytes()
         if containment == "cgroup":
-            assert _leaf_of(esc.pid) == _leaf_of(_worker_pid(rt, turn))
+            assert leaf_of(esc.pid) == leaf_of(_worker_pid(rt, turn))
 
         assert rt.interrupt(child, authority=me, kind="abort") == turn
         rec = _ended(rt, child, turn)
 
         assert rec.outcome == "aborted"
-        assert _live(found) == [] and _named(token) == []
+        assert _live(found) == [] and escapee_procs(token) == []
         # what the stop report will show: how, and every process with its fate
         assert job.kill_via == containment
         fates = {f.pid: f for f in job.kill_procs}
@@ -192,12 +162,17 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
 BOMB = textwrap.dedent(
     """
     import os, sys, time
-    token, sleep = sys.argv[1], sys.argv[2]
-    for _ in range(200):
-        if os.fork() == 0:
-            os.setsid()
-            os.execv(sleep, [token, "60"])
-        time.sleep(0.01)
+    token, sleep, go, count = sys.argv[1:5]
+    with open(count, "ab", buffering=0) as counted:
+        for i in range(200):
+            if i == 20:  # the rest only once the test is about to abort
+                while not os.path.exists(go):
+                    time.sleep(0.01)
+            if os.fork() == 0:
+                os.setsid()
+                os.execv(sleep, [token, "60"])
+            counted.write(b".")
+            time.sleep(0.01)
     time.sleep(60)
     """
 )
@@ -206,18 +181,20 @@ BOMB = textwrap.dedent(
 def test_an_abort_racing_a_fork_bomb_of_200_forks_leaves_nothing(
     containment: str, token: str, tmp_path: Path
 ) -> None:
-    script = tmp_path / "bomb.py"
+    script, go, count = tmp_path / "bomb.py", tmp_path / "go", tmp_path / "count"
     script.write_text(BOMB)
     sleep = shutil.which("sleep")
     assert sleep is not None
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
         _, child, me = _family(rt)
-        turn, _job = _run_tool(rt, child, me, f"exec {sys.executable} {script} {token} {sleep}")
-        eventually(lambda: len(_named(token)) >= 20, what="the bomb under way")
-        assert len(_named(token)) < 200  # the abort races the forks
+        argv = f"exec {sys.executable} {script} {token} {sleep} {go} {count}"
+        turn, _job = _run_tool(rt, child, me, argv)
+        eventually(lambda: len(escapee_procs(token)) >= 20, what="the bomb under way")
+        go.touch()  # 180 more forks, 10 ms apart: the abort lands among them
         rt.interrupt(child, authority=me, kind="abort")
         assert _ended(rt, child, turn).outcome == "aborted"
-        assert _named(token) == []
+        assert escapee_procs(token) == []
+        assert 20 <= count.stat().st_size < 200  # the abort raced the forks
 
 
 # ---- deaths ------------------------------------------------------------------------
@@ -231,12 +208,12 @@ def test_sigkill_of_the_turns_worker_leaves_no_process_of_the_turn(
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
         _, child, me = _family(rt)
         turn, job = _run_tool(rt, child, me, escapee(token))
-        found = eventually(lambda: _named(token), what="the escapee running")
+        found = eventually(lambda: escapee_procs(token), what="the escapee running")
         [esc] = [p for p in found if _argv0(p) == token]
         os.kill(_worker_pid(rt, turn), signal.SIGKILL)
         rec = _ended(rt, child, turn)
         assert rec.outcome == "crashed"
-        assert _live(found) == [] and _named(token) == []  # reported only once dead
+        assert _live(found) == [] and escapee_procs(token) == []  # reported only once dead
         assert job.kill_via == containment
         assert esc.pid in {f.pid for f in job.kill_procs}
 
@@ -293,11 +270,11 @@ def test_sigkill_of_the_host_leaves_no_process_of_the_turn(
     with _killed_host(db_path, containment, token) as ready:
         assert ready["containment"] == containment
         # the worker sees its channel end and takes its tree (its leaf) down with it
-        eventually(lambda: not _named(token), timeout=5.0, what="the escapee gone")
+        eventually(lambda: not escapee_procs(token), timeout=5.0, what="the escapee gone")
         with runtime(db_path, workers=1, containment=containment) as rt:
             [rec] = rt.turns(ready["child"])
             assert rec.outcome == "crashed"
-            assert _named(token) == []
+            assert escapee_procs(token) == []
             if ready["group"] is not None:  # the old host's leaves are gone
                 old = ready["leaves"]
                 assert old and not any(os.path.exists(f"{ready['group']}/{n}") for n in old)
@@ -307,7 +284,7 @@ def test_sigkill_of_the_host_leaves_no_process_of_the_turn(
 def _only_this_hosts(rt: tether.Runtime, group: str) -> bool:
     """The group's leaves are the new host's own workers' (the old ones are gone)."""
     leaves = {n for n in os.listdir(group) if os.path.isdir(os.path.join(group, n))}
-    mine = {os.path.basename(_leaf_of(pid) or "") for pid in rt.worker_pids}
+    mine = {os.path.basename(leaf_of(pid) or "") for pid in rt.worker_pids}
     return leaves <= mine
 
 
@@ -320,12 +297,12 @@ def test_the_next_host_kills_and_removes_the_cgroups_a_sigkilled_host_left_froze
     processes stay, frozen, until the next host on the same store starts."""
     with _killed_host(db_path, "cgroup", token, pause=True, guard=False) as ready:
         group = ready["group"]
-        left = _named(token)
+        left = escapee_procs(token)
         assert left and all(frozen(p) for p in left)  # nothing else would ever kill it
         old = ready["leaves"]
         assert old and all(os.path.isdir(f"{group}/{n}") for n in old)
         with runtime(db_path, workers=1, containment="cgroup") as rt:
-            assert _named(token) == []
+            assert escapee_procs(token) == []
             assert not any(os.path.exists(os.path.join(group, n)) for n in old)
             assert _only_this_hosts(rt, group)
             [rec] = rt.turns(ready["child"])
@@ -346,9 +323,9 @@ def test_a_sigkilled_hosts_guard_kills_its_paused_turns_frozen_cgroup_at_once(
             return [n for n in old if os.path.isdir(os.path.join(group, n))]
 
         deadline = time.monotonic() + 10.0
-        while (_named(token) or left()) and time.monotonic() < deadline:
+        while (escapee_procs(token) or left()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _named(token) == [], "the paused turn's processes outlived their host"
+        assert escapee_procs(token) == [], "the paused turn's processes outlived their host"
         assert left() == [], "the host's leaves were not removed"
 
 
@@ -376,7 +353,7 @@ def test_a_dead_hosts_guard_never_touches_the_next_hosts_leaves_on_the_same_stor
             me = User(parent=root)
             rt.send(root, "before", authority=me)
             assert rt.wait(root, until="idle", timeout=30.0).state == "idle"
-            mine = {_leaf_of(pid) for pid in rt.worker_pids}
+            mine = {leaf_of(pid) for pid in rt.worker_pids}
             guard.resume()  # the old host's guard sees its pipe closed and clears
             deadline = time.monotonic() + 10.0
             while guard.is_running() and guard.status() != psutil.STATUS_ZOMBIE:
@@ -427,7 +404,7 @@ def test_a_pause_freezes_every_process_of_the_turn_even_one_forked_just_before(
         tree = worker.children(recursive=True)
         assert len(tree) > 5
         if containment == "cgroup":
-            leaf = _leaf_of(worker.pid)
+            leaf = leaf_of(worker.pid)
             assert leaf is not None
             assert "frozen 1" in Path(leaf, "cgroup.events").read_text()
         eventually(lambda: all(frozen(p) for p in _live(tree)), what="every process frozen")
@@ -517,7 +494,7 @@ def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn(token: str) -> None:
         rt.send(child, "bomb", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", bomb]}))
         turn = rt.wait(child, until="running").turn
         assert turn is not None
-        leaf = _leaf_of(_worker_pid(rt, turn))
+        leaf = leaf_of(_worker_pid(rt, turn))
         assert leaf is not None
         eventually(
             lambda: (
@@ -551,7 +528,7 @@ def test_cgroup_containment_where_none_is_available_is_invalid_params_with_the_r
         return Pool(workers, host)
 
     # a backend of one's own: the runtime cannot put its workers in cgroups
-    with pytest.raises(InvalidParams, match="local backend only"):
+    with pytest.raises(InvalidParams, match="local and Ray backends only"):
         tether.Runtime(workers=1, containment="cgroup", backend=factory)
     with runtime(workers=1, containment="auto", backend=factory) as rt:
         assert rt.containment == "walk"

@@ -50,6 +50,7 @@ __all__ = [
     "CgroupUnavailable",
     "Cgroups",
     "Leaf",
+    "kill_leaf",
     "v2_mount",
 ]
 
@@ -305,6 +306,19 @@ class Leaf:
                 peak = int(os.pread(self._peak_fd, 64, 0).decode().strip())
                 out["memory_peak_mb"] = round(peak / 2**20, 3)
         return out
+
+
+def kill_leaf(path: str, timeout: float = 5.0) -> bool:
+    """``cgroup.kill`` the leaf at ``path`` until it says ``populated 0`` (forks racing a
+    kill die too); True once empty (a leaf already gone is empty), False at ``timeout``.
+    For a process that holds no ``Leaf`` (the Ray reaper and keeper)."""
+    leaf = Leaf(path, frozenset())
+    deadline = time.monotonic() + timeout
+    while True:
+        if leaf.kill(wait=min(_KILL_WAIT, max(deadline - time.monotonic(), 0.0))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 class Cgroups:

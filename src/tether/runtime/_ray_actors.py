@@ -18,6 +18,14 @@ Imported by ``ray_backend`` (in the host) and by Ray's workers (to run the actor
     Reaper actor (num_cpus=0, pinned to the node): freeze / kill / thaw a child's tree,
     escapees included, and answer only once it is dead.
 
+Containment (SPEC §15.5): a slot asked for ``cgroup`` (or ``auto``) containment makes a
+group of its own on its node (``Cgroups.open``: a guard clears it if the slot dies) and
+puts each child in a leaf ``w-<token>`` of it; the child joins the leaf before it says
+Ready (after it started its keeper, which stays outside). The reaper's kill is then
+``cgroup.kill``, waited for until ``populated 0``, and a pause is ``cgroup.freeze``:
+neither depends on ancestry or environment. A node without a writable cgroup v2 runs
+the walk (``auto``) or refuses the slot (``cgroup``), and the slot says why.
+
 Ray runs methods of different concurrency groups of one actor in no particular order,
 which is why host→worker frames carry sequence numbers.
 """
@@ -42,6 +50,7 @@ import msgspec
 import psutil
 import ray
 
+from tether.runtime._cgroup import Cgroups, CgroupUnavailable, Leaf, kill_leaf
 from tether.runtime._procs import TREE_ENV, alive, descendants, freeze_tree, tagged, thaw_tree
 from tether.wire.codec import MAX_FRAME
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
@@ -145,18 +154,28 @@ class _FrameTooLarge(Exception):
 class _Child:
     """One worker process (worker.py's turn loop) and this end of its socket."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, groups: Cgroups | None = None) -> None:
         self.token = secrets.token_hex(8)
+        self.leaf: Leaf | None = None
+        argv = [sys.executable, "-m", "tether.runtime._ray_child"]
+        if groups is not None:
+            self.leaf = groups.leaf(f"w-{self.token}")
+            self.leaf.create()
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         env[TREE_ENV] = self.token
         env[NODE_ENV] = node
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tether.runtime._ray_child", str(theirs.fileno()), self.token],
-            pass_fds=[theirs.fileno()],
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        argv += [str(theirs.fileno()), self.token]
+        if self.leaf is not None:
+            argv.append(self.leaf.path)
+        try:
+            self.proc = subprocess.Popen(
+                argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL
+            )
+        except BaseException:
+            if self.leaf is not None:
+                self.leaf.remove()
+            raise
         theirs.close()
         self.pid = self.proc.pid
         self.sock = mine
@@ -190,12 +209,17 @@ class _Child:
             self.sock.sendall(data)
 
     def kill(self) -> int | None:
-        """Kill its whole tree and reap it; its exit code."""
-        reap_tree(self.pid, self.token)
+        """Kill its whole tree and reap it (and remove its leaf); its exit code."""
+        if self.leaf is not None:
+            kill_leaf(self.leaf.path)
+        else:
+            reap_tree(self.pid, self.token)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(_KILL_TIMEOUT)
         with contextlib.suppress(OSError):
             self.sock.close()
+        if self.leaf is not None and not self.leaf.remove():
+            _log_stuck(self.leaf.path)
         return self.proc.returncode
 
 
@@ -211,13 +235,24 @@ class _Inbound:
 class Slot:
     """One worker slot: runs turns, one at a time, in its own child process."""
 
-    def __init__(self) -> None:
+    def __init__(self, containment: str = "walk") -> None:
         self.node = str(ray.get_runtime_context().get_node_id())
         self.lock = threading.Lock()
         self.inbound: dict[str, _Inbound] = {}
         self.ended: deque[str] = deque(maxlen=4096)
         self.ended_set: set[str] = set()
-        self.child: _Child | None = _Child(self.node)
+        # cgroup containment on this node, where asked for and available (else the walk,
+        # and the reason, which the host reports when it asked for cgroup)
+        self.groups: Cgroups | None = None
+        self.cgroup_error: str | None = None
+        if containment != "walk":
+            try:
+                self.groups = Cgroups.open(None)
+            except CgroupUnavailable as exc:
+                self.cgroup_error = str(exc)
+        self.child: _Child | None = None
+        if self.groups is not None or containment != "cgroup":
+            self.child = _Child(self.node, self.groups)
 
     def info(self) -> dict[str, Any]:
         child = self.child
@@ -227,6 +262,9 @@ class Slot:
             "child": None if child is None else child.pid,
             "token": None if child is None else child.token,
             "keeper": None if child is None else child.keeper,
+            "leaf": None if child is None or child.leaf is None else child.leaf.path,
+            "containment": "walk" if self.groups is None else "cgroup",
+            "cgroup_error": self.cgroup_error,
         }
 
     @ray.method(concurrency_group="turn")
@@ -235,20 +273,22 @@ class Slot:
         old, self.child = self.child, None
         if old is not None:
             old.kill()
-        self.child = _Child(self.node)
+        self.child = _Child(self.node, self.groups)
         return self.info()
 
     @ray.method(concurrency_group="turn")
     def shutdown(self) -> None:
         """Stop the child (and anything it left), so that the actor can be killed."""
         child, self.child = self.child, None
-        if child is None:
-            return
-        with contextlib.suppress(OSError):
-            child.write(_encoder.encode(Shutdown()))
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(2.0)
-        child.kill()
+        if child is not None:
+            with contextlib.suppress(OSError):
+                child.write(_encoder.encode(Shutdown()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(2.0)
+            child.kill()
+        groups, self.groups = self.groups, None
+        if groups is not None:
+            groups.close()
 
     @ray.method(concurrency_group="turn")
     def probe(self, driver: str) -> str | None:
@@ -356,7 +396,9 @@ class Reaper:
     def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
-    def kill_tree(self, root: int, token: str) -> bool:
+    def kill_tree(self, root: int, token: str, leaf: str | None = None) -> bool:
+        if leaf is not None:
+            return kill_leaf(leaf)
         return reap_tree(root, token)
 
     def kill_pids(self, pids: list[int], grace: float = 0.0) -> bool:
@@ -376,8 +418,21 @@ class Reaper:
             time.sleep(0.002)
         return not _live(procs)
 
-    def freeze(self, root: int) -> list[int]:
+    def freeze(self, root: int, leaf: str | None = None) -> list[int]:
+        """Stop the tree; the escapees the walk stopped one by one (none in a leaf)."""
+        if leaf is not None:
+            if not Leaf(leaf, frozenset()).freeze(wait=_KILL_TIMEOUT):
+                raise RuntimeError(f"the leaf {leaf} did not say frozen 1")
+            return []
         return freeze_tree(root)
 
-    def thaw(self, root: int, escapees: list[int]) -> None:
+    def thaw(self, root: int, escapees: list[int], leaf: str | None = None) -> None:
+        if leaf is not None:
+            Leaf(leaf, frozenset()).thaw()
+            return
         thaw_tree(root, escapees)
+
+
+def _log_stuck(path: str) -> None:
+    # no structlog set up in a Ray worker: its stderr goes to the driver's log
+    print(f"tether: cannot remove the cgroup leaf {path}", file=sys.stderr)

@@ -18,6 +18,11 @@ itself (``--keep TOKEN FD``) without the tree's tag in its environment, so that 
 by that tag ever takes it: a sweeper killed between its freeze and its kill (a slot or
 a reaper that Ray kills meanwhile) would leave a tagged keeper stopped for good.
 
+Under cgroup containment (``python -m tether.runtime._ray_child FD TOKEN LEAF``) the
+worker joins the leaf LEAF first thing in ``worker_main`` (the keeper, started just
+before, stays outside), and the keeper's sweep starts with ``cgroup.kill`` of the leaf,
+which takes what left the session and cleared its environment too.
+
 ``python -m tether.runtime._ray_child --check DRIVER``: import the driver and exit 0, or
 print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers so).
 """
@@ -28,6 +33,7 @@ import os
 import socket
 import sys
 
+from tether.runtime._cgroup import kill_leaf
 from tether.runtime._procs import TREE_ENV, sweep
 from tether.runtime.worker import load_driver, worker_main
 from tether.wire.errors import DriverNotFound
@@ -35,7 +41,7 @@ from tether.wire.errors import DriverNotFound
 _KEEPER_PASSES = 50
 
 
-def _start_keeper(token: str, channel: int) -> None:
+def _start_keeper(token: str, channel: int, leaf: str | None) -> None:
     """Start the keeper of this worker's tree (see the module's docstring); return once
     it has exec'd (its command line names it for the slot to find)."""
     done, held = os.pipe()  # not inheritable: the worker's tools never hold ``held``
@@ -51,7 +57,8 @@ def _start_keeper(token: str, channel: int) -> None:
                 os.set_inheritable(done, True)
                 env = {k: v for k, v in os.environ.items() if k != TREE_ENV}
                 argv = [sys.executable, "-m", "tether.runtime._ray_child", "--keep", token]
-                os.execve(sys.executable, [*argv, str(done)], env)
+                argv += [str(done)] if leaf is None else [str(done), leaf]
+                os.execve(sys.executable, argv, env)
         finally:
             os._exit(0)
     os.close(done)
@@ -61,15 +68,17 @@ def _start_keeper(token: str, channel: int) -> None:
     os.close(execd)
 
 
-def _keep(token: str, done: int) -> None:
+def _keep(token: str, done: int, leaf: str | None) -> None:
     """The keeper, once exec'd: wait for the worker to be gone, then sweep its tree."""
     os.read(done, 1)  # returns (empty) once the worker's end of the pipe is closed
+    if leaf is not None:
+        kill_leaf(leaf)
     sweep([], passes=_KEEPER_PASSES, token=token)
 
 
 def main() -> None:
     if sys.argv[1] == "--keep":
-        _keep(sys.argv[2], int(sys.argv[3]))
+        _keep(sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
         return
     if sys.argv[1] == "--check":
         try:
@@ -79,8 +88,9 @@ def main() -> None:
             sys.exit(1)
         return
     fd, token = int(sys.argv[1]), sys.argv[2]
-    _start_keeper(token, fd)
-    worker_main(socket.socket(fileno=fd), token)
+    leaf = sys.argv[3] if len(sys.argv) > 3 else None
+    _start_keeper(token, fd, leaf)
+    worker_main(socket.socket(fileno=fd), token, leaf)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,11 @@ def make_backend(
     ray_address: str | None = None,
     ray_options: dict[str, Any] | None = None,
     cgroups: Cgroups | None = None,
+    containment: str = "walk",
 ) -> Backend:
     """Build the backend named by ``backend`` (or call a factory). ``cgroups``: the
-    host's cgroup group for cgroup containment (the local backend only)."""
+    host's cgroup group for cgroup containment (the local backend); ``containment``: the
+    mode the Ray backend's slots use on their nodes (``"auto"``, ``"cgroup"``, ``"walk"``)."""
     check_backend(backend, ray_address)
     if callable(backend):
         return backend(workers, host)
@@ -98,6 +100,7 @@ def make_backend(
         # Ray is present: an error importing it is a broken install, and says so itself.
         from tether.runtime.ray_backend import RayBackend
 
-        ray_backend: Backend = RayBackend(workers, host, address=ray_address, **(ray_options or {}))
+        options: dict[str, Any] = {"containment": containment, **(ray_options or {})}
+        ray_backend: Backend = RayBackend(workers, host, address=ray_address, **options)
         return ray_backend
     raise InvalidParams(f"backend must be one of {', '.join(BACKENDS)} or a factory")

@@ -49,7 +49,7 @@ import structlog
 from tether.actors.ports import TurnJob
 from tether.runtime.pool import PoolHost
 from tether.wire.codec import MAX_FRAME
-from tether.wire.errors import DriverNotFound, TetherError
+from tether.wire.errors import DriverNotFound, InvalidParams, TetherError
 from tether.wire.frames import (
     Delivered,
     Escalating,
@@ -207,6 +207,9 @@ class _Slot:
         self.child: int | None = None  # the turn child's pid (on that node)
         self.token = ""
         self.keeper: int | None = None  # the child's keeper (see _ray_child), on that node
+        self.leaf: str | None = None  # the child's cgroup leaf (cgroup containment), on that node
+        self.containment = "walk"
+        self.cgroup_error: str | None = None
         self.job: TurnJob | None = None
         self.seq = 0  # the next host→worker frame number of the current turn
         self.killing = False
@@ -219,6 +222,9 @@ class _Slot:
         self.child = None if info["child"] is None else int(info["child"])
         self.token = str(info["token"] or "")
         self.keeper = None if info.get("keeper") is None else int(info["keeper"])
+        self.leaf = info.get("leaf")
+        self.containment = str(info.get("containment") or "walk")
+        self.cgroup_error = info.get("cgroup_error")
 
 
 class RayBackend:
@@ -232,7 +238,9 @@ class RayBackend:
     abort waits for the reaper before ``ray.kill``, and for a slot to answer before it
     is replaced), ``spare`` (warm slots beyond ``size``, default 1: each holds its
     ``slot_options`` resources while it waits, so 0 suits a slot that claims a GPU; a
-    lost slot is then replaced cold, in seconds).
+    lost slot is then replaced cold, in seconds), ``containment`` (``"walk"``, ``"auto"``
+    or ``"cgroup"``: each slot's turn in a cgroup leaf of its node, killed with
+    ``cgroup.kill``; ``"cgroup"`` refuses a node that has none, ``"auto"`` walks there).
     """
 
     def __init__(
@@ -246,6 +254,7 @@ class RayBackend:
         init_options: dict[str, Any] | None = None,
         abort_timeout: float = _ABORT_TIMEOUT,
         spare: int = 1,
+        containment: str = "walk",
     ) -> None:
         if size < 1:
             raise ValueError("a backend needs at least one worker")
@@ -256,6 +265,8 @@ class RayBackend:
 
         self.size = size
         self.spare = spare
+        self._containment = containment
+        self._refused: str | None = None  # why a node cannot give cgroup containment
         self.host = host
         self.abort_timeout = float(abort_timeout)
         self._owns_ray = ensure_ray(address, runtime_env=runtime_env, init_options=init_options)
@@ -296,6 +307,8 @@ class RayBackend:
                 deadline = time.monotonic() + _START_TIMEOUT
                 while len(self._active) < size or len(self._spares) < spare:
                     left = deadline - time.monotonic()
+                    if self._refused is not None:
+                        raise InvalidParams(f"cgroup containment is not available: {self._refused}")
                     if self._failures >= 3:
                         raise TetherError("Ray slots fail to start (see the Ray logs)")
                     if left <= 0:
@@ -373,7 +386,7 @@ class RayBackend:
             reaper = self._reaper_locked(s.node)
         ray = _ray()
         try:
-            escapees = ray.get(reaper.freeze.remote(s.child), timeout=_CALL_TIMEOUT)
+            escapees = ray.get(reaper.freeze.remote(s.child, s.leaf), timeout=_CALL_TIMEOUT)
         except Exception as exc:
             raise TetherError(f"could not freeze the turn on its Ray node: {exc}") from None
         with self._lock:
@@ -395,12 +408,19 @@ class RayBackend:
             reaper = self._reaper_locked(s.node)
         ray = _ray()
         with contextlib.suppress(Exception):
-            ray.get(reaper.thaw.remote(s.child, escapees), timeout=_CALL_TIMEOUT)
+            ray.get(reaper.thaw.remote(s.child, escapees, s.leaf), timeout=_CALL_TIMEOUT)
 
     # ---- what the Runtime needs besides ---------------------------------------------
 
     def drain(self) -> None:
         self._draining = True
+
+    @property
+    def containment(self) -> str:
+        """``"cgroup"`` when every slot's turns run in cgroup leaves, else ``"walk"``."""
+        with self._lock:
+            slots = list(self._all)
+        return "cgroup" if slots and all(s.containment == "cgroup" for s in slots) else "walk"
 
     def probe(self, driver: str) -> None:
         """A slot's idle child imports ``driver`` (the host never runs driver code): a
@@ -484,7 +504,10 @@ class RayBackend:
             for s in kids:
                 if s.child is not None:
                     with contextlib.suppress(Exception):
-                        ray.get(reaper.kill_tree.remote(s.child, s.token), timeout=_CALL_TIMEOUT)
+                        ray.get(
+                            reaper.kill_tree.remote(s.child, s.token, s.leaf),
+                            timeout=_CALL_TIMEOUT,
+                        )
         for reaper in reapers.values():
             with contextlib.suppress(Exception):
                 ray.kill(reaper, no_restart=True)
@@ -502,9 +525,13 @@ class RayBackend:
         ray = _ray()
         s: _Slot | None = None
         try:
-            s = _Slot(self._slot_cls.remote())
+            s = _Slot(self._slot_cls.remote(self._containment))
             info = ray.get(s.actor.info.remote(), timeout=_START_TIMEOUT)
             s.update(info)
+            if self._containment == "cgroup" and s.containment != "cgroup":
+                with self._lock:
+                    self._refused = f"on Ray node {s.node}: {s.cgroup_error}"
+                raise TetherError(self._refused)
             self._adopt_keeper(s)
         except Exception as exc:
             log.error("ray.slot_start_failed", error=repr(exc))
@@ -790,9 +817,9 @@ class RayBackend:
     def _crashed_slot(self, s: _Slot, job: TurnJob, error: str) -> None:
         """The slot actor is gone mid-turn: make sure the turn's tree is, then report."""
         with self._lock:
-            child, token = s.child, s.token
-        if child is not None and not self._reap(s.node, child, token, self.abort_timeout):
-            self._last_resort(s, child, token, job.turn)
+            child, token, leaf = s.child, s.token, s.leaf
+        if child is not None and not self._reap(s.node, child, token, leaf, self.abort_timeout):
+            self._last_resort(s, child, token, leaf, job.turn)
         log.warning("ray.slot_lost", pid=s.pid, turn=job.turn)
         with self._lock:
             self._forget_locked(s, job)
@@ -802,19 +829,19 @@ class RayBackend:
             self._dispatch_locked()
         job.sink.ended(job.turn, None, error)
 
-    def _reap(self, node: str, child: int, token: str, timeout: float) -> bool:
+    def _reap(self, node: str, child: int, token: str, leaf: str | None, timeout: float) -> bool:
         """One try: the node's reaper kills the tree of ``child``; True once it saw it
         dead, False if it said otherwise or did not answer within ``timeout``."""
         ray = _ray()
         with self._lock:
             reaper = self._reaper_locked(node)
         try:
-            return bool(ray.get(reaper.kill_tree.remote(child, token), timeout=timeout))
+            return bool(ray.get(reaper.kill_tree.remote(child, token, leaf), timeout=timeout))
         except Exception as exc:
             log.error("ray.reaper_failed", node=node, error=repr(exc))
             return False
 
-    def _last_resort(self, s: _Slot, child: int, token: str, turn: str) -> None:
+    def _last_resort(self, s: _Slot, child: int, token: str, leaf: str | None, turn: str) -> None:
         """The node's reaper did not confirm the tree dead in time (frozen, overloaded,
         gone): ``ray.kill`` the slot (its child dies with it, and the child's keeper
         sweeps the rest), then return only once a new reaper saw the tree dead, or once
@@ -830,7 +857,7 @@ class RayBackend:
             if old is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(old, no_restart=True)
-            if self._reap(s.node, child, token, _START_TIMEOUT):  # a new actor: seconds
+            if self._reap(s.node, child, token, leaf, _START_TIMEOUT):  # a new actor: seconds
                 return
             if not _node_alive(s.node):
                 log.error("ray.node_lost", node=s.node, turn=turn)
@@ -853,10 +880,12 @@ class RayBackend:
         """Kill the turn's tree on its node; report its end (``killed``: ``aborted``)
         only once it is dead."""
         with self._lock:
-            child, token = s.child, s.token
-        dead = child is None or self._reap(s.node, child, token, self.abort_timeout)
+            child, token, leaf = s.child, s.token, s.leaf
+        dead = child is None or self._reap(s.node, child, token, leaf, self.abort_timeout)
         if child is not None and not dead:
-            self._last_resort(s, child, token, job.turn)
+            self._last_resort(s, child, token, leaf, job.turn)
+        if child is not None:  # the stop report's "how" (its process list: not on Ray yet)
+            job.kill_via = "walk" if leaf is None else "cgroup"
         with self._lock:
             self._forget_locked(s, job)
             s.child = None

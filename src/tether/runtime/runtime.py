@@ -259,12 +259,15 @@ class Runtime:
                 ray_address=ray_address,
                 ray_options=ray_options,
                 cgroups=self._cgroups,
+                containment=containment,
             )
         except BaseException:  # workers that fail to start: release all we hold
             self._dispatcher.close()
             self._timers.close()
             self._release_start()
             raise
+        if backend == "ray":  # what the slots' nodes gave
+            self.containment = str(getattr(self._pool, "containment", "walk"))
         # A turn reaches a worker only once its claim is durable (see runtime.claims).
         executor: Executor = ClaimGate(self._pool, self._store)
         try:
@@ -827,7 +830,10 @@ class Runtime:
         if not checked:
             return checked
         if self._cgroups is None:
-            why = self._cgroup_reason or "this runtime runs with containment='walk'"
+            if self.containment == "cgroup":  # Ray: leaves on the nodes, no limits yet
+                why = "the Ray backend's leaves do not enforce limits yet"
+            else:
+                why = self._cgroup_reason or "this runtime runs with containment='walk'"
             raise InvalidParams(
                 f"limits {sorted(checked)} need cgroup containment, not in force here ({why})"
             )
@@ -1004,8 +1010,10 @@ def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None
         if path is not None:  # a previous host on this store may have used cgroups
             Cgroups.recover_existing(path)
         return None
+    if backend == "ray":
+        return None  # each Ray slot makes its own group on its node (see _ray_actors)
     if backend != "local":
-        raise CgroupUnavailable("cgroup containment runs on the local backend only")
+        raise CgroupUnavailable("cgroup containment runs on the local and Ray backends only")
     return Cgroups.open(path)
 
 
