@@ -92,7 +92,8 @@ def _turn_child(rt: tether.Runtime, turn: str) -> psutil.Process:
 
 def _run_escapee(rt: tether.Runtime, token: str) -> tuple[str, str, User, psutil.Process]:
     child, me = _family(rt)
-    rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": escapee(token)}))
+    argv = ["sh", "-c", escapee(token)]
+    rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": argv}))
     turn = rt.wait(child, until="running", timeout=30.0).turn
     assert turn is not None
     found = eventually(lambda: escapee_procs(token), timeout=30.0, what="the escapee running")
@@ -165,11 +166,12 @@ def test_a_ray_pause_freezes_every_process_of_the_turn_and_resume_thaws_them(
 
         procs = eventually(adopted, what="the escapee adopted by the turn child")
         assert rt.pause(child, authority=me) == [turn]
-        eventually(lambda: all(frozen(p) for p in procs) or None, what="every process frozen")
+        # (the escapee's loop starts a short sleep every 50 ms: one may be gone by now)
+        eventually(lambda: all(frozen(p) for p in procs if alive(p)) or None, what="all frozen")
         rt.resume(child, authority=me)
         eventually(lambda: not any(frozen(p) for p in procs) or None, what="every process thawed")
         assert rt.pause(child, authority=me) == [turn]
-        eventually(lambda: all(frozen(p) for p in procs) or None, what="frozen again")
+        eventually(lambda: all(frozen(p) for p in procs if alive(p)) or None, what="frozen again")
         rt.interrupt(child, authority=me, kind="abort")  # an abort of a frozen turn
         assert rec.turn_ended(child, timeout=10.0)["outcome"] == "aborted"
         assert not any(alive(p) for p in procs)

@@ -179,7 +179,13 @@ class Leaf:
             poller.register(fd, select.POLLPRI | select.POLLERR)
             deadline = time.monotonic() + timeout
             while True:
-                if _keyed(os.pread(fd, 4096, 0).decode()).get(key) == want:
+                try:
+                    text = os.pread(fd, 4096, 0).decode()
+                except OSError:  # ENODEV: the leaf was removed (emptied) meanwhile
+                    if os.path.isdir(self.path):
+                        raise
+                    return want == 0
+                if _keyed(text).get(key) == want:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -190,20 +196,26 @@ class Leaf:
         finally:
             os.close(fd)
 
+    def _control(self, name: str, value: str) -> None:
+        """Write a control file; a leaf removed meanwhile (its owner killed and removed
+        it: ENOENT, or ENODEV for a file opened just before) is not an error."""
+        try:
+            _write(self.file(name), value)
+        except OSError:
+            if os.path.isdir(self.path):
+                raise
+
     def freeze(self, wait: float | None = None) -> bool:
         """``cgroup.freeze`` 1; with ``wait``, True once ``frozen 1`` (False at the deadline)."""
-        with contextlib.suppress(FileNotFoundError):
-            _write(self.file("cgroup.freeze"), "1")
+        self._control("cgroup.freeze", "1")
         return True if wait is None else self._wait("frozen", 1, wait)
 
     def thaw(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            _write(self.file("cgroup.freeze"), "0")
+        self._control("cgroup.freeze", "0")
 
     def kill(self, wait: float = _KILL_WAIT) -> bool:
         """``cgroup.kill``; True once ``populated 0`` (False: not yet, try again)."""
-        with contextlib.suppress(FileNotFoundError):
-            _write(self.file("cgroup.kill"), "1")
+        self._control("cgroup.kill", "1")
         return self._wait("populated", 0, wait)
 
     def remove(self) -> bool:
