@@ -35,8 +35,8 @@ from typing import Any
 import structlog
 
 from tether.agents.mcp import McpTimeout, McpTools
-from tether.runtime.async_context import AsyncTurnContext
-from tether.runtime.tools import TOOLS, schemas
+from tether.driver.async_context import AsyncTurnContext
+from tether.driver.tools import TOOLS, schemas
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Preempt, Steer
 from tether.wire.records import Entry

@@ -19,8 +19,7 @@ from rich.live import Live
 from rich.text import Text
 from rich.tree import Tree
 
-from tether.actors.authority import User
-from tether.runtime.runtime import Runtime
+from tether import Runtime, User
 
 __all__ = ["main"]
 

@@ -20,8 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from tether.actors.authority import User
-from tether.runtime.runtime import Runtime
+from tether import Runtime, User
 from tether.testing.mcp_server import LOG_ENV, read_log
 from tether.testing.model_server import ModelServer
 

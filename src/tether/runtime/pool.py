@@ -113,7 +113,7 @@ log = structlog.get_logger("tether.pool")
 
 _PRELOAD = [
     "tether.runtime.worker",
-    "tether.runtime.scripted",
+    "tether.driver.scripted",
     "tether",
     _contain.FORKSERVER_PRELOAD,
 ]

@@ -45,7 +45,7 @@ from msgspec import UNSET, Meta, UnsetType
 from starlette.routing import BaseRoute, Route
 
 from tether import OneShot, Runtime, User
-from tether.runtime.tools import (
+from tether.driver.tools import (
     InterruptAgentArgs,
     ListAgentsArgs,
     PauseAgentArgs,
@@ -54,7 +54,7 @@ from tether.runtime.tools import (
     SpawnAgentArgs,
     parameters,
 )
-from tether.runtime.tools import StopReportArgs as ToolStopReportArgs
+from tether.driver.tools import StopReportArgs as ToolStopReportArgs
 from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_of_message
 from tether.wire.errors import InvalidParams, TetherError, Unauthorized
 

@@ -35,20 +35,9 @@ from typing import Any, Literal, TypeVar, cast, overload
 import msgspec
 import structlog
 
-from tether.runtime.worker import (
-    _EXIT_POLL,
-    BaseContext,
-    CommandResult,
-    _drain,
-    _kill_command,
-    _kill_leftovers,
-    _pidfd,
-    _read_some,
-    _TurnState,
-    _Worker,
-    check_command,
-    end_of,
-)
+from tether.driver._command import EXIT_POLL, check_command, drain, pidfd, read_some
+from tether.driver._turn import WorkerPort, _TurnState, end_of
+from tether.driver.context import BaseContext, CommandResult
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -97,7 +86,7 @@ class AsyncTurnContext(BaseContext):
     host's reply without blocking the loop.
     """
 
-    def __init__(self, worker: _Worker, run: RunTurn, state: _TurnState) -> None:
+    def __init__(self, worker: WorkerPort, run: RunTurn, state: _TurnState) -> None:
         super().__init__(worker, run, state)
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[Any] | None = None
@@ -305,9 +294,10 @@ class AsyncTurnContext(BaseContext):
         out, err = bytearray(), bytearray()
         started = time.monotonic()
         try:
-            await _exited(proc, {proc.stdout.fileno(): out, proc.stderr.fileno(): err}, timeout)
+            bufs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+            await _exited(proc, bufs, timeout, self._worker.kill_command)
         except BaseException:
-            _kill_command(proc)  # the turn was cancelled: the command goes with it
+            self._worker.kill_command(proc)  # the turn was cancelled: the command goes with it
             st.tool_closed(tool, "cancelled")
             raise
         finally:
@@ -317,9 +307,9 @@ class AsyncTurnContext(BaseContext):
                 with st.lock:
                     preempt = st.tools.pop(proc, None)
                     st.progress.in_tool = bool(st.tools) or bool(st.starting)
-                _kill_leftovers(tag)
-            _drain(proc.stdout.fileno(), out)
-            _drain(proc.stderr.fileno(), err)
+                self._worker.kill_leftovers(tag)
+            drain(proc.stdout.fileno(), out)
+            drain(proc.stderr.fileno(), err)
             proc.stdout.close()
             proc.stderr.close()
             self._progress()
@@ -336,7 +326,7 @@ class AsyncTurnContext(BaseContext):
     async def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
         """Validate a model's call of a host tool and run it; errors come back as
         ``{"error": ...}``, except a preempt, which raises ``Preempted`` here."""
-        from tether.runtime import tools
+        from tether.driver import tools
 
         # run_command reports its own open call (as the sync one does)
         track = name != "run_command"
@@ -434,7 +424,7 @@ class AsyncTurnContext(BaseContext):
                 st.early = frame  # still starting: killed once it has a pid
             busy = bool(victims) or bool(st.starting)
         for p in victims:
-            _kill_command(p)
+            self._worker.kill_command(p)
         if not busy:
             self._on_preempt(frame)
 
@@ -476,7 +466,10 @@ def _resolve(fut: asyncio.Future[ToolReply], reply: ToolReply) -> None:
 
 
 async def _exited(
-    proc: subprocess.Popen[bytes], bufs: dict[int, bytearray], timeout: float | None
+    proc: subprocess.Popen[bytes],
+    bufs: dict[int, bytearray],
+    timeout: float | None,
+    kill: Callable[[subprocess.Popen[bytes]], None],
 ) -> None:
     """Collect the command's output until the command itself exits (or times out), on the
     loop: readers for its pipes and for its pidfd (readable once it exits)."""
@@ -485,14 +478,14 @@ async def _exited(
     watched: list[int] = []
 
     def readable(fd: int) -> None:
-        if not _read_some(fd, bufs[fd]):
+        if not read_some(fd, bufs[fd]):
             loop.remove_reader(fd)  # end of that pipe
 
     def exited() -> None:
         if not gone.done():
             gone.set_result(None)
 
-    exit_fd = _pidfd(proc.pid)
+    exit_fd = pidfd(proc.pid)
     try:
         for fd in bufs:
             os.set_blocking(fd, False)
@@ -503,11 +496,11 @@ async def _exited(
             watched.append(exit_fd)
         deadline = None if timeout is None else time.monotonic() + timeout
         while proc.poll() is None:
-            wait = _EXIT_POLL if exit_fd is None else None
+            wait = EXIT_POLL if exit_fd is None else None
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    _kill_command(proc)
+                    kill(proc)
                     proc.wait()
                     return
                 wait = left if wait is None else min(wait, left)
@@ -519,7 +512,7 @@ async def _exited(
             os.close(exit_fd)
 
 
-def run_async_turn(worker: _Worker, run: RunTurn, state: _TurnState, cls: type[Any]) -> TurnEnd:
+def run_async_turn(worker: WorkerPort, run: RunTurn, state: _TurnState, cls: type[Any]) -> TurnEnd:
     """Run one async driver turn on the worker's loop; the turn's end as the driver left it
     (a cancel that unwound the driver ends it ``cancelled``)."""
     loop = worker.event_loop()

@@ -1,0 +1,312 @@
+"""The context a sync driver's ``run(self, ctx)`` gets (``TurnContext``), what every
+context has (``BaseContext``, shared with ``AsyncTurnContext``), and ``CommandResult``.
+
+A context talks to its host through the worker (``WorkerPort``): ``say`` and the
+boundaries' deliveries are frames; a tool call (``spawn_agent`` & co) is a frame answered
+by the host, matched by call number; ``run_command`` runs in this worker's process group.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any, Literal, overload
+
+import msgspec
+
+from tether.driver._command import check_command, drain, wait_exit
+from tether.driver._turn import WorkerPort, _TurnState
+from tether.wire.errors import Preempted, error_from_code
+from tether.wire.frames import (
+    Cancel,
+    Delivered,
+    Preempt,
+    Progress,
+    RunTurn,
+    Say,
+    Steer,
+    ToolCall,
+    ToolKilled,
+)
+from tether.wire.records import AgentInfo, Entry, Message, StopReport
+
+__all__ = ["BaseContext", "CommandResult", "TurnContext"]
+
+_PARTIAL_CAP = 4000  # characters of a preempted tool's output kept for the driver
+
+
+class CommandResult(msgspec.Struct, frozen=True):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class BaseContext:
+    """What every driver's context has, sync or async: the turn's identity, its message
+    and config, ``say``, ``cancel_requested``, progress and usage reports."""
+
+    def __init__(self, worker: WorkerPort, run: RunTurn, state: _TurnState) -> None:
+        self._worker = worker
+        self._state = state
+        self._history: list[Entry] | None = None
+        self._next_call = 0
+        self.session = run.session
+        self.turn = run.turn
+        self.message: Message = run.message
+        self.config: dict[str, Any] = dict(run.config or {})
+        self.permissions: dict[str, str] = dict(run.permissions or {})
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True as soon as a cancel for this turn reached the worker (before any boundary)."""
+        return self._state.cancel_event.is_set()
+
+    def _progress(self, call: tuple[str, str] | None = None) -> None:
+        meter = self._state.progress
+        if meter.note(call):
+            self._worker.send(Progress(turn=self.turn, in_tool=meter.in_tool))
+
+    def progress(self) -> None:
+        """Report progress to the stall watchdog (SPEC §14.5) without a boundary, e.g. for
+        each streamed chunk of a model reply. Rate-limited: call it as often as you like."""
+        self._progress()
+
+    def add_usage(self, usage: Mapping[str, int]) -> None:
+        """Add token counts (``{"prompt_tokens": 12, ...}``) to the turn's
+        ``TurnRecord.usage``; summed over the turn, stored when it ends."""
+        total = self._state.usage
+        for key, value in usage.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+
+    def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
+        """Append an assistant entry to the transcript."""
+        self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
+        self._progress()
+
+    def record_tool(self, text: str, *, data: dict[str, Any] | None = None) -> None:
+        """Append a ``tool`` entry (a tool call's visible result) to the transcript."""
+        self._worker.send(Say(turn=self.turn, kind="tool", text=text, data=data))
+
+    def _host_call_blocking(self, name: str, args: dict[str, Any]) -> Any:
+        if name != "history":
+            self._progress((name, repr(sorted(args.items()))))
+        self._next_call += 1
+        call = self._next_call
+        st = self._state
+        self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
+        with st.lock:
+            while call not in st.replies:
+                st.reply_ready.wait()
+            reply = st.replies.pop(call)
+        if reply.code is not None:
+            raise error_from_code(reply.code, reply.message or reply.code)
+        return reply.result
+
+    def _preempted(
+        self,
+        preempt: Preempt,
+        tool: str,
+        started: float,
+        out: bytes | bytearray = b"",
+        err: bytes | bytearray = b"",
+        *,
+        via: str = "walk",
+    ) -> Preempted:
+        """Report a preempt that took effect (the host writes its marker) and build the
+        error the driver sees, with what the tool wrote until then."""
+        self._worker.send(
+            ToolKilled(
+                turn=self.turn,
+                reason=preempt.reason,
+                origin=preempt.origin,
+                by=preempt.by,
+                via=via,
+            )
+        )
+        partial = (out.decode(errors="replace") + err.decode(errors="replace"))[-_PARTIAL_CAP:]
+        return Preempted(
+            preempt.reason or f"{tool} was preempted",
+            origin=preempt.origin,
+            by=preempt.by,
+            reason=preempt.reason,
+            elapsed=time.monotonic() - started,
+            partial=partial,
+        )
+
+    def _fetch_history(self) -> list[Entry]:
+        # Page by page, each bounded by count and by size on the host: a long
+        # transcript, or one of huge entries, never has to fit in one frame.
+        history: list[Entry] = []
+        while True:
+            after = history[-1].seq if history else 0
+            raw = self._host_call_blocking("history", {"after": after})
+            page = msgspec.convert(raw["entries"], list[Entry])
+            history.extend(page)
+            if not raw["more"] or not page:
+                return history
+
+    @property
+    def history(self) -> list[Entry]:
+        """The session's transcript before this turn's own entries; fetched on first use."""
+        if self._history is None:
+            self._history = self._fetch_history()
+        return self._history
+
+
+class TurnContext(BaseContext):
+    """What a sync driver's ``run(ctx)`` gets. Tool calls go to the host, bound to this
+    session, and block until the host answers."""
+
+    # ---- boundaries -----------------------------------------------------------------
+
+    def checkpoint(self) -> list[Steer | Cancel]:
+        """The frames delivered at this boundary: pending steers in order, then a cancel."""
+        st = self._state
+        self._progress()
+        with st.lock:
+            if st.cancel is not None:
+                if st.cancel_delivered:
+                    return [st.cancel]
+                if st.escalating:
+                    return []  # the turn is being killed: its deadline passed first
+                st.cancel_delivered = True
+                frames: list[Steer | Cancel] = [st.cancel]
+                self._worker.send(Delivered(turn=self.turn, steers=[], cancel=True))
+                return frames
+            steers, st.steers = st.steers, []
+        if steers:
+            self._worker.send(Delivered(turn=self.turn, steers=steers))
+        return list(steers)
+
+    # ---- tools ----------------------------------------------------------------------
+
+    def _host_call(self, name: str, args: dict[str, Any]) -> Any:
+        return self._host_call_blocking(name, args)
+
+    def spawn_agent(
+        self,
+        *,
+        slug: str | None = None,
+        mode: str = "continuable",
+        prompt: str | None = None,
+        data: dict[str, Any] | None = None,
+        permissions: dict[str, str] | None = None,
+    ) -> str:
+        """Spawn a child running this session's own driver and config (the host chooses
+        what loads code); ``permissions`` can only narrow this session's own."""
+        args = {
+            "slug": slug,
+            "mode": mode,
+            "prompt": prompt,
+            "data": data,
+            "permissions": permissions,
+        }
+        return str(self._host_call("spawn_agent", args))
+
+    def send_message(
+        self, to: str, text: str, *, data: dict[str, Any] | None = None, wake: bool = True
+    ) -> str:
+        """Send to a direct child (id or slug); returns the new message's id."""
+        args = {"to": to, "text": text, "data": data, "wake": wake}
+        return str(self._host_call("send_message", args))
+
+    def list_agents(self, *, scope: str = "children") -> list[AgentInfo]:
+        raw = self._host_call("list_agents", {"scope": scope})
+        return msgspec.convert(raw, list[AgentInfo])
+
+    @overload
+    def interrupt_agent(
+        self,
+        agent_id: str,
+        *,
+        kind: str = ...,
+        reason: str = ...,
+        scope: Literal["session"] = ...,
+    ) -> str | None: ...
+
+    @overload
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = ..., reason: str = ..., scope: Literal["subtree"]
+    ) -> list[str]: ...
+
+    def interrupt_agent(
+        self, agent_id: str, *, kind: str = "cancel", reason: str = "", scope: str = "session"
+    ) -> str | list[str] | None:
+        """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
+        ``scope="subtree"`` (cancel or abort), that agent and every one below it: the
+        list of the turns stopped."""
+        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
+        if scope != "session":
+            args["scope"] = scope
+            return [str(t) for t in self._host_call("interrupt_agent", args)]
+        turn = self._host_call("interrupt_agent", args)
+        return None if turn is None else str(turn)
+
+    def stop_report(self, turn: str) -> StopReport | None:
+        """What a stop did to ``turn`` (a turn of this session or of one below it), or
+        None when no stop reached it (SPEC §15.6)."""
+        raw = self._host_call("stop_report", {"turn": turn})
+        return None if raw is None else msgspec.convert(raw, StopReport)
+
+    def pause_agent(self, agent_id: str, *, scope: str = "session", reason: str = "") -> list[str]:
+        """Freeze an agent below (``subtree``: and its running descendants) in place;
+        the turns frozen, ``[]`` when nothing was running (SPEC §14.4)."""
+        args = {"agent_id": agent_id, "scope": scope, "reason": reason}
+        return [str(t) for t in self._host_call("pause_agent", args)]
+
+    def resume_agent(self, agent_id: str, *, scope: str = "session") -> list[str]:
+        """Thaw what ``pause_agent`` froze; the turns resumed."""
+        args = {"agent_id": agent_id, "scope": scope}
+        return [str(t) for t in self._host_call("resume_agent", args)]
+
+    def run_command(
+        self, argv: list[str], *, timeout: float | None = None, cwd: str | None = None
+    ) -> CommandResult:
+        """Run a subprocess in this worker's process group; preemptable and abortable.
+
+        Whatever the command leaves running when it returns is killed with it, and only
+        that: commands run at once from several threads never touch each other's.
+        """
+        check_command(self.permissions, argv)
+        st = self._state
+        st.progress.in_tool = True
+        self._progress(("run_command", repr((argv, cwd))))
+        proc, tool, tag = st.start_command(argv, cwd)
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = bytearray(), bytearray()
+        started = time.monotonic()
+        try:
+            bufs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+            wait_exit(proc, bufs, timeout, self._worker.kill_command)
+        finally:
+            # From here a preempt finds no command to kill: it is an accepted no-op.
+            with st.spawn_lock:
+                with st.lock:
+                    preempt = st.tools.pop(proc, None)
+                    last = not st.tools and st.starting == 0
+                    st.progress.in_tool = not last
+                self._worker.kill_leftovers(None if last else tag)
+            drain(proc.stdout.fileno(), out)  # nothing writes any more: read what is left
+            drain(proc.stderr.fileno(), err)
+            proc.stdout.close()
+            proc.stderr.close()
+            self._progress()
+        # A preempt that raced the command's own exit killed nothing: the command
+        # completed, and no ToolKilled (no "preempted" marker) may say otherwise.
+        preempted = preempt is not None and proc.returncode == -signal.SIGKILL
+        st.tool_closed(tool, "preempted" if preempted else "returned")
+        if preempt is not None and preempted:
+            raise self._preempted(preempt, "run_command", started, out, err)
+        return CommandResult(
+            returncode=proc.returncode,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+        )
+
+    def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
+        """Validate a model's tool call and run it; errors come back as ``{"error": ...}``."""
+        from tether.driver import tools
+
+        return tools.call_tool(self, name, arguments)
