@@ -113,6 +113,8 @@ CASES: dict[str, Case] = {
         _c("peer.ray", "peers:ray_peer", (3, 5), (150, 600), optional=True),
         # Tether on Ray (issue 12); skipped with a note when Ray (tether[ray]) is absent.
         _c("tether.ray", "ray_cases:ray_backend", (2, 5), (300, 900), optional=True),
+        _c("tether.ray_cgroup", "ray_cases:ray_backend_cgroup", (2, 5), (300, 900),
+           optional=True),
     )
 }
 
@@ -185,6 +187,10 @@ FIGURES: list[Figure] = [
     Figure("ray_turn_p50_ms", "tether.ray", "turn_ms", "p50", "ms"),
     Figure("ray_abort_p50_ms", "tether.ray", "abort_ms", "p50", "ms",
            baseline="peer.ray_cancel_force_p50_ms"),
+    # Issue 19: the same abort with each slot's turn in a cgroup leaf; the target is a
+    # ratio to Ray's own stop (which leaves the escapees running).
+    Figure("ray_abort_cgroup_p50_ms", "tether.ray_cgroup", "abort_ms", "p50", "ms",
+           None, "peer.ray_cancel_force_p50_ms", Target(_LE, 0.5)),
     Figure("ray_abort_p99_ms", "tether.ray", "abort_ms", "p99", "ms",
            baseline="baseline.killpg_reap_p99_ms"),
     # Issue 18: cancel of an MCP call → the stdio server received notifications/cancelled

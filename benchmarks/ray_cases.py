@@ -28,11 +28,28 @@ def escapee_wedge(tag: str) -> dict[str, Any]:
 def ray_backend(cfg: Cfg) -> Iterator[Samples]:
     """turn_ms: a send → its turn's end event (a one-step turn on a Ray slot).
     abort_ms: `interrupt(kind="abort")` → the worker, sh and both sleeps (one a `setsid`
-    escapee) dead (pidfds) and the turn ended `aborted` (event); the later of the two."""
+    escapee) dead (pidfds) and the turn ended `aborted` (event); the later of the two.
+    The walk (containment="walk"); `ray_backend_cgroup` is the same under cgroup."""
+    return _ray_case(cfg, "walk")
+
+
+def ray_backend_cgroup(cfg: Cfg) -> Iterator[Samples]:
+    """`ray_backend` under containment="cgroup": each slot's turn in a leaf of its node,
+    an abort is the node reaper's `cgroup.kill` (issue 19)."""
+    return _ray_case(cfg, "cgroup")
+
+
+def _ray_case(cfg: Cfg, containment: str) -> Iterator[Samples]:
     if importlib.util.find_spec("ray") is None:
         raise Skip("Ray is not installed; the extra tether[ray] includes it")
     options = {"init_options": {"num_cpus": 2}}
-    with tether.Runtime(workers=2, backend="ray", ray_options=options) as rt:
+    try:
+        rt = tether.Runtime(
+            workers=2, backend="ray", containment=containment, ray_options=options
+        )
+    except tether.InvalidParams as exc:  # no writable cgroup v2 here: say why
+        raise Skip(exc.message) from None
+    with rt:
         child, auth = _quiet_child(rt, SCRIPTED)
         events = Events(rt, {"turn.ended"})
         _pool_steady(rt, 2)

@@ -150,8 +150,9 @@ def cgroup_pass(leaf: Leaf, found: dict[int, tuple[psutil.Process, ProcessFate]]
     """One kill of a worker's leaf: freeze it, note what is in it, ``cgroup.kill``; True
     once the kernel says it is empty (False: try again)."""
     leaf.freeze(wait=_freeze_wait(found))
-    describe(leaf.pids(), found)
-    return leaf.kill()
+    pids = leaf.pids()
+    describe(pids, found)
+    return leaf.kill(pids=pids)
 
 
 def _freeze_wait(found: dict[int, Any]) -> float:
