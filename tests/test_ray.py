@@ -32,6 +32,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    frozen,
     kill_token,
     refilled,
     steps,
@@ -262,14 +263,14 @@ def test_pause_freezes_the_turn_tree_on_its_node_and_resume_thaws_it(
     tree = tree_of(worker)
     assert rt.pause(child, authority=me) != []
     eventually(
-        lambda: all(p.status() == psutil.STATUS_STOPPED for p in tree),
+        lambda: all(frozen(p) for p in tree if alive(p)),
         timeout=2.0,
         what="the whole tree, escapee included, to be stopped",
     )
     assert rt.status(child).state == "paused"
     rt.resume(child, authority=me)
     eventually(
-        lambda: all(p.status() != psutil.STATUS_STOPPED for p in tree),
+        lambda: not any(frozen(p) for p in tree),
         timeout=2.0,
         what="the whole tree to run again",
     )
