@@ -396,9 +396,11 @@ class Cgroups:
         )
 
     @classmethod
-    def open(cls, store_path: str | None) -> Cgroups:
+    def open(cls, store_path: str | None, *, guard: bool = True) -> Cgroups:
         """Find a writable v2 hierarchy, make (or find) this store's group, and clear what
-        a previous host left in it. CgroupUnavailable says why not."""
+        a previous host left in it. CgroupUnavailable says why not. ``guard``: start the
+        guard (a Ray slot does without: each of its children has a keeper that kills its
+        leaf, and a guard would outlive the slot as a child of the host)."""
         mount = v2_mount()
         if mount is None:
             raise CgroupUnavailable("no cgroup v2 hierarchy is mounted")
@@ -445,6 +447,8 @@ class Cgroups:
         groups = cls(base, controllers)
         groups.recover()
         _remove_dead_memory_groups(top)
+        if not guard:
+            return groups
         try:
             groups.guard()
         except OSError as exc:  # no process to spare: contained, but not past a SIGKILL

@@ -93,11 +93,14 @@ def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
 
 
 def _keeper_of(token: str) -> int | None:
-    """The keeper of the tree ``token`` (see _ray_child): it runs ``--keep TOKEN FD``."""
+    """The keeper of the tree ``token`` (see _ray_child): it runs ``--keep TOKEN FD
+    [LEAF]``."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "tether.runtime._ray_child" in cmd and cmd[-3:-1] == ["--keep", token]:
-            return p.pid
+        if "tether.runtime._ray_child" in cmd and "--keep" in cmd:
+            at = cmd.index("--keep")
+            if cmd[at + 1 : at + 2] == [token]:
+                return p.pid
     return None
 
 
@@ -247,7 +250,7 @@ class Slot:
         self.cgroup_error: str | None = None
         if containment != "walk":
             try:
-                self.groups = Cgroups.open(None)
+                self.groups = Cgroups.open(None, guard=False)
             except CgroupUnavailable as exc:
                 self.cgroup_error = str(exc)
         self.child: _Child | None = None

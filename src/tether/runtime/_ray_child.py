@@ -29,6 +29,7 @@ print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -71,8 +72,9 @@ def _start_keeper(token: str, channel: int, leaf: str | None) -> None:
 def _keep(token: str, done: int, leaf: str | None) -> None:
     """The keeper, once exec'd: wait for the worker to be gone, then sweep its tree."""
     os.read(done, 1)  # returns (empty) once the worker's end of the pipe is closed
-    if leaf is not None:
-        kill_leaf(leaf)
+    if leaf is not None and kill_leaf(leaf):
+        with contextlib.suppress(OSError):  # the slot may be removing it too
+            os.rmdir(leaf)
     sweep([], passes=_KEEPER_PASSES, token=token)
 
 
