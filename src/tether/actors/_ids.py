@@ -11,5 +11,7 @@ import time
 __all__ = ["new_id"]
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}{int(time.time() * 1000):012x}{os.urandom(10).hex()}"
+def new_id(prefix: str, now: float | None = None) -> str:
+    """``now``: the wall time to stamp it with (a session passes its own clock's)."""
+    stamp = time.time() if now is None else now
+    return f"{prefix}{int(stamp * 1000):012x}{os.urandom(10).hex()}"

@@ -50,9 +50,6 @@ class TimerHandle:
         self.cancelled = False
         self.when = when  # time.monotonic() at which it fires
 
-    def left(self) -> float:
-        return max(self.when - time.monotonic(), 0.0)
-
     def cancel(self) -> None:
         if not self.cancelled:
             self.cancelled = True

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import msgspec
 import structlog
 
 from tether.actors._ids import new_id
-from tether.actors._timers import TimerHandle
+from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.ports import AgentStore, EventSink, Executor, TurnJob, TurnSink
 from tether.actors.states import AgentState, check_transition
 from tether.wire.errors import InvalidParams, TetherError
@@ -124,7 +123,7 @@ class _Cut:
     late: bool = False  # opened after the stop took effect: listed only if it was cut
 
 
-Clock = Literal["grace", "deadline", "escalate", "watchdog"]
+TimerKind = Literal["grace", "deadline", "escalate", "watchdog"]
 _ESCALATE_WAIT = 1.0  # seconds to wait for a worker's answer to Escalate before killing
 _PREEMPTS_KEPT = 16  # preempts remembered per turn, to date the one a ToolKilled reports
 
@@ -142,12 +141,13 @@ class _Turn:
     wake_latch: bool = False
     # The stop's clock (grace, deadline or escalate) and the watchdog's; ``gen`` tells a
     # timer that fired before it was re-armed or cancelled from the current one.
-    clock: Clock | None = None
-    timer: TimerHandle | None = None
+    clock: TimerKind | None = None
+    timer: Timer | None = None
+    due: float = 0.0  # the monotonic time at which the stop's clock fires
     gen: int = 0
-    watch: TimerHandle | None = None
+    watch: Timer | None = None
     paused: bool = False
-    held: tuple[Clock, float] | None = None  # the stop clock stopped by a pause
+    held: tuple[TimerKind, float] | None = None  # the stop clock stopped by a pause
     last_progress: float = 0.0
     stepped_at: float = 0.0
     step: int = 0
@@ -282,7 +282,7 @@ class Session:
             self.inbox = None
         h = self.header
         host = self._host
-        turn_id = new_id("t_")
+        turn_id = new_id("t_", host.clock.now())
         woken_by, self.woken_by = self.woken_by, None
         claim = host.store.start_turn(turn_id, message, woken_by)
         job = TurnJob(
@@ -303,7 +303,7 @@ class Session:
         self.turn = t = _Turn(turn_id, message, job)
         self._started += 1
         if stall is not None:
-            t.last_progress = time.monotonic()
+            t.last_progress = self._host.clock.monotonic()
             self._watch(t, float(stall["after"]))
         try:
             host.executor.submit(job)
@@ -336,12 +336,12 @@ class Session:
                 ex.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
                 if t.preempts is None:
                     t.preempts = []
-                t.preempts.append((i.origin, i.by, i.reason, time.time()))
+                t.preempts.append((i.origin, i.by, i.reason, self._host.clock.now()))
                 del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
             case "cancel":
                 if t.stop is not None:
                     return t.id  # one pending stop per turn: the first one stands
-                t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, time.time())
+                t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
                 # the signal first, the bookkeeping after
                 ex.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
                 self._marker(t, "cancelled", i.origin, i.by, i.reason)
@@ -351,7 +351,7 @@ class Session:
             case "abort":
                 if t.stop is not None and t.stop.kind == "abort":
                     return t.id
-                t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, time.time())
+                t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
                 self._cancel_timer(t)
                 t.held = None
                 ex.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
@@ -392,7 +392,7 @@ class Session:
             self._marker(t, "steered", steer.origin, steer.by, steer.text)
         if frame.cancel and not t.delivered and t.stop is not None:
             t.delivered = True
-            t.delivered_at = time.time()
+            t.delivered_at = self._host.clock.now()
             t.delivered_via = frame.via
             if t.stop.kind == "cancel" and not t.escalate:
                 # A boundary took the cancel: no escalation; the grace clock starts.
@@ -410,7 +410,7 @@ class Session:
         if t is not None and t.id == frame.turn and t.escalating and not t.delivered:
             self._escalate(t)
 
-    def timer(self, turn: str, which: Clock, gen: int) -> None:
+    def timer(self, turn: str, which: TimerKind, gen: int) -> None:
         t = self.turn
         if t is None or t.id != turn:
             return
@@ -440,7 +440,7 @@ class Session:
         t.escalate = True
         self._host.executor.kill(t.id)
 
-    def _arm(self, t: _Turn, delay: float, which: Clock) -> None:
+    def _arm(self, t: _Turn, delay: float, which: TimerKind) -> None:
         """Run the stop's clock; a paused turn holds it until resumed (SPEC §14.4)."""
         self._cancel_timer(t)
         if t.paused:
@@ -448,6 +448,7 @@ class Session:
             return
         t.gen += 1
         t.clock = which
+        t.due = self._host.clock.monotonic() + delay
         t.timer = self._host.arm(self.header.id, t.id, which, delay, t.gen)
 
     def _cancel_timer(self, t: _Turn) -> None:
@@ -470,7 +471,7 @@ class Session:
         self._host.executor.freeze(t.id)
         t.paused = True
         if t.timer is not None and t.clock is not None:  # the stop's clock stops
-            held = (t.clock, t.timer.left())
+            held = (t.clock, max(t.due - self._host.clock.monotonic(), 0.0))
             self._cancel_timer(t)
             t.held = held
         if t.watch is not None:  # a paused turn is never stalled
@@ -492,7 +493,7 @@ class Session:
             self._arm(t, left, which)
         stall = self.header.stall
         if stall is not None:  # a fresh idle clock: the pause was not a stall
-            t.last_progress = time.monotonic()
+            t.last_progress = self._host.clock.monotonic()
             t.step = 0
             self._watch(t, float(stall["after"]))
         self._marker(t, "resumed", origin, by, "")
@@ -512,7 +513,7 @@ class Session:
         t.in_tool = frame.in_tool
         if not t.started or not frame.looping:  # the same call over and over is none
             t.started = True
-            t.last_progress = time.monotonic()
+            t.last_progress = self._host.clock.monotonic()
             t.step = 0
 
     def _watch(self, t: _Turn, delay: float) -> None:
@@ -525,7 +526,7 @@ class Session:
         stall = self.header.stall
         if stall is None or t.paused or self.disposing:
             return
-        now = time.monotonic()
+        now = self._host.clock.monotonic()
         after = float(stall["after"])
         every = float(stall.get("every") or after)
         if not t.started:
@@ -621,7 +622,7 @@ class Session:
         """A preempt landed: its report, unless the turn's own stop has one (a turn has
         one report, and the stop that ends it is the one that matters)."""
         tools, t.preempted = t.preempted or [], None
-        now = time.time()
+        now = self._host.clock.now()
         at = now
         pending = t.preempts or []
         for n, (origin, by, reason, when) in enumerate(pending):
@@ -660,7 +661,7 @@ class Session:
     ) -> None:
         """Complete the stop's report once the turn has ended: when and how the stop took
         effect, what it killed, what became of each tool call it found open."""
-        now = time.time()
+        now = self._host.clock.now()
         effective: float
         via: str | None
         if stop.kind == "cancel" and t.delivered_at is not None and not escalated:
@@ -894,9 +895,10 @@ class SessionServices:
         executor: Executor,
         events: EventSink,
         sink: Callable[[str], TurnSink],
-        arm: Callable[[str, str, Clock, float, int], TimerHandle],
+        arm: Callable[[str, str, TimerKind, float, int], Timer],
         notify_parent: Callable[[str, ChildTurnEnded], None],
         grace: float,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.grace = grace  # the runtime's default, for the watchdog's cancel
         self.store = store
@@ -905,3 +907,5 @@ class SessionServices:
         self.sink = sink
         self.arm = arm
         self.notify_parent = notify_parent
+        # Every time the session reads: wall time for records, monotonic for clocks.
+        self.clock = clock

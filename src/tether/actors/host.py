@@ -29,7 +29,7 @@ import pykka
 import structlog
 
 from tether.actors._timers import TimerHandle, TimerQueue
-from tether.actors.agent import Clock, Interrupt, Session, SessionServices, Wake, make_info
+from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind, Wake, make_info
 from tether.actors.authority import Authority, Host
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor
@@ -173,7 +173,7 @@ class _Ended:
 class _Timer:
     session: str
     turn: str
-    which: Clock
+    which: TimerKind
     gen: int
 
 
@@ -340,7 +340,9 @@ class SessionHost(pykka.ThreadingActor):
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
 
-    def _arm(self, session: str, turn: str, which: Clock, delay: float, gen: int) -> TimerHandle:
+    def _arm(
+        self, session: str, turn: str, which: TimerKind, delay: float, gen: int
+    ) -> TimerHandle:
         ref = self.actor_ref
         timer = _Timer(session, turn, which, gen)
         return self._timers.after(delay, lambda: _tell(ref, timer))
