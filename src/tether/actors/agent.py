@@ -26,6 +26,7 @@ import structlog
 
 from tether.actors._ids import new_id
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
+from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
 from tether.actors.ports import AgentStore, EventSink, Executor, TurnJob, TurnSink
 from tether.actors.states import AgentState, check_transition
 from tether.wire.errors import InvalidParams, TetherError
@@ -111,6 +112,9 @@ class _Stop:
     reason: str
     grace: float
     at: float = 0.0  # wall clock at acceptance: the report's requested_at
+
+    def facts(self) -> StopFacts:
+        return StopFacts(self.kind, self.origin, self.by, self.reason)
 
 
 @dataclass(slots=True)
@@ -723,29 +727,22 @@ class Session:
         host = self._host
         stop = t.stop
         killed = end is None  # the worker did not report an end: its tree was killed
-        forced = t.force and killed
-        escalated = t.escalate and killed
+        decided = decide_outcome(
+            TurnFacts(
+                stop=None if stop is None else stop.facts(),
+                end="died" if end is None else end.outcome,
+                force_requested=t.force,
+                escalate_requested=t.escalate,
+                error=error if end is None else end.error,
+            )
+        )
+        outcome, cause, by, reason = decided.outcome, decided.cause, decided.by, decided.reason
+        forced, escalated, error = decided.forced, decided.escalated, decided.error
         if forced and stop is not None:
             why = f"no end {stop.grace:g}s after the cancel"
             self._marker(t, "forced", "system", "system", why)
         if escalated:
             self._marker(t, "escalated", "system", "system", "no boundary before the deadline")
-        cause: str | None
-        by: str | None
-        reason: str | None
-        if end is not None:
-            error = end.error
-        if stop is not None:
-            outcome = "aborted" if stop.kind == "abort" or escalated else "cancelled"
-            cause = "system" if stop.origin == "watchdog" else stop.origin
-            by, reason = stop.by, stop.reason
-            if killed:
-                error = None  # killed on purpose: the stop says why
-        elif end is None:
-            outcome, cause, by, reason = "crashed", "system", None, None
-        else:
-            outcome = "failed" if end.outcome == "failed" else "completed"
-            cause = by = reason = None
         final = end.final if end is not None else None
         partial = final if final is not None else t.job.last_say
         self.turn = None
