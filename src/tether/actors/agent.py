@@ -238,15 +238,19 @@ class Session:
     def enqueue(self, msg: Message, wake: Wake) -> None:
         """Queue an accepted message (in key order), then act on ``wake``."""
         key = message_key(msg.id)
-        if key > self.horizon:
-            inbox = self.inbox
-            if inbox is None:
-                self.inbox = deque([msg])
-            elif message_key(inbox[-1].id) < key:
-                inbox.append(msg)
-            else:  # two senders' tells crossed: keep the order the store gave them
-                keys = [message_key(m.id) for m in inbox]
-                inbox.insert(bisect.bisect(keys, key), msg)
+        if key <= self.horizon:
+            # Loaded by the materialization that a waking send made (hold cleared), and
+            # perhaps run and stopped since: its wake was spent there. Acting on it now
+            # would undo a later stop's parking, or park an idle session for nothing.
+            return
+        inbox = self.inbox
+        if inbox is None:
+            self.inbox = deque([msg])
+        elif message_key(inbox[-1].id) < key:
+            inbox.append(msg)
+        else:  # two senders' tells crossed: keep the order the store gave them
+            keys = [message_key(m.id) for m in inbox]
+            inbox.insert(bisect.bisect(keys, key), msg)
         t = self.turn
         if wake == "yes":
             if t is not None:
@@ -822,8 +826,11 @@ class Session:
             self.interrupt(Interrupt("abort", origin, by, "disposed", grace))
         elif t.stop is None:
             self.interrupt(Interrupt("cancel", origin, by, "disposed", grace, grace))
-        elif not t.delivered and t.stop.kind == "cancel":
-            self._arm(t, grace, "deadline")
+        elif not t.delivered and t.stop.kind == "cancel" and not t.escalate:
+            # A deadline of its own: only ever sooner, never later than the cancel's own.
+            due = self._host.clock.monotonic() + grace
+            if t.timer is None or t.due > due:
+                self._arm(t, grace, "deadline")
         self.disposing = True  # after the cancel: interrupts to a disposing session are no-ops
 
     def check_release(self) -> None:
