@@ -1077,3 +1077,14 @@ def test_a_dispose_never_postpones_the_deadline_of_a_cancel_it_finds() -> None:
     [log] = m.store.turns.values()
     assert log.ended is not None and log.ended["outcome"] == "aborted" and log.ended["escalated"]
     assert m.session.settled
+
+
+def test_a_waking_send_during_a_stop_resumes_the_queue_when_the_turn_ends() -> None:
+    """SPEC §4 rule 5, on the session alone: the latch the machine checks."""
+    m = machine(loaded=1)
+    m.a_worker_takes_the_turn()
+    m.interrupt("cancel", ("user", "alice"), "stop", 1.0, None, "running")
+    follow = m._message()
+    m.enqueue(follow, "yes")
+    run_to_end(m)
+    assert m.session.turn is not None and m.session.turn.message.id == follow.id
