@@ -104,14 +104,14 @@ def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> tuple[st
     assert turn is not None
     pool: Any = rt._pool  # type: ignore[attr-defined]
     # a claimed turn reaches the pool once its claim is durable, a worker just after
-    job: TurnJob = eventually(lambda: pool._jobs.get(turn), what="the turn in the pool")
-    eventually(lambda: pool._where.get(turn), what="the turn on a worker")
+    job: TurnJob = eventually(lambda: pool.turns.job(turn), what="the turn in the pool")
+    eventually(lambda: pool.turns.worker(turn), what="the turn on a worker")
     return turn, job
 
 
 def _worker_pid(rt: tether.Runtime, turn: str) -> int:
     pool: Any = rt._pool  # type: ignore[attr-defined]
-    pid: int = eventually(lambda: pool._where.get(turn), what="the turn on a worker").pid
+    pid: int = eventually(lambda: pool.turns.worker(turn), what="the turn on a worker").pid
     return pid
 
 

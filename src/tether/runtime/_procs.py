@@ -9,9 +9,12 @@ A kill is one or more *passes*, each FREEZE, then KILL:
 - kill: SIGKILL everything found, deepest first.
 
 The caller runs passes until one finds nothing left alive (a zombie counts as dead): it
-never concludes "dead" on a timeout. A process that vanishes mid-walk is skipped and the
-walk goes on. Running out of descriptors (EMFILE/ENFILE) raises ``OSError`` so that the
-caller retries later; a half-done pass is harmless, since every pass starts over.
+never concludes "dead" on a timeout. ``reap_pass`` is one pass over a worker's tree,
+rooted or not, the one algorithm of the pool's reaper and Ray's reaper actor;
+``reap_tree`` runs passes until the tree is dead or a deadline passes. A process that
+vanishes mid-walk is skipped and the walk goes on. Running out of descriptors
+(EMFILE/ENFILE) raises ``OSError`` so that the caller retries later; a half-done pass
+is harmless, since every pass starts over.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import psutil
 
@@ -38,6 +41,8 @@ __all__ = [
     "kill_found",
     "kill_tree",
     "reap",
+    "reap_pass",
+    "reap_tree",
     "sweep",
     "tagged",
     "thaw_tree",
@@ -244,6 +249,63 @@ def sweep(roots: Sequence[int], *, passes: int, token: str | None = None) -> boo
             return True
         all_dead(live, 0.2)  # then walk again: nothing may be left
     return False
+
+
+def _no_orphans() -> list[int]:
+    return []
+
+
+def reap_pass(
+    root: int | None,
+    *,
+    group: int,
+    token: str,
+    orphans: Callable[[], list[int] | None] = _no_orphans,
+    seen: Callable[[list[psutil.Process]], None] | None = None,
+    wait: float = 0.2,
+) -> bool:
+    """One pass over a worker's tree; True when nothing of it is left alive.
+
+    ``root``: the worker, alive (a subreaper, so its whole tree is below it): frozen
+    with its group ``group``, walked, killed deepest first; the tree was whole, so a pass
+    that sees it all dead within ``wait`` is the proof. None once the worker is gone:
+    its tree has dispersed, so the pass starts from ``orphans()`` (what it left with a
+    subreaper of ours; None: not known now, the pass fails) and what carries ``token``,
+    then walks again: only a second walk that finds nothing alive is the proof.
+    ``seen`` hears every process found, before it is killed (for the stop report).
+    Raises OSError (out of descriptors): the caller tries again later.
+    """
+
+    def one(starts: list[int], tagged_too: bool) -> list[psutil.Process]:
+        procs = freeze(starts, group=group, token=token if tagged_too else None)
+        if seen is not None:
+            seen(procs)
+        kill_found(procs, group=group)
+        return procs
+
+    if root is not None:
+        return all_dead(one([root], False), wait)
+    first = orphans()
+    if not all_dead(one(first or [], True), wait) or first is None:
+        return False
+    again = orphans()
+    rest = one(again or [], True)
+    return again is not None and not any(alive(p) for p in rest)
+
+
+def reap_tree(root: int, token: str, timeout: float) -> bool:
+    """Passes of ``reap_pass`` over the tree of ``root`` (a worker started with
+    ``TREE_ENV=token``, leader of its group) until one proves it dead (True), or until
+    ``timeout`` has passed (False). The root counts as alive only while it is still the
+    process carrying the tag (not a recycled pid, not a zombie)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rooted = root if carries(root, TREE_ENV, token) else None
+        left = deadline - time.monotonic()
+        if reap_pass(rooted, group=root, token=token, wait=max(0.0, min(0.2, left))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 def freeze_tree(leader: int) -> list[int]:

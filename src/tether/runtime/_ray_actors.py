@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
 import socket
 import struct
 import subprocess
@@ -51,11 +50,11 @@ import psutil
 import ray
 
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable, Leaf, kill_leaf
-from tether.runtime._procs import TREE_ENV, alive, descendants, freeze_tree, tagged, thaw_tree
+from tether.runtime._procs import TREE_ENV, alive, freeze_tree, reap_tree, thaw_tree
 from tether.wire.codec import MAX_FRAME
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
 
-__all__ = ["NODE_ENV", "TREE_ENV", "Reaper", "Slot", "reap_tree"]
+__all__ = ["NODE_ENV", "TREE_ENV", "Reaper", "Slot"]
 
 NODE_ENV = "TETHER_NODE"  # the Ray node id, for drivers and tests that want to know
 _HEADER = struct.Struct(">I")
@@ -73,25 +72,6 @@ def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in procs if alive(p)]
 
 
-def _tree(root: int, token: str, *, scan: bool) -> list[psutil.Process]:
-    """The root (if it is still the one carrying ``token``), its descendants, and with
-    ``scan`` every process tagged with ``token`` (escapees whose root is gone)."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        p = psutil.Process(root)
-        if p.environ().get(TREE_ENV) == token:
-            found[root] = p
-            for d in descendants(root):
-                found[d.pid] = d
-    except (psutil.Error, OSError):
-        pass
-    if scan:
-        for pid in tagged(token):
-            with contextlib.suppress(psutil.Error):
-                found.setdefault(pid, psutil.Process(pid))
-    return list(found.values())
-
-
 def _keeper_of(token: str) -> int | None:
     """The keeper of the tree ``token`` (see _ray_child): it runs ``--keep TOKEN FD
     [LEAF]``."""
@@ -102,49 +82,6 @@ def _keeper_of(token: str) -> int | None:
             if cmd[at + 1 : at + 2] == [token]:
                 return p.pid
     return None
-
-
-def reap_tree(root: int, token: str, timeout: float = _KILL_TIMEOUT) -> bool:
-    """Freeze, then kill, the tree of ``root`` (its group, its descendants, the escapees
-    tagged with ``token``), walking again until a walk finds nothing alive. True when
-    nothing is left (a zombie counts as dead); False if something outlived ``timeout``.
-
-    While the root (a subreaper) is alive and frozen, every escapee is below it, so the
-    walk finds them all; the tag scan (every process's environment) is needed only when
-    the root is already gone."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(root, signal.SIGSTOP)
-        seen: dict[int, psutil.Process] = {}
-        scan = False
-        while True:  # freeze: walk until a walk finds nothing new
-            found = _tree(root, token, scan=scan)
-            if not scan and all(p.pid != root for p in found):
-                scan = True  # the root is gone: look for its tree by the tag
-                found = _tree(root, token, scan=True)
-            new = [p for p in found if p.pid not in seen]
-            if not new:
-                break
-            for p in new:
-                seen[p.pid] = p
-                with contextlib.suppress(psutil.Error):
-                    p.suspend()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(root, signal.SIGKILL)
-        for p in reversed(list(seen.values())):  # deepest first
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        pause = 0.0002
-        while _live(list(seen.values())) and time.monotonic() < deadline:
-            time.sleep(pause)  # no event tells us another process's child died
-            pause = min(pause * 2, 0.005)
-        # Found alive and frozen, the root's walk was whole: only a tree found by its tag
-        # may have had a member that the scan missed, so only such a tree is walked again.
-        if not _live(list(seen.values())) and not (scan and _live(_tree(root, token, scan=True))):
-            return True
-        if time.monotonic() > deadline:
-            return False
 
 
 # ---- the turn child ----------------------------------------------------------------------
@@ -216,7 +153,7 @@ class _Child:
         if self.leaf is not None:
             kill_leaf(self.leaf.path)
         else:
-            reap_tree(self.pid, self.token)
+            reap_tree(self.pid, self.token, _KILL_TIMEOUT)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(_KILL_TIMEOUT)
         with contextlib.suppress(OSError):
@@ -400,9 +337,11 @@ class Reaper:
         return str(ray.get_runtime_context().get_node_id())
 
     def kill_tree(self, root: int, token: str, leaf: str | None = None) -> bool:
+        """Kill the tree of ``root``: its leaf's ``cgroup.kill``, or the walk (its
+        group, its descendants, the escapees tagged ``token``); True once it is dead."""
         if leaf is not None:
             return kill_leaf(leaf)
-        return reap_tree(root, token)
+        return reap_tree(root, token, _KILL_TIMEOUT)
 
     def kill_pids(self, pids: list[int], grace: float = 0.0) -> bool:
         """SIGKILL these processes (slot actors) unless they exit within ``grace``."""

@@ -9,7 +9,9 @@ calls (the store and authority stay in the host process whatever the backend).
 Two ship: ``"local"``, the forkserver :class:`~tether.runtime.pool.Pool` (the default),
 and ``"ray"``, :class:`~tether.runtime.ray_backend.RayBackend` (the optional extra
 ``tether[ray]``, imported only when asked for). Every backend keeps the contract of
-SPEC §14.6: a turn's end is reported only once its whole process tree is dead.
+SPEC §14.6: a turn's end is reported only once its whole process tree is dead. Both keep
+that contract in one place, the turn table (``backends._turns``): each drives its workers
+and leaves every turn's life, from the queue to its one report, to the table.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any, Protocol
 
 from tether.actors.ports import Executor
 from tether.runtime._cgroup import Cgroups
-from tether.runtime.pool import Pool, PoolHost
+from tether.runtime.backends._turns import WorkerHost
+from tether.runtime.pool import Pool
 from tether.wire.errors import InvalidParams, TetherError
 
 __all__ = [
@@ -33,9 +36,6 @@ __all__ = [
 ]
 
 BACKENDS = ("local", "ray")
-
-# What a backend asks of the runtime for a worker's frames (``say``, tool calls).
-WorkerHost = PoolHost
 
 
 class Backend(Executor, Protocol):

@@ -24,6 +24,11 @@
                                   spawner thread: keep N + 1 workers,
                                     a failed start retried with backoff
 
+The queue, the signals held until dispatch, the worker's turn frames (tool calls answered
+there) and the one report of each turn are the turn table's (``backends._turns``), which
+the Ray backend shares; the pool drives the workers behind it (``_Worker``: start, post,
+kill, freeze, thaw), under the table's lock.
+
 ``workers=N`` processes take turns and one warm spare waits, so a turn never waits for a
 process to start after an abort: a doomed worker leaves the pool at once and the spare
 takes its place. Workers start through the forkserver with the runtime's modules
@@ -75,35 +80,24 @@ import structlog
 from tether.actors.ports import HELD_BYTES, TurnJob, held_over
 from tether.runtime import _contain
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
-from tether.runtime._procs import (
-    alive,
-    all_dead,
-    freeze,
-    freeze_tree,
-    kill_found,
-    kill_tree,
-    reap,
-    thaw_tree,
+from tether.runtime._procs import alive, freeze_tree, kill_tree, reap, reap_pass, thaw_tree
+from tether.runtime.backends._turns import (
+    DriverChecks,
+    TableBackend,
+    Turns,
+    WorkerGone,
+    WorkerHost,
 )
 from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
-from tether.wire.errors import DriverNotFound, FrameError, TetherError
+from tether.wire.errors import FrameError, TetherError
 from tether.wire.frames import (
-    Delivered,
-    Escalating,
     HostFrame,
-    Preempt,
     Probe,
     ProbeReply,
-    Progress,
     Ready,
-    Say,
+    RunTurn,
     Shutdown,
-    SteerFrame,
-    ToolCall,
-    ToolKilled,
-    ToolReply,
-    TurnEnd,
     WorkerFrame,
 )
 
@@ -194,15 +188,8 @@ class _WorkerProcess(multiprocessing.context.ForkServerProcess):
         return _WorkerPopen(process_obj)
 
 
-class PoolHost:
-    """What the pool asks of the runtime for a worker's frames (overridden by Runtime).
-
-    A driver's entries (``Say``) are not among them: they go to the turn's sink, in
-    order with its other reports, so that the session's host writes them.
-    """
-
-    def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
-        raise NotImplementedError
+# What the pool asks of the runtime for a worker's frames (the turn table's host).
+PoolHost = WorkerHost
 
 
 class _Worker:
@@ -248,18 +235,16 @@ class _Worker:
             # its tag, as for a worker that died on its own
             self.ps = None
         self.ready = threading.Event()
-        self.job: TurnJob | None = None
         self.doomed = False
         self.killed = False  # doomed by kill(): its turn ends "killed"
         self.error: str | None = None  # why it was doomed, when the turn must say so
         self.tree_dead = False
         self.tree_pids: set[int] = set()  # its tools found by kill passes, to reap
-        self.last_turn: str | None = None
         self.kill_tries = 0
         self.frozen: list[int] = []  # escapees stopped by freeze (the group is stopped whole)
         # The turn whose pause stopped this worker; set and cleared under the pool's
         # lock, with the group's SIGSTOP/SIGCONT, so a stop only ever lands on that turn
-        # and a stopped worker is never handed another (see ``Pool.freeze``).
+        # and a stopped worker is never handed another (see ``freeze``).
         self.frozen_for: str | None = None
         # every process a kill pass signalled: who it was, for the stop report
         self.found: dict[int, tuple[psutil.Process, Any]] = {}
@@ -326,8 +311,76 @@ class _Worker:
         """The worker process itself is running (not gone, not a zombie)."""
         return self.ps is not None and alive(self.ps)
 
+    # ---- the turn table's Worker (start, post, kill under the pool's lock) ----------
 
-class Pool:
+    def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
+        payloads = [self.channel.encode(frame) for frame in (run, *rest)]  # may refuse
+        if self.leaf is not None or job.limits:
+            error = _start_in_leaf(self.leaf, job)
+            if error is not None:
+                self.error = error
+                self.pool._doom_locked(self)  # the turn ends crashed, with the reason
+                return
+        self.post_encoded(payloads)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.pool._doom_locked(self)
+        log.debug("worker.killing", pid=self.pid)
+
+    def turn_over(self, job: TurnJob) -> None:
+        if self.leaf is not None:  # before the next turn resets its baselines
+            job.resources = self.leaf.usage()
+        if self.frozen_for is not None:
+            # A pause stopped it after its driver had ended: its turn is over, and no
+            # turn may go to a stopped worker. The spare takes its place; the reaper
+            # ends it.
+            log.info("worker.stopped_at_end", pid=self.pid, turn=job.turn)
+            self.pool._doom_locked(self)
+
+    def freeze(self, turn: str) -> None:
+        """Stop the group under the lock, while it still runs ``turn``: a ``TurnEnd``
+        handled after it finds the worker stopped and replaces it (its turn is over; no
+        other turn may wait on a stopped process). The walk for escapees runs after,
+        outside the lock; freeze and thaw of one turn come from its one session host,
+        in order."""
+        pool = self.pool
+        with pool._lock:
+            if self.doomed or self.frozen_for == turn or not pool.turns.runs_locked(self, turn):
+                return
+            self.frozen_for = turn
+            if self.leaf is not None:
+                # the whole leaf, escapees included: one write, under the lock like the
+                # walk's SIGSTOP of the group
+                self.leaf.freeze()
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGSTOP)
+        if self.leaf is not None:
+            if not self.leaf.freeze(wait=_PAUSE_WAIT):  # reported once the kernel says so
+                log.warning("worker.freeze_slow", pid=self.pid, turn=turn)
+            return
+        escapees = freeze_tree(self.pid)
+        with pool._lock:
+            if self.frozen_for == turn and not self.doomed:
+                self.frozen = escapees
+            # else: the turn ended before the walk; its worker was doomed, and the
+            # reaper kills what the walk stopped
+        log.debug("worker.frozen", pid=self.pid, turn=turn, escapees=len(escapees))
+
+    def thaw(self, turn: str) -> None:
+        with self.pool._lock:
+            if self.doomed or self.frozen_for != turn:
+                return  # being killed: it stays frozen until it is dead
+            escapees, self.frozen = self.frozen, []
+            self.frozen_for = None
+            if self.leaf is not None:
+                self.leaf.thaw()
+            else:
+                thaw_tree(self.pid, escapees)  # signals only: no walk under the lock
+
+
+class Pool(TableBackend["_Worker"]):
     """``size`` workers plus one warm spare; FIFO dispatch across sessions.
 
     Two long-lived threads do the work that may fail or wait, so that no caller does and
@@ -339,28 +392,23 @@ class Pool:
         if size < 1:
             raise ValueError("a pool needs at least one worker")
         self.size = size
-        self.host = host
         self.cgroups = cgroups  # None: the walk (SPEC §15.5)
         self.ctx = _forkserver_acquire()
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        # the turns, and the lock under which they and the workers change together
+        self.turns: Turns[_Worker] = Turns(host, self._idle_locked)
+        self._lock = self.turns.lock
+        self._changed = self.turns.changed
         self._active: list[_Worker] = []
         self._spare: _Worker | None = None
         self._starting = 0  # spawned, not yet Ready
         self._all: set[_Worker] = set()  # every worker not yet finished
-        self._queue: deque[TurnJob] = deque()
-        self._jobs: dict[str, TurnJob] = {}
-        self._where: dict[str, _Worker] = {}
         self._doomed: dict[_Worker, float] = {}  # worker -> when the reaper tries next
-        self._closed = False
         self._stopping = False  # close() is done with the workers: the threads may end
-        self._draining = False
         self._failures = 0  # consecutive failed starts; reset by a Ready
         self._next_spawn = 0.0
-        self._probe_lock = threading.Lock()
+        self._checks = DriverChecks()
         self._probe_done = threading.Condition(self._lock)
         self._probe_replies: dict[str, str | None] = {}
-        self._probed: set[str] = set()
         self._reaper = threading.Thread(
             target=self._reap_loop, name="tether-pool-reaper", daemon=True
         )
@@ -383,154 +431,40 @@ class Pool:
             self.close()
             raise
 
-    # ---- public ---------------------------------------------------------------------
-
-    def submit(self, job: TurnJob) -> None:
-        with self._lock:
-            if self._closed:
-                raise TetherError("the runtime is closed")
-            self._jobs[job.turn] = job
-            self._queue.append(job)
-            self._dispatch_locked()
-
-    def dispatched(self, turn: str) -> bool:
-        """True once a worker took ``turn``; False while it waits for one (or is unknown)."""
-        return turn in self._where  # one dict read: no lock needed
-
-    def freeze(self, turn: str) -> None:
-        """Stop ``turn``'s worker group under the lock, while it is still this turn's: a
-        ``TurnEnd`` handled after it finds the worker stopped and replaces it (its turn
-        is over; no other turn may wait on a stopped process). The walk for escapees
-        runs after, outside the lock; freeze and thaw of one turn come from its one
-        session host, in order."""
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            w = self._where.get(turn)
-            if w is None:
-                job.frozen = True  # dispatch passes it over until thawed
-                return
-            if w.doomed or w.frozen_for == turn:
-                return
-            w.frozen_for = turn
-            if w.leaf is not None:
-                # the whole leaf, escapees included: one write, under the lock like the
-                # walk's SIGSTOP of the group
-                w.leaf.freeze()
-            else:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.pid, signal.SIGSTOP)
-        if w.leaf is not None:
-            if not w.leaf.freeze(wait=_PAUSE_WAIT):  # reported once the kernel says frozen
-                log.warning("worker.freeze_slow", pid=w.pid, turn=turn)
-            return
-        escapees = freeze_tree(w.pid)
-        with self._lock:
-            if w.frozen_for == turn and not w.doomed:
-                w.frozen = escapees
-            # else: the turn ended before the walk; its worker was doomed, and the
-            # reaper kills what the walk stopped
-        log.debug("worker.frozen", pid=w.pid, turn=turn, escapees=len(escapees))
-
-    def thaw(self, turn: str) -> None:
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            w = self._where.get(turn)
-            if w is None:
-                job.frozen = False
-                self._dispatch_locked()
-                return
-            if w.doomed or w.frozen_for != turn:
-                return  # being killed: it stays frozen until it is dead
-            escapees, w.frozen = w.frozen, []
-            w.frozen_for = None
-            if w.leaf is not None:
-                w.leaf.thaw()
-            else:
-                thaw_tree(w.pid, escapees)  # signals only: no walk under the lock
+    # ---- public (the Executor's methods are the turn table's: see TableBackend) -----
 
     def respawn_failing(self) -> bool:
         """True while replacement workers fail to start (they are being retried)."""
         with self._lock:
             return self._failures > 0
 
-    def accepting(self) -> bool:
-        return not self._draining
-
-    def drain(self) -> None:
-        """Take no new turns (the runtime is closing); running ones go on."""
-        self._draining = True
-
-    def signal(self, turn: str, frame: HostFrame) -> None:
-        """InvalidParams for a steer or preempt past what may wait for ``turn`` (see
-        HELD_BYTES); a cancel, an escalation or an answer is never refused."""
-        bounded = isinstance(frame, SteerFrame | Preempt)
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            w = self._where.get(turn)
-            if w is None:
-                job.hold(frame)
-            elif not w.doomed:
-                # under the lock: frames reach the worker in issue order
-                w.post(frame, bounded=bounded)
-
-    def kill(self, turn: str) -> None:
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            w = self._where.get(turn)
-            if w is None:
-                self._queue.remove(job)
-                del self._jobs[turn]
-            elif w.doomed:
-                return  # already dying: its end reports this turn
-            else:
-                w.killed = True
-                self._doom_locked(w)
-        if w is None:
-            job.sink.ended(turn, None, "killed before a worker took it")
-            return
-        log.debug("worker.killing", pid=w.pid, turn=turn)
-
     def probe(self, driver: str) -> None:
         """Check that a worker can load ``driver``; DriverNotFound otherwise.
 
         The warm spare does the import, so the host never runs driver code.
         """
-        if driver in self._probed:
-            return
-        with self._probe_lock:
-            for _ in range(3):
-                with self._lock:
-                    deadline = time.monotonic() + 10.0
-                    # only the spare: an active worker may be deep in a long turn
-                    while self._spare is None:
-                        left = deadline - time.monotonic()
-                        if left <= 0 or self._closed:
-                            raise TetherError("no spare worker to check the driver")
-                        self._changed.wait(left)
-                    target = self._spare
-                    self._probe_replies.pop(driver, None)
-                    target.post(Probe(driver=driver))
-                    while driver not in self._probe_replies and not target.doomed:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise TetherError("a worker did not answer a driver check in time")
-                        self._probe_done.wait(left)
-                    if driver not in self._probe_replies:
-                        continue  # the worker died mid-check: ask another
-                    error = self._probe_replies.pop(driver)
-                if error is not None:
-                    raise DriverNotFound(error)
-                self._probed.add(driver)
-                return
-        raise TetherError("workers kept dying while checking the driver")
+        self._checks.check(driver, self._probe_spare)
+
+    def _probe_spare(self, driver: str) -> str | None:
+        with self._lock:
+            deadline = time.monotonic() + 10.0
+            # only the spare: an active worker may be deep in a long turn
+            while self._spare is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.turns.closed:
+                    raise TetherError("no spare worker to check the driver")
+                self._changed.wait(left)
+            target = self._spare
+            self._probe_replies.pop(driver, None)
+            target.post(Probe(driver=driver))
+            while driver not in self._probe_replies and not target.doomed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TetherError("a worker did not answer a driver check in time")
+                self._probe_done.wait(left)
+            if driver not in self._probe_replies:
+                raise WorkerGone
+            return self._probe_replies.pop(driver)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -539,17 +473,13 @@ class Pool:
     def close(self) -> None:
         """Stop every worker; whatever is still queued is reported as ended."""
         with self._lock:
-            if self._closed:
+            if self.turns.closed:
                 return
-            self._closed = True
-            orphans = list(self._queue)
-            self._queue.clear()
+            orphans = self.turns.close_locked()
             self._changed.notify_all()
         if self._spawner.ident is not None:
             self._spawner.join()  # no replacement may start after this
-        for job in orphans:
-            self._jobs.pop(job.turn, None)
-            job.sink.ended(job.turn, None, "the runtime closed before a worker took it")
+        self.turns.unstarted(orphans)
         with self._lock:
             for w in self._all:
                 if not w.doomed:
@@ -575,39 +505,16 @@ class Pool:
             self._changed.wait(left)
         return True
 
-    def _dispatch_locked(self) -> None:
-        """Hand queued turns to idle workers. Never raises: it runs inside the handling
-        of other turns' ends, which must go on; a turn that cannot start ends here."""
-        while self._queue:
-            w = next((w for w in self._active if w.job is None and w.frozen_for is None), None)
-            if w is None:
-                return
-            job = next((j for j in self._queue if not j.frozen), None)
-            if job is None:
-                return
-            self._queue.remove(job)
-            run, rest = job.start()
-            try:
-                payloads = [w.channel.encode(frame) for frame in (run, *rest)]
-            except Exception as exc:  # FrameError (over the cap), or unencodable input
-                detail = exc.message if isinstance(exc, FrameError) else repr(exc)
-                log.error("turn.unstartable", turn=job.turn, error=detail)
-                del self._jobs[job.turn]
-                try:
-                    job.sink.ended(job.turn, None, f"the turn is too large to start: {detail}")
-                except Exception:
-                    log.exception("worker.report_failed", turn=job.turn)
-                continue
-            w.job = job
-            w.last_turn = job.turn
-            self._where[job.turn] = w
-            if w.leaf is not None or job.limits:
-                error = _start_in_leaf(w.leaf, job)
-                if error is not None:
-                    w.error = error
-                    self._doom_locked(w)
-                    return  # _doom_locked dispatched again
-            w.post_encoded(payloads)
+    def _idle_locked(self) -> _Worker | None:
+        """An active worker with no turn, not stopped by a pause (the table's ``idle``)."""
+        return next(
+            (
+                w
+                for w in self._active
+                if self.turns.job_of_locked(w) is None and w.frozen_for is None
+            ),
+            None,
+        )
 
     def _doom_locked(self, w: _Worker) -> None:
         """``w`` takes no more work; the reaper kills its tree and the spawner replaces it."""
@@ -632,8 +539,9 @@ class Pool:
             with contextlib.suppress(OSError):
                 w.leaf.freeze()  # the whole leaf, escapees included; the reaper waits
         self._doomed[w] = 0.0
+        self.turns.lost_locked(w)  # its turn, if any, ends once the tree is dead
         self._probe_done.notify_all()
-        self._dispatch_locked()
+        self.turns.dispatch_locked()
         self._changed.notify_all()
 
     def _start_failed_locked(self) -> None:
@@ -651,7 +559,7 @@ class Pool:
             w.ready.set()
             self._starting -= 1
             self._failures = 0
-            if self._closed:
+            if self.turns.closed:
                 surplus = True
             elif len(self._active) < self.size:
                 self._active.append(w)
@@ -663,7 +571,7 @@ class Pool:
                 surplus = True
             if surplus:
                 w.post(Shutdown())
-            self._dispatch_locked()
+            self.turns.dispatch_locked()
             self._changed.notify_all()
 
     # ---- internals: the spawner ------------------------------------------------------
@@ -675,7 +583,7 @@ class Pool:
         """Keep ``size`` workers and a spare; a failed start is retried with backoff."""
         while True:
             with self._lock:
-                while not self._closed:
+                while not self.turns.closed:
                     if self._missing_locked() > 0:
                         wait = self._next_spawn - time.monotonic()
                         if wait <= 0:
@@ -683,7 +591,7 @@ class Pool:
                         self._changed.wait(wait)
                     else:
                         self._changed.wait()
-                if self._closed:
+                if self.turns.closed:
                     return
                 self._starting += 1
             self._spawn_one()
@@ -759,7 +667,8 @@ class Pool:
         """One attempt at ``w``'s whole tree; True when nothing of it is left alive. A
         turn's job learns how, and what died (``kill_via``, ``kill_procs``), and what its
         leaf counted, before the end is reported."""
-        job = w.job
+        with self._lock:
+            job = self.turns.job_of_locked(w)
         if w.leaf is not None:
             try:
                 dead = _contain.cgroup_pass(w.leaf, w.found)
@@ -789,30 +698,19 @@ class Pool:
         return dead
 
     def _walk_pass(self, w: _Worker) -> bool:
+        def seen(procs: list[psutil.Process]) -> None:
+            _contain.describe(procs, w.found)
+            w.tree_pids.update(p.pid for p in procs if p.pid != w.pid)
+
         try:
             # A living (frozen) worker is the root of its whole tree: orphans re-parent to
-            # it (a subreaper). Once it is gone its tree has dispersed: find it by its tag.
-            rooted = w.alive()
-            orphans: list[int] | None = []
-            if rooted:
-                procs = freeze([w.pid], group=w.pid)
-            else:
-                # what its death left with the forkserver (a subreaper), env-cleared
-                # escapees included; None: a worker is starting, look again next pass
-                orphans = _contain.forkserver_orphans()
-                procs = freeze(orphans or [], group=w.pid, token=w.token)
-            _contain.describe(procs, w.found)
-            kill_found(procs, group=w.pid)
-            w.tree_pids.update(p.pid for p in procs if p.pid != w.pid)
-            if all_dead(procs, 0.2) and orphans is not None:
-                if rooted:
-                    return True  # the tree was frozen whole before the kill: nothing is new
-                # walk again: a pass that finds nothing alive is the proof
-                again = _contain.forkserver_orphans()
-                rest = kill_tree(again or [], group=w.pid, token=w.token)
-                _contain.describe(rest, w.found)
-                if again is not None and not any(alive(p) for p in rest):
-                    return True
+            # it (a subreaper). Once it is gone its tree has dispersed: what its death
+            # left with the forkserver (a subreaper), env-cleared escapees included, and
+            # what carries its tag.
+            root = w.pid if w.alive() else None
+            orphans = _contain.forkserver_orphans
+            if reap_pass(root, group=w.pid, token=w.token, orphans=orphans, seen=seen):
+                return True
             log.warning("worker.kill_retry", pid=w.pid, reason="processes still alive")
         except OSError as exc:  # out of descriptors, typically: try again later
             log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
@@ -849,85 +747,14 @@ class Pool:
                 log.warning("frame.rejected", pid=w.pid, error="a second Ready")
             case Ready():
                 self._on_ready(w)
-            case Say():
-                job = self._job_of(w, frame.turn)
-                if job is not None:
-                    job.sink.said(frame)
-            case ToolCall():
-                job = self._job_of(w, frame.turn)
-                if job is not None:
-                    self._reply(w, self.host.on_tool_call(job, frame))
-            case Delivered():
-                job = self._job_of(w, frame.turn)
-                if job is not None:
-                    job.sink.delivered(frame)
-            case Progress():
-                job = self._job_of(w, frame.turn)
-                if job is not None:
-                    job.sink.progress(frame)
-            case Escalating():
-                job = self._job_of(w, frame.turn)
-                if job is not None:
-                    job.sink.escalating(frame)
-            case ToolKilled():
-                job = self._job_of(w, frame.turn)
-                if job is not None:
-                    job.sink.tool_killed(frame)
-            case TurnEnd():
-                with self._lock:
-                    job = w.job
-                    if job is None or job.turn != frame.turn or w.doomed:
-                        return  # a kill is under way: the exit path reports this turn
-                    w.job = None
-                    del self._jobs[job.turn]
-                    del self._where[job.turn]
-                    if w.leaf is not None:  # before the next turn resets its baselines
-                        job.resources = w.leaf.usage()
-                    if w.frozen_for is not None:
-                        # A pause stopped it after its driver had ended: its turn is
-                        # over, and no turn may go to a stopped worker. The spare
-                        # takes its place; the reaper ends it.
-                        log.info("worker.stopped_at_end", pid=w.pid, turn=job.turn)
-                        self._doom_locked(w)
-                    else:
-                        self._dispatch_locked()
-                job.sink.ended(job.turn, frame, None)
             case ProbeReply():
                 with self._lock:
                     self._probe_replies[frame.driver] = frame.error
                     self._probe_done.notify_all()
-
-    def _reply(self, w: _Worker, reply: ToolReply) -> None:
-        try:
-            w.post(reply)
-        except FrameError as exc:  # the driver waits for an answer: give it one it can read
-            w.post(
-                ToolReply(
-                    turn=reply.turn,
-                    call=reply.call,
-                    code="invalid-params",
-                    message=f"the result is too large to return: {exc.message}",
-                )
-            )
-
-    def _job_of(self, w: _Worker, turn: str) -> TurnJob | None:
-        """The job a frame from ``w`` names. A frame for any other turn is dropped (a
-        worker never speaks for another session's turn); only a late one for the turn it
-        just ran (an answer crossing its end) goes unlogged."""
-        job = w.job
-        if job is not None and job.turn == turn:
-            return job
-        if turn != w.last_turn:
-            log.warning("frame.rejected", pid=w.pid, turn=turn, error="not this worker's turn")
-        return None
+            case _:
+                self.turns.on_frame(w, frame)
 
     # ---- internals: the end ----------------------------------------------------------
-
-    def _report(self, w: _Worker, job: TurnJob, error: str) -> None:
-        try:
-            job.sink.ended(job.turn, None, error)
-        except Exception:
-            log.exception("worker.report_failed", pid=w.pid, turn=job.turn)
 
     def _maybe_finish(self, w: _Worker) -> None:
         """Once its tree is dead and its reader done: report its turn, forget the worker.
@@ -939,26 +766,21 @@ class Pool:
             if w.finished or not (w.tree_dead and w.reader_done):
                 return
             w.finished = True
-            job, w.job = w.job, None
-            if job is not None:
-                self._jobs.pop(job.turn, None)
-                self._where.pop(job.turn, None)
         w.stop_sending()
         w.channel.close()
-        if job is not None and w.killed:
+        if w.killed:
             # The tree is dead (that is what reporting waits for): a killed turn's end
             # needs nothing from the forkserver's exit report, so it goes first.
-            self._report(w, job, w.error or "killed")
-            job = None
+            self.turns.dead(w, w.error)
         w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the forkserver's report
         _contain.forget_worker(w.pid)
         if w.leaf is not None and not w.leaf.remove():
             log.warning("worker.leaf_left", pid=w.pid, leaf=w.leaf.path)
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
         code = w.process.exitcode
+        job = self.turns.dead(w, w.error or f"the worker exited with code {code}")
         if job is not None:
             log.warning("worker.crashed", pid=w.pid, turn=job.turn, exitcode=code)
-            self._report(w, job, w.error or f"the worker exited with code {code}")
         elif w.killed:
             log.debug("worker.reaped", pid=w.pid, exitcode=code)
         with self._lock:

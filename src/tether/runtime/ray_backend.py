@@ -19,6 +19,11 @@
                  ▼                                            the child's tree, escapees
     store, inbox, authority: host-only                        included; answers when dead
 
+The queue, the held signals, the frames' handling and each turn's one report are the
+turn table's (``backends._turns``), shared with the local pool; this module drives the
+slots behind it (``_Slot``: start, post, kill, freeze, thaw). The reaper actor kills a
+tree with the pool's own walk (``_procs.reap_tree``).
+
 The host stays the Ray driver and opens no port: tool calls travel up the turn's own
 stream and their replies down the slot's ``send``. ``workers=N`` slots take turns and
 ``spare`` warm ones wait (a new actor takes seconds to start; default one). After an
@@ -47,21 +52,16 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnJob
-from tether.runtime.pool import PoolHost
-from tether.wire.codec import MAX_FRAME
-from tether.wire.errors import DriverNotFound, InvalidParams, TetherError
-from tether.wire.frames import (
-    Delivered,
-    Escalating,
-    HostFrame,
-    Progress,
-    Say,
-    ToolCall,
-    ToolKilled,
-    ToolReply,
-    TurnEnd,
-    WorkerFrame,
+from tether.runtime.backends._turns import (
+    DriverChecks,
+    TableBackend,
+    Turns,
+    WorkerGone,
+    WorkerHost,
 )
+from tether.wire.codec import MAX_FRAME
+from tether.wire.errors import FrameError, InvalidParams, TetherError
+from tether.wire.frames import HostFrame, RunTurn, WorkerFrame
 
 __all__ = ["RayBackend", "ensure_ray", "ray_stdout_to_stderr", "shutdown_ray"]
 
@@ -198,9 +198,10 @@ def _errors_to_stderr() -> None:
 
 
 class _Slot:
-    """The host's view of one slot actor."""
+    """The host's view of one slot actor, and the turn table's driver of it."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, backend: RayBackend, actor: Any) -> None:
+        self.backend = backend
         self.actor = actor
         self.pid = 0  # the actor's process (on its node)
         self.node = ""
@@ -210,11 +211,12 @@ class _Slot:
         self.leaf: str | None = None  # the child's cgroup leaf (cgroup containment), on that node
         self.containment = "walk"
         self.cgroup_error: str | None = None
-        self.job: TurnJob | None = None
+        self.turn: str | None = None  # the turn it runs (or ran last)
         self.seq = 0  # the next host→worker frame number of the current turn
-        self.killing = False
+        self.killing = False  # its tree is being killed: no turn until it restarted
         self.stream_done = threading.Event()
         self.lost = False
+        self.frozen: list[int] = []  # the escapees its turn's pause stopped
 
     def update(self, info: dict[str, Any]) -> None:
         self.pid = int(info["pid"])
@@ -226,8 +228,65 @@ class _Slot:
         self.containment = str(info.get("containment") or "walk")
         self.cgroup_error = info.get("cgroup_error")
 
+    # ---- the turn table's Worker (start, post, kill under the backend's lock) ---------
 
-class RayBackend:
+    def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
+        encode = self.backend.encode
+        start = encode(run)
+        pending = [encode(f) for f in rest]
+        self.turn = job.turn
+        self.seq = len(pending)
+        self.frozen = []
+        self.stream_done.clear()
+        threading.Thread(
+            target=self.backend._stream,
+            args=(self, job, start, pending),
+            name=f"tether-ray-turn-{job.turn}",
+            daemon=True,
+        ).start()
+
+    def post(self, frame: HostFrame, *, bounded: bool) -> None:
+        """Numbered, so the slot hands them on in issue order (Ray runs an actor's calls
+        of different concurrency groups in no particular order)."""
+        payload = self.backend.encode(frame)
+        seq, self.seq = self.seq, self.seq + 1
+        with contextlib.suppress(Exception):  # a lost slot: its stream reports the turn
+            self.actor.send.remote(self.turn, seq, payload)
+
+    def kill(self) -> None:
+        self.killing = True
+        threading.Thread(
+            target=self.backend._abort, args=(self, self.turn), name="tether-ray-abort", daemon=True
+        ).start()
+
+    def turn_over(self, job: TurnJob) -> None:
+        self.frozen = []
+
+    def freeze(self, turn: str) -> None:
+        backend = self.backend
+        with backend._lock:
+            if self.killing or self.child is None or not backend.turns.runs_locked(self, turn):
+                return
+            child, leaf, reaper = self.child, self.leaf, backend._reaper_locked(self.node)
+        try:
+            escapees = _ray().get(reaper.freeze.remote(child, leaf), timeout=_CALL_TIMEOUT)
+        except Exception as exc:
+            raise TetherError(f"could not freeze the turn on its Ray node: {exc}") from None
+        with backend._lock:
+            self.frozen = list(escapees)
+
+    def thaw(self, turn: str) -> None:
+        backend = self.backend
+        with backend._lock:
+            if self.child is None or not backend.turns.runs_locked(self, turn):
+                return
+            escapees, self.frozen = self.frozen, []
+            child, leaf, reaper = self.child, self.leaf, backend._reaper_locked(self.node)
+        with contextlib.suppress(Exception):
+            _ray().get(reaper.thaw.remote(child, escapees, leaf), timeout=_CALL_TIMEOUT)
+
+
+class RayBackend(TableBackend[_Slot]):
     """``size`` Ray actor slots plus ``spare`` warm ones; FIFO dispatch across sessions.
 
     Settings: ``address`` (the cluster; None starts a local one, unless this process
@@ -246,7 +305,7 @@ class RayBackend:
     def __init__(
         self,
         size: int,
-        host: PoolHost,
+        host: WorkerHost,
         *,
         address: str | None = None,
         slot_options: dict[str, Any] | None = None,
@@ -267,7 +326,6 @@ class RayBackend:
         self.spare = spare
         self._containment = containment
         self._refused: str | None = None  # why a node cannot give cgroup containment
-        self.host = host
         self.abort_timeout = float(abort_timeout)
         self._owns_ray = ensure_ray(address, runtime_env=runtime_env, init_options=init_options)
         self._node = _driver_node()
@@ -284,22 +342,17 @@ class RayBackend:
         )
         self._decoder = msgspec.msgpack.Decoder(WorkerFrame)
         self._encoder = msgspec.msgpack.Encoder()
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        # the turns, and the lock under which they and the slots change together
+        self.turns: Turns[_Slot] = Turns(host, self._idle_locked)
+        self._lock = self.turns.lock
+        self._changed = self.turns.changed
         self._active: list[_Slot] = []
         self._spares: deque[_Slot] = deque()
         self._all: set[_Slot] = set()
         self._starting = 0
         self._failures = 0
-        self._queue: deque[TurnJob] = deque()
-        self._jobs: dict[str, TurnJob] = {}
-        self._where: dict[str, _Slot] = {}
-        self._frozen: dict[str, list[int]] = {}
         self._reapers: dict[str, Any] = {}
-        self._probed: set[str] = set()
-        self._probe_lock = threading.Lock()
-        self._closed = False
-        self._draining = False
+        self._checks = DriverChecks()
         try:
             with self._lock:
                 for _ in range(size + spare):
@@ -321,99 +374,7 @@ class RayBackend:
             self.close()
             raise
 
-    # ---- Executor ---------------------------------------------------------------------
-
-    def submit(self, job: TurnJob) -> None:
-        with self._lock:
-            if self._closed:
-                raise TetherError("the runtime is closed")
-            self._jobs[job.turn] = job
-            self._queue.append(job)
-            self._dispatch_locked()
-
-    def accepting(self) -> bool:
-        return not self._draining
-
-    def dispatched(self, turn: str) -> bool:
-        return turn in self._where
-
-    def signal(self, turn: str, frame: HostFrame) -> None:
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            s = self._where.get(turn)
-            if s is None:
-                job.hold(frame)  # bounded: a steer past HELD_BYTES is refused
-                return
-            if s.killing:
-                return
-            seq = s.seq
-            s.seq += 1
-        self._send(s, turn, seq, self._encoder.encode(frame))
-
-    def kill(self, turn: str) -> None:
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            s = self._where.get(turn)
-            if s is None:
-                self._queue.remove(job)
-                del self._jobs[turn]
-            elif s.killing:
-                return
-            else:
-                s.killing = True
-        if s is None:
-            job.sink.ended(turn, None, "killed before a worker took it")
-            return
-        threading.Thread(
-            target=self._abort, args=(s, job), name="tether-ray-abort", daemon=True
-        ).start()
-
-    def freeze(self, turn: str) -> None:
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            s = self._where.get(turn)
-            if s is None:
-                job.frozen = True  # dispatch passes it over until thawed
-                return
-            if s.killing or s.child is None:
-                return
-            reaper = self._reaper_locked(s.node)
-        ray = _ray()
-        try:
-            escapees = ray.get(reaper.freeze.remote(s.child, s.leaf), timeout=_CALL_TIMEOUT)
-        except Exception as exc:
-            raise TetherError(f"could not freeze the turn on its Ray node: {exc}") from None
-        with self._lock:
-            self._frozen[turn] = list(escapees)
-
-    def thaw(self, turn: str) -> None:
-        with self._lock:
-            job = self._jobs.get(turn)
-            if job is None:
-                return
-            s = self._where.get(turn)
-            if s is None:
-                job.frozen = False
-                self._dispatch_locked()
-                return
-            escapees = self._frozen.pop(turn, [])
-            if s.child is None:
-                return
-            reaper = self._reaper_locked(s.node)
-        ray = _ray()
-        with contextlib.suppress(Exception):
-            ray.get(reaper.thaw.remote(s.child, escapees, s.leaf), timeout=_CALL_TIMEOUT)
-
     # ---- what the Runtime needs besides ---------------------------------------------
-
-    def drain(self) -> None:
-        self._draining = True
 
     @property
     def containment(self) -> str:
@@ -426,34 +387,39 @@ class RayBackend:
         """A slot's idle child imports ``driver`` (the host never runs driver code): a
         spare's, else an idle slot's, else (every slot busy, ``spare=0``) a new process
         beside a busy slot's turn."""
-        if driver in self._probed:
-            return
-        ray = _ray()
-        with self._probe_lock:
-            for _ in range(3):
-                with self._lock:
-                    if self._closed:
-                        raise TetherError("the runtime is closed")
-                    idle = [*self._spares, *(s for s in self._active if self._idle_locked(s))]
-                    slots = idle or list(self._active)
-                    if not slots:
-                        raise TetherError("no Ray slot to check the driver on")
-                    # submitted under the lock: no turn can be dispatched to it before
-                    target = slots[0]
-                    call = (target.actor.probe if idle else target.actor.check).remote(driver)
-                try:
-                    error = ray.get(call, timeout=_CALL_TIMEOUT)
-                except Exception:
-                    continue  # that slot died meanwhile: ask another
-                if error is not None:
-                    raise DriverNotFound(error)
-                self._probed.add(driver)
-                return
-        raise TetherError("workers kept dying while checking the driver")
+        self._checks.check(driver, self._probe_slot)
 
-    @staticmethod
-    def _idle_locked(s: _Slot) -> bool:
-        return s.job is None and not s.killing and s.child is not None
+    def _probe_slot(self, driver: str) -> str | None:
+        with self._lock:
+            if self.turns.closed:
+                raise TetherError("the runtime is closed")
+            idle = [*self._spares, *(s for s in self._active if self._free_locked(s))]
+            slots = idle or list(self._active)
+            if not slots:
+                raise TetherError("no Ray slot to check the driver on")
+            # submitted under the lock: no turn can be dispatched to it before
+            target = slots[0]
+            call = (target.actor.probe if idle else target.actor.check).remote(driver)
+        try:
+            error: str | None = _ray().get(call, timeout=_CALL_TIMEOUT)
+        except Exception:
+            raise WorkerGone from None  # that slot died meanwhile: ask another
+        return error
+
+    def _free_locked(self, s: _Slot) -> bool:
+        """No turn, no kill under way, a child to run the next turn in."""
+        return self.turns.job_of_locked(s) is None and not s.killing and s.child is not None
+
+    def _idle_locked(self) -> _Slot | None:
+        """An active slot free to take a turn (the table's ``idle``)."""
+        return next((s for s in self._active if self._free_locked(s)), None)
+
+    def encode(self, frame: HostFrame) -> bytes:
+        """``frame``'s bytes for a slot; FrameError over the frame cap."""
+        payload = self._encoder.encode(frame)
+        if len(payload) > MAX_FRAME:
+            raise FrameError(f"frame of {len(payload)} bytes is over the {MAX_FRAME}-byte cap")
+        return payload
 
     def worker_pids(self) -> list[int]:
         """The turn children's pids (on their nodes), spare included."""
@@ -471,18 +437,14 @@ class RayBackend:
         by this backend is shut down too); whatever is queued is reported as ended."""
         ray = _ray()
         with self._lock:
-            if self._closed:
+            if self.turns.closed:
                 return
-            self._closed = True
+            orphans = self.turns.close_locked()
             deadline = time.monotonic() + _START_TIMEOUT
             while self._starting > 0 and time.monotonic() < deadline:
                 self._changed.wait(deadline - time.monotonic())
             slots = list(self._all)
-            orphans = list(self._queue)
-            self._queue.clear()
-        for job in orphans:
-            self._jobs.pop(job.turn, None)
-            job.sink.ended(job.turn, None, "the runtime closed before a worker took it")
+        self.turns.unstarted(orphans)
         stops = [s.actor.shutdown.remote() for s in slots]
         with contextlib.suppress(Exception):
             ray.wait(stops, num_returns=len(stops), timeout=5.0)
@@ -525,7 +487,7 @@ class RayBackend:
         ray = _ray()
         s: _Slot | None = None
         try:
-            s = _Slot(self._slot_cls.remote(self._containment))
+            s = _Slot(self, self._slot_cls.remote(self._containment))
             info = ray.get(s.actor.info.remote(), timeout=_START_TIMEOUT)
             s.update(info)
             if self._containment == "cgroup" and s.containment != "cgroup":
@@ -542,7 +504,7 @@ class RayBackend:
                 self._starting -= 1
                 self._failures += 1
                 self._changed.notify_all()
-                if not self._closed and self._failures < 3:
+                if not self.turns.closed and self._failures < 3:
                     self._start_slot_locked()
             return
         with self._lock:
@@ -555,7 +517,7 @@ class RayBackend:
 
     def _place_locked(self, s: _Slot) -> None:
         """A ready slot joins the active set, or becomes the spare, or is surplus."""
-        if self._closed:
+        if self.turns.closed:
             pass  # close() stops it with the others
         elif s in self._active or s in self._spares:
             pass  # placed already (an abort and a crash of one turn both restart its slot)
@@ -565,7 +527,7 @@ class RayBackend:
             self._spares.append(s)
         else:
             self._retire_locked(s)
-        self._dispatch_locked()
+        self.turns.dispatch_locked()
         self._changed.notify_all()
 
     def _leave_locked(self, s: _Slot) -> None:
@@ -588,7 +550,7 @@ class RayBackend:
         self._replenish_locked()
 
     def _replenish_locked(self) -> None:
-        if self._closed or self._failures >= 3:
+        if self.turns.closed or self._failures >= 3:
             return
         restarting = sum(1 for s in self._all if s not in self._active and s not in self._spares)
         missing = self.size + self.spare - len(self._active) - len(self._spares)
@@ -615,7 +577,7 @@ class RayBackend:
             info = ray.get(s.actor.restart.remote(), timeout=_START_TIMEOUT)
         except Exception as exc:
             with self._lock:
-                if self._closed:
+                if self.turns.closed:
                     return  # close() stopped it meanwhile
             log.warning("ray.slot_restart_failed", pid=s.pid, error=repr(exc))
             with self._lock:
@@ -630,7 +592,7 @@ class RayBackend:
             s.killing = False
             if s not in self._all or s.lost:
                 return
-            if self._closed:
+            if self.turns.closed:
                 return
             self._place_locked(s)
 
@@ -678,33 +640,6 @@ class RayBackend:
 
     # ---- turns ------------------------------------------------------------------------
 
-    def _dispatch_locked(self) -> None:
-        while self._queue:
-            s = next((s for s in self._active if s.job is None and not s.killing), None)
-            if s is None:
-                return
-            job = next((j for j in self._queue if not j.frozen), None)
-            if job is None:
-                return
-            self._queue.remove(job)
-            s.job = job
-            s.stream_done.clear()
-            run, rest = job.start()
-            start = self._encoder.encode(run)
-            pending = [self._encoder.encode(f) for f in rest]
-            s.seq = len(pending)
-            self._where[job.turn] = s
-            threading.Thread(
-                target=self._stream,
-                args=(s, job, start, pending),
-                name=f"tether-ray-turn-{job.turn}",
-                daemon=True,
-            ).start()
-
-    def _send(self, s: _Slot, turn: str, seq: int, payload: bytes) -> None:
-        with contextlib.suppress(Exception):  # a lost slot: its stream reports the turn
-            s.actor.send.remote(turn, seq, payload)
-
     def _stream(self, s: _Slot, job: TurnJob, start: bytes, pending: list[bytes]) -> None:
         """One turn's stream: the worker's frames, then its end (or the slot's loss)."""
         ray = _ray()
@@ -722,11 +657,11 @@ class RayBackend:
             lost = f"the Ray slot running this turn was lost: {type(exc).__name__}"
         s.stream_done.set()
         if exit_item is None and lost is None:
-            return  # the turn ended with its TurnEnd: reported already
+            return  # the turn ended with its TurnEnd (reported), or a fault kills it
         with self._lock:
-            killing = s.killing
-        if killing:
-            return  # the abort reports this turn, once its tree is dead
+            if not self.turns.runs_locked(s, job.turn):
+                return  # a kill is under way: the abort reports this turn once it is dead
+            self.turns.lost_locked(s)
         if lost is not None:
             self._crashed_slot(s, job, lost)
         else:
@@ -739,64 +674,13 @@ class RayBackend:
             frame = self._decoder.decode(payload)
         except Exception as exc:  # SPEC §14.3: the worker is faulty, its turn crashed
             log.error("frame.rejected", pid=s.child, error=str(exc), fatal=True)
-            self._fault(s, job, f"protocol error: {exc}")
+            self.turns.fail(s, job.turn, f"protocol error: {exc}")
             return True
-        if frame is None or getattr(frame, "turn", job.turn) != job.turn:
-            return False
         try:
-            match frame:
-                case Say():
-                    job.sink.said(frame)
-                case ToolCall():
-                    reply = self.host.on_tool_call(job, frame)
-                    self._reply(s, job, reply)
-                case Delivered():
-                    job.sink.delivered(frame)
-                case Progress():
-                    job.sink.progress(frame)
-                case Escalating():
-                    job.sink.escalating(frame)
-                case ToolKilled():
-                    job.sink.tool_killed(frame)
-                case TurnEnd():
-                    with self._lock:
-                        if s.job is not job or s.killing:
-                            return True  # a kill is under way: the abort reports it
-                        s.job = None
-                        self._jobs.pop(job.turn, None)
-                        self._where.pop(job.turn, None)
-                        self._frozen.pop(job.turn, None)
-                        self._dispatch_locked()
-                    job.sink.ended(job.turn, frame, None)
-                    return True
+            return self.turns.on_frame(s, frame)
         except Exception:  # a bug handling one frame must not end the stream
             log.exception("frame.failed", pid=s.child)
         return False
-
-    def _reply(self, s: _Slot, job: TurnJob, reply: ToolReply) -> None:
-        payload = self._encoder.encode(reply)
-        if len(payload) > MAX_FRAME:  # the driver waits for an answer: one it can read
-            payload = self._encoder.encode(
-                ToolReply(
-                    turn=reply.turn,
-                    call=reply.call,
-                    code="invalid-params",
-                    message=f"the result is too large to return: {len(payload)} bytes",
-                )
-            )
-        with self._lock:
-            if s.job is not job or s.killing:
-                return
-            seq = s.seq
-            s.seq += 1
-        self._send(s, job.turn, seq, payload)
-
-    def _forget_locked(self, s: _Slot, job: TurnJob) -> None:
-        if s.job is job:
-            s.job = None
-        self._jobs.pop(job.turn, None)
-        self._where.pop(job.turn, None)
-        self._frozen.pop(job.turn, None)
 
     def _crashed_child(self, s: _Slot, job: TurnJob, item: dict[str, Any]) -> None:
         """The turn's child died on its own; the slot killed what it left and answered."""
@@ -807,11 +691,9 @@ class RayBackend:
             error = f"the worker exited with code {item.get('exit')}"
         log.warning("worker.crashed", pid=s.child, turn=job.turn, error=error)
         with self._lock:
-            self._forget_locked(s, job)
             s.child = None
             self._leave_locked(s)
-            self._dispatch_locked()
-        job.sink.ended(job.turn, None, error)
+        self.turns.dead(s, error, turn=job.turn)
         self._restart(s)
 
     def _crashed_slot(self, s: _Slot, job: TurnJob, error: str) -> None:
@@ -822,12 +704,10 @@ class RayBackend:
             self._last_resort(s, child, token, leaf, job.turn)
         log.warning("ray.slot_lost", pid=s.pid, turn=job.turn)
         with self._lock:
-            self._forget_locked(s, job)
             s.child = None
             if s in self._all:
                 self._retire_locked(s)
-            self._dispatch_locked()
-        job.sink.ended(job.turn, None, error)
+        self.turns.dead(s, error, turn=job.turn)
 
     def _reap(self, node: str, child: int, token: str, leaf: str | None, timeout: float) -> bool:
         """One try: the node's reaper kills the tree of ``child``; True once it saw it
@@ -851,7 +731,7 @@ class RayBackend:
         with contextlib.suppress(Exception):
             ray.kill(s.actor, no_restart=True)
         pause = 0.05
-        while not self._closed:
+        while not self.turns.closed:
             with self._lock:
                 old = self._reapers.pop(s.node, None)
             if old is not None:
@@ -865,33 +745,22 @@ class RayBackend:
             time.sleep(pause)  # a reaper that cannot start: try again, less often
             pause = min(pause * 2, 2.0)
 
-    def _fault(self, s: _Slot, job: TurnJob, error: str) -> None:
-        """The turn's worker spoke nonsense: kill its tree as an abort does, and end the
-        turn with ``error`` (crashed) once the tree is dead."""
-        with self._lock:
-            if s.job is not job or s.killing:
-                return
-            s.killing = True
-        threading.Thread(
-            target=self._abort, args=(s, job, error), name="tether-ray-fault", daemon=True
-        ).start()
-
-    def _abort(self, s: _Slot, job: TurnJob, error: str = "killed") -> None:
-        """Kill the turn's tree on its node; report its end (``killed``: ``aborted``)
-        only once it is dead."""
+    def _abort(self, s: _Slot, turn: str) -> None:
+        """Kill the turn's tree on its node (the table's kill, or a faulty worker);
+        report its end only once it is dead."""
         with self._lock:
             child, token, leaf = s.child, s.token, s.leaf
+            job = self.turns.job(turn)
         dead = child is None or self._reap(s.node, child, token, leaf, self.abort_timeout)
         if child is not None and not dead:
-            self._last_resort(s, child, token, leaf, job.turn)
-        if child is not None:  # the stop report's "how" (its process list: not on Ray yet)
+            self._last_resort(s, child, token, leaf, turn)
+        if child is not None and job is not None:
+            # the stop report's "how" (its process list: not on Ray yet)
             job.kill_via = "walk" if leaf is None else "cgroup"
         with self._lock:
-            self._forget_locked(s, job)
             s.child = None
             self._leave_locked(s)  # the spare takes over now
-            self._dispatch_locked()
-        job.sink.ended(job.turn, None, error)
+        self.turns.dead(s, None, turn=turn)
         # The slot itself: a new child if it answers, else (frozen, lost) a replacement.
         if dead and s.stream_done.wait(self.abort_timeout):
             with self._lock:

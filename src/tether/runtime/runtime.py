@@ -41,9 +41,14 @@ from tether.actors.ports import Executor, TurnJob
 from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
 from tether.runtime._log import configure_logging
-from tether.runtime.backend import Backend, BackendFactory, check_backend, make_backend
+from tether.runtime.backend import (
+    Backend,
+    BackendFactory,
+    WorkerHost,
+    check_backend,
+    make_backend,
+)
 from tether.runtime.claims import ClaimGate
-from tether.runtime.pool import PoolHost
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.wire.codec import MAX_FRAME
@@ -164,7 +169,7 @@ class _EventBus:
                 self.changed.notify_all()
 
 
-class _Host(PoolHost):
+class _Host(WorkerHost):
     """The pool's view of the runtime: tool calls from workers."""
 
     def __init__(self, runtime: Runtime) -> None:

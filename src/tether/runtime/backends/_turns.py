@@ -1,0 +1,481 @@
+"""The turn table: one turn's life on any backend, the SPEC §14.6 contract in one place.
+
+::
+
+                submit                 an idle worker W takes it
+      ──────────────────► QUEUED ─────────────────────────────► DISPATCHED on W
+                            │                                     │        │
+      killed before a worker│took it, the runtime closed,         │        │ W's TurnEnd
+      the turn cannot start:│reported at once (no tree)           │        │
+                            ▼                                     │        ▼
+                          DONE ◄──────────────────────────────────┼────── DONE
+                            ▲    W's tree died on its own and is  │   (reported, forgotten)
+                            │    dead (``dead``)                  │
+                            │                                     │ kill; W faulty or lost
+                            │                                     ▼
+                            └────── W's tree is dead (``dead``) ─ KILLING
+
+- A signal for a QUEUED turn is held on its job (``TurnJob.hold``, bounded) and rides
+  in its start; for a DISPATCHED one it is posted to W at once (never blocking), under
+  the table's lock, so frames reach the worker in issue order; a KILLING turn's is
+  dropped.
+- A frame from W is for the turn W runs, or it is dropped. A TurnEnd ends a DISPATCHED
+  turn; a KILLING turn's TurnEnd is ignored: its end is reported only once W's tree is
+  dead, which the backend says by calling ``dead`` (the kill's done callback).
+- Every way to DONE forgets the turn under the lock, once: each turn is reported once.
+
+A backend drives its workers: it owns them (start, spare, respawn, where they run) and
+offers each to the table as a :class:`Worker`. It shares the table's lock, so its own
+bookkeeping and the turns change together.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import structlog
+
+from tether.actors.ports import TurnJob
+from tether.wire.errors import DriverNotFound, FrameError, TetherError
+from tether.wire.frames import (
+    Delivered,
+    Escalating,
+    HostFrame,
+    Preempt,
+    Progress,
+    RunTurn,
+    Say,
+    SteerFrame,
+    ToolCall,
+    ToolKilled,
+    ToolReply,
+    TurnEnd,
+    WorkerFrame,
+)
+
+__all__ = [
+    "DriverChecks",
+    "TableBackend",
+    "TurnState",
+    "Turns",
+    "Worker",
+    "WorkerGone",
+    "WorkerHost",
+]
+
+log = structlog.get_logger("tether.turns")
+
+
+class WorkerHost:
+    """What a backend asks of the runtime for a worker's frames (overridden by Runtime).
+
+    A driver's entries (``Say``) are not among them: they go to the turn's sink, in
+    order with its other reports, so that the session's host writes them.
+    """
+
+    def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
+        raise NotImplementedError
+
+
+class TurnState(enum.Enum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    KILLING = "killing"
+    DONE = "done"
+
+
+_NEXT: dict[TurnState, frozenset[TurnState]] = {
+    TurnState.QUEUED: frozenset({TurnState.DISPATCHED, TurnState.DONE}),
+    TurnState.DISPATCHED: frozenset({TurnState.KILLING, TurnState.DONE}),
+    TurnState.KILLING: frozenset({TurnState.DONE}),
+    TurnState.DONE: frozenset(),
+}
+
+
+class Worker(Protocol):
+    """What the table asks of one worker (its backend's driver of it).
+
+    ``start``, ``post`` and ``kill`` are called under the table's lock and must not
+    block; ``freeze`` and ``thaw`` are called outside it and may wait (a remote call, the
+    kernel's "frozen 1"): they check with ``Turns.runs_locked`` that the worker still
+    runs ``turn``.
+    """
+
+    def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
+        """Begin ``job``: post ``run`` and the frames held for it. Raise (FrameError, or
+        anything) to refuse it before anything is sent: the turn then ends crashed."""
+
+    def post(self, frame: HostFrame, *, bounded: bool) -> None:
+        """Queue ``frame`` for the running turn, never blocking. FrameError over the cap;
+        ``bounded``: InvalidParams where the worker cannot take more now (HELD_BYTES)."""
+
+    def kill(self) -> None:
+        """Start killing this worker's tree. Once nothing of it is alive the backend
+        calls ``Turns.dead`` for it: the kill's done callback."""
+
+    def freeze(self, turn: str) -> None:
+        """Stop ``turn`` in place (its group and every escapee, or its cgroup)."""
+
+    def thaw(self, turn: str) -> None:
+        """Undo ``freeze``."""
+
+    def turn_over(self, job: TurnJob) -> None:
+        """``job`` ended with its TurnEnd and is forgotten (called under the lock, before
+        the worker may take another turn)."""
+
+
+W = TypeVar("W", bound=Worker)
+
+
+@dataclass(eq=False)
+class _Turn(Generic[W]):
+    job: TurnJob
+    state: TurnState = TurnState.QUEUED
+    worker: W | None = None
+    reason: str | None = None  # why it is being killed, when the kill was asked for
+
+    def to(self, state: TurnState) -> None:
+        if state not in _NEXT[self.state]:
+            raise RuntimeError(f"turn {self.job.turn}: no way from {self.state} to {state}")
+        self.state = state
+
+
+class Turns(Generic[W]):
+    """Every turn a backend holds, from submit to its one report.
+
+    ``idle`` (called under the lock) names a worker that may take a turn now, or None.
+    The methods of :class:`~tether.actors.ports.Executor` are here; a backend exposes
+    them (``submit`` ... ``dispatched``) and adds its workers.
+    """
+
+    def __init__(self, host: WorkerHost, idle: Callable[[], W | None]) -> None:
+        self.host = host
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.closed = False  # no new turns (set under the lock)
+        self.draining = False
+        self._idle = idle
+        self._turns: dict[str, _Turn[W]] = {}
+        self._queue: deque[_Turn[W]] = deque()
+        self._on: dict[W, _Turn[W]] = {}  # worker -> the turn it runs (or whose tree dies)
+        # the turn each worker ran last: a late frame of it (an answer crossing its end)
+        # is dropped without a warning
+        self._last: weakref.WeakKeyDictionary[W, str] = weakref.WeakKeyDictionary()
+
+    # ---- the Executor --------------------------------------------------------------
+
+    def submit(self, job: TurnJob) -> None:
+        with self.lock:
+            if self.closed:
+                raise TetherError("the runtime is closed")
+            rec: _Turn[W] = _Turn(job)
+            self._turns[job.turn] = rec
+            self._queue.append(rec)
+            self.dispatch_locked()
+
+    def dispatched(self, turn: str) -> bool:
+        """True once a worker took ``turn``; False while it waits for one (or is unknown)."""
+        rec = self._turns.get(turn)  # one dict read: no lock needed
+        return rec is not None and rec.worker is not None
+
+    def accepting(self) -> bool:
+        return not self.draining
+
+    def drain(self) -> None:
+        """Take no new turns (the runtime is closing); running ones go on."""
+        self.draining = True
+
+    def signal(self, turn: str, frame: HostFrame) -> None:
+        """InvalidParams for a steer or preempt past what may wait for ``turn`` (see
+        HELD_BYTES); a cancel, an escalation or an answer is never refused."""
+        with self.lock:
+            rec = self._turns.get(turn)
+            if rec is None:
+                return
+            if rec.state is TurnState.QUEUED:
+                rec.job.hold(frame)
+            elif rec.state is TurnState.DISPATCHED:
+                assert rec.worker is not None
+                rec.worker.post(frame, bounded=isinstance(frame, SteerFrame | Preempt))
+
+    def kill(self, turn: str) -> None:
+        with self.lock:
+            rec = self._turns.get(turn)
+            if rec is None or rec.state is TurnState.KILLING:
+                return  # gone, or dying already: its end reports it
+            if rec.state is TurnState.DISPATCHED:
+                assert rec.worker is not None
+                rec.to(TurnState.KILLING)
+                rec.reason = "killed"
+                rec.worker.kill()
+                return
+            self._queue.remove(rec)
+            self._forget_locked(rec)
+        self._report(rec.job, "killed before a worker took it")
+
+    def freeze(self, turn: str) -> None:
+        with self.lock:
+            rec = self._turns.get(turn)
+            if rec is None or rec.state is TurnState.KILLING:
+                return
+            if rec.worker is None:
+                rec.job.frozen = True  # dispatch passes it over until thawed
+                return
+            w = rec.worker
+        w.freeze(turn)
+
+    def thaw(self, turn: str) -> None:
+        with self.lock:
+            rec = self._turns.get(turn)
+            if rec is None or rec.state is TurnState.KILLING:
+                return  # being killed: it stays frozen until it is dead
+            if rec.worker is None:
+                rec.job.frozen = False
+                self.dispatch_locked()
+                return
+            w = rec.worker
+        w.thaw(turn)
+
+    # ---- for the backends ----------------------------------------------------------
+
+    def job(self, turn: str) -> TurnJob | None:
+        """The job of a turn still held (queued, running or dying)."""
+        rec = self._turns.get(turn)
+        return None if rec is None else rec.job
+
+    def worker(self, turn: str) -> W | None:
+        """The worker running ``turn`` (or killing its tree); None while it waits."""
+        rec = self._turns.get(turn)
+        return None if rec is None else rec.worker
+
+    def job_of_locked(self, w: W) -> TurnJob | None:
+        """The turn ``w`` runs (or whose tree it is killing)."""
+        rec = self._on.get(w)
+        return None if rec is None else rec.job
+
+    def runs_locked(self, w: W, turn: str) -> bool:
+        """``w`` runs ``turn`` and nothing is killing it."""
+        rec = self._on.get(w)
+        return rec is not None and rec.job.turn == turn and rec.state is TurnState.DISPATCHED
+
+    def dispatch_locked(self) -> None:
+        """Hand queued turns to idle workers, first come first served, a frozen one
+        passed over. Never raises: it runs inside the handling of other turns' ends,
+        which must go on; a turn that cannot start ends here."""
+        while self._queue:
+            w = self._idle()
+            if w is None:
+                return
+            rec = next((r for r in self._queue if not r.job.frozen), None)
+            if rec is None:
+                return
+            self._queue.remove(rec)
+            run, rest = rec.job.start()
+            rec.to(TurnState.DISPATCHED)
+            rec.worker = w
+            self._on[w] = rec
+            self._last[w] = rec.job.turn
+            try:
+                w.start(rec.job, run, rest)
+            except Exception as exc:  # FrameError (over the cap), or unencodable input
+                detail = exc.message if isinstance(exc, FrameError) else repr(exc)
+                log.error("turn.unstartable", turn=rec.job.turn, error=detail)
+                self._forget_locked(rec)
+                self._report(rec.job, f"the turn is too large to start: {detail}")
+
+    def lost_locked(self, w: W) -> None:
+        """The backend is killing ``w``'s tree (it crashed, spoke nonsense, is shut
+        down): its turn is KILLING, and ends when ``dead`` is called for ``w``."""
+        rec = self._on.get(w)
+        if rec is not None and rec.state is TurnState.DISPATCHED:
+            rec.to(TurnState.KILLING)
+
+    def fail(self, w: W, turn: str, error: str) -> None:
+        """``w`` is faulty while it runs ``turn``: kill its tree as an abort does, and
+        end the turn crashed with ``error`` once the tree is dead."""
+        with self.lock:
+            rec = self._on.get(w)
+            if rec is None or rec.job.turn != turn or rec.state is not TurnState.DISPATCHED:
+                return
+            rec.to(TurnState.KILLING)
+            rec.reason = error
+            w.kill()
+
+    def dead(self, w: W, error: str | None, *, turn: str | None = None) -> TurnJob | None:
+        """``w``'s tree is dead: end its turn (``turn``: only if it is that one) with
+        ``error``, else the kill's reason, and forget it. Returns the job it reported,
+        None when ``w`` had no turn left to report."""
+        with self.lock:
+            rec = self._on.get(w)
+            if rec is None or (turn is not None and rec.job.turn != turn):
+                return None
+            self._forget_locked(rec)
+            self.dispatch_locked()
+        self._report(rec.job, error or rec.reason or "the worker ended")
+        return rec.job
+
+    def close_locked(self) -> list[TurnJob]:
+        """No new turns; the queued ones are forgotten and returned, for ``unstarted``."""
+        self.closed = True
+        jobs = [rec.job for rec in self._queue]
+        for rec in list(self._queue):
+            self._forget_locked(rec)
+        self._queue.clear()
+        return jobs
+
+    def unstarted(self, jobs: list[TurnJob]) -> None:
+        """Report the turns that ``close_locked`` took from the queue."""
+        for job in jobs:
+            self._report(job, "the runtime closed before a worker took it")
+
+    # ---- a worker's frames ---------------------------------------------------------
+
+    def on_frame(self, w: W, frame: WorkerFrame) -> bool:
+        """Handle one frame of ``w``'s turn; True once that turn is over for ``w`` (its
+        TurnEnd). A worker's own frames (Ready, ProbeReply) are its backend's."""
+        match frame:
+            case TurnEnd():
+                return self._end(w, frame)
+            case Say() | ToolCall() | Delivered() | Progress() | Escalating() | ToolKilled():
+                job = self._job_of(w, frame.turn)
+            case _:
+                return False
+        if job is None:
+            return False
+        match frame:
+            case Say():
+                job.sink.said(frame)
+            case ToolCall():
+                self._answer(w, job, self.host.on_tool_call(job, frame))
+            case Delivered():
+                job.sink.delivered(frame)
+            case Progress():
+                job.sink.progress(frame)
+            case Escalating():
+                job.sink.escalating(frame)
+            case ToolKilled():
+                job.sink.tool_killed(frame)
+        return False
+
+    def _job_of(self, w: W, turn: str) -> TurnJob | None:
+        """The job a frame from ``w`` names. A frame for any other turn is dropped (a
+        worker never speaks for another session's turn); only a late one for the turn it
+        just ran (an answer crossing its end) goes unlogged."""
+        rec = self._on.get(w)  # one dict read: the frame's turn is checked below
+        if rec is not None and rec.job.turn == turn:
+            return rec.job
+        if turn != self._last.get(w):
+            log.warning("frame.rejected", turn=turn, error="not this worker's turn")
+        return None
+
+    def _end(self, w: W, frame: TurnEnd) -> bool:
+        with self.lock:
+            rec = self._on.get(w)
+            if rec is None or rec.job.turn != frame.turn:
+                return False
+            if rec.state is not TurnState.DISPATCHED:
+                return True  # a kill is under way: the tree's death reports this turn
+            self._forget_locked(rec)
+            w.turn_over(rec.job)
+            self.dispatch_locked()
+        rec.job.sink.ended(rec.job.turn, frame, None)
+        return True
+
+    def _answer(self, w: W, job: TurnJob, reply: ToolReply) -> None:
+        with self.lock:
+            if not self.runs_locked(w, job.turn):
+                return  # its tree is being killed: nobody waits for the answer
+            try:
+                w.post(reply, bounded=False)
+            except FrameError as exc:  # the driver waits for an answer: one it can read
+                w.post(
+                    ToolReply(
+                        turn=reply.turn,
+                        call=reply.call,
+                        code="invalid-params",
+                        message=f"the result is too large to return: {exc.message}",
+                    ),
+                    bounded=False,
+                )
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _forget_locked(self, rec: _Turn[W]) -> None:
+        rec.to(TurnState.DONE)
+        self._turns.pop(rec.job.turn, None)
+        if rec.worker is not None and self._on.get(rec.worker) is rec:
+            del self._on[rec.worker]
+
+    @staticmethod
+    def _report(job: TurnJob, error: str) -> None:
+        try:
+            job.sink.ended(job.turn, None, error)
+        except Exception:
+            log.exception("worker.report_failed", turn=job.turn)
+
+
+class TableBackend(Generic[W]):
+    """The :class:`~tether.actors.ports.Executor` of a backend whose turns live in
+    ``self.turns``: every method is the table's."""
+
+    turns: Turns[W]
+
+    def submit(self, job: TurnJob) -> None:
+        self.turns.submit(job)
+
+    def dispatched(self, turn: str) -> bool:
+        return self.turns.dispatched(turn)
+
+    def accepting(self) -> bool:
+        return self.turns.accepting()
+
+    def drain(self) -> None:
+        self.turns.drain()
+
+    def signal(self, turn: str, frame: HostFrame) -> None:
+        self.turns.signal(turn, frame)
+
+    def kill(self, turn: str) -> None:
+        self.turns.kill(turn)
+
+    def freeze(self, turn: str) -> None:
+        self.turns.freeze(turn)
+
+    def thaw(self, turn: str) -> None:
+        self.turns.thaw(turn)
+
+
+class WorkerGone(Exception):
+    """The worker asked to check a driver died meanwhile: ask another."""
+
+
+class DriverChecks:
+    """Each driver is checked once per backend (a worker imports it: the host never
+    runs driver code); a check whose worker died is asked again, twice at most."""
+
+    def __init__(self) -> None:
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, driver: str, ask: Callable[[str], str | None]) -> None:
+        """``ask(driver)``: a worker's error importing it, or None; raises WorkerGone
+        when that worker died. DriverNotFound with the error."""
+        if driver in self._checked:
+            return
+        with self._lock:
+            for _ in range(3):
+                try:
+                    error = ask(driver)
+                except WorkerGone:
+                    continue
+                if error is not None:
+                    raise DriverNotFound(error)
+                self._checked.add(driver)
+                return
+        raise TetherError("workers kept dying while checking the driver")
