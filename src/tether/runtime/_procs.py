@@ -301,8 +301,10 @@ def reap_tree(root: int, token: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         rooted = root if carries(root, TREE_ENV, token) else None
-        left = deadline - time.monotonic()
-        if reap_pass(rooted, group=root, token=token, wait=max(0.0, min(0.2, left))):
+        # a pass waits for what it killed, up to the deadline: a process killed by a
+        # rooted pass (an env-cleared escapee) may be beyond the next, unrooted, pass
+        left = max(0.0, deadline - time.monotonic())
+        if reap_pass(rooted, group=root, token=token, wait=left):
             return True
         if time.monotonic() >= deadline:
             return False

@@ -107,6 +107,8 @@ class Worker(Protocol):
     runs ``turn``.
     """
 
+    pid: int  # for the logs: the worker's process (Ray: its slot actor's)
+
     def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
         """Begin ``job``: post ``run`` and the frames held for it. Raise (FrameError, or
         anything) to refuse it before anything is sent: the turn then ends crashed."""
@@ -371,7 +373,7 @@ class Turns(Generic[W]):
         if rec is not None and rec.job.turn == turn:
             return rec.job
         if turn != self._last.get(w):
-            log.warning("frame.rejected", turn=turn, error="not this worker's turn")
+            log.warning("frame.rejected", pid=w.pid, turn=turn, error="not this worker's turn")
         return None
 
     def _end(self, w: W, frame: TurnEnd) -> bool:
