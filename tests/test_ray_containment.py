@@ -85,7 +85,7 @@ def _turn_child(rt: tether.Runtime, turn: str) -> psutil.Process:
     """The turn child running ``turn`` (the slot actor's child on this one-node cluster)."""
     pool: Any = rt._pool  # type: ignore[attr-defined]
     pid: int = eventually(
-        lambda: (s := pool._where.get(turn)) is not None and s.child, what="the turn on a slot"
+        lambda: (s := pool.turns.worker(turn)) is not None and s.child, what="the turn on a slot"
     )
     return psutil.Process(pid)
 
