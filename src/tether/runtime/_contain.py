@@ -155,6 +155,24 @@ def cgroup_pass(leaf: Leaf, found: dict[int, tuple[psutil.Process, ProcessFate]]
     return leaf.kill(pids=pids)
 
 
+def cgroup_kill_ahead(
+    items: list[tuple[Leaf, dict[int, tuple[psutil.Process, ProcessFate]]]],
+) -> None:
+    """Start the first kill of several leaves at once (a subtree abort dooms many workers
+    together): freeze them all, then list and ``cgroup.kill`` each without waiting, so
+    their processes die side by side; each leaf's own ``cgroup_pass`` then finds little
+    left to wait for. Errors are left to that pass (it retries)."""
+    first = [(leaf, found) for leaf, found in items if not found]
+    for leaf, _ in first:
+        with contextlib.suppress(OSError):
+            leaf.freeze()
+    for leaf, found in first:
+        with contextlib.suppress(OSError):
+            leaf.freeze(wait=_freeze_wait(found))
+            describe(leaf.pids(), found)
+            leaf.kill(wait=0.0)
+
+
 def _freeze_wait(found: dict[int, Any]) -> float:
     # Only the first pass waits for the freeze (so the list is exact); a retry kills
     # at once.

@@ -648,6 +648,9 @@ class Pool(TableBackend["_Worker"]):
                         break
                     nxt = min(self._doomed.values(), default=None)
                     self._changed.wait(None if nxt is None else nxt - now)
+            leaves = [(w.leaf, w.found) for w in due if w.leaf is not None]
+            if len(leaves) > 1:
+                _contain.cgroup_kill_ahead(leaves)
             for w in due:
                 dead = self._kill_pass(w)
                 with self._lock:
