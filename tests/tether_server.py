@@ -275,10 +275,13 @@ def shared_server(
         if p.pid not in before and p.pid not in others
     ]
     _, alive = psutil.wait_procs(leaked, timeout=5.0)
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = []
     for p in alive:
-        p.kill()
-    assert not alive, f"processes left after the shared server stopped: {alive}"
+        with suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid}:{' '.join(p.cmdline())[:80]}")
+                p.kill()
+    assert not left, f"processes left after the shared server stopped: {left}"
 
 
 def _children() -> set[int]:
