@@ -30,7 +30,7 @@ from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Struct, Value
 
-from tether_server import LiveServer, running_server, wait_until
+from tether_server import LiveServer, running_server, settle, shared_server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,11 +39,18 @@ HANG = [{"op": "hang"}]
 _ids = iter(range(1, 1 << 30))
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[LiveServer]:
-    # One server a test: the leak check counts the server's workers as the test's.
-    with running_server(tmp_path, "--cancel-deadline", "2") as live:
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with shared_server(tmp_path_factory.mktemp("a2a"), "--cancel-deadline", "2") as live:
         yield live
+
+
+@pytest.fixture
+def server(shared: LiveServer) -> Iterator[LiveServer]:
+    """The module's server; each task is a context of its own, and what a test leaves
+    running is aborted (and the server's processes checked) before the next."""
+    yield shared
+    settle(shared)
 
 
 @asynccontextmanager

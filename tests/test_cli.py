@@ -16,15 +16,23 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tether_server import TETHER, LiveServer, running_server, wait_until
+from tether_server import TETHER, LiveServer, running_server, settle, shared_server, wait_until
 
 HANG = json.dumps([{"op": "hang"}])
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[LiveServer]:
-    with running_server(tmp_path) as live:
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with shared_server(tmp_path_factory.mktemp("cli")) as live:
         yield live
+
+
+@pytest.fixture
+def server(shared: LiveServer) -> Iterator[LiveServer]:
+    """The module's server; each test opens its own sessions, and what it leaves running
+    is aborted (and the server's processes checked) before the next."""
+    yield shared
+    settle(shared)
 
 
 def tether(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from drivers import frozen
-from tether_server import LiveServer, running_server, wait_until
+from tether_server import LiveServer, running_server, settle, shared_server, wait_until
 
 try:
     from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
@@ -99,20 +99,47 @@ def page(browser: Browser) -> Iterator[Page]:
     assert not errors, errors
 
 
-@pytest.fixture(params=["loopback", "token"])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveServer]:
-    """A live server: loopback-only, and (the same flows) with ``--token``."""
+def _server_args(kind: str) -> list[str]:
     args = ["--workers", "4"]
-    if request.param == "token":
+    if kind == "token":
         args += ["--token", TOKEN]
-    with running_server(tmp_path, *args) as live:
+    return args
+
+
+@pytest.fixture(scope="module")
+def shared_loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with shared_server(tmp_path_factory.mktemp("loopback"), *_server_args("loopback")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def shared_token(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with shared_server(tmp_path_factory.mktemp("token"), *_server_args("token")) as live:
+        yield live
+
+
+@pytest.fixture(params=["loopback", "token"])
+def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """A live server: loopback-only, and (the same flows) with ``--token``. One of each
+    for the module: each test opens its own root and names it to the console, and what
+    it leaves running is aborted (and the server's processes checked) before the next."""
+    live: LiveServer = request.getfixturevalue(f"shared_{request.param}")
+    yield live
+    settle(live)
+
+
+@pytest.fixture(params=["loopback", "token"])
+def fresh_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveServer]:
+    """A server of the test's own, for a test that needs it empty or leaves a one-shot
+    running (a one-shot has no address: only stopping the server ends it)."""
+    with running_server(tmp_path, *_server_args(request.param)) as live:
         yield live
 
 
 @pytest.fixture
-def loopback(tmp_path: Path) -> Iterator[LiveServer]:
-    with running_server(tmp_path, "--workers", "4") as live:
-        yield live
+def loopback(shared_loopback: LiveServer) -> Iterator[LiveServer]:
+    yield shared_loopback
+    settle(shared_loopback)
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -219,7 +246,8 @@ def gone(proc: psutil.Process) -> bool:
 # ---- the Done-when points -------------------------------------------------------------
 
 
-def test_tree_shows_a_root_and_three_children_live(server: LiveServer, page: Page) -> None:
+def test_tree_shows_a_root_and_three_children_live(fresh_server: LiveServer, page: Page) -> None:
+    server = fresh_server  # empty: the picker must find this root by itself
     root = open_root(server)
     kids = {slug: spawn(server, root, slug) for slug in ("scout", "coder", "tester")}
     for kid in kids.values():
@@ -366,7 +394,10 @@ def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     expect(state(page)).to_have_text("parked")
 
 
-def test_parent_offline_child_keeps_stop_and_loses_send(server: LiveServer, page: Page) -> None:
+def test_parent_offline_child_keeps_stop_and_loses_send(
+    fresh_server: LiveServer, page: Page
+) -> None:
+    server = fresh_server
     root = open_root(server)
     kid = spawn(server, root, "orphan")
     server.wait_state(kid, "running")

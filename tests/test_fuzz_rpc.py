@@ -14,7 +14,6 @@ import json
 import re
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec.inspect as mi
@@ -23,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tether.wire.rpc import MAX_DEPTH, METHODS, RPC_ERROR_CODES
-from tether_server import LiveServer, running_server
+from tether_server import LiveServer, settle, shared_server
 
 SCRIPTED = "tether:Scripted"
 FUZZ = settings(
@@ -34,15 +33,23 @@ FUZZ = settings(
 )
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with shared_server(tmp_path_factory.mktemp("fuzz")) as server:
+        yield server
+
+
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[LiveServer, list[str]]]:
-    """A server with a root and a continuable child; the ids fuzzed calls may name."""
-    with running_server(tmp_path) as server:
-        root = server.call("session.open", {"driver": SCRIPTED, "slug": "root"})["session"]
-        child = server.call("subagent.spawn", {"parent": root, "driver": SCRIPTED})["session"]
-        yield server, [root, child, "s_nobody"]
-        assert server.call("subagent.status", {"session": root})["id"] == root  # still up
-        assert server.request("GET", "/health") == (200, b'{"ok":true}')
+def live(shared: LiveServer) -> Iterator[tuple[LiveServer, list[str]]]:
+    """The module's server with a root and a continuable child of the test's own; the ids
+    fuzzed calls may name. What the calls left running is aborted after the test."""
+    server = shared
+    root = server.call("session.open", {"driver": SCRIPTED, "slug": "root"})["session"]
+    child = server.call("subagent.spawn", {"parent": root, "driver": SCRIPTED})["session"]
+    yield server, [root, child, "s_nobody"]
+    assert server.call("subagent.status", {"session": root})["id"] == root  # still up
+    assert server.request("GET", "/health") == (200, b'{"ok":true}')
+    settle(server)
 
 
 # ---- strategies from the schemas ---------------------------------------------------------

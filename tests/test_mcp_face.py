@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,7 +21,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
-from tether_server import TETHER, LiveServer, running_server
+from tether_server import TETHER, LiveServer, running_server, settle, shared_server
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -32,6 +32,20 @@ _ENV = {
     "TETHER_LOG": "info",
     "TETHER_LOG_FORMAT": "json",
 }
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with shared_server(tmp_path_factory.mktemp("mcp")) as server:
+        yield server
+
+
+@pytest.fixture
+def server(shared: LiveServer) -> Iterator[LiveServer]:
+    """A plain ``tether serve`` for the module: each MCP client sees only the agents it
+    opened, and what a test leaves running is aborted before the next."""
+    yield shared
+    settle(shared)
 
 
 @asynccontextmanager
@@ -196,41 +210,38 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
     anyio.run(body)
 
 
-def test_an_mcp_client_is_refused_agents_it_did_not_open(tmp_path: Path) -> None:
+def test_an_mcp_client_is_refused_agents_it_did_not_open(server: LiveServer) -> None:
     async def body() -> None:
-        with running_server(tmp_path) as server:
-            async with http_session(server) as alice, http_session(server) as bob:
-                root = (await ok(alice, "spawn_agent", slug="alices"))["agent"]
-                child = (await ok(alice, "spawn_agent", parent=root, prompt="w", data=HANG))[
-                    "agent"
-                ]
-                turn = await running_turn(alice, root, child)
-                for tool, args in [
-                    ("interrupt_agent", {"agent": child, "kind": "abort"}),
-                    ("interrupt_agent", {"agent": root, "kind": "cancel"}),
-                    ("pause_agent", {"agent": child}),
-                    ("send_message", {"to": child, "text": "hi"}),
-                    ("read_transcript", {"agent": child}),
-                    ("spawn_agent", {"parent": root}),
-                    ("list_agents", {"agent": root}),
-                ]:
-                    refused = await call(bob, tool, **args)
-                    assert refused["error"] == "subagent-unauthorized", (tool, refused)
-                assert (await ok(bob, "list_agents"))["agents"] == []
-                # Nothing bob tried touched the child.
-                assert await running_turn(alice, root, child) == turn
-                assert (await call(bob, "interrupt_agent", agent="s_nobody"))["error"] in (
-                    "not-found",
-                    "subagent-unauthorized",
-                )
-                bad = await call(alice, "interrupt_agent", agent=child, kind="explode")
-                assert bad["error"] == "invalid-params"
-                stopped = await ok(alice, "interrupt_agent", agent=child, kind="abort")
-                assert stopped["turn"] == turn
-                report = (await ok(alice, "stop_report", turn=turn))["report"]
-                assert report["kind"] == "abort" and report["session"] == child
-                refused = await call(bob, "stop_report", turn=turn)  # not bob's to read
-                assert refused["error"] == "subagent-unauthorized"
+        async with http_session(server) as alice, http_session(server) as bob:
+            root = (await ok(alice, "spawn_agent", slug="alices"))["agent"]
+            child = (await ok(alice, "spawn_agent", parent=root, prompt="w", data=HANG))["agent"]
+            turn = await running_turn(alice, root, child)
+            for tool, args in [
+                ("interrupt_agent", {"agent": child, "kind": "abort"}),
+                ("interrupt_agent", {"agent": root, "kind": "cancel"}),
+                ("pause_agent", {"agent": child}),
+                ("send_message", {"to": child, "text": "hi"}),
+                ("read_transcript", {"agent": child}),
+                ("spawn_agent", {"parent": root}),
+                ("list_agents", {"agent": root}),
+            ]:
+                refused = await call(bob, tool, **args)
+                assert refused["error"] == "subagent-unauthorized", (tool, refused)
+            assert (await ok(bob, "list_agents"))["agents"] == []
+            # Nothing bob tried touched the child.
+            assert await running_turn(alice, root, child) == turn
+            assert (await call(bob, "interrupt_agent", agent="s_nobody"))["error"] in (
+                "not-found",
+                "subagent-unauthorized",
+            )
+            bad = await call(alice, "interrupt_agent", agent=child, kind="explode")
+            assert bad["error"] == "invalid-params"
+            stopped = await ok(alice, "interrupt_agent", agent=child, kind="abort")
+            assert stopped["turn"] == turn
+            report = (await ok(alice, "stop_report", turn=turn))["report"]
+            assert report["kind"] == "abort" and report["session"] == child
+            refused = await call(bob, "stop_report", turn=turn)  # not bob's to read
+            assert refused["error"] == "subagent-unauthorized"
 
     anyio.run(body)
 
@@ -331,13 +342,12 @@ def test_mcp_over_http_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
 
 
 def test_mcp_and_a2a_on_a_loopback_server_refuse_a_foreign_host_or_origin(
-    tmp_path: Path,
+    server: LiveServer, tmp_path: Path
 ) -> None:
-    with running_server(tmp_path) as server:
-        for path in ("/mcp", "/a2a"):
-            for header in ({"Host": "evil.example:7777"}, {"Origin": "http://evil.example"}):
-                assert server.request("POST", path, b"{}", header)[0] == 403, (path, header)
-        assert server.request("GET", "/.well-known/agent-card.json", None)[0] == 200
+    for path in ("/mcp", "/a2a"):
+        for header in ({"Host": "evil.example:7777"}, {"Origin": "http://evil.example"}):
+            assert server.request("POST", path, b"{}", header)[0] == 403, (path, header)
+    assert server.request("GET", "/.well-known/agent-card.json", None)[0] == 200
     done = subprocess.run(
         [TETHER, "serve", "--host", "0.0.0.0", "--path", str(tmp_path / "x.db")],
         capture_output=True,

@@ -3,6 +3,13 @@
 It is started with ``--port 0`` and is ready when it prints the address it bound (polled
 with a deadline); it is stopped with SIGTERM and must exit on its own, leaving no process
 of its tree behind. ``EventReader`` follows ``GET /events`` on a thread.
+
+A server takes seconds to start and stop, so a module whose tests need no fresh one
+shares one (``shared_server``): each test uses its own sessions, and after each test
+``settle`` aborts what the test left running and checks the server's process tree is back
+to the shape it had when it started (no tool left under a worker, the pool's workers and
+spare all there). The per-test leak check (``tests/conftest.py``) leaves a shared
+server's tree to ``settle``; the whole tree must still be gone when the module stops it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -25,7 +33,17 @@ from urllib.parse import urlsplit
 
 import psutil
 
-__all__ = ["TETHER", "EventReader", "LiveServer", "running_server", "wait_until"]
+__all__ = [
+    "SHARED",
+    "TETHER",
+    "EventReader",
+    "LiveServer",
+    "running_server",
+    "settle",
+    "shared_server",
+    "shared_trees",
+    "wait_until",
+]
 
 TETHER = str(Path(sys.executable).with_name("tether"))
 T = TypeVar("T")
@@ -85,8 +103,22 @@ class LiveServer:
             found = re.search(r"serving (http://\S+)", self.out_path.read_text())
             return found.group(1) if found else None
 
-        self.url = wait_until(bound, timeout=30.0, what="tether serve to listen")
+        try:
+            self.url = wait_until(bound, timeout=30.0, what="tether serve to listen")
+        except BaseException:
+            self._kill()  # a server that did not come up must not outlive the test
+            raise
         return self
+
+    def _kill(self) -> None:
+        assert self.proc is not None
+        with suppress(psutil.NoSuchProcess):
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
+            for p in tree:
+                with suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(tree, timeout=10.0)
+        self.proc.wait(timeout=10.0)
 
     def stop(self) -> int:
         """SIGTERM, then wait (with a deadline) for a clean exit of the whole tree."""
@@ -174,6 +206,142 @@ def running_server(
         yield server
     finally:
         assert server.stop() == 0, server.log_text()
+
+
+# The pids of the shared servers now running: the leak check leaves their trees to settle().
+SHARED: set[int] = set()
+
+
+def _shape(server: LiveServer) -> tuple[frozenset[int], dict[int, int], list[str]]:
+    """The server's own children, how many children each has, and anything deeper."""
+    assert server.proc is not None
+    top = psutil.Process(server.proc.pid)
+    own: set[int] = set()
+    below: dict[int, int] = {}
+    deeper: list[str] = []
+    for child in top.children():
+        with suppress(psutil.NoSuchProcess):
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            own.add(child.pid)
+            below[child.pid] = 0
+            for grandchild in child.children():
+                if grandchild.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                below[child.pid] += 1
+                deeper += [
+                    f"{p.pid}:{' '.join(p.cmdline())[:80]}"
+                    for p in grandchild.children(recursive=True)
+                    if p.status() != psutil.STATUS_ZOMBIE
+                ]
+    return frozenset(own), below, deeper
+
+
+class _Shared:
+    """What a shared server looked like idle, and the sessions already settled."""
+
+    def __init__(self, server: LiveServer) -> None:
+        self.own, self.below, deeper = _shape(server)
+        assert not deeper, deeper
+        self.seen = 0  # sessions.seq up to which settle() has looked
+
+
+_shared: dict[int, _Shared] = {}
+
+
+@contextmanager
+def shared_server(
+    workdir: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[LiveServer]:
+    """A server for a whole module (see the module docstring); stopped, and its whole tree
+    checked gone, when the module ends."""
+    before = _children()
+    with running_server(workdir, *args, env=env) as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        _shared[pid] = _Shared(server)
+        SHARED.add(pid)
+        try:
+            yield server
+        finally:
+            SHARED.discard(pid)
+            del _shared[pid]
+    # As the per-test leak check would have for a server of its own: nothing the server
+    # started outlives it.
+    others = shared_trees()  # another module-wide server may still be up
+    leaked = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.pid not in others
+    ]
+    _, alive = psutil.wait_procs(leaked, timeout=5.0)
+    left = []
+    for p in alive:
+        with suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid}:{' '.join(p.cmdline())[:80]}")
+                p.kill()
+    assert not left, f"processes left after the shared server stopped: {left}"
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def shared_trees() -> set[int]:
+    """The processes of the shared servers now running, themselves included."""
+    out = set(SHARED)
+    for pid in SHARED:
+        with suppress(psutil.NoSuchProcess):
+            out.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    return out
+
+
+def settle(server: LiveServer, *, timeout: float = 20.0) -> None:
+    """After a test on a shared server: abort every turn it left running or paused, wait
+    until none is left, and check the process tree is back to its idle shape (the same
+    processes under the server, as many workers, nothing under a worker)."""
+    assert server.proc is not None
+    idle = _shared[server.proc.pid]
+    # The store lists every session the test made (the RPC lists a root's tree only).
+    db = sqlite3.connect(f"file:{server.workdir / 'state.db'}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = db.execute(
+            "SELECT seq, id, parent FROM sessions WHERE seq > ? ORDER BY seq", (idle.seen,)
+        ).fetchall()
+    finally:
+        db.close()
+    live = ("running", "paused")
+    for _, session, parent in rows:
+        info = server.rpc("subagent.status", {"session": session}).get("result")
+        if info and info["state"] in live:
+            address = {"session": session, "parent": parent or session}
+            server.rpc("subagent.interrupt", {"address": address, "kind": "abort"})
+
+    def still_live() -> list[str]:
+        found = []
+        for _, session, _ in rows:
+            info = server.rpc("subagent.status", {"session": session}).get("result")
+            if info and (info["state"] in live or info.get("stopping")):
+                found.append(f"{session}:{info['state']}")
+        return found
+
+    def idle_again() -> bool:
+        if still_live():
+            return False
+        own, below, deeper = _shape(server)
+        return own == idle.own and below == idle.below and not deeper
+
+    deadline = time.monotonic() + timeout
+    while not idle_again():
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the shared server did not settle after the test: live sessions "
+                f"{still_live()}, processes {_shape(server)}, idle {idle.own}, {idle.below}"
+            )
+        time.sleep(0.02)
+    if rows:
+        idle.seen = rows[-1][0]
 
 
 class EventReader:
