@@ -76,7 +76,13 @@ _STATUS = struct.Struct("!i")
 
 
 class LauncherGone(OSError):
-    """The launcher died or stopped answering: a new one is started for the next launch."""
+    """The launcher died or stopped answering: a new one is started for the next launch.
+    ``delivered``: the request may have reached it (a worker may have been forked on the
+    socket, which is then never given to another)."""
+
+    def __init__(self, message: str, *, delivered: bool) -> None:
+        super().__init__(message)
+        self.delivered = delivered
 
 
 class WorkerProcess:
@@ -165,7 +171,7 @@ class Launcher:
                     except LauncherGone as exc:
                         log.warning("launcher.lost", pid=self.pid, reason=str(exc))
                         self._discard_locked()
-                        if retry:
+                        if retry or exc.delivered:
                             raise
             assert started is not None
             return started
@@ -210,18 +216,22 @@ class Launcher:
         if self._closed:
             raise OSError("the pool is closed")
         if self._proc is not None and self._proc.poll() is not None:
-            raise LauncherGone(f"the launcher exited with code {self._proc.returncode}")
+            code = self._proc.returncode
+            raise LauncherGone(f"the launcher exited with code {code}", delivered=False)
         if self._proc is None:
             self._start_locked()
         ctl = self._ctl
         assert ctl is not None
         try:
             socket.send_fds(ctl, [request], [fd])
+        except OSError as exc:  # a message not sent was not received
+            raise LauncherGone(f"the launcher is gone: {exc!r}", delivered=False) from None
+        try:
             data, fds, _flags, _addr = socket.recv_fds(ctl, _MAX_MESSAGE, 1)
         except OSError as exc:  # a timeout included: a late answer would be misread
-            raise LauncherGone(f"the launcher did not answer: {exc!r}") from None
+            raise LauncherGone(f"the launcher did not answer: {exc!r}", delivered=True) from None
         if not data:
-            raise LauncherGone("the launcher exited")
+            raise LauncherGone("the launcher exited", delivered=True)
         reply = json.loads(data)
         if "pid" not in reply or len(fds) != 1:
             for extra in fds:
