@@ -101,9 +101,8 @@ def test_a_workers_own_exit_code_reaches_the_turns_error() -> None:
 
 def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_there() -> None:
     """The launcher is a child subreaper: the env-cleared ``setsid`` escapee of a worker
-    that was SIGKILLed re-parents to it (held here by pausing the reaper's look at the
-    launcher's children), and the reaper then finds it as a launcher child that is no
-    worker, and kills it before the turn's end is reported."""
+    that was SIGKILLed re-parents to it, and the reaper finds it as a launcher child that
+    is no worker, and kills it before the turn's end is reported."""
     token = f"tether-orphan-{uuid.uuid4().hex[:10]}"
     try:
         with runtime(workers=1, grace=1.0, containment="walk") as rt:
@@ -120,10 +119,13 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
             launcher = _launcher(rt)
             job = eventually(lambda: pool._jobs.get(turn), what="the turn in the pool")
             worker = eventually(lambda: pool._where.get(turn), what="the turn on a worker")
-            with pool.launcher._known_lock:  # the reaper's orphan scan waits here
+            # The pool's lock held: the worker's end is not handled (no walk of its tree
+            # while it is still dying) until the launcher has reaped it and adopted its
+            # orphan; then the reaper can only find the escapee as a launcher child.
+            with pool._lock:
                 os.kill(worker.pid, signal.SIGKILL)
                 eventually(lambda: esc.ppid() == launcher.pid, what="the escapee adopted")
-                assert rt.status(child).state == "running"  # not reported while it lives
+                eventually(lambda: not psutil.pid_exists(worker.pid), what="the launcher reaping")
             rt.wait(child, until=("idle", "parked"), timeout=15.0)
             rec = next(t for t in rt.turns(child) if t.id == turn)
             assert rec.outcome == "crashed"
