@@ -192,10 +192,13 @@ class Launcher:
         proc = self._proc
         if proc is None:
             return []
-        kids = child_pids(proc.pid)  # first: a worker launched after this is not in it
+        # The children are read under the lock: no launch starts or ends meanwhile, and a
+        # worker is forgotten only once the launcher has reaped it (its status came), so
+        # each child read is a known worker or an orphan, never a worker just forgotten.
         with self._known_lock:
             if self._launching:
                 return None
+            kids = child_pids(proc.pid)
             known = set(self._workers)
         return [pid for pid in kids if pid not in known]
 
