@@ -87,7 +87,7 @@ def _pool_steady(rt: tether.Runtime, workers: int) -> None:
     every sample starts from the steady state the targets are stated for."""
     poll_until(lambda: True if len(rt.worker_pids) >= workers + 1 else None, WAIT,
                "the pool to replace a killed worker")
-    time.sleep(0.15)  # a counted worker may still be starting (forkserver fork + Ready)
+    time.sleep(0.15)  # a counted worker may still be starting (launcher fork + Ready)
 
 
 def _said(rt: tether.Runtime, sid: str, prefix: str, after: int) -> int | None:

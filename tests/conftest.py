@@ -57,7 +57,7 @@ def _live_children() -> set[int]:
 
 @pytest.fixture(autouse=True)
 def no_leaked_processes() -> Iterator[None]:
-    """Fail the test if it leaves a child process (worker, tool, forkserver) running."""
+    """Fail the test if it leaves a child process (worker, tool, launcher) running."""
     before = _live_children()
     yield
     leaked = _live_children() - before

@@ -397,7 +397,7 @@ def refilled(rt: tether.Runtime, size: int = 3) -> None:
 
     Tests that kill a worker call this last, so that the replacement is not still being
     started while the fixture closes the runtime: ``Pool.close()`` does not wait for a
-    respawn in flight, which then fails against the stopped forkserver (a core race that
+    respawn in flight, which then fails against the stopped launcher (a core race that
     would otherwise surface at random in whichever test closes next).
     """
     eventually(lambda: len(rt.worker_pids) >= size, timeout=10.0, what="the pool to refill")

@@ -3,7 +3,7 @@ they did to their ancestry, session, environment or name.
 
 Each test that applies to both paths runs on ``containment`` = ``cgroup`` (a leaf per
 worker, ``cgroup.kill`` / ``cgroup.freeze``) and ``walk`` (the process-tree walk, with
-the forkserver as subreaper for a dead worker's orphans); the cgroup case skips, with the
+the pool's launcher as subreaper for a dead worker's orphans); the cgroup case skips, with the
 reason, where no writable cgroup v2 hierarchy is available. The escapee is the one of
 issue 19's repro: double-forked, ``setsid``, ``env -i``, renamed with ``exec -a``,
 ignoring SIGTERM.
@@ -615,24 +615,23 @@ def test_a_stored_limit_this_host_cannot_enforce_crashes_the_turn_instead_of_ign
 
 
 def test_the_walks_orphan_sweep_never_takes_a_worker_being_started() -> None:
-    """The forkserver's children that are no worker are a dead worker's orphans; a worker
-    the pool is starting is a forkserver child not yet known, and must never be one."""
+    """The launcher's children that are no worker are a dead worker's orphans; a worker
+    the pool is starting is a launcher child not yet known, and must never be one."""
     import threading
-
-    from tether.runtime import _contain
 
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     seen: set[int] = set()
     stop = threading.Event()
 
-    def sweep() -> None:
-        while not stop.is_set():
-            seen.update(_contain.forkserver_orphans() or ())
-
     try:
         with runtime(workers=1, containment="walk") as rt:
             pool: Any = rt._pool  # type: ignore[attr-defined]
+
+            def sweep() -> None:
+                while not stop.is_set():
+                    seen.update(pool.launcher.orphans() or ())
+
             sweeper = threading.Thread(target=sweep)
             sweeper.start()
             started: set[int] = set()

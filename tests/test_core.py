@@ -1,6 +1,6 @@
 """Issue 2, the runtime core: inbox rules, turn outcomes, workers, recovery, bad input.
 
-Every test runs real worker processes (forkserver) and a real SQLite store, and waits on
+Every test runs real worker processes (forked by the launcher) and a real SQLite store, and waits on
 state and events with deadlines, never on a bare sleep.
 """
 
@@ -356,7 +356,7 @@ def test_host_killed_mid_turn_reopens_with_crashed_turn_and_runs_queue_in_order(
 def test_workers_of_a_killed_host_do_not_outlive_it(db_path: str) -> None:
     """A worker whose host died mid-turn must not keep running its turn (and tools) forever."""
     with _crashed_host(db_path) as (_ready, tree):
-        assert len(tree) >= 3  # forkserver, its workers (and the resource tracker)
+        assert len(tree) >= 3  # the launcher and its workers
         deadline = time.monotonic() + 3.0
         while any(alive(p) for p in tree) and time.monotonic() < deadline:
             psutil.wait_procs([p for p in tree if alive(p)], timeout=0.1)
@@ -447,7 +447,7 @@ def test_close_leaves_no_process_behind() -> None:
         tools = tree_of(worker)
         everything = psutil.Process().children(recursive=True)
         assert {p.pid for p in tools} <= {p.pid for p in everything}
-        assert len(everything) >= 3 + 3  # workers + spare, sh and two sleeps (+ forkserver)
+        assert len(everything) >= 3 + 3  # workers + spare, sh and two sleeps (+ the launcher)
     finally:
         rt.close()
     left = [p for p in everything if alive(p)]

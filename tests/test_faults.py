@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import multiprocessing.forkserver
 import os
 import resource
 import signal
@@ -123,13 +122,13 @@ def test_an_abort_that_fails_for_lack_of_descriptors_is_retried_until_the_tree_i
 
 
 @contextlib.contextmanager
-def _workers_cannot_start() -> Iterator[None]:
-    """New workers die before Ready: the forkserver's address space has no room for a thread.
+def _workers_cannot_start(rt: tether.Runtime) -> Iterator[None]:
+    """New workers die before Ready: the launcher's address space has no room for a thread.
 
-    Every worker starts a reader thread (an 8 MiB stack); with the forkserver capped just
+    Every worker starts a reader thread (an 8 MiB stack); with the launcher capped just
     above its own size, each child it forks fails there and exits.
     """
-    fs = psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+    fs = psutil.Process(rt._pool.launcher.pid)  # type: ignore[attr-defined]
     before = fs.rlimit(psutil.RLIMIT_AS)
     fs.rlimit(psutil.RLIMIT_AS, (fs.memory_info().vms + 2 * MIB, before[1]))
     try:
@@ -143,7 +142,7 @@ def test_a_failed_respawn_is_retried_while_turns_wait() -> None:
     with runtime(workers=1, grace=1.0) as rt, structlog.testing.capture_logs() as logs:
         rec = Recorder(rt)
         root = rt.open_session(SCRIPTED)
-        with _workers_cannot_start():
+        with _workers_cannot_start(rt):
             for pid in rt.worker_pids:  # active and spare die; every replacement fails
                 os.kill(pid, signal.SIGKILL)
             eventually(

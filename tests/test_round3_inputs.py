@@ -56,7 +56,7 @@ def test_workers_of_a_sigkilled_host_leave_quietly_without_a_traceback(tmp_path:
             assert line, proc.communicate(timeout=30)[1].decode(errors="replace")
             workers = [psutil.Process(pid) for pid in json.loads(line)["workers"]]
             os.kill(proc.pid, signal.SIGKILL)
-            # EOF on stderr once every process that inherited it (workers, forkserver)
+            # EOF on stderr once every process that inherited it (workers, launcher)
             # has exited: the whole tree is gone by then.
             _, err = proc.communicate(timeout=60)
         finally:

@@ -69,7 +69,8 @@ def test_paused_turn_dies_with_its_host(tmp_path: Path) -> None:
     tag = f"soakfind-{os.getpid()}-{time.monotonic_ns()}"
     host = subprocess.Popen(
         [sys.executable, "-c", _HOST, str(tmp_path / "s.db"), tag],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     left: list[psutil.Process] = []
     workers: list[psutil.Process] = []
@@ -93,7 +94,7 @@ def test_paused_turn_dies_with_its_host(tmp_path: Path) -> None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 # the frozen worker holds the tools; kill the lot (they are ours, tagged)
                 for q in [*p.parents()[:1], p]:
-                    if q.cmdline() and "forkserver" in " ".join(q.cmdline()):
+                    if q.cmdline() and "tether.runtime._launcher" in " ".join(q.cmdline()):
                         q.kill()
                 p.kill()
         if host.poll() is None:

@@ -15,7 +15,7 @@ server it keeps across its turns (SPEC §15.3), which a per-turn leaf would have
 migrate at every dispatch. Moving a process between cgroups waits for an RCU grace
 period (~15 ms on a busy machine), which the dispatch path must not pay; here it is paid
 once, by the worker starting. The warm spare sits in its own leaf holding no turn, and
-the forkserver stays in the host's cgroup. Per-turn figures are deltas (``cpu.stat``) or
+the pool's launcher stays in the host's cgroup. Per-turn figures are deltas (``cpu.stat``) or
 read through a descriptor whose peak was reset at dispatch (``memory.peak``).
 
 Abort: freeze the leaf, list it (for the stop report), write ``cgroup.kill`` (atomic:

@@ -7,105 +7,27 @@ Two paths, chosen once per runtime (``Runtime.containment``):
   ``cgroup.kill``, a pause ``cgroup.freeze``. Ancestry, sessions and environments do not
   matter.
 - ``walk``: the v2 walk (``_procs``): the frozen worker's tree, its process group, what
-  carries its tag, and what its death left with the forkserver. The forkserver is a child
-  subreaper (``_forkserver_init``), so a dead worker's orphans, an env-cleared ``setsid``
-  escapee included, re-parent to it; every child of the forkserver that is not a worker
-  of this host is such an orphan, and dies with the next unrooted kill pass.
-
-The forkserver is shared by every pool in the process, so the workers it started are
-registered here, process-wide, and a pid being started is never taken for an orphan
-(``launching``).
+  carries its tag, and what its death left with the pool's launcher. The launcher is a
+  child subreaper (``_launcher``), so a dead worker's orphans, an env-cleared ``setsid``
+  escapee included, re-parent to it; every child of the launcher that is not a worker
+  is such an orphan (``Launcher.orphans``), and dies with the next unrooted kill pass.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing.forkserver
 import os
 import signal
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
 
 from tether.runtime._cgroup import Leaf
-from tether.runtime._procs import _children, alive
+from tether.runtime._procs import alive
 from tether.wire.records import ProcessFate
 
-__all__ = [
-    "FORKSERVER_PRELOAD",
-    "cgroup_pass",
-    "describe",
-    "fates",
-    "forget_worker",
-    "forkserver_orphans",
-    "launching",
-]
-
-# Imported by the forkserver when it starts (never by the host): makes it a subreaper.
-FORKSERVER_PRELOAD = "tether.runtime._forkserver_init"
-
-_lock = threading.Lock()
-_workers: set[int] = set()  # pids of live workers the forkserver started for any pool
-_launching = 0  # starts in flight: their pid is not known yet
-
-
-@contextlib.contextmanager
-def launching() -> Iterator[list[int]]:
-    """Around a worker start: append its pid to the yielded list once known. Until the
-    block ends, no forkserver child is taken for an orphan."""
-    global _launching
-    started: list[int] = []
-    with _lock:
-        _launching += 1
-    try:
-        yield started
-    finally:
-        with _lock:
-            _workers.update(started)
-            _launching -= 1
-
-
-def forget_worker(pid: int) -> None:
-    with _lock:
-        _workers.discard(pid)
-
-
-def _forkserver_pid() -> int | None:
-    server: Any = multiprocessing.forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
-def forkserver_orphans() -> list[int] | None:
-    """The forkserver's children that are no worker of ours: what dead workers left
-    behind. None while a worker is being started (ask again later).
-
-    A child still in the forkserver's own session is spared: a process started through
-    the same multiprocessing forkserver by the embedding program, not by a worker (a
-    worker's tools are in its session or a session of their own).
-    """
-    fs = _forkserver_pid()
-    if fs is None:
-        return []
-    kids = _children(fs)  # first: a pid started after this is not in it
-    with _lock:
-        if _launching:
-            return None
-        known = set(_workers)
-    try:
-        fs_sid = os.getsid(fs)
-    except ProcessLookupError:
-        return []
-    out = []
-    for pid in kids:
-        if pid in known:
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            if os.getsid(pid) != fs_sid:
-                out.append(pid)
-    return out
+__all__ = ["cgroup_pass", "describe", "fates"]
 
 
 def describe(

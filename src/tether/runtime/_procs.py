@@ -131,8 +131,8 @@ def tagged(token: str) -> list[int]:
     Only for a tree whose root is gone: it reads every process's environment. A tool
     that both leaves the session and clears its environment is beyond this scan; the
     abort and host-death paths never rely on it (they walk a frozen, living root), and
-    a dead worker's orphans are also found with the forkserver, a subreaper
-    (``_contain.forkserver_orphans``).
+    a dead worker's orphans are also found with the pool's launcher, a subreaper
+    (``_launcher.Launcher.orphans``).
     """
     needle = f"\0{TREE_ENV}={token}\0".encode()
     found = []
@@ -208,7 +208,7 @@ def reap(pids: Iterable[int]) -> None:
     """Collect the zombies among ``pids`` that are this process's children: tools that
     outlived their worker and were re-parented to us (a subreaper host). Only pids
     found by a walk of a dead tree are passed here, so no other code path's child (a
-    worker, which multiprocessing reaps) is ever taken from it."""
+    worker, which its launcher reaps) is ever taken from it."""
     for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)

@@ -6,7 +6,7 @@ object (probe a driver, drain, close, list worker pids). That is a :class:`Backe
 backend is built with ``(workers, host)``: ``host`` answers the worker's ``say`` and tool
 calls (the store and authority stay in the host process whatever the backend).
 
-Two ship: ``"local"``, the forkserver :class:`~tether.runtime.pool.Pool` (the default),
+Two ship: ``"local"``, the process :class:`~tether.runtime.pool.Pool` (the default),
 and ``"ray"``, :class:`~tether.runtime.ray_backend.RayBackend` (the optional extra
 ``tether[ray]``, imported only when asked for). Every backend keeps the contract of
 SPEC §14.6: a turn's end is reported only once its whole process tree is dead. Both keep

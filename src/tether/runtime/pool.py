@@ -31,9 +31,10 @@ kill, freeze, thaw), under the table's lock.
 
 ``workers=N`` processes take turns and one warm spare waits, so a turn never waits for a
 process to start after an abort: a doomed worker leaves the pool at once and the spare
-takes its place. Workers start through the forkserver with the runtime's modules
-preloaded (never plain fork from this threaded host), each in its own session and process
-group, each a subreaper for its tools.
+takes its place. Workers are forked by the pool's launcher (``_launcher``), a
+single-threaded process with the runtime's modules preloaded (never plain fork from this
+threaded host), each in its own session and process group, each a subreaper for its tools.
+A launcher that died is replaced by the next start.
 
 Fault rules (SPEC §14.3). Only the sender threads write to a worker's socket, so no
 caller and no lock ever waits on a worker that stopped reading. Everything that can
@@ -47,8 +48,8 @@ its own and the reaper's kill is ``cgroup.kill``, waited for until the leaf is e
 pause is ``cgroup.freeze``. Without (the walk): escapees (a tool that called ``setsid``)
 are found by walking the frozen worker, a subreaper to which orphans re-parent. A worker
 that died on its own (SIGKILL included) has no tree left to walk: its orphans re-parent
-to the forkserver (a subreaper too), where the reaper finds them as forkserver children
-that are no worker, and its tools carry ``TETHER_TREE=<token>`` in their environment.
+to the launcher (a subreaper too), where the reaper finds them as launcher children that
+are no worker, and its tools carry ``TETHER_TREE=<token>`` in their environment.
 When the host dies, each worker sweeps its own tree (or kills its leaf) on its channel's
 end. Either way the job learns how its tree was killed and what died (``kill_via``,
 ``kill_procs``), and what its leaf counted (``resources``), before its end is reported.
@@ -57,14 +58,6 @@ end. Either way the job learns how its tree was killed and what died (``kill_via
 from __future__ import annotations
 
 import contextlib
-import io
-import multiprocessing
-import multiprocessing.context
-import multiprocessing.forkserver
-import multiprocessing.popen_forkserver
-import multiprocessing.resource_tracker
-import multiprocessing.spawn
-import multiprocessing.util
 import os
 import secrets
 import signal
@@ -80,7 +73,8 @@ import structlog
 from tether.actors.ports import HELD_BYTES, TurnJob, held_over
 from tether.runtime import _contain
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
-from tether.runtime._procs import alive, freeze_tree, kill_tree, reap, reap_pass, thaw_tree
+from tether.runtime._launcher import Launcher
+from tether.runtime._procs import alive, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime.backends._turns import (
     DriverChecks,
     TableBackend,
@@ -88,7 +82,6 @@ from tether.runtime.backends._turns import (
     WorkerGone,
     WorkerHost,
 )
-from tether.runtime.worker import worker_main
 from tether.wire.codec import Channel
 from tether.wire.errors import FrameError, TetherError
 from tether.wire.frames import (
@@ -105,12 +98,6 @@ __all__ = ["HELD_BYTES", "Pool", "PoolHost"]
 
 log = structlog.get_logger("tether.pool")
 
-_PRELOAD = [
-    "tether.runtime.worker",
-    "tether.driver.scripted",
-    "tether",
-    _contain.FORKSERVER_PRELOAD,
-]
 _PAUSE_WAIT = 2.0  # seconds a cgroup pause waits for the kernel's "frozen 1"
 _START_TIMEOUT = 30.0
 _DEATH_TIMEOUT = 5.0
@@ -119,73 +106,6 @@ _MAX_START_FAILURES = 3  # at construction only: later, a failed start is retrie
 _BACKOFF_FIRST = 0.01  # seconds before the first retry (of a start, or of a kill) ...
 _BACKOFF_MAX = 1.0  # ... doubling up to this
 _KILL_STUCK_TRIES = 20  # a kill retried this often is logged as an error (escalation)
-
-_fs_lock = threading.Lock()
-_fs_users = 0
-
-
-def _forkserver_acquire() -> multiprocessing.context.BaseContext:
-    global _fs_users
-    ctx = multiprocessing.get_context("forkserver")
-    with _fs_lock:
-        if _fs_users == 0:
-            ctx.set_forkserver_preload(_PRELOAD)
-        _fs_users += 1
-    return ctx
-
-
-def _forkserver_release() -> None:
-    """The last pool out stops the forkserver and resource tracker: no process is left."""
-    global _fs_users
-    with _fs_lock:
-        _fs_users -= 1
-        if _fs_users == 0:
-            # what dead workers left with the forkserver (its subreaper children) would
-            # outlive it: they go first
-            orphans = _contain.forkserver_orphans()
-            if orphans:
-                with contextlib.suppress(OSError):
-                    kill_tree(orphans)
-            multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-            tracker: Any = multiprocessing.resource_tracker._resource_tracker
-            if tracker._pid is not None:
-                tracker._stop()
-
-
-class _WorkerPopen(multiprocessing.popen_forkserver.Popen):
-    """Launch through the forkserver without re-importing the host's ``__main__``.
-
-    Workers load drivers by import string, so they never need the host's main module;
-    running it again in each worker is the classic multiprocessing trap (an unguarded
-    script would start a second runtime inside every worker). This is CPython's
-    ``_launch`` with the main-module keys left out of the preparation data.
-    """
-
-    def _launch(self, process_obj: Any) -> None:
-        prep = multiprocessing.spawn.get_preparation_data(process_obj._name)
-        prep.pop("init_main_from_path", None)
-        prep.pop("init_main_from_name", None)
-        buf = io.BytesIO()
-        multiprocessing.context.set_spawning_popen(self)
-        try:
-            multiprocessing.context.reduction.dump(prep, buf)  # type: ignore[attr-defined]
-            multiprocessing.context.reduction.dump(process_obj, buf)  # type: ignore[attr-defined]
-        finally:
-            multiprocessing.context.set_spawning_popen(None)
-        this: Any = self
-        util: Any = multiprocessing.util
-        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(this._fds)
-        parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
-
-
-class _WorkerProcess(multiprocessing.context.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _WorkerPopen(process_obj)
 
 
 # What the pool asks of the runtime for a worker's frames (the turn table's host).
@@ -211,13 +131,7 @@ class _Worker:
         host_sock, child_sock = socket.socketpair()
         try:
             leaf_path = None if self.leaf is None else self.leaf.path
-            self.process = _WorkerProcess(
-                target=worker_main,
-                args=(child_sock, self.token, leaf_path),
-                daemon=True,
-                name="tether-worker",
-            )
-            self.process.start()
+            self.process = pool.launcher.launch(child_sock, self.token, leaf_path)
         except BaseException:
             host_sock.close()
             if self.leaf is not None:
@@ -225,7 +139,7 @@ class _Worker:
             raise
         finally:
             child_sock.close()
-        self.pid: int = self.process.pid or 0
+        self.pid: int = self.process.pid
         self.channel: Channel[WorkerFrame] = Channel(host_sock, WorkerFrame)
         try:
             # held from the start: its start time tells the worker from a recycled pid
@@ -393,7 +307,7 @@ class Pool(TableBackend["_Worker"]):
             raise ValueError("a pool needs at least one worker")
         self.size = size
         self.cgroups = cgroups  # None: the walk (SPEC §15.5)
-        self.ctx = _forkserver_acquire()
+        self.launcher = Launcher()  # started by the first worker's start
         # the turns, and the lock under which they and the workers change together
         self.turns: Turns[_Worker] = Turns(host, self._idle_locked)
         self._lock = self.turns.lock
@@ -493,7 +407,7 @@ class Pool(TableBackend["_Worker"]):
             self._changed.notify_all()
         if self._reaper.ident is not None:
             self._reaper.join(_DEATH_TIMEOUT)
-        _forkserver_release()
+        self.launcher.close()  # with what dead workers left with it
 
     # ---- internals: state ------------------------------------------------------------
 
@@ -599,9 +513,7 @@ class Pool(TableBackend["_Worker"]):
     def _spawn_one(self) -> None:
         """Start one worker (counted in ``_starting``); any failure is a failed start."""
         try:
-            with _contain.launching() as started:
-                w = _Worker(self)
-                started.append(w.pid)
+            w = _Worker(self)
         except Exception as exc:
             with self._lock:
                 self._starting -= 1
@@ -617,6 +529,7 @@ class Pool(TableBackend["_Worker"]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, signal.SIGKILL)
             w.process.join(_DEATH_TIMEOUT)
+            self.launcher.forget(w.pid)
             w.channel.close()
             with self._lock:
                 self._all.discard(w)
@@ -708,10 +621,10 @@ class Pool(TableBackend["_Worker"]):
         try:
             # A living (frozen) worker is the root of its whole tree: orphans re-parent to
             # it (a subreaper). Once it is gone its tree has dispersed: what its death
-            # left with the forkserver (a subreaper), env-cleared escapees included, and
+            # left with the launcher (a subreaper), env-cleared escapees included, and
             # what carries its tag.
             root = w.pid if w.alive() else None
-            orphans = _contain.forkserver_orphans
+            orphans = self.launcher.orphans
             if reap_pass(root, group=w.pid, token=w.token, orphans=orphans, seen=seen):
                 return True
             log.warning("worker.kill_retry", pid=w.pid, reason="processes still alive")
@@ -773,10 +686,10 @@ class Pool(TableBackend["_Worker"]):
         w.channel.close()
         if w.killed:
             # The tree is dead (that is what reporting waits for): a killed turn's end
-            # needs nothing from the forkserver's exit report, so it goes first.
+            # needs nothing from the launcher's exit report, so it goes first.
             self.turns.dead(w, w.error)
-        w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the forkserver's report
-        _contain.forget_worker(w.pid)
+        w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the launcher's report
+        self.launcher.forget(w.pid)
         if w.leaf is not None and not w.leaf.remove():
             log.warning("worker.leaf_left", pid=w.pid, leaf=w.leaf.path)
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper

@@ -207,7 +207,7 @@ class Runtime:
         ray_options: dict[str, Any] | None = None,
         containment: str | None = None,
     ) -> None:
-        """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the forkserver pool),
+        """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
         none starts a local one; ``ray_options`` are RayBackend's settings), or a
         factory ``(workers, host) -> Backend``.

@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import importlib
 import inspect
-import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -325,7 +324,7 @@ class _Worker:
 
 
 def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> None:
-    """Entry point of a worker process (started by the pool through the forkserver)."""
+    """Entry point of a worker process (forked by the pool's launcher, ``_launcher``)."""
     global _leaf
     if leaf is not None:
         # First, while we have no thread and no child: everything we start from now on
@@ -335,18 +334,11 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
         _leaf = leaf
     os.setsid()  # own session and process group: abort is one killpg
     set_subreaper()  # orphaned tool grandchildren come back to us, not to PID 1
-    # Our parent is the forkserver. A paused (stopped) worker runs nothing, so it could
-    # never see its host channel close and sweep its tree: the kernel continues it when
-    # the forkserver goes, and the sweep runs. The forkserver exits once its "alive" pipe
-    # has no writer left; every forkserver child inherits that writer, so we drop ours
-    # (we never start processes through the forkserver), and the host's is the last.
+    # Our parent is the launcher (``_launcher``). A paused (stopped) worker runs nothing,
+    # so it could never see its host channel close and sweep its tree: the kernel
+    # continues it when the launcher goes (it exits once its host does), and the sweep
+    # runs.
     set_parent_death_signal(signal.SIGCONT)
-    server: Any = multiprocessing.forkserver._forkserver
-    alive = getattr(server, "_forkserver_alive_fd", None)
-    if alive is not None:
-        with contextlib.suppress(OSError):
-            os.close(alive)
-        server._forkserver_alive_fd = None
     # Inherited by every tool and escapee: if we die by SIGKILL and cannot sweep, the
     # pool finds what our tree left behind by this tag.
     os.environ[TREE_ENV] = token
