@@ -21,7 +21,8 @@ a reaper that Ray kills meanwhile) would leave a tagged keeper stopped for good.
 Under cgroup containment (``python -m tether.runtime._ray_child FD TOKEN LEAF``) the
 worker joins the leaf LEAF first thing in ``worker_main`` (the keeper, started just
 before, stays outside), and the keeper's sweep starts with ``cgroup.kill`` of the leaf,
-which takes what left the session and cleared its environment too.
+which takes what left the session and cleared its environment too (and is then all
+the sweep there is).
 
 ``python -m tether.runtime._ray_child --check DRIVER``: import the driver and exit 0, or
 print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers so).
@@ -73,8 +74,11 @@ def _keep(token: str, done: int, leaf: str | None) -> None:
     """The keeper, once exec'd: wait for the worker to be gone, then sweep its tree."""
     os.read(done, 1)  # returns (empty) once the worker's end of the pipe is closed
     if leaf is not None and kill_leaf(leaf):
+        # everything of the tree was in the leaf (nothing leaves a cgroup on its own):
+        # no sweep by tag, which costs seconds of process scans on a busy node
         with contextlib.suppress(OSError):  # the slot may be removing it too
             os.rmdir(leaf)
+        return
     sweep([], passes=_KEEPER_PASSES, token=token)
 
 
