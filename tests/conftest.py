@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED_BY_KIND, ray_idle_worker
+from drivers import SCRIPTED_BY_KIND, cgroup_probe, escapee_procs, ray_idle_worker
 from tether_server import SHARED, shared_trees
 
 _LEAK_TIMEOUT = 5.0
@@ -177,3 +178,26 @@ def scripted(driver_kind: str) -> str:
 @pytest.fixture
 def db_path(tmp_path: os.PathLike[str]) -> str:
     return os.path.join(os.fspath(tmp_path), "state.db")
+
+
+# ---- the containment paths and issue 19's escapee (test_containment, test_ray_containment) ----
+
+
+@pytest.fixture(params=["cgroup", "walk"])
+def containment(request: pytest.FixtureRequest) -> str:
+    """Each containment path (SPEC §15.5); the cgroup one skips, with why, where none is."""
+    name: str = request.param
+    missing = cgroup_probe()[0]
+    if name == "cgroup" and missing is not None:
+        pytest.skip(f"no cgroup containment here: {missing}")
+    return name
+
+
+@pytest.fixture
+def token() -> Iterator[str]:
+    """A name no other process has: what the escapee renames itself to."""
+    tok = f"tether-escapee-{uuid.uuid4().hex[:10]}"
+    yield tok
+    for p in escapee_procs(tok):  # only after a failure: nothing of it may outlive the test
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()

@@ -11,6 +11,7 @@ process-tree lookups); they never synchronize by sleeping for a fixed time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import struct
@@ -22,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import psutil
 
 import tether
-from tether.runtime._cgroup import v2_mount
+from tether.runtime._cgroup import Cgroups, CgroupUnavailable, v2_mount
 
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
@@ -669,3 +670,16 @@ def leaf_of(pid: int) -> str:
     mount = v2_mount()
     assert mount is not None
     return os.path.join(mount, rel.lstrip("/"))
+
+
+@functools.cache
+def cgroup_probe() -> tuple[str | None, frozenset[str]]:
+    """Why cgroup containment is unavailable here (None: it is), and the controllers a
+    group gets; found once, by making (and removing) a group."""
+    try:
+        groups = Cgroups.open(None)
+    except CgroupUnavailable as exc:
+        return str(exc), frozenset()
+    controllers = groups.controllers
+    groups.close()
+    return None, controllers

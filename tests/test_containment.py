@@ -29,50 +29,30 @@ import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED, escapee, escapee_procs, eventually, frozen, leaf_of, runtime, steps
+from drivers import (
+    SCRIPTED,
+    cgroup_probe,
+    escapee,
+    escapee_procs,
+    eventually,
+    frozen,
+    leaf_of,
+    runtime,
+    steps,
+)
 from tether import InvalidParams, User
 from tether.actors.ports import TurnJob
-from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
+from tether.runtime._cgroup import LIMIT_CONTROLLERS
 
 pytestmark = pytest.mark.timeout(90)
 
 TESTS = Path(__file__).parent
 
 
-def _cgroup_missing() -> str | None:
-    try:
-        groups = Cgroups.open(None)
-    except CgroupUnavailable as exc:
-        return str(exc)
-    controllers = groups.controllers
-    groups.close()
-    _CONTROLLERS.update(controllers)
-    return None
-
-
-_CONTROLLERS: set[str] = set()
-CGROUP_MISSING = _cgroup_missing()
+CGROUP_MISSING, _CONTROLLERS = cgroup_probe()
 needs_cgroup = pytest.mark.skipif(
     CGROUP_MISSING is not None, reason=f"no cgroup containment here: {CGROUP_MISSING}"
 )
-
-
-@pytest.fixture(params=["cgroup", "walk"])
-def containment(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    if name == "cgroup" and CGROUP_MISSING is not None:
-        pytest.skip(f"no cgroup containment here: {CGROUP_MISSING}")
-    return name
-
-
-@pytest.fixture
-def token() -> Iterator[str]:
-    """A name no other process has: what the escapee renames itself to."""
-    tok = f"tether-escapee-{uuid.uuid4().hex[:10]}"
-    yield tok
-    for p in escapee_procs(tok):  # only after a failure: nothing of it may outlive the test
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
 
 
 def _argv0(p: psutil.Process) -> str | None:

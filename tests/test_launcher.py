@@ -18,7 +18,17 @@ import psutil
 import pytest
 
 import tether
-from drivers import HANG, SCRIPTED, Recorder, eventually, refilled, runtime, steps
+from drivers import (
+    HANG,
+    SCRIPTED,
+    Recorder,
+    escapee,
+    escapee_procs,
+    eventually,
+    refilled,
+    runtime,
+    steps,
+)
 from tether import User
 
 pytestmark = pytest.mark.timeout(90)
@@ -50,22 +60,6 @@ def _shared_descriptors(a: int, b: int) -> set[str]:
         return out
 
     return held(a) & held(b)
-
-
-def _escapee(token: str) -> str:
-    """A double-forked, env-cleared ``setsid`` loop named ``token``; the tool then sleeps."""
-    loop = "while :; do sleep 0.05; done"
-    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{loop}\"' ) & ) & sleep 60"
-
-
-def _named(token: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            cmd = p.info["cmdline"] or []
-            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-    return out
 
 
 def test_a_worker_forked_by_the_launcher_runs_a_turn_in_a_session_of_its_own() -> None:
@@ -111,10 +105,11 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
                 child,
                 "go",
                 authority=me,
-                data=steps({"op": "tool", "argv": ["sh", "-c", _escapee(token)]}),
+                data=steps({"op": "tool", "argv": ["sh", "-c", escapee(token)]}),
             )
             turn = rt.wait(child, until="running", timeout=10.0).turn
-            [esc] = eventually(lambda: _named(token), what="the escapee running")
+            found = eventually(lambda: escapee_procs(token), what="the escapee running")
+            [esc] = [p for p in found if p.cmdline()[:1] == [token]]
             pool: Any = rt._pool  # type: ignore[attr-defined]
             launcher = _launcher(rt)
             job = eventually(lambda: pool.turns.job(turn), what="the turn in the pool")
@@ -130,11 +125,11 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
             rec = next(t for t in rt.turns(child) if t.id == turn)
             assert rec.outcome == "crashed"
             assert not esc.is_running() or esc.status() == psutil.STATUS_ZOMBIE
-            assert _named(token) == []
+            assert escapee_procs(token) == []
             assert job.kill_via == "walk" and esc.pid in {f.pid for f in job.kill_procs}
             refilled(rt, size=2)
     finally:
-        for p in _named(token):
+        for p in escapee_procs(token):
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
 

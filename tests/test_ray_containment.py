@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -23,6 +21,7 @@ from drivers import (
     SCRIPTED,
     Recorder,
     alive,
+    cgroup_probe,
     escapee,
     escapee_procs,
     eventually,
@@ -32,36 +31,11 @@ from drivers import (
     tree_of,
 )
 from tether import User
-from tether.runtime._cgroup import Cgroups, CgroupUnavailable
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
 
-def _cgroup_missing() -> str | None:
-    try:
-        Cgroups.open(None).close()
-    except CgroupUnavailable as exc:
-        return str(exc)
-    return None
-
-
-CGROUP_MISSING = _cgroup_missing()
-
-
-@pytest.fixture(params=["cgroup", "walk"])
-def containment(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    if name == "cgroup" and CGROUP_MISSING is not None:
-        pytest.skip(f"no cgroup containment here: {CGROUP_MISSING}")
-    return name
-
-
-@pytest.fixture
-def token() -> Iterator[str]:
-    tok = f"tether-escapee-{uuid.uuid4().hex[:10]}"
-    yield tok
-    for p in escapee_procs(tok):  # only after a failure: nothing may outlive the test
-        p.kill()
+CGROUP_MISSING = cgroup_probe()[0]
 
 
 def _ray_runtime(containment: str) -> tether.Runtime:
