@@ -123,7 +123,12 @@ def test_a_child_spawned_from_a_turn_on_one_node_runs_on_the_other_and_close_lea
     proc.stdin.flush()
     assert json.loads(proc.stdout.readline()) == {"closed": True}
     assert proc.wait(30.0) == 0
-    assert leftovers(ray_cluster, token) == []
+    # A keeper acts on its worker's death, so it may still be exiting as close() returns
+    # (a CI run caught one mid-exit, its command line already gone); the other nodes'
+    # keepers are not the host's children to wait for.
+    eventually(
+        lambda: leftovers(ray_cluster, token) == [] or None, timeout=2.0, what="nothing left"
+    )
 
 
 def test_a_host_sigkill_leaves_nothing_on_either_node_within_two_seconds(
