@@ -489,6 +489,32 @@ def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn(token: str) -> None:
         assert _ended(rt, child, turn).outcome == "aborted"
 
 
+@pytest.mark.skipif("cpu" not in _CONTROLLERS, reason="no cgroup v2 cpu controller here")
+def test_a_cpu_limit_throttles_the_turns_whole_tree() -> None:
+    # A tool that would take a whole core for a second of wall time, under a tenth of one:
+    # the kernel throttles the leaf (worker and tool alike), and the turn's own account
+    # shows about a tenth of the wall time in CPU.
+    spin = [
+        sys.executable,
+        "-c",
+        "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.0: pass",
+    ]
+    with runtime(workers=1, containment="cgroup") as rt:
+        _, child, me = _family(rt, limits={"cpu": 0.1})
+        rt.send(child, "spin", authority=me, data=steps({"op": "tool", "argv": spin}))
+        turn = rt.wait(child, until="running").turn
+        assert turn is not None
+        leaf = leaf_of(_worker_pid(rt, turn))
+        assert leaf is not None
+        assert Path(leaf, "cpu.max").read_text().split() == ["10000", "100000"]
+        rt.wait(child, until="idle", timeout=30.0)
+        [rec] = rt.turns(child)
+        assert rec.resources is not None and rec.ended_at is not None
+        wall_ms = (rec.ended_at - rec.started_at) * 1000
+        # unthrottled this is ~1,000 ms; throttled, a tenth of the wall time plus a period
+        assert rec.resources["cpu_ms"] < 0.1 * wall_ms + 150, (rec.resources, wall_ms)
+
+
 # ---- choosing containment ------------------------------------------------------------
 
 

@@ -438,16 +438,15 @@ def test_a_host_that_started_its_own_ray_takes_all_of_it_down_when_sigkilled() -
         json.loads(host.stdout.readline())
         eventually(lambda: len(token_procs(token)) == 2, timeout=30.0, what="the escapees")
         tree = tree_of(psutil.Process(host.pid))[1:]  # Ray, its guard, the slots, the turn
-        start = time.monotonic()
         host.kill()
         host.wait(5.0)
+        # Without the guard they linger about a minute. How fast the guard is belongs in
+        # a benchmark, not here: a loaded CI machine once took 2.6 s to kill them all.
         eventually(
             lambda: not token_procs(token) and not any(alive(p) for p in tree),
-            timeout=10.0,
+            timeout=15.0,
             what="everything the host started to die",
         )
-        took = time.monotonic() - start
-        assert took < 2.0, f"the host's processes took {took:.2f} s to die"
     finally:
         kill_token(token)
         host.kill()
