@@ -138,6 +138,7 @@ class Leaf:
     # per-turn baselines, taken at dispatch
     _cpu0: int = 0
     _oom0: int = 0
+    _refused0: int = 0  # pids.events "max": forks the pids limit refused
     _peak_fd: int | None = None
     _cpu_fd: int | None = None  # cpu.stat, kept open: a read costs the host ~20 µs
     _cpu_last: int = 0  # usage_usec at the last reading (the worker's start, a turn's end)
@@ -277,6 +278,8 @@ class Leaf:
         reads no file unless the memory controller is on."""
         self._cpu0 = self._cpu_last
         self._oom0 = self._oom_kills()
+        if self.limits.get("pids") is not None:
+            self._refused0 = self._refused_forks()
         self.end_turn_peak()
         if "memory" in self.controllers:
             with contextlib.suppress(OSError):
@@ -318,6 +321,23 @@ class Leaf:
     def oom_killed(self) -> bool:
         """The memory limit killed something since ``begin_turn``."""
         return self._oom_kills() > self._oom0
+
+    def _refused_forks(self, events: str | None = None) -> int:
+        if "pids" not in self.controllers:
+            return 0
+        try:
+            return _keyed(_read(self.file("pids.events")) if events is None else events).get(
+                "max", 0
+            )
+        except OSError:
+            return 0
+
+    def pids_limit_hit(self, events: str | None = None) -> bool:
+        """The turn's pids limit refused a fork since ``begin_turn`` (``events``: the text
+        of ``pids.events`` when the caller read it already)."""
+        if self.limits.get("pids") is None:
+            return False
+        return self._refused_forks(events) > self._refused0
 
     def usage(self) -> dict[str, float]:
         """This turn's figures (SPEC §15.5), each only where its controller is on."""

@@ -74,6 +74,7 @@ from tether.actors.ports import HELD_BYTES, TurnJob, held_over
 from tether.runtime import _contain
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
 from tether.runtime._launcher import Launcher
+from tether.runtime._limits import LimitWatch
 from tether.runtime._procs import alive, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime.backends._turns import (
     DriverChecks,
@@ -235,6 +236,8 @@ class _Worker:
                 self.error = error
                 self.pool._doom_locked(self)  # the turn ends crashed, with the reason
                 return
+            if self.leaf is not None and job.limits and "pids" in job.limits:
+                self.pool.limit_watch.watch(self.leaf, job.turn)
         self.post_encoded(payloads)
 
     def kill(self) -> None:
@@ -244,6 +247,7 @@ class _Worker:
 
     def turn_over(self, job: TurnJob) -> None:
         if self.leaf is not None:  # before the next turn resets its baselines
+            self.pool.limit_watch.unwatch(self.leaf)
             job.resources = self.leaf.usage()
         if self.frozen_for is not None:
             # A pause stopped it after its driver had ended: its turn is over, and no
@@ -323,6 +327,7 @@ class Pool(TableBackend["_Worker"]):
         self._checks = DriverChecks()
         self._probe_done = threading.Condition(self._lock)
         self._probe_replies: dict[str, str | None] = {}
+        self.limit_watch = LimitWatch(self._pids_limit_hit)  # its thread starts when needed
         self._reaper = threading.Thread(
             target=self._reap_loop, name="tether-pool-reaper", daemon=True
         )
@@ -407,6 +412,7 @@ class Pool(TableBackend["_Worker"]):
             self._changed.notify_all()
         if self._reaper.ident is not None:
             self._reaper.join(_DEATH_TIMEOUT)
+        self.limit_watch.close()
         self.launcher.close()  # with what dead workers left with it
 
     # ---- internals: state ------------------------------------------------------------
@@ -457,6 +463,18 @@ class Pool(TableBackend["_Worker"]):
         self._probe_done.notify_all()
         self.turns.dispatch_locked()
         self._changed.notify_all()
+
+    def _pids_limit_hit(self, leaf: Leaf, turn: str) -> None:
+        """The limit watch saw ``leaf``'s pids limit refuse a fork in ``turn``: that turn
+        ends crashed, ``pids limit``, if its worker still runs it (see ``_limits``)."""
+        with self._lock:
+            w = next((w for w in self._all if w.leaf is leaf), None)
+            if w is None or w.doomed:
+                return
+            if not self.turns.runs_locked(w, turn):
+                return  # that turn ended meanwhile; the next one has its own baseline
+            w.error = "pids limit"
+            self._doom_locked(w)
 
     def _start_failed_locked(self) -> None:
         self._failures += 1
@@ -606,6 +624,8 @@ class Pool(TableBackend["_Worker"]):
                 job.resources = w.leaf.usage()
                 if w.leaf.oom_killed() and not w.killed:
                     w.error = "memory limit"
+                elif w.leaf.pids_limit_hit() and not w.killed and w.error is None:
+                    w.error = "pids limit"  # the worker died of it before the watch saw it
                 job.kill_via, job.kill_procs = "cgroup", _contain.fates(w.found)
             return True
         dead = self._walk_pass(w)
@@ -690,6 +710,8 @@ class Pool(TableBackend["_Worker"]):
             self.turns.dead(w, w.error)
         w.process.join(_DEATH_TIMEOUT)  # dead already: this reads the launcher's report
         self.launcher.forget(w.pid)
+        if w.leaf is not None:
+            self.limit_watch.unwatch(w.leaf)
         if w.leaf is not None and not w.leaf.remove():
             log.warning("worker.leaf_left", pid=w.pid, leaf=w.leaf.path)
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
