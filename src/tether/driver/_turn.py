@@ -107,6 +107,19 @@ class _TurnState:
         ``cancelled``, ``abandoned``, ``shielded``; ``killed`` is the host's to say)."""
         self._send(Progress(turn=self.turn, beat=False, tools=[ToolMark(tool, fate=fate)]))
 
+    def preempt_commands(self, frame: Preempt) -> tuple[list[subprocess.Popen[bytes]], bool]:
+        """Mark this turn's running commands as preempted by ``frame`` and return them
+        for killing; a command still starting is killed once it has a pid. Also whether
+        any command was hit: if none was, the preempt is for the innermost tool call
+        (``on_preempt``). The caller kills outside the lock."""
+        with self.lock:
+            victims = [p for p, by in self.tools.items() if by is None]
+            for p in victims:
+                self.tools[p] = frame
+            if self.starting and self.early is None:
+                self.early = frame
+            return victims, bool(victims) or bool(self.starting)
+
     def start_command(
         self, argv: list[str], cwd: str | None
     ) -> tuple[subprocess.Popen[bytes], int, str]:

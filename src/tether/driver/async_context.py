@@ -415,14 +415,7 @@ class AsyncTurnContext(BaseContext):
         """Preempt this turn's innermost tool from inside the worker, on the loop: what a
         host's preempt does (kill a running command, or stop the innermost call), for a
         tool policy's own limits (``max_duration``: origin ``system``)."""
-        st = self._state
-        with st.lock:
-            victims = [p for p, by in st.tools.items() if by is None]
-            for p in victims:
-                st.tools[p] = frame
-            if st.starting and st.early is None:
-                st.early = frame  # still starting: killed once it has a pid
-            busy = bool(victims) or bool(st.starting)
+        victims, busy = self._state.preempt_commands(frame)
         for p in victims:
             self._worker.kill_command(p)
         if not busy:

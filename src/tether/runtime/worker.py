@@ -241,18 +241,12 @@ class _Worker:
                 case Preempt(turn=turn):
                     st = self._state_for(turn)
                     if st is not None:
-                        with st.lock:
-                            victims = [p for p, by in st.tools.items() if by is None]
-                            for p in victims:
-                                st.tools[p] = frame
-                            if st.starting and st.early is None:
-                                st.early = frame  # still starting: killed once it has a pid
-                            busy = bool(victims) or bool(st.starting)
-                            hook = None if busy else st.on_preempt
+                        victims, busy = st.preempt_commands(frame)
                         for p in victims:
                             # run_command tells a kill from the command's own exit by
                             # its status: SIGKILL means this kill landed
                             _kill_command(p)
+                        hook = None if busy else st.on_preempt
                         if hook is not None:  # an async turn's innermost tool call
                             hook(frame)
                 case Escalate(turn=turn):
