@@ -184,7 +184,8 @@ def test_a_cancel_deadline_escalates_when_an_async_driver_blocks_its_loop(
 ) -> None:
     rec = Recorder(rt)
     _root, child, me = _family(rt, ASYNC_SCRIPTED)
-    data = steps({"op": "say", "text": "blocking"}, {"op": "block", "seconds": 30})
+    # said inside the block step: a cancel can no longer land at the boundary before it
+    data = steps({"op": "block", "seconds": 30, "say": "blocking"})
     rt.send(child, "block", authority=me, data=data)
     wait_entry(rt, child, "assistant", "blocking")
     rt.interrupt(child, authority=me, kind="cancel", reason="wrap up", deadline=0.3)

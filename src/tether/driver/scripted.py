@@ -8,8 +8,10 @@ at the next boundary. Ops beyond SPEC §11:
 
 - ``{"op":"sleep","seconds":S}``: a call that hangs with no boundary and no progress
   (sync: a blocking sleep; async: an awaited one, where a cancel lands at once).
-- ``{"op":"block","seconds":S}``: a blocking sleep in both (async: a driver that blocks
-  its own event loop, which nothing but an abort or a force-break can end).
+- ``{"op":"block","seconds":S,"say":T}``: a blocking sleep in both (async: a driver that
+  blocks its own event loop, which nothing but an abort or a force-break can end); with
+  ``say``, the text is said first, with no boundary between: whoever sees it knows the
+  block has begun.
 - ``{"op":"shield","steps":[...]}``: async only: the steps run inside ``ctx.shield()``
   (the sync driver runs them as they are: a sync cancel waits for a boundary anyway).
 - ``{"op":"loop","argv":[...]}``: the same command again and again, a boundary between.
@@ -76,6 +78,8 @@ class Scripted:
                     if self._boundary():
                         raise _Stop
             case "sleep" | "block":  # a call that hangs: no boundary, no progress
+                if "say" in step:
+                    ctx.say(str(step["say"]))
                 time.sleep(float(step.get("seconds", 1.0)))
             case "loop":  # the same tool call over and over, a boundary between, until stopped
                 while True:
@@ -171,6 +175,8 @@ class AsyncScripted:
             case "sleep":  # an awaited call that hangs: a cancel lands here at once
                 await self._wait(asyncio.sleep(float(step.get("seconds", 1.0))))
             case "block":  # a driver that blocks its own loop
+                if "say" in step:
+                    ctx.say(str(step["say"]))
                 time.sleep(float(step.get("seconds", 1.0)))
             case "loop":
                 while True:
