@@ -146,6 +146,30 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             metafunc.parametrize("backend", params, indirect=True)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On Ray, the async driver kind runs only the tests marked ``driver_reacts``: how a
+    driver takes a stop is the worker's business, the same code in a Ray slot's child as
+    in a local worker; authority, no-ops, notices and disposal are decided by the host
+    alone, whatever the driver. Every test still runs with both kinds on the local
+    backend, and with the sync kind on Ray. (Each Ray runtime costs seconds of process
+    starts: this keeps CI's Ray suite to what the backend can change.)"""
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            params.get("backend") == "ray"
+            and params.get("driver_kind") == "async"
+            and item.get_closest_marker("driver_reacts") is None
+        ):
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     """The worker backend of ``rt``: "local", or "ray" (Ray started once per session)."""
