@@ -6,6 +6,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 RAY_STAMP := $(VENV)/.installed-ray
+# pytest processes for `make test` and `make test-walk` (pytest-xdist); 0: one process.
+# The Ray suite runs in one: it shares one Ray instance across the session.
+TEST_WORKERS ?= 2
+XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 .PHONY: demo demo-agent test test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
 
@@ -30,12 +34,12 @@ lint: $(STAMP)
 # The Ray cases (marker `ray`, `ray_cluster`) run under `make test-ray`, which installs
 # the extra tether[ray]; `make test` leaves them out (without Ray they would only skip).
 test: lint
-	$(BIN)/python -m pytest -m "not ray and not ray_cluster"
+	$(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster"
 
 # The stop suites once more with the walk forced (SPEC §15.5): `make test` uses cgroup
 # containment where the machine allows it (root in CI does), this covers the fallback.
 test-walk: $(STAMP)
-	TETHER_CONTAINMENT=walk $(BIN)/python -m pytest -m "not ray and not ray_cluster" \
+	TETHER_CONTAINMENT=walk $(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster" \
 	  tests/test_interrupts.py tests/test_pause.py tests/test_faults.py tests/test_containment.py
 
 $(RAY_STAMP): $(STAMP)

@@ -61,6 +61,13 @@ def _argv0(p: psutil.Process) -> str | None:
     return None
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone, or a zombie
+        return []
+
+
 def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
     out = []
     for p in procs:
@@ -222,7 +229,7 @@ def _killed_host(
             ready: dict[str, Any] = json.loads(line)
             tree = psutil.Process(proc.pid).children(recursive=True)
             if not guard:
-                guards = [p for p in tree if "_cgroup_guard.py" in " ".join(p.cmdline())]
+                guards = [p for p in tree if "_cgroup_guard.py" in " ".join(_cmdline(p))]
                 assert guards, "no cgroup guard under the host"
                 for p in guards:  # the host's child: dead once a zombie
                     p.kill()
@@ -320,13 +327,16 @@ def test_a_dead_hosts_guard_never_touches_the_next_hosts_leaves_on_the_same_stor
     argv = [sys.executable, str(TESTS / "containment_host.py"), db_path, "cgroup", token]
     argv += [escapee(token)]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        assert proc.stdout.readline(), "the host printed nothing"
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        [guard] = [p for p in tree if "_cgroup_guard.py" in " ".join(p.cmdline())]
-        guard.suspend()
-        proc.kill()
-        proc.wait(10.0)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline(), "the host printed nothing"
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            # a short-lived child of the host may be a zombie by now: no command line
+            [guard] = [p for p in tree if "_cgroup_guard.py" in " ".join(_cmdline(p))]
+            guard.suspend()
+        finally:
+            proc.kill()
+            proc.wait(10.0)
     try:
         with runtime(db_path, workers=1, containment="cgroup") as rt:
             root = rt.open_session(SCRIPTED)
