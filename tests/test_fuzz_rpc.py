@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drivers import eventually
 from tether.wire.rpc import MAX_DEPTH, METHODS, RPC_ERROR_CODES
 from tether_server import LiveServer, settle, shared_server
 
@@ -355,7 +356,12 @@ def test_found_by_fuzzing_integers_past_64_bits_are_invalid_params(
     # The edges themselves are fine.
     data = {"a": [-(2**63), 2**63 - 1]}
     server.call("session.prompt", {"session": root, "content": "x", "data": data})
-    assert server.call("subagent.turns", {"session": root})["turns"][0]["message"]
+    # accepted is not started: the turn is listed once the host has started it
+    turns = eventually(
+        lambda: server.call("subagent.turns", {"session": root})["turns"] or None,
+        what="the prompt's turn",
+    )
+    assert turns[0]["message"]
 
 
 def _events_status(server: LiveServer, header: bytes) -> tuple[int, bytes]:
