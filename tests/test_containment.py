@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ from drivers import (
 )
 from tether import InvalidParams, User
 from tether.actors.ports import TurnJob
-from tether.runtime._cgroup import LIMIT_CONTROLLERS
+from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf, kill_leaf
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -738,3 +739,60 @@ def test_empty_leaves_a_killed_host_left_on_a_store_nobody_reopens_are_removed()
         for d in (busy, empty, group):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
+
+
+def _keeper(path: str, both: Any, emptied: list[bool], errors: list[str]) -> None:
+    """The Ray keeper's sweep of a dead worker's leaf: kill, then remove."""
+    both.wait()
+    try:
+        emptied.append(kill_leaf(path))
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(path)
+    except OSError as exc:
+        errors.append(f"keeper: {exc!r}")
+
+
+def _slot(leaf: Leaf, both: Any, emptied: list[bool], errors: list[str]) -> None:
+    """The Ray slot's end of a dead worker: kill its leaf, then remove it."""
+    both.wait()
+    try:
+        emptied.append(kill_leaf(leaf.path))
+        leaf.remove()
+    except OSError as exc:
+        errors.append(f"slot: {exc!r}")
+
+
+@needs_cgroup
+def test_two_killers_of_one_leaf_racing_its_removal_both_see_it_emptied() -> None:
+    """Under Ray a turn's leaf has two killers when its worker dies: the worker's keeper
+    (kill, then remove) and the slot (kill, then remove). A control file of a leaf the
+    kernel is removing says ENODEV while its directory still lists; that is "gone", not
+    an error (it was one: the slot's stream raised OSError and the turn was reported as
+    a lost slot, without the worker's exit code)."""
+    groups = Cgroups.open(None, guard=False)
+    errors: list[str] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for i in range(500):
+            leaf = groups.leaf(f"race-{i}")
+            leaf.create()
+            sleeper = subprocess.Popen(["sleep", "60"])
+            Path(leaf.file("cgroup.procs")).write_text(str(sleeper.pid))
+            both = threading.Barrier(2, timeout=10)
+            emptied: list[bool] = []
+            threads = [
+                threading.Thread(target=_keeper, args=(leaf.path, both, emptied, errors)),
+                threading.Thread(target=_slot, args=(leaf, both, emptied, errors)),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=20)
+            assert sleeper.wait(timeout=10) == -signal.SIGKILL
+            assert not errors, errors[:3]
+            assert emptied == [True, True]
+            assert not os.path.exists(leaf.path)
+    finally:
+        sys.setswitchinterval(interval)
+        groups.close()

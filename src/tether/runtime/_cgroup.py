@@ -32,6 +32,7 @@ host removes such a group once that process is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import os
@@ -109,6 +110,14 @@ def _write(path: str, value: str) -> None:
         os.close(fd)
 
 
+def _gone(exc: OSError) -> bool:
+    """``exc`` says the cgroup is gone: ENOENT, or ENODEV, which a control file of a
+    cgroup being removed gives (its directory still lists for a moment). The kernel
+    removes only an empty cgroup, so gone is empty; another process (the Ray keeper,
+    a guard) may be removing it while we kill it."""
+    return exc.errno in (errno.ENOENT, errno.ENODEV)
+
+
 def _keyed(text: str) -> dict[str, int]:
     """``key value`` lines (cgroup.events, cpu.stat, memory.events) as a dict."""
     out: dict[str, int] = {}
@@ -156,14 +165,18 @@ class Leaf:
     def pids(self) -> list[int]:
         try:
             return [int(p) for p in _read(self.file("cgroup.procs")).split()]
-        except FileNotFoundError:
-            return []
+        except OSError as exc:
+            if _gone(exc):
+                return []
+            raise
 
     def events(self) -> dict[str, int]:
         try:
             return _keyed(_read(self.file("cgroup.events")))
-        except FileNotFoundError:
-            return {"populated": 0, "frozen": 0}
+        except OSError as exc:
+            if _gone(exc):
+                return {"populated": 0, "frozen": 0}
+            raise
 
     def populated(self) -> bool:
         return self.events().get("populated", 0) == 1
@@ -173,8 +186,10 @@ class Leaf:
         kernel signals a change of this file as POLLPRI."""
         try:
             fd = os.open(self.file("cgroup.events"), os.O_RDONLY)
-        except FileNotFoundError:
-            return want == 0
+        except OSError as exc:
+            if _gone(exc):
+                return want == 0
+            raise
         try:
             poller = select.poll()
             poller.register(fd, select.POLLPRI | select.POLLERR)
@@ -182,10 +197,10 @@ class Leaf:
             while True:
                 try:
                     text = os.pread(fd, 4096, 0).decode()
-                except OSError:  # ENODEV: the leaf was removed (emptied) meanwhile
-                    if os.path.isdir(self.path):
-                        raise
-                    return want == 0
+                except OSError as exc:
+                    if _gone(exc):  # removed (so emptied) meanwhile
+                        return want == 0
+                    raise
                 if _keyed(text).get(key) == want:
                     return True
                 left = deadline - time.monotonic()
@@ -199,11 +214,11 @@ class Leaf:
 
     def _control(self, name: str, value: str) -> None:
         """Write a control file; a leaf removed meanwhile (its owner killed and removed
-        it: ENOENT, or ENODEV for a file opened just before) is not an error."""
+        it) is not an error."""
         try:
             _write(self.file(name), value)
-        except OSError:
-            if os.path.isdir(self.path):
+        except OSError as exc:
+            if not _gone(exc):
                 raise
 
     def freeze(self, wait: float | None = None) -> bool:
@@ -241,10 +256,8 @@ class Leaf:
             self._cpu_fd = None
         try:
             os.rmdir(self.path)
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
+        except OSError as exc:
+            return _gone(exc)
         return True
 
     # ---- limits and accounting -------------------------------------------------------

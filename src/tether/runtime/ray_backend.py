@@ -654,7 +654,9 @@ class RayBackend(TableBackend[_Slot]):
                 if self._frame(s, job, item):
                     break
         except Exception as exc:  # the actor died (SIGKILL, node lost): RayActorError & co
-            lost = f"the Ray slot running this turn was lost: {type(exc).__name__}"
+            cause = getattr(exc, "cause", None)  # a RayTaskError's: what the slot raised
+            why = type(exc).__name__ if cause is None else f"{type(exc).__name__}: {cause}"
+            lost = f"the Ray slot running this turn was lost: {why}"
         s.stream_done.set()
         if exit_item is None and lost is None:
             return  # the turn ended with its TurnEnd (reported), or a fault kills it
