@@ -5,21 +5,22 @@
     Runtime / agent actors        Pool (host threads)                      workers
     ──────────────────────        ─────────────────────────────────        ───────────────
     submit(job) ───────────────►  FIFO queue ── dispatch ─┐
-    signal(turn, frame) ───────►  held until dispatched ──┤ per-worker
-                                                          │ outbox ──► sender ──► RunTurn/Steer/
-                                                          │ (never blocks)        Cancel/Preempt/
-    kill(turn) ────────────────►  doom: killpg(SIGSTOP) ──┘                       ToolReply
+    signal(turn, frame) ───────►  held until dispatched ──┤ sent at once,
+                                                          │ never blocking ────► RunTurn/Steer/
+                                                          │ (a full socket:      Cancel/Preempt/
+    kill(turn) ────────────────►  doom: killpg(SIGSTOP) ──┘ the outbox waits)    ToolReply
                                         │
                                         ▼
                                   reaper thread: walk the frozen tree, SIGSTOP
                                     escapees, re-walk until nothing new, SIGKILL
                                     deepest first; again later if it failed
                                     (EMFILE); no end until the tree is dead
-                                  reader thread per worker ◄─────────────  Say/ToolCall/
-      sink.delivered/ended ◄──────  (tool calls answered                   Delivered/TurnEnd,
-                                    here); EOF or a bad                    or EOF
-                                    frame: doom the worker
-                                  end = tree dead + reader done:
+                                  I/O loop thread, every worker ◄─────────  Say/ToolCall/
+      sink.delivered/ended ◄──────  socket (``backends._io``);             Delivered/TurnEnd,
+                                    a tool call, and the frames            or EOF
+                                    after it, go to a tool thread;
+                                    EOF or a bad frame: doom it
+                                  end = tree dead + stream done:
                                     report the turn, then forget
                                   spawner thread: keep N + 1 workers,
                                     a failed start retried with backoff
@@ -36,12 +37,18 @@ single-threaded process with the runtime's modules preloaded (never plain fork f
 threaded host), each in its own session and process group, each a subreaper for its tools.
 A launcher that died is replaced by the next start.
 
-Fault rules (SPEC §14.3). Only the sender threads write to a worker's socket, so no
-caller and no lock ever waits on a worker that stopped reading. Everything that can
-fail for lack of resources (a walk needs descriptors, a start needs threads and
-processes) runs on the two long-lived threads and is retried there; the end of a turn
-never waits for a thread to start. A frame that fails to decode, for any reason, makes
-its worker faulty: its turn ends crashed and it is replaced.
+Fault rules (SPEC §14.3). A worker's socket is non-blocking: a frame is sent by whoever
+posts it, and what the socket cannot take waits in the worker's outbox for the I/O loop,
+so no caller and no lock ever waits on a worker that stopped reading. Everything that
+can fail for lack of resources (a walk needs descriptors, a start needs processes) runs
+on the long-lived threads and is retried there; no worker needs a thread of its own,
+and the end of a turn never waits for a thread to start. A frame that fails to decode,
+for any reason, makes its worker faulty: its turn ends crashed and it is replaced.
+
+A tool call may block (a store write, a driver check that the I/O loop must read the
+answer to), so it never runs on the loop: the worker's *strand* (its frames, in order)
+moves to a tool thread for the call, and every frame the worker sends meanwhile, its
+end of stream included, waits behind it, as it did when each worker had a reader thread.
 
 Containment (SPEC §15.5, ``_contain``): with ``cgroups``, each worker lives in a leaf of
 its own and the reaper's kill is ``cgroup.kill``, waited for until the leaf is empty; a
@@ -65,8 +72,10 @@ import socket
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import psutil
 import structlog
 
@@ -76,6 +85,7 @@ from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
 from tether.runtime._launcher import Launcher
 from tether.runtime._limits import LimitWatch
 from tether.runtime._procs import alive, freeze_tree, reap, reap_pass, thaw_tree
+from tether.runtime.backends._io import Conn, IOLoop
 from tether.runtime.backends._turns import (
     DriverChecks,
     TableBackend,
@@ -83,7 +93,7 @@ from tether.runtime.backends._turns import (
     WorkerGone,
     WorkerHost,
 )
-from tether.wire.codec import Channel
+from tether.wire.codec import decode_frame, encode_frame
 from tether.wire.errors import FrameError, TetherError
 from tether.wire.frames import (
     HostFrame,
@@ -92,6 +102,7 @@ from tether.wire.frames import (
     Ready,
     RunTurn,
     Shutdown,
+    ToolCall,
     WorkerFrame,
 )
 
@@ -112,9 +123,19 @@ _KILL_STUCK_TRIES = 20  # a kill retried this often is logged as an error (escal
 # What the pool asks of the runtime for a worker's frames (the turn table's host).
 PoolHost = WorkerHost
 
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(WorkerFrame)
+
+
+class _StreamEnd:
+    """A worker's end of stream, waiting in its strand behind a tool call."""
+
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
 
 class _Worker:
-    """One worker process and the host's two threads for it (reader, sender).
+    """One worker process and its socket on the pool's I/O loop.
 
     Lifecycle: starting → ready (active or spare) → doomed (killed, crashed, faulty or
     shut down) → finished (tree dead, reader done, turn reported). Flags change under the
@@ -141,7 +162,17 @@ class _Worker:
         finally:
             child_sock.close()
         self.pid: int = self.process.pid
-        self.channel: Channel[WorkerFrame] = Channel(host_sock, WorkerFrame)
+        self.conn = Conn(
+            pool._io,
+            host_sock,
+            lambda payload: pool._on_payload(self, payload),
+            lambda error: pool._on_stream_end(self, error),
+            self.pid,
+        )
+        # Frames waiting behind a tool call on a tool thread, in order (None: the loop
+        # handles this worker's frames itself). Under ``strand_lock``.
+        self.strand: deque[WorkerFrame | _StreamEnd] | None = None
+        self.strand_lock = threading.Lock()
         try:
             # held from the start: its start time tells the worker from a recycled pid
             self.ps: psutil.Process | None = psutil.Process(self.pid)
@@ -163,64 +194,18 @@ class _Worker:
         self.frozen_for: str | None = None
         # every process a kill pass signalled: who it was, for the stop report
         self.found: dict[int, tuple[psutil.Process, Any]] = {}
-        self.reader_done = False
+        self.reader_done = False  # the loop is done with its stream (and its strand)
         self.finished = False
-        # Outbound frames, written by the sender thread: no caller ever blocks on this
-        # worker's socket (a stopped worker stops reading, and its socket fills).
-        # Each payload with the bytes it counts against HELD_BYTES (a steer's or a
-        # preempt's size; 0 for any other frame, a big start frame included).
-        self._out: deque[tuple[bytes, int]] = deque()
-        self._out_bytes = 0
-        self._out_ready = threading.Condition(threading.Lock())
-        self._out_closed = False
-        self.reader = threading.Thread(
-            target=pool._read_loop, args=(self,), name=f"tether-pool-{self.pid}", daemon=True
-        )
-        self.sender = threading.Thread(
-            target=self._send_loop, name=f"tether-pool-send-{self.pid}", daemon=True
-        )
 
     def post(self, frame: HostFrame, *, bounded: bool = False) -> None:
-        """Queue ``frame`` for the worker; never blocks. FrameError if it is over the cap;
-        ``bounded``: InvalidParams if the worker has HELD_BYTES unread already."""
-        payload = self.channel.encode(frame)
-        with self._out_ready:
-            counted = len(payload) if bounded else 0
-            if counted and self._out_bytes + counted > HELD_BYTES:
-                raise held_over(frame, self._out_bytes)
-            self._queue_locked(payload, counted)
-
-    def post_encoded(self, payloads: list[bytes]) -> None:
-        with self._out_ready:
-            for payload in payloads:
-                self._queue_locked(payload, 0)
-
-    def _queue_locked(self, payload: bytes, counted: int) -> None:
-        if not self._out_closed:
-            self._out.append((payload, counted))
-            self._out_bytes += counted
-            self._out_ready.notify()
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._out_ready:
-                while not self._out and not self._out_closed:
-                    self._out_ready.wait()
-                if self._out_closed:
-                    return
-                payload, counted = self._out.popleft()
-                self._out_bytes -= counted
-            try:
-                self.channel.send_bytes(payload)
-            except OSError:
-                return  # the worker is gone: its reader sees the end and reports it
-
-    def stop_sending(self) -> None:
-        with self._out_ready:
-            self._out_closed = True
-            self._out.clear()
-            self._out_bytes = 0
-            self._out_ready.notify()
+        """Send ``frame`` to the worker; never blocks. FrameError if it is over the cap;
+        ``bounded`` (a steer, a preempt): InvalidParams if HELD_BYTES of such frames
+        wait unread in its outbox already."""
+        payload = encode_frame(_encoder, frame)
+        counted = len(payload) if bounded else 0
+        held = self.conn.post((payload,), counted, HELD_BYTES if bounded else None)
+        if held >= 0:
+            raise held_over(frame, held)
 
     def alive(self) -> bool:
         """The worker process itself is running (not gone, not a zombie)."""
@@ -229,7 +214,7 @@ class _Worker:
     # ---- the turn table's Worker (start, post, kill under the pool's lock) ----------
 
     def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
-        payloads = [self.channel.encode(frame) for frame in (run, *rest)]  # may refuse
+        payloads = [encode_frame(_encoder, frame) for frame in (run, *rest)]  # may refuse
         if self.leaf is not None or job.limits:
             error = _start_in_leaf(self.leaf, job)
             if error is not None:
@@ -238,7 +223,7 @@ class _Worker:
                 return
             if self.leaf is not None and job.limits and "pids" in job.limits:
                 self.pool.limit_watch.watch(self.leaf, job.turn)
-        self.post_encoded(payloads)
+        self.conn.post(payloads)  # in one send: the worker reads them all at its start
 
     def kill(self) -> None:
         self.killed = True
@@ -301,9 +286,10 @@ class _Worker:
 class Pool(TableBackend["_Worker"]):
     """``size`` workers plus one warm spare; FIFO dispatch across sessions.
 
-    Two long-lived threads do the work that may fail or wait, so that no caller does and
+    Long-lived threads do the work that may fail or wait, so that no caller does and
     no fault needs a new thread to be handled: the reaper kills doomed trees (retrying
-    until they are dead) and the spawner starts replacements (retrying with backoff).
+    until they are dead) and finishes workers, the spawner starts replacements (retrying
+    with backoff), the I/O loop reads every worker.
     """
 
     def __init__(self, size: int, host: PoolHost, *, cgroups: Cgroups | None = None) -> None:
@@ -328,6 +314,10 @@ class Pool(TableBackend["_Worker"]):
         self._probe_done = threading.Condition(self._lock)
         self._probe_replies: dict[str, str | None] = {}
         self.limit_watch = LimitWatch(self._pids_limit_hit)  # its thread starts when needed
+        self._finishing: list[_Worker] = []  # stream done after the tree died: the reaper's
+        self._io = IOLoop()
+        # a thread per tool call in flight, at most one per worker (a strand at a time)
+        self._tool_threads = ThreadPoolExecutor(size + 1, thread_name_prefix="tether-pool-tool")
         self._reaper = threading.Thread(
             target=self._reap_loop, name="tether-pool-reaper", daemon=True
         )
@@ -335,6 +325,7 @@ class Pool(TableBackend["_Worker"]):
             target=self._spawn_loop, name="tether-pool-spawner", daemon=True
         )
         try:
+            self._io.start()
             self._reaper.start()
             self._spawner.start()
             deadline = time.monotonic() + _START_TIMEOUT
@@ -412,6 +403,8 @@ class Pool(TableBackend["_Worker"]):
             self._changed.notify_all()
         if self._reaper.ident is not None:
             self._reaper.join(_DEATH_TIMEOUT)
+        self._io.close()
+        self._tool_threads.shutdown(wait=False)
         self.limit_watch.close()
         self.launcher.close()  # with what dead workers left with it
 
@@ -541,44 +534,41 @@ class Pool(TableBackend["_Worker"]):
         with self._lock:
             self._all.add(w)
         try:
-            w.reader.start()
-        except Exception as exc:  # no reader, nobody to see it end: stop it here
+            self._io.add(w.conn)
+        except Exception as exc:  # nobody reads it, nobody sees it end: stop it here
             log.error("worker.spawn_error", pid=w.pid, error=repr(exc))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, signal.SIGKILL)
             w.process.join(_DEATH_TIMEOUT)
             self.launcher.forget(w.pid)
-            w.channel.close()
+            w.conn.close()
             with self._lock:
                 self._all.discard(w)
                 self._starting -= 1
                 self._start_failed_locked()
                 self._changed.notify_all()
             return
-        try:
-            w.sender.start()
-        except Exception as exc:  # its reader sees it die and reports it as usual
-            log.error("worker.spawn_error", pid=w.pid, error=repr(exc))
-            with self._lock:
-                self._doom_locked(w)
-            return
         log.debug("worker.spawned", pid=w.pid)
 
     # ---- internals: the reaper -------------------------------------------------------
 
     def _reap_loop(self) -> None:
-        """Kill every doomed worker's tree; retry until it is dead, then finish it."""
+        """Kill every doomed worker's tree; retry until it is dead, then finish it (or
+        finish one whose stream ended after its tree died: the loop hands it here)."""
         while True:
             with self._lock:
                 while True:
-                    if self._stopping and not self._doomed:
+                    if self._stopping and not self._doomed and not self._finishing:
                         return
                     now = time.monotonic()
                     due = [w for w, at in self._doomed.items() if at <= now]
-                    if due:
+                    if due or self._finishing:
                         break
                     nxt = min(self._doomed.values(), default=None)
                     self._changed.wait(None if nxt is None else nxt - now)
+                finishing, self._finishing = self._finishing, []
+            for w in finishing:
+                self._maybe_finish(w)
             leaves = [(w.leaf, w.found) for w in due if w.leaf is not None]
             if len(leaves) > 1:
                 _contain.cgroup_kill_ahead(leaves)
@@ -652,30 +642,69 @@ class Pool(TableBackend["_Worker"]):
             log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
         return False
 
-    # ---- internals: the reader -------------------------------------------------------
+    # ---- internals: a worker's stream (the I/O loop's callbacks) ----------------------
 
-    def _read_loop(self, w: _Worker) -> None:
-        error: str | None = None
+    def _on_payload(self, w: _Worker, payload: bytes) -> str | None:
+        """One frame of ``w`` (on the loop thread); an error ends its stream."""
+        try:
+            frame = decode_frame(_decoder, payload)
+        except FrameError as exc:
+            log.error("frame.rejected", pid=w.pid, error=exc.message)
+            return f"protocol error: {exc.message}"
+        with w.strand_lock:
+            if w.strand is not None:  # a tool call runs: this frame waits behind it
+                w.strand.append(frame)
+                return None
+            if isinstance(frame, ToolCall):
+                w.strand = deque([frame])
+                self._run_strand_elsewhere(w)
+                return None
+        self._handle(w, frame)
+        return None
+
+    def _on_stream_end(self, w: _Worker, error: str | None) -> None:
+        """``w``'s stream ended (on the loop thread): after the frames before it."""
+        with w.strand_lock:
+            if w.strand is not None:
+                w.strand.append(_StreamEnd(error))
+                return
+        self._stream_done(w, error)
+
+    def _run_strand_elsewhere(self, w: _Worker) -> None:
+        try:
+            self._tool_threads.submit(self._run_strand, w)
+        except RuntimeError as exc:  # no thread to be had (or closing): do it here
+            log.error("tool.no_thread", pid=w.pid, error=repr(exc))
+            self._run_strand(w)
+
+    def _run_strand(self, w: _Worker) -> None:
+        """``w``'s frames from a tool call on, in order, until none waits."""
         while True:
+            with w.strand_lock:
+                assert w.strand is not None
+                if not w.strand:
+                    w.strand = None
+                    return
+                item = w.strand.popleft()
+            if isinstance(item, _StreamEnd):
+                self._stream_done(w, item.error)
+                continue
             try:
-                frame = w.channel.recv()
-            except (EOFError, OSError):
-                break
-            except Exception as exc:  # FrameError, and anything else a decoder may raise
-                detail = exc.message if isinstance(exc, FrameError) else repr(exc)
-                log.error("frame.rejected", pid=w.pid, error=detail)
-                error = f"protocol error: {detail}"
-                break
-            try:
-                self._handle(w, frame)
-            except Exception:  # a bug handling one frame must not kill the reader
+                self._handle(w, item)
+            except Exception:  # a bug handling one frame must not strand the rest
                 log.exception("frame.failed", pid=w.pid)
+
+    def _stream_done(self, w: _Worker, error: str | None) -> None:
+        """Nothing more comes from ``w``: it is doomed, and finished once its tree is
+        dead (by the reaper, which this hands it to if the tree died first)."""
         with self._lock:
             w.reader_done = True
             if w.error is None:
                 w.error = error
-            self._doom_locked(w)  # a reader that ends, ends its worker
-        self._maybe_finish(w)
+            self._doom_locked(w)  # a stream that ends, ends its worker
+            if w.tree_dead:
+                self._finishing.append(w)
+                self._changed.notify_all()
 
     def _handle(self, w: _Worker, frame: WorkerFrame) -> None:
         match frame:
@@ -702,8 +731,7 @@ class Pool(TableBackend["_Worker"]):
             if w.finished or not (w.tree_dead and w.reader_done):
                 return
             w.finished = True
-        w.stop_sending()
-        w.channel.close()
+        w.conn.close()
         if w.killed:
             # The tree is dead (that is what reporting waits for): a killed turn's end
             # needs nothing from the launcher's exit report, so it goes first.

@@ -13,13 +13,22 @@ import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 import msgspec
 
 from tether.wire.errors import FrameError
 
-__all__ = ["MAX_FRAME", "Channel", "FrameTooLarge"]
+__all__ = [
+    "MAX_FRAME",
+    "Channel",
+    "FrameSplitter",
+    "FrameTooLarge",
+    "decode_frame",
+    "encode_frame",
+    "framed",
+]
 
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
@@ -29,6 +38,73 @@ In = TypeVar("In")
 
 class FrameTooLarge(FrameError):
     """The peer announced a frame over the cap: the stream can no longer be trusted."""
+
+
+def framed(payloads: Iterable[bytes]) -> bytes:
+    """``payloads`` as one run of frames on the wire (header, payload, header, ...)."""
+    return b"".join(_HEADER.pack(len(p)) + p for p in payloads)
+
+
+def encode_frame(
+    encoder: msgspec.msgpack.Encoder, frame: msgspec.Struct, max_frame: int = MAX_FRAME
+) -> bytes:
+    """``frame``'s payload; FrameError if it is over the cap (nothing is sent then)."""
+    payload = encoder.encode(frame)
+    if len(payload) > max_frame:
+        raise FrameError(f"frame of {len(payload)} bytes is over the {max_frame}-byte cap")
+    return payload
+
+
+def decode_frame(decoder: msgspec.msgpack.Decoder[In], payload: bytes) -> In:
+    """One frame's payload, typed; FrameError if it does not decode, for any reason."""
+    try:
+        return decoder.decode(payload)
+    except Exception as exc:  # DecodeError, and RecursionError for deep nesting, ...
+        detail = exc if isinstance(exc, msgspec.DecodeError) else repr(exc)
+        raise FrameError(f"undecodable frame of {len(payload)} bytes: {detail}") from None
+
+
+class FrameSplitter:
+    """Frames out of a byte stream read in pieces (a non-blocking reader's): ``feed``
+    what arrived, get each whole frame's payload; ``end`` says what an end of stream
+    cut short, if anything."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> tuple[list[bytes], FrameTooLarge | None]:
+        """The payloads ``data`` completes, in order, and the error that stopped the
+        split: a length over the cap after them (the stream can no longer be trusted:
+        feed no more)."""
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        error: FrameTooLarge | None = None
+        at = 0
+        while len(buf) - at >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buf, at)
+            if length > self._max:
+                error = FrameTooLarge(f"frame of {length} bytes is over the {self._max}-byte cap")
+                break
+            end = at + _HEADER.size + length
+            if end > len(buf):
+                break
+            out.append(bytes(buf[at + _HEADER.size : end]))
+            at = end
+        if at:
+            del buf[:at]
+        return out, error
+
+    def end(self) -> FrameError | None:
+        """At the end of the stream: the error of a frame cut short, or None (clean)."""
+        if not self._buf:
+            return None
+        if len(self._buf) < _HEADER.size:
+            return FrameError(f"frame cut short: {len(self._buf)} of {_HEADER.size} header bytes")
+        (length,) = _HEADER.unpack_from(self._buf, 0)
+        got = len(self._buf) - _HEADER.size
+        return FrameError(f"frame cut short: {got} of {length} bytes")
 
 
 class Channel(Generic[In]):
@@ -55,9 +131,7 @@ class Channel(Generic[In]):
 
         Lets a sender check and queue a frame now and write it later from another thread.
         """
-        payload = self._encoder.encode(frame)
-        self._check(payload)
-        return payload
+        return encode_frame(self._encoder, frame, self._max)
 
     def _check(self, payload: bytes) -> None:
         if len(payload) > self._max:
@@ -82,11 +156,7 @@ class Channel(Generic[In]):
         payload = self._reader.read(length)
         if len(payload) < length:
             raise FrameError(f"frame cut short: {len(payload)} of {length} bytes")
-        try:
-            return self._decoder.decode(payload)
-        except Exception as exc:  # DecodeError, and RecursionError for deep nesting, ...
-            detail = exc if isinstance(exc, msgspec.DecodeError) else repr(exc)
-            raise FrameError(f"undecodable frame of {length} bytes: {detail}") from None
+        return decode_frame(self._decoder, payload)
 
     def close(self) -> None:
         self._reader.close()
