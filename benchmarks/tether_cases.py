@@ -600,8 +600,9 @@ def sessions_100k(cfg: Cfg) -> Iterator[Samples]:
 def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
     """1,000,000 live idle continuable sessions in one host (`_grow_tree`, file store):
     the host process's whole RSS (after a gc) once all are spawned and one descendants
-    listing has returned complete and been dropped. Spawn rate, listing time, peak RSS
-    and `close()` time go to the notes."""
+    listing has returned complete and been dropped; the listing's time; the synchronous
+    part of interrupt on one of them (`_interrupt_calls`, next to the 100-session run's).
+    Spawn rate, peak RSS and `close()` time go to the notes."""
     live = cfg.sessions(1_000_000)
     while True:
         with tempfile.TemporaryDirectory(prefix="bench-1m-") as d:
@@ -610,6 +611,7 @@ def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
                 tree = _grow_tree(rt, live, budget_s=1200)
                 (list_ms,) = _list_ms(rt, tree, 1)
                 rss_gib = _rss() / 2**30
+                call_us = _interrupt_calls(rt, tree, cfg.n(500, 2000))
                 t0 = time.perf_counter()
                 rt.close()
                 close_s = time.perf_counter() - t0
@@ -619,7 +621,7 @@ def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
         cfg.note(f"{tree.live:,} sessions: spawned at {tree.spawn_per_s:,.0f}/s, listed in "
                  f"{list_ms:,.0f} ms, closed in {close_s:.1f} s; peak RSS {peak_gib:.2f} GiB",
                  key="1m")
-        yield {"rss_gib": [rss_gib]}
+        yield {"rss_gib": [rss_gib], "list_ms": [list_ms], "interrupt_call_us": call_us}
 
 
 # ---------------------------------------------------------------- pause / resume

@@ -9,6 +9,7 @@ prove which processes are gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import selectors
@@ -581,7 +582,8 @@ def test_a_pause_of_the_caller_and_its_server_is_not_charged_to_the_calls_limits
         outcome = json.loads(read_line(caller.stdout))
         assert outcome == {"text": "10 steps"}
     finally:
-        caller.kill()
+        with contextlib.suppress(ProcessLookupError):  # the caller's group: its server too
+            os.killpg(caller.pid, signal.SIGKILL)
         caller.wait(timeout=WAIT)
         if caller.stdout is not None:
             caller.stdout.close()
