@@ -90,7 +90,7 @@ def ray_session() -> Iterator[Any]:
         pytest.skip(RAY_MISSING)
     import ray  # installed: an error here is a broken install, and fails the test
 
-    from tether.runtime.ray_backend import ensure_ray, shutdown_ray
+    from tether.runtime.backends.ray import ensure_ray, shutdown_ray
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     # The test drivers (tests/drivers.py) must import on the cluster too, as a user's

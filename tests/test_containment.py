@@ -555,7 +555,7 @@ def test_containment_says_which_path_is_in_force() -> None:
 
 
 def test_cgroup_containment_where_none_is_available_is_invalid_params_with_the_reason() -> None:
-    from tether.runtime.pool import Pool
+    from tether.runtime.backends.pool import Pool
 
     def factory(workers: int, host: Any) -> Any:
         return Pool(workers, host)

@@ -310,7 +310,7 @@ def _keepers(node: str) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             parent = p.parent()
             if (
-                "tether.runtime._ray_child" in (p.info["cmdline"] or ())
+                "tether.runtime.backends._ray_child" in (p.info["cmdline"] or ())
                 and not (parent is not None and parent.cmdline()[0].startswith("ray::Slot"))
                 and p.environ().get("TETHER_NODE") == node
             ):
@@ -325,7 +325,7 @@ def mine():
     out = []
     for p in psutil.Process().children():
         with contextlib.suppress(psutil.Error):  # a zombie has no command line
-            if "tether.runtime._ray_child" in p.cmdline():
+            if "tether.runtime.backends._ray_child" in p.cmdline():
                 out.append(p.pid)
     return out
 

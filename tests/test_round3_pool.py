@@ -33,7 +33,7 @@ from drivers import (
 )
 from tether import User
 from tether.actors.ports import TurnJob
-from tether.runtime.pool import HELD_BYTES, Pool, PoolHost
+from tether.runtime.backends.pool import HELD_BYTES, Pool, PoolHost
 from tether.wire.frames import (
     Delivered,
     Escalating,

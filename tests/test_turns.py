@@ -77,15 +77,15 @@ def _imports(path: Path) -> set[str]:
 def test_both_backends_run_their_turns_on_the_one_turn_table_and_ray_never_imports_the_pool() -> (
     None
 ):
-    ray = _imports(SRC / "ray_backend.py")
-    pool = _imports(SRC / "pool.py")
-    assert "tether.runtime.pool" not in ray
+    ray = _imports(SRC / "backends" / "ray.py")
+    pool = _imports(SRC / "backends" / "pool.py")
+    assert "tether.runtime.backends.pool" not in ray
     assert "tether.runtime.backends._turns" in ray
     assert "tether.runtime.backends._turns" in pool
     # and Ray's reaper actor kills with the walk the pool's reaper uses
-    assert "tether.runtime._procs" in _imports(SRC / "_ray_actors.py")
+    assert "tether.runtime._procs" in _imports(SRC / "backends" / "_ray_actors.py")
     from tether.runtime.backends._turns import TableBackend
-    from tether.runtime.pool import Pool
+    from tether.runtime.backends.pool import Pool
 
     assert issubclass(Pool, TableBackend)
 

@@ -6,8 +6,8 @@ object (probe a driver, drain, close, list worker pids). That is a :class:`Backe
 backend is built with ``(workers, host)``: ``host`` answers the worker's ``say`` and tool
 calls (the store and authority stay in the host process whatever the backend).
 
-Two ship: ``"local"``, the process :class:`~tether.runtime.pool.Pool` (the default),
-and ``"ray"``, :class:`~tether.runtime.ray_backend.RayBackend` (the optional extra
+Two ship: ``"local"``, the process :class:`~tether.runtime.backends.pool.Pool` (the default),
+and ``"ray"``, :class:`~tether.runtime.backends.ray.RayBackend` (the optional extra
 ``tether[ray]``, imported only when asked for). Every backend keeps the contract of
 SPEC §14.6: a turn's end is reported only once its whole process tree is dead. Both keep
 that contract in one place, the turn table (``backends._turns``): each drives its workers
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from tether.actors.ports import Executor
 from tether.runtime._cgroup import Cgroups
 from tether.runtime.backends._turns import WorkerHost
-from tether.runtime.pool import Pool
+from tether.runtime.backends.pool import Pool
 from tether.wire.errors import InvalidParams, TetherError
 
 __all__ = [
@@ -98,7 +98,7 @@ def make_backend(
         return _local(workers, host, cgroups)
     if backend == "ray":
         # Ray is present: an error importing it is a broken install, and says so itself.
-        from tether.runtime.ray_backend import RayBackend
+        from tether.runtime.backends.ray import RayBackend
 
         options: dict[str, Any] = {"containment": containment, **(ray_options or {})}
         ray_backend: Backend = RayBackend(workers, host, address=ray_address, **options)

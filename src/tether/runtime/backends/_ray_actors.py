@@ -1,6 +1,6 @@
 """The Ray side of the Ray backend: a slot actor per worker, a reaper actor per node.
 
-Imported by ``ray_backend`` (in the host) and by Ray's workers (to run the actors).
+Imported by ``backends.ray`` (in the host) and by Ray's workers (to run the actors).
 
 ::
 
@@ -77,7 +77,7 @@ def _keeper_of(token: str) -> int | None:
     [LEAF]``."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "tether.runtime._ray_child" in cmd and "--keep" in cmd:
+        if "tether.runtime.backends._ray_child" in cmd and "--keep" in cmd:
             at = cmd.index("--keep")
             if cmd[at + 1 : at + 2] == [token]:
                 return p.pid
@@ -97,7 +97,7 @@ class _Child:
     def __init__(self, node: str, groups: Cgroups | None = None) -> None:
         self.token = secrets.token_hex(8)
         self.leaf: Leaf | None = None
-        argv = [sys.executable, "-m", "tether.runtime._ray_child"]
+        argv = [sys.executable, "-m", "tether.runtime.backends._ray_child"]
         if groups is not None:
             self.leaf = groups.leaf(f"w-{self.token}")
             self.leaf.create()
@@ -249,7 +249,7 @@ class Slot:
     def check(self, driver: str) -> str | None:
         """``probe`` for a busy slot: a new process on this node imports ``driver``."""
         done = subprocess.run(
-            [sys.executable, "-m", "tether.runtime._ray_child", "--check", driver],
+            [sys.executable, "-m", "tether.runtime.backends._ray_child", "--check", driver],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

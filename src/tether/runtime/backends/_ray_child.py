@@ -1,6 +1,6 @@
 """Entry point of a turn's worker process under a Ray slot: worker.py's own turn loop.
 
-``python -m tether.runtime._ray_child FD TOKEN``: FD is this end of the slot's
+``python -m tether.runtime.backends._ray_child FD TOKEN``: FD is this end of the slot's
 socketpair. ``worker_main`` puts the process in its own session and process group (a
 Ray worker is a group leader itself, so the slot never signals its own group) and makes
 it a subreaper for its tools. Ray is not imported here.
@@ -18,13 +18,13 @@ itself (``--keep TOKEN FD``) without the tree's tag in its environment, so that 
 by that tag ever takes it: a sweeper killed between its freeze and its kill (a slot or
 a reaper that Ray kills meanwhile) would leave a tagged keeper stopped for good.
 
-Under cgroup containment (``python -m tether.runtime._ray_child FD TOKEN LEAF``) the
+Under cgroup containment (``python -m tether.runtime.backends._ray_child FD TOKEN LEAF``) the
 worker joins the leaf LEAF first thing in ``worker_main`` (the keeper, started just
 before, stays outside), and the keeper's sweep starts with ``cgroup.kill`` of the leaf,
 which takes what left the session and cleared its environment too (and is then all
 the sweep there is).
 
-``python -m tether.runtime._ray_child --check DRIVER``: import the driver and exit 0, or
+``python -m tether.runtime.backends._ray_child --check DRIVER``: import the driver and exit 0, or
 print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers so).
 """
 
@@ -58,7 +58,7 @@ def _start_keeper(token: str, channel: int, leaf: str | None) -> None:
             if os.fork() == 0:
                 os.set_inheritable(done, True)
                 env = {k: v for k, v in os.environ.items() if k != TREE_ENV}
-                argv = [sys.executable, "-m", "tether.runtime._ray_child", "--keep", token]
+                argv = [sys.executable, "-m", "tether.runtime.backends._ray_child", "--keep", token]
                 argv += [str(done)] if leaf is None else [str(done), leaf]
                 os.execve(sys.executable, argv, env)
         finally:

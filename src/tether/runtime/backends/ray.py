@@ -155,7 +155,7 @@ def _guard_started_ray(before: set[int]) -> None:
                 daemons.append(f"{p.pid}:{p.create_time()!r}")
     if daemons:
         _guard = subprocess.Popen(
-            [sys.executable, "-m", "tether.runtime._ray_guard", *daemons],
+            [sys.executable, "-m", "tether.runtime.backends._ray_guard", *daemons],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # out of the group that Ray's own reaper kills
@@ -320,7 +320,7 @@ class RayBackend(TableBackend[_Slot]):
         if spare < 0:
             raise ValueError("spare must be 0 or more")
         ray = _ray()
-        from tether.runtime import _ray_actors
+        from tether.runtime.backends import _ray_actors
 
         self.size = size
         self.spare = spare

@@ -1,6 +1,6 @@
-"""The Ray that a host started dies with the host (run as a script by ``ray_backend``).
+"""The Ray that a host started dies with the host (run as a script by ``backends.ray``).
 
-``python -m tether.runtime._ray_guard PID:START ...``: when ``ray.init`` starts a local
+``python -m tether.runtime.backends._ray_guard PID:START ...``: when ``ray.init`` starts a local
 Ray (no address), its daemons are this host's descendants. If the host is SIGKILLed,
 Ray's own reaper kills their process group, but its agents (each in a group of its own)
 linger: a minute here. The host starts this guard in a session of its own, with a pipe
