@@ -73,7 +73,7 @@ class FrameSplitter:
         self._buf = bytearray()
         self._max = max_frame
 
-    def feed(self, data: bytes) -> tuple[list[bytes], FrameTooLarge | None]:
+    def feed(self, data: bytes | memoryview) -> tuple[list[bytes], FrameTooLarge | None]:
         """The payloads ``data`` completes, in order, and the error that stopped the
         split: a length over the cap after them (the stream can no longer be trusted:
         feed no more)."""

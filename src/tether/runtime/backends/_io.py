@@ -152,6 +152,8 @@ class IOLoop:
         self._stopping = False
         self._done = False
         self._owned: set[Conn] = set()  # added and not yet closed (loop thread only)
+        self._buf = bytearray(_READ_CHUNK)  # what one read takes (loop thread only)
+        self._view = memoryview(self._buf)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -258,22 +260,23 @@ class IOLoop:
         self._sel.modify(conn.sock, events, conn)
 
     def _read(self, conn: Conn, conns: set[Conn]) -> None:
+        # Into one buffer the loop keeps: a fresh 256 KiB ``recv`` would be allocated
+        # (and, past malloc's mmap threshold, mapped and unmapped) for every frame.
         try:
-            data = conn.sock.recv(_READ_CHUNK)
+            got = conn.sock.recv_into(self._buf)
         except BlockingIOError:
             return
         except OSError:
-            data = b""  # reset by a worker that died: the end of its stream
+            got = 0  # reset by a worker that died: the end of its stream
         error: str | None = None
-        payloads: list[bytes] = []
-        if not data:
+        if not got:
             cut = conn._splitter.end()
             if cut is not None:
                 log.error("frame.rejected", pid=conn.pid, error=cut.message)
                 error = f"protocol error: {cut.message}"
             self._end(conn, conns, error)
             return
-        payloads, bad = conn._splitter.feed(data)
+        payloads, bad = conn._splitter.feed(self._view[:got])
         for payload in payloads:
             try:
                 error = conn.on_frame(payload)
