@@ -191,11 +191,15 @@ class Ticket:
     rather than kept for a retry the caller would never hear about.
     """
 
-    __slots__ = ("_callbacks", "_done", "_store", "error", "refusable", "withdrawn")
+    __slots__ = ("_callbacks", "_done", "_store", "_waiter", "error", "refusable", "withdrawn")
 
     def __init__(self, store: Store, *, refusable: bool = False) -> None:
         self._store = store
-        self._done = threading.Event()
+        # Done: set once, under the store's ``_tickets`` lock, after ``error``. The
+        # event is made only for a caller that must block (another thread commits its
+        # write); most callers commit their own write and never need one.
+        self._done = False
+        self._waiter: threading.Event | None = None
         self._callbacks: list[Callable[[BaseException | None], None]] | None = None
         self.error: BaseException | None = None
         self.refusable = refusable
@@ -203,11 +207,14 @@ class Ticket:
 
     def set(self, error: BaseException | None = None) -> None:
         with self._store._tickets:
-            if self._done.is_set():
+            if self._done:
                 return
             self.error = error
-            self._done.set()
+            self._done = True
             callbacks, self._callbacks = self._callbacks, None
+            waiter = self._waiter
+        if waiter is not None:
+            waiter.set()
         for fn in callbacks or ():
             try:
                 fn(error)
@@ -218,7 +225,7 @@ class Ticket:
         """Call ``fn(error)`` once the ticket is done (at once if it is), on the thread
         that finished it; ``error`` is None once the write is committed."""
         with self._store._tickets:
-            if not self._done.is_set():
+            if not self._done:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(fn)
@@ -227,15 +234,20 @@ class Ticket:
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> None:
         """Return once the write is durable (committing it here if nobody is); raise
         ``StoreUnavailable`` if it was refused."""
-        if not self._done.is_set():
+        if not self._done:
             self._store.commit(self)
-        if not self._done.wait(timeout):
-            raise TimeoutError("the store did not commit in time")
+        if not self._done:
+            with self._store._tickets:
+                if not self._done and self._waiter is None:
+                    self._waiter = threading.Event()
+                waiter = None if self._done else self._waiter
+            if waiter is not None and not waiter.wait(timeout):
+                raise TimeoutError("the store did not commit in time")
         if self.error is not None:
             raise self.error
 
