@@ -74,7 +74,7 @@ from hypothesis.stateful import (
 )
 
 from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind
-from tether.actors.ports import TurnJob
+from tether.actors.ports import ParentNotice, TurnJob
 from tether.wire.errors import StoreUnavailable
 from tether.wire.frames import (
     CancelFrame,
@@ -91,7 +91,7 @@ from tether.wire.frames import (
     ToolMark,
     TurnEnd,
 )
-from tether.wire.records import ChildTurnEnded, Entry, Message, SessionHeader, StopReport
+from tether.wire.records import Entry, Message, SessionHeader, StopReport
 
 SID = "s_kid"
 PARENT = "s_lead"
@@ -225,7 +225,9 @@ class FakeStore:
         self.claimed.append(key)
         return DONE
 
-    def end_turn(self, turn: str, **record: Any) -> None:
+    def end_turn(
+        self, turn: str, notice: ParentNotice | None = None, **record: Any
+    ) -> Message | None:
         if turn != self.open:
             raise Violation(f"end of {turn}, which is not the open turn {self.open}")
         log = self.turns[turn]
@@ -233,6 +235,19 @@ class FakeStore:
             raise Violation(f"{turn} ended twice")
         log.ended = record
         self.open = None
+        if notice is None:
+            return None
+        if notice.parent != PARENT or notice.data["notice"]["turn"] != turn:
+            raise Violation(f"{turn}'s end wrote a notice for another turn or parent: {notice}")
+        key = 10**9 + len(self.m.notices)  # not the session's keys: the model owns those
+        return Message(
+            id=f"m_{key}",
+            session=notice.parent,
+            content=notice.content,
+            data=notice.data,
+            kind="notice",
+            sender=notice.sender,
+        )
 
     def append_entry(self, session: str, kind: str, text: str, **kw: Any) -> Entry:
         turn = kw.get("turn")
@@ -430,7 +445,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.store = FakeStore(self)
         self.executor = FakeExecutor(self)
         self.events = Events()
-        self.notices: list[ChildTurnEnded] = []
+        self.notices: list[Message] = []  # each written with its turn's end
         self.outbox: deque[Any] = deque()  # what the worker sent, not read by the host yet
         self.accepted: dict[int, str] = {}  # key -> message id
         self.loaded: list[Message] = []
@@ -957,6 +972,9 @@ class SessionMachine(RuleBasedStateMachine):
         ended = [log for log in self.store.turns.values() if log.ended is not None]
         if len(self.notices) != len(ended):
             raise Violation(f"{len(ended)} turns ended, {len(self.notices)} notices")
+        told = sorted(str(m.data["notice"]["turn"]) for m in self.notices if m.data)
+        if told != sorted(log.id for log in ended):
+            raise Violation(f"notices {told} for turns {[log.id for log in ended]}")
 
 
 def _settings() -> settings:
@@ -1088,3 +1106,23 @@ def test_a_waking_send_during_a_stop_resumes_the_queue_when_the_turn_ends() -> N
     m.enqueue(follow, "yes")
     run_to_end(m)
     assert m.session.turn is not None and m.session.turn.message.id == follow.id
+
+
+def test_a_turn_that_makes_progress_after_its_ladder_ran_out_is_watched_again() -> None:
+    """Its ladder ['preempt', 'abort'] ran out (no tool to preempt: the abort), then a
+    progress beat from the worker reset the ladder: the watchdog must be armed again.
+    Before the fix nothing re-armed it, so a turn whose ladder had run out (a steer that
+    helped, say) was never watched again (found by the machine)."""
+    m = SessionMachine()
+    stall = {"after": 3.0, "steps": ["preempt", "abort"], "nudge": "x", "grace": 1.0}
+    m.boot(one_shot=False, stall=stall, loaded=0, hold=False)
+    for _ in range(3):
+        m.send(how="yes")
+    m.the_worker_acts(action="boundary")
+    m.the_host_reads(n=1)
+    m.the_worker_acts(action="boundary")
+    m.the_clock_moves_on(3.0)  # the watchdog's abort; a beat is still on its way
+    m.the_host_reads(n=1)
+    m.the_session_keeps_its_promises()
+    t = m.session.turn
+    assert t is not None and t.step == 0 and m.timers.armed(t.id, "watchdog")

@@ -27,7 +27,7 @@ import structlog
 from tether.actors._ids import new_id
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
-from tether.actors.ports import AgentStore, EventSink, Executor, TurnJob, TurnSink
+from tether.actors.ports import AgentStore, EventSink, Executor, ParentNotice, TurnJob, TurnSink
 from tether.actors.states import AgentState, check_transition
 from tether.wire.errors import InvalidParams, TetherError
 from tether.wire.frames import (
@@ -57,7 +57,7 @@ from tether.wire.records import (
 )
 from tether.wire.text import marker_text
 
-__all__ = ["Interrupt", "Session", "Wake", "make_info"]
+__all__ = ["Interrupt", "Session", "Wake", "make_info", "notice_text"]
 
 log = structlog.get_logger("tether.agent")
 _stdlib_log = logging.getLogger("tether.agent")
@@ -523,6 +523,11 @@ class Session:
             t.started = True
             t.last_progress = self._host.clock.monotonic()
             t.step = 0
+            stall = self.header.stall
+            if t.watch is None and stall is not None and not t.paused and not self.disposing:
+                # the ladder had run out: progress starts it again (a turn that stalls
+                # again after it recovered is watched again)
+                self._watch(t, float(stall["after"]))
 
     def _watch(self, t: _Turn, delay: float) -> None:
         if t.watch is not None:
@@ -752,7 +757,20 @@ class Session:
         self.turn = None
         if outcome != "completed":
             self.hold = not t.wake_latch  # park the inbox unless a waking send latched
-        host.store.end_turn(
+        notice = None
+        if h.parent is not None and host.inbox_open(h.parent):
+            told = ChildTurnEnded(
+                child=h.id,
+                slug=h.slug,
+                turn=t.id,
+                outcome=outcome,
+                cause=cause,
+                partial=partial,
+            )
+            data = {"notice": msgspec.to_builtins(told)}
+            notice = ParentNotice(h.parent, notice_text(told), data, h.id)
+        # the parent's notice is committed with the end, or neither is
+        notice_msg = host.store.end_turn(
             t.id,
             outcome=outcome,
             cause=cause,
@@ -764,6 +782,7 @@ class Session:
             final=final,
             resources=t.job.resources,
             usage=end.usage if end is not None else None,
+            notice=notice,
         )
         if stop is not None:
             self._final_report(
@@ -794,16 +813,8 @@ class Session:
             log.debug("turn.ended", session=h.id, **record)
         if host.events.wants("turn.ended"):
             self._emit("turn.ended", record)
-        if h.parent is not None:
-            notice = ChildTurnEnded(
-                child=h.id,
-                slug=h.slug,
-                turn=t.id,
-                outcome=outcome,
-                cause=cause,
-                partial=partial,
-            )
-            host.notify_parent(h.parent, notice)
+        if h.parent is not None and notice_msg is not None:
+            host.notify_parent(h.parent, notice_msg)
         if h.mode == "one-shot" or self.disposing:
             self.settled = True
         else:
@@ -889,6 +900,13 @@ def _progress_every(stall: dict[str, Any]) -> float:
     return min(0.25, float(stall["after"]) / 8)
 
 
+def notice_text(notice: ChildTurnEnded) -> str:
+    """A child's turn end as its parent reads it in its inbox."""
+    who = notice.slug or notice.child
+    text = f"[{who}] turn {notice.outcome}"
+    return f"{text}: {notice.partial}" if notice.partial else text
+
+
 class SessionServices:
     """What a session needs from the actor that hosts it (set up by ``SessionHost``)."""
 
@@ -900,8 +918,9 @@ class SessionServices:
         events: EventSink,
         sink: Callable[[str], TurnSink],
         arm: Callable[[str, str, TimerKind, float, int], Timer],
-        notify_parent: Callable[[str, ChildTurnEnded], None],
+        notify_parent: Callable[[str, Message], None],
         grace: float,
+        inbox_open: Callable[[str], bool] = lambda _parent: True,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.grace = grace  # the runtime's default, for the watchdog's cancel
@@ -910,6 +929,10 @@ class SessionServices:
         self.events = events
         self.sink = sink
         self.arm = arm
+        # A child's turn end is told to its parent as a notice message, written with
+        # the end (``inbox_open``: whether the parent still takes one), then handed to
+        # the parent's host to queue (``notify_parent``).
         self.notify_parent = notify_parent
+        self.inbox_open = inbox_open
         # Every time the session reads: wall time for records, monotonic for clocks.
         self.clock = clock

@@ -29,14 +29,21 @@ import pykka
 import structlog
 
 from tether.actors._timers import TimerHandle, TimerQueue
-from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind, Wake, make_info
+from tether.actors.agent import (
+    Interrupt,
+    Session,
+    SessionServices,
+    TimerKind,
+    Wake,
+    make_info,
+)
 from tether.actors.authority import Authority, Host
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
 from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd
-from tether.wire.records import AgentInfo, AgentRef, ChildTurnEnded, Message, SessionHeader
+from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader
 
 __all__ = [
     "Adopt",
@@ -149,7 +156,7 @@ class SyncOp:
 @dataclass(frozen=True, slots=True)
 class _Notice:
     parent: str
-    notice: ChildTurnEnded
+    message: Message  # written already, with the child's turn end
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,9 +340,8 @@ class SessionHost(pykka.ThreadingActor):
             events=self._events,
             sink=lambda sid: _Sink(ref, sid),
             arm=self._arm,
-            notify_parent=lambda parent, notice: self._dispatcher.tell(
-                parent, _Notice(parent, notice)
-            ),
+            notify_parent=lambda parent, msg: self._dispatcher.tell(parent, _Notice(parent, msg)),
+            inbox_open=self._inbox_open,
             grace=grace,
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
@@ -399,8 +405,8 @@ class SessionHost(pykka.ThreadingActor):
                         self._dir.woken(msg.session)
             case Adopt(session=session):
                 self._adopt(session)
-            case _Notice(parent=parent, notice=notice):
-                self._notice(parent, notice)
+            case _Notice(parent=parent, message=msg):
+                self._notice(parent, msg)
             case _Frame(session=sid, frame=Say() as frame):
                 s = self._live.get(sid)
                 if s is not None:  # an entry changes nothing shown: no publish
@@ -509,18 +515,19 @@ class SessionHost(pykka.ThreadingActor):
             data = {"message": msg.id, "kind": msg.kind}
             self._events.emit("message.accepted", msg.session, lineage, data)
 
-    def _notice(self, parent: str, notice: ChildTurnEnded) -> None:
+    def _inbox_open(self, parent: str) -> bool:
+        """Whether ``parent`` still takes a notice (asked by a child's host as its turn
+        ends; checked again here when the notice arrives)."""
         node = self._dir.catalog.nodes.get(parent)
-        if node is None or node.settled or node.disposing:
-            log.debug("notice.dropped", session=parent, child=notice.child, why="inbox closed")
+        return node is not None and not node.settled and not node.disposing
+
+    def _notice(self, parent: str, msg: Message) -> None:
+        """A child's turn-end notice, durable in ``parent``'s inbox already: queue it."""
+        if not self._inbox_open(parent):
+            # its inbox closed after the child's host looked: the notice goes its way
+            log.debug("notice.dropped", session=parent, child=msg.sender, why="inbox closed")
+            self._store.close_message(msg.id)
             return
-        msg, _ = self._store.append_message(
-            parent,
-            notice_text(notice),
-            data={"notice": _builtins(notice)},
-            kind="notice",
-            sender=notice.child,
-        )
         s = self._live.get(parent)
         self._accepted(msg, s.lineage if s is not None else None)
         if s is not None:
@@ -633,17 +640,6 @@ class SessionHost(pykka.ThreadingActor):
             envelope = self.actor_inbox.get()
             if isinstance(envelope.message, _Call):
                 envelope.message.reply.set(None, pykka.ActorDeadError(f"{self} stopped"))
-
-
-def notice_text(notice: ChildTurnEnded) -> str:
-    who = notice.slug or notice.child
-    text = f"[{who}] turn {notice.outcome}"
-    return f"{text}: {notice.partial}" if notice.partial else text
-
-
-def _builtins(notice: ChildTurnEnded) -> dict[str, Any]:
-    out: dict[str, Any] = msgspec.to_builtins(notice)
-    return out
 
 
 def _with_dispatched(info: AgentInfo) -> AgentInfo:

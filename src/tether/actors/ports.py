@@ -36,6 +36,7 @@ __all__ = [
     "Durable",
     "EventSink",
     "Executor",
+    "ParentNotice",
     "TurnJob",
     "TurnSink",
     "held_over",
@@ -181,6 +182,17 @@ class Durable(Protocol):
         """Call ``fn(error)`` once done (at once if done); ``error`` None: committed."""
 
 
+@dataclass(frozen=True, slots=True)
+class ParentNotice:
+    """A message for a parent's inbox, written with its child's turn end (one commit:
+    a host killed between the two would leave a turn end nobody is told of)."""
+
+    parent: str
+    content: str
+    data: dict[str, Any]
+    sender: str
+
+
 class AgentStore(Protocol):
     """The durable operations the session actors perform; writes are queued."""
 
@@ -212,7 +224,8 @@ class AgentStore(Protocol):
         final: str | None = None,
         usage: dict[str, int] | None = None,
         resources: dict[str, float] | None = None,
-    ) -> None: ...
+        notice: ParentNotice | None = None,
+    ) -> Message | None: ...
     def append_entry(
         self,
         session: str,

@@ -16,10 +16,10 @@ import msgspec
 import pykka
 import structlog
 
-from tether.actors.agent import Session
+from tether.actors.agent import Session, notice_text
 from tether.actors.authority import MAX_DEPTH, Authority, Host
 from tether.actors.directory import Directory
-from tether.actors.host import Adopt, Dispatcher, DisposeOp, notice_text, simple_inbox
+from tether.actors.host import Adopt, Dispatcher, DisposeOp, simple_inbox
 from tether.actors.ports import AgentStore, Durable, Executor
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound

@@ -54,6 +54,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from tether.actors.ports import ParentNotice
 from tether.wire.errors import StoreLocked, StoreUnavailable
 from tether.wire.records import (
     Entry,
@@ -855,17 +856,41 @@ class Store:
         final: str | None = None,
         usage: dict[str, int] | None = None,
         resources: dict[str, float] | None = None,
-    ) -> None:
-        """Record a turn's end (and its final text as an assistant entry)."""
+        notice: ParentNotice | None = None,
+    ) -> Message | None:
+        """Record a turn's end (and its final text as an assistant entry); with
+        ``notice``, the parent's notice message in the same commit. Returns that
+        message (None without a notice, or for a turn not open here)."""
         now = time.time()
         with self._cond:
             opened = self._open.pop(turn, None)
             if opened is None:
-                return
+                return None
             session, row = opened
             seq = next(self._entry_seqs) if final is not None else None
+            msg: Message | None = None
+            if notice is not None:
+                key = self._next_key
+                self._next_key += 1
+                blob = _dump(notice.data)
+                msg = Message(
+                    id=f"m_{key}",
+                    session=notice.parent,
+                    content=notice.content,
+                    data=notice.data,
+                    kind="notice",
+                    sender=notice.sender,
+                    created_at=now,
+                )
 
             def op(db: sqlite3.Connection) -> None:
+                if msg is not None:
+                    db.execute(
+                        "INSERT INTO messages"
+                        " (id, session, content, data, kind, sender, created_at)"
+                        " VALUES (?,?,?,?,'notice',?,?)",
+                        (key, msg.session, msg.content, blob, msg.sender, now),
+                    )
                 if seq is not None:
                     db.execute(
                         "INSERT INTO entries (seq, session, turn, kind, text, created_at)"
@@ -891,6 +916,7 @@ class Store:
                 )
 
             self._submit_locked(op, None)
+        return msg
 
     def turns(self, session: str) -> list[TurnRecord]:
         rows = self._read(
