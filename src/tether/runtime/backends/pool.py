@@ -316,8 +316,12 @@ class Pool(TableBackend["_Worker"]):
         self.limit_watch = LimitWatch(self._pids_limit_hit)  # its thread starts when needed
         self._finishing: list[_Worker] = []  # stream done after the tree died: the reaper's
         self._io = IOLoop()
-        # a thread per tool call in flight, at most one per worker (a strand at a time)
-        self._tool_threads = ThreadPoolExecutor(size + 1, thread_name_prefix="tether-pool-tool")
+        # A thread per tool call in flight (one strand per worker at a time), made on
+        # demand and kept: a doomed worker's strand may still be in a slow call, which
+        # must not hold up a live worker's, so the cap is well above the pool's size.
+        self._tool_threads = ThreadPoolExecutor(
+            max(32, 4 * size), thread_name_prefix="tether-pool-tool"
+        )
         self._reaper = threading.Thread(
             target=self._reap_loop, name="tether-pool-reaper", daemon=True
         )
