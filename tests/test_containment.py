@@ -533,6 +533,12 @@ def test_a_cpu_limit_throttles_the_turns_whole_tree() -> None:
         assert turn is not None
         leaf = leaf_of(_worker_pid(rt, turn))
         assert leaf is not None
+        # once the tool runs in the leaf, the turn's start (which set its limits) took
+        # effect: the table names the turn's worker a moment before that, under its lock
+        eventually(
+            lambda: len(Path(leaf, "cgroup.procs").read_text().split()) > 1,
+            what="the turn's tool in its leaf",
+        )
         assert Path(leaf, "cpu.max").read_text().split() == ["10000", "100000"]
         rt.wait(child, until="idle", timeout=30.0)
         [rec] = rt.turns(child)
