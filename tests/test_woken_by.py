@@ -8,6 +8,7 @@ queue that started by itself).
 from __future__ import annotations
 
 import tether
+from drivers import eventually
 from tether import User
 
 HANG = {"steps": [{"op": "hang"}]}
@@ -37,7 +38,14 @@ def test_a_send_that_latches_during_a_stop_and_one_that_wakes_a_dormant_session_
     root = rt.open_session("tether:Scripted")
     me = User(parent=root)
     # a model call that hangs: no boundary, so the cancel converges until the abort
-    rt.send(root, "one", authority=me, data={"steps": [{"op": "sleep", "seconds": 60}]})
+    hang = {"op": "sleep", "seconds": 60, "say": "in the call"}
+    rt.send(root, "one", authority=me, data={"steps": [hang]})
+    # in the call first: a cancel that reached the turn's start would end it at its first
+    # boundary, before the next send, which would then start a turn rather than latch
+    eventually(
+        lambda: any(e.text == "in the call" for e in rt.transcript(root)),
+        what="the turn in its hung call",
+    )
     rt.interrupt(root, authority=me, kind="cancel", grace=30.0)
     latched = rt.send(root, "two", authority=me)  # accepted while the stop converges
     rt.interrupt(root, authority=me, kind="abort")
