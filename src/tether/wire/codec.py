@@ -49,7 +49,10 @@ def encode_frame(
     encoder: msgspec.msgpack.Encoder, frame: msgspec.Struct, max_frame: int = MAX_FRAME
 ) -> bytes:
     """``frame``'s payload; FrameError if it is over the cap (nothing is sent then)."""
-    payload = encoder.encode(frame)
+    return _within_cap(encoder.encode(frame), max_frame)
+
+
+def _within_cap(payload: bytes, max_frame: int) -> bytes:
     if len(payload) > max_frame:
         raise FrameError(f"frame of {len(payload)} bytes is over the {max_frame}-byte cap")
     return payload
@@ -133,14 +136,10 @@ class Channel(Generic[In]):
         """
         return encode_frame(self._encoder, frame, self._max)
 
-    def _check(self, payload: bytes) -> None:
-        if len(payload) > self._max:
-            raise FrameError(f"frame of {len(payload)} bytes is over the {self._max}-byte cap")
-
     def send_bytes(self, payload: bytes) -> None:
-        self._check(payload)
+        data = framed((_within_cap(payload, self._max),))
         with self._send_lock:
-            self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+            self.sock.sendall(data)
 
     def recv(self) -> In:
         """The next frame. EOFError at a clean end (between frames); FrameError for a

@@ -51,7 +51,7 @@ import ray
 
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable, Leaf, kill_leaf
 from tether.runtime._procs import TREE_ENV, alive, freeze_tree, reap_tree, thaw_tree
-from tether.wire.codec import MAX_FRAME
+from tether.wire.codec import MAX_FRAME, framed
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
 
 __all__ = ["NODE_ENV", "TREE_ENV", "Reaper", "Slot"]
@@ -144,7 +144,7 @@ class _Child:
         """Frames in one ``sendall``: a RunTurn and the frames held for it arrive
         together, so the worker's reader takes them all before its turn reaches a
         boundary (it reads from its buffer without letting go of the GIL)."""
-        data = b"".join(_HEADER.pack(len(p)) + p for p in payloads)
+        data = framed(payloads)
         with self.wlock:
             self.sock.sendall(data)
 
