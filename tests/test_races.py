@@ -897,6 +897,43 @@ def test_a_turn_crashed_at_recovery_still_gives_its_parent_the_notice(db_path: s
     api.check()
 
 
+_HOST_DYING_IN_RECOVERY = """
+import os, signal, sys
+from tether.actors import supervisor
+# The fault: this host is SIGKILLed once the store has closed the crashed turns and
+# before the supervisor takes the catalog; a crash between two commits of recovery
+# would leave the turn closed and its parent never told.
+supervisor.SupervisorActor._recover = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+import tether
+tether.Runtime(sys.argv[1], workers=1, grace=1.0)
+sys.exit(1)
+"""
+
+
+def test_a_host_killed_during_recovery_loses_no_crashed_turns_notice(db_path: str) -> None:
+    with _killed_host(db_path) as ready:
+        pass
+    root, kid, turn = ready["root"], ready["kid"], ready["turn"]
+    second = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_HOST_DYING_IN_RECOVERY), db_path],
+        cwd=Path(__file__).resolve().parent,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
+    with runtime(db_path, workers=1, grace=1.0) as rt:
+        [t] = rt.turns(kid)
+        assert (t.id, t.outcome) == (turn, "crashed")
+        eventually(lambda: rt.status(root).pending == 1, timeout=5.0, what="the notice")
+        rt.prompt(root, "carry on")
+        _quiet(rt, root)
+        rt.wait(root, until="idle", timeout=10.0)
+        [notice] = entries(rt, root, "notice")
+        assert notice.data is not None and notice.data["notice"]["turn"] == turn
+        assert "partial work" in notice.text, notice
+
+
 # ---- 17. a child's end after its parent settled --------------------------------------------------
 
 

@@ -9,6 +9,7 @@ the recovery of the catalog at start. It never asks a host; it only tells.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from tether.actors.agent import Session, notice_text
 from tether.actors.authority import MAX_DEPTH, Authority, Host
 from tether.actors.directory import Directory
 from tether.actors.host import Adopt, Dispatcher, DisposeOp, simple_inbox
-from tether.actors.ports import AgentStore, Durable, Executor
+from tether.actors.ports import AgentStore, Durable, Executor, ParentNotice
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
 from tether.wire.records import AgentInfo, ChildTurnEnded, Message, SessionHeader
@@ -32,6 +33,7 @@ __all__ = [
     "Recover",
     "Resolve",
     "SupervisorActor",
+    "crash_notice",
     "narrow",
 ]
 
@@ -50,6 +52,30 @@ def narrow(parent: dict[str, Any] | None, asked: dict[str, Any] | None) -> dict[
         if out.get(key) != "deny":
             out[key] = value
     return out
+
+
+def crash_notice(
+    headers: Mapping[str, SessionHeader], session: str, turn: str, partial: str | None
+) -> ParentNotice | None:
+    """The notice a parent gets for its child's turn that a dead host left open (closed
+    ``crashed`` at recovery); None for a root, or a parent that is settled."""
+    child = headers.get(session)
+    if child is None or child.parent is None:
+        return None
+    parent = headers.get(child.parent)
+    if parent is None or parent.settled:
+        return None
+    told = ChildTurnEnded(
+        child=session,
+        slug=child.slug,
+        turn=turn,
+        outcome="crashed",
+        cause="system",
+        partial=partial,
+    )
+    return ParentNotice(
+        parent.id, notice_text(told), {"notice": msgspec.to_builtins(told)}, session
+    )
 
 
 # ---- messages (asked) ----------------------------------------------------------------
@@ -85,11 +111,11 @@ class DisposeReq:
 
 @dataclass(frozen=True, slots=True)
 class Recover:
-    """Load the catalog; give parents their notices for turns closed ``crashed``;
-    materialize root sessions with their inboxes parked."""
+    """Load the catalog and materialize root sessions with their inboxes parked (the
+    turns a dead host left were closed, and their parents told, by the store's
+    ``recover``: see ``crash_notice``)."""
 
     rows: list[SessionHeader]
-    crashed: list[tuple[str, str, str | None]]
 
 
 class SupervisorActor(pykka.ThreadingActor):
@@ -120,8 +146,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._resolve(message)
             case DisposeReq():
                 return self._dispose(message)
-            case Recover(rows=rows, crashed=crashed):
-                return self._recover(rows, crashed)
+            case Recover(rows=rows):
+                return self._recover(rows)
         return None
 
     # ---- create ---------------------------------------------------------------------
@@ -168,34 +194,10 @@ class SupervisorActor(pykka.ThreadingActor):
 
     # ---- recovery -------------------------------------------------------------------
 
-    def _recover(
-        self, rows: list[SessionHeader], crashed: list[tuple[str, str, str | None]]
-    ) -> list[str]:
+    def _recover(self, rows: list[SessionHeader]) -> list[str]:
         for row in rows:
             self._catalog.add(row)
         nodes = self._catalog.nodes
-        for sid, turn, partial in crashed:
-            node = nodes.get(sid)
-            if node is None or node.header.parent is None:
-                continue
-            parent = nodes.get(node.header.parent)
-            if parent is None or parent.settled:
-                continue
-            notice = ChildTurnEnded(
-                child=sid,
-                slug=node.header.slug,
-                turn=turn,
-                outcome="crashed",
-                cause="system",
-                partial=partial,
-            )
-            self._store.append_message(
-                parent.header.id,
-                notice_text(notice),
-                data={"notice": msgspec.to_builtins(notice)},
-                kind="notice",
-                sender=sid,
-            )
         roots = [sid for sid in self._catalog.roots if not nodes[sid].settled]
         for sid in roots:
             inbox, horizon = self._store.pending(sid)

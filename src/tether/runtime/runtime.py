@@ -10,6 +10,7 @@ session (send, interrupt, status, release).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -38,7 +39,15 @@ from tether.actors.host import (
     StatusOp,
 )
 from tether.actors.ports import Executor, TurnJob
-from tether.actors.supervisor import Create, DisposeReq, ListReq, Recover, Resolve, SupervisorActor
+from tether.actors.supervisor import (
+    Create,
+    DisposeReq,
+    ListReq,
+    Recover,
+    Resolve,
+    SupervisorActor,
+    crash_notice,
+)
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
 from tether.runtime._log import configure_logging
 from tether.runtime.backend import (
@@ -236,7 +245,11 @@ class Runtime:
         # (StoreLocked), before anything in it is read or changed.
         self._store = Store(None if path is None else os.fspath(path))
         try:
-            crashed = self._store.recover()
+            # the catalog as the dead host left it; its open turns closed, and their
+            # parents told, in one commit
+            catalog = self._store.sessions()
+            headers = {h.id: h for h in catalog}
+            crashed = self._store.recover(functools.partial(crash_notice, headers))
             if crashed:
                 log.warning("recovery.crashed_turns", turns=len(crashed))
             self._cgroups: Cgroups | None = None
@@ -294,7 +307,7 @@ class Runtime:
                 directory=self._dir,
                 dispatcher=self._dispatcher,
             )
-            self._sup.ask(Recover(self._store.sessions(), crashed))
+            self._sup.ask(Recover(catalog))
         except BaseException:
             self._shutdown()
             raise

@@ -636,30 +636,53 @@ class Store:
             (n,) = self._db.execute("SELECT value FROM meta WHERE key='boots'").fetchone()
         return int(n)
 
-    def recover(self) -> list[tuple[str, str, str | None]]:
-        """Close every turn with no end record as ``crashed``.
+    def recover(
+        self, notice: Callable[[str, str, str | None], ParentNotice | None] | None = None
+    ) -> list[tuple[str, str, str | None]]:
+        """Close every turn with no end record as ``crashed``, and write the parents'
+        notices that ``notice(session, turn, last assistant text)`` composes, in one
+        commit: a host killed during recovery leaves either both or neither, so no
+        crashed turn is ever closed with its parent untold.
 
-        Returns (session, turn, last assistant text) for each, so that parents get their
-        notices.
+        Returns (session, turn, last assistant text) for each turn closed.
         """
         now = time.time()
         with self._lock, _readable():
-            rows = self._db.execute(
-                "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
-            ).fetchall()
-            out = []
-            for turn, session in rows:
-                last = self._db.execute(
-                    "SELECT text FROM entries WHERE session=? AND turn=? AND kind='assistant'"
-                    " ORDER BY seq DESC LIMIT 1",
-                    (session, turn),
-                ).fetchone()
-                out.append((str(session), str(turn), None if last is None else str(last[0])))
-            self._db.execute(
-                "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
-                " error='the host stopped while the turn ran' WHERE outcome IS NULL",
-                (now,),
-            )
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rows = self._db.execute(
+                    "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
+                ).fetchall()
+                out = []
+                for turn, session in rows:
+                    last = self._db.execute(
+                        "SELECT text FROM entries WHERE session=? AND turn=?"
+                        " AND kind='assistant' ORDER BY seq DESC LIMIT 1",
+                        (session, turn),
+                    ).fetchone()
+                    out.append((str(session), str(turn), None if last is None else str(last[0])))
+                for session, turn, partial in out:
+                    told = None if notice is None else notice(session, turn, partial)
+                    if told is None:
+                        continue
+                    with self._cond:
+                        key = self._next_key
+                        self._next_key += 1
+                    self._db.execute(
+                        "INSERT INTO messages (id, session, content, data, kind, sender,"
+                        " created_at) VALUES (?,?,?,?,'notice',?,?)",
+                        (key, told.parent, told.content, _dump(told.data), told.sender, now),
+                    )
+                self._db.execute(
+                    "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
+                    " error='the host stopped while the turn ran' WHERE outcome IS NULL",
+                    (now,),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
         return out
 
     # ---- catalog ------------------------------------------------------------------
