@@ -136,14 +136,20 @@ class Channel(Generic[In]):
         """
         return encode_frame(self._encoder, frame, self._max)
 
-    def send_bytes(self, payload: bytes) -> None:
-        data = framed((_within_cap(payload, self._max),))
+    def send_bytes(self, *payloads: bytes) -> None:
+        """Encoded frames, written whole and together (one ``sendall``)."""
+        data = framed(_within_cap(p, self._max) for p in payloads)
         with self._send_lock:
             self.sock.sendall(data)
 
     def recv(self) -> In:
         """The next frame. EOFError at a clean end (between frames); FrameError for a
         bad frame, a frame cut short included."""
+        return decode_frame(self._decoder, self.recv_bytes())
+
+    def recv_bytes(self) -> bytes:
+        """The next frame's payload, undecoded (for a relay that passes it on); raises
+        as ``recv`` does, but for a payload that does not decode."""
         header = self._reader.read(_HEADER.size)
         if not header:
             raise EOFError
@@ -155,7 +161,7 @@ class Channel(Generic[In]):
         payload = self._reader.read(length)
         if len(payload) < length:
             raise FrameError(f"frame cut short: {len(payload)} of {length} bytes")
-        return decode_frame(self._decoder, payload)
+        return payload
 
     def close(self) -> None:
         self._reader.close()

@@ -36,7 +36,6 @@ import contextlib
 import os
 import secrets
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -51,13 +50,13 @@ import ray
 
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable, Leaf, kill_leaf
 from tether.runtime._procs import TREE_ENV, alive, freeze_tree, reap_tree, thaw_tree
-from tether.wire.codec import MAX_FRAME, framed
+from tether.wire.codec import Channel, FrameTooLarge
+from tether.wire.errors import FrameError
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame
 
 __all__ = ["NODE_ENV", "TREE_ENV", "Reaper", "Slot"]
 
 NODE_ENV = "TETHER_NODE"  # the Ray node id, for drivers and tests that want to know
-_HEADER = struct.Struct(">I")
 _START_TIMEOUT = 30.0
 _KILL_TIMEOUT = 5.0
 
@@ -87,10 +86,6 @@ def _keeper_of(token: str) -> int | None:
 # ---- the turn child ----------------------------------------------------------------------
 
 
-class _FrameTooLarge(Exception):
-    pass
-
-
 class _Child:
     """One worker process (worker.py's turn loop) and this end of its socket."""
 
@@ -118,9 +113,7 @@ class _Child:
             raise
         theirs.close()
         self.pid = self.proc.pid
-        self.sock = mine
-        self._reader = mine.makefile("rb")
-        self.wlock = threading.Lock()
+        self.chan: Channel[WorkerFrame] = Channel(mine, WorkerFrame)
         mine.settimeout(_START_TIMEOUT)
         first = self.read()
         mine.settimeout(None)
@@ -130,23 +123,20 @@ class _Child:
         self.keeper = _keeper_of(self.token)
 
     def read(self) -> bytes | None:
-        """The next frame's bytes; None at the end of the stream."""
-        header = self._reader.read(_HEADER.size)
-        if len(header) < _HEADER.size:
+        """The next frame's bytes; None at the end of the stream (a frame cut short
+        included); FrameTooLarge for a frame over the cap."""
+        try:
+            return self.chan.recv_bytes()
+        except FrameTooLarge:
+            raise
+        except (EOFError, FrameError):
             return None
-        (length,) = _HEADER.unpack(header)
-        if length > MAX_FRAME:
-            raise _FrameTooLarge(f"frame of {length} bytes is over the {MAX_FRAME}-byte cap")
-        payload = self._reader.read(length)
-        return payload if len(payload) == length else None
 
     def write(self, *payloads: bytes) -> None:
         """Frames in one ``sendall``: a RunTurn and the frames held for it arrive
         together, so the worker's reader takes them all before its turn reaches a
         boundary (it reads from its buffer without letting go of the GIL)."""
-        data = framed(payloads)
-        with self.wlock:
-            self.sock.sendall(data)
+        self.chan.send_bytes(*payloads)
 
     def kill(self) -> int | None:
         """Kill its whole tree and reap it (and remove its leaf); its exit code."""
@@ -157,7 +147,7 @@ class _Child:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(_KILL_TIMEOUT)
         with contextlib.suppress(OSError):
-            self.sock.close()
+            self.chan.close()
         if self.leaf is not None and not self.leaf.remove():
             _log_stuck(self.leaf.path)
         return self.proc.returncode
@@ -283,7 +273,7 @@ class Slot:
             while True:
                 try:
                     payload = child.read()
-                except _FrameTooLarge as exc:
+                except FrameTooLarge as exc:
                     error = f"protocol error: {exc}"
                     break
                 except OSError:
