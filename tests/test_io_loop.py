@@ -119,11 +119,11 @@ def test_a_peer_that_stops_reading_never_blocks_a_poster_and_bounded_frames_are_
     chunk = b"s" * 100_000
     t0 = time.monotonic()
     for _ in range(40):  # 4 MB: the socket takes a fraction, the outbox the rest
-        assert conn.post((chunk,)) == -1
+        assert conn.post((chunk,)) is None
     assert time.monotonic() - t0 < 5.0
     cap = 250_000
-    assert conn.post((chunk,), len(chunk), cap) == -1
-    assert conn.post((chunk,), len(chunk), cap) == -1
+    assert conn.post((chunk,), len(chunk), cap) is None
+    assert conn.post((chunk,), len(chunk), cap) is None
     held = conn.post((chunk,), len(chunk), cap)
     assert held == 200_000  # the third would pass the cap: refused, nothing queued
     assert len(peer.read_frames(42)) == 42  # the peer drains all it was sent, in order
@@ -135,7 +135,7 @@ def test_a_peer_that_stops_reading_never_blocks_a_poster_and_bounded_frames_are_
     while not freed():
         assert time.monotonic() < deadline, "the outbox never drained"
         time.sleep(0.01)
-    assert conn.post((chunk,), len(chunk), cap) == -1  # room again
+    assert conn.post((chunk,), len(chunk), cap) is None  # room again
 
 
 def test_the_end_comes_once_after_the_last_frame_and_a_bad_frame_ends_the_stream(
@@ -195,4 +195,3 @@ def test_the_pool_runs_no_thread_per_worker() -> None:
     assert [n for n in eight if not n.startswith("tether-pool-tool")] == [
         n for n in one if not n.startswith("tether-pool-tool")
     ]
-

@@ -73,14 +73,17 @@ class Conn:
         self.ended = False  # the loop is done with it (set on the loop thread)
         self._splitter = FrameSplitter(MAX_FRAME)
 
-    def post(self, payloads: Sequence[bytes], counted: int = 0, cap: int | None = None) -> int:
+    def post(
+        self, payloads: Sequence[bytes], counted: int = 0, cap: int | None = None
+    ) -> int | None:
         """Send ``payloads`` (encoded frames, in order), never blocking. ``counted``
         bytes of them count against ``cap``: over it, nothing is sent and the bytes
-        already held are returned; otherwise -1. A closed or broken socket takes the
-        frames and drops them: the loop sees the worker's end and reports it."""
+        already held are returned (a refusal); None once they are taken. A closed or
+        broken socket takes the frames and drops them: the loop sees the worker's end
+        and reports it."""
         with self._lock:
             if self._closed:
-                return -1
+                return None
             if cap is not None and counted and self._held + counted > cap:
                 return self._held
             data = framed(payloads)
@@ -90,17 +93,17 @@ class Conn:
                 except BlockingIOError:
                     sent = 0
                 except OSError:
-                    return -1  # the worker is gone: its end is read by the loop
+                    return None  # the worker is gone: its end is read by the loop
                 if sent == len(data):
-                    return -1
+                    return None
                 data = data[sent:]
                 self._out.append((memoryview(data), counted))
                 self._held += counted
                 self.loop._ask("write", self)
-                return -1
+                return None
             self._out.append((memoryview(data), counted))
             self._held += counted
-            return -1
+            return None
 
     def _flush(self) -> bool:
         """Write what the outbox holds (loop thread); True while some is left."""

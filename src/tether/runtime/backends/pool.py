@@ -204,7 +204,7 @@ class _Worker:
         payload = encode_frame(_encoder, frame)
         counted = len(payload) if bounded else 0
         held = self.conn.post((payload,), counted, HELD_BYTES if bounded else None)
-        if held >= 0:
+        if held is not None:
             raise held_over(frame, held)
 
     def alive(self) -> bool:
