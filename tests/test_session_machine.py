@@ -605,8 +605,7 @@ class SessionMachine(RuleBasedStateMachine):
         w.dispatched = True
         for frame in [*run.held, *rest]:
             self.worker_reads(w, frame)
-        if run.progress_every is not None:
-            self.outbox.append(Progress(turn=run.turn))
+        w.job.started_at = self.clock.mono  # as the turn table stamps it
 
     def worker_reads(self, w: Worker, frame: HostFrame) -> None:
         """The worker's reader thread (``runtime.worker._Worker.read_loop``)."""

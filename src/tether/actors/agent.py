@@ -166,8 +166,9 @@ class _Turn:
     preempts: list[tuple[str, str, str, float]] | None = None
     preempted: list[ToolFate] | None = None  # calls a preempt cut, for its ToolKilled
     preempt_report: StopReport | None = None
-    # A worker has taken the turn (its first report came): the watchdog's clock runs
-    # from there, never while the turn waits for a free worker.
+    # A worker has taken the turn (the executor stamped ``job.started_at``, or its
+    # first report came): the watchdog's clock runs from there, never while the turn
+    # waits for a free worker.
     started: bool = False
 
 
@@ -543,10 +544,15 @@ class Session:
         after = float(stall["after"])
         every = float(stall.get("every") or after)
         if not t.started:
-            # Still waiting for a worker (the worker reports progress as it starts the
-            # turn): a turn that never ran cannot have stalled. Look again later.
-            self._watch(t, after)
-            return
+            began = t.job.started_at
+            if began is None:
+                # Still waiting for a worker: a turn that never ran cannot have stalled.
+                # Look again later.
+                self._watch(t, after)
+                return
+            # A worker took it then (the executor's stamp: no frame per turn for it)
+            t.started = True
+            t.last_progress = max(t.last_progress, began)
         if t.step == 0:
             since, wait = t.last_progress, after
         else:

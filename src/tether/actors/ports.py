@@ -94,6 +94,10 @@ class TurnJob:
     # it, so the turn's end can name its partial work without reading the store.
     last_say: str | None = None
     progress_every: float | None = None  # see RunTurn
+    # When a worker took the turn (``time.monotonic()``, set by the executor as it
+    # dispatches): the stall watchdog's clock runs from there, never while the turn
+    # waits for a free worker. None while it waits.
+    started_at: float | None = None
     repeat: int | None = None
     frozen: bool = False  # paused before a worker took it: held back until thawed
     held_bytes: int = 0  # steers and preempts in ``pending``, encoded (see ``hold``)

@@ -55,7 +55,6 @@ from tether.wire.frames import (
     Preempt,
     Probe,
     ProbeReply,
-    Progress,
     Ready,
     RunTurn,
     Shutdown,
@@ -300,10 +299,6 @@ class _Worker:
         return self.loop
 
     def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
-        if run.progress_every is not None:
-            # The host's stall watchdog counts from here, when the turn really starts,
-            # not from when it was claimed and waited for a worker.
-            self.send(Progress(turn=run.turn, in_tool=False))
         try:
             cls = load_driver(run.driver)
             if inspect.iscoroutinefunction(cls.run):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -279,6 +280,7 @@ class Turns(Generic[W]):
                 return
             self._queue.remove(rec)
             run, rest = rec.job.start()
+            rec.job.started_at = time.monotonic()  # the watchdog counts from here
             rec.to(TurnState.DISPATCHED)
             rec.worker = w
             self._on[w] = rec
