@@ -143,8 +143,12 @@ def test_a_failed_respawn_is_retried_while_turns_wait() -> None:
         rec = Recorder(rt)
         root = rt.open_session(SCRIPTED)
         with _workers_cannot_start(rt):
-            for pid in rt.worker_pids:  # active and spare die; every replacement fails
+            killed = set(rt.worker_pids)
+            for pid in killed:  # active and spare die; every replacement fails
                 os.kill(pid, signal.SIGKILL)
+            # Both deaths seen (a worker whose end the pool has not read yet is still
+            # idle to it, and would take the turn and crash it), and a failed respawn.
+            eventually(lambda: killed.isdisjoint(rt.worker_pids), timeout=10.0, what="both deaths")
             eventually(
                 lambda: (
                     _logged(logs, "worker.respawn_failed") or _logged(logs, "worker.start_failed")
@@ -155,7 +159,8 @@ def test_a_failed_respawn_is_retried_while_turns_wait() -> None:
             rt.prompt(root, "waits for a worker")
             info = rt.wait(root, until="running", timeout=5.0)
             assert not info.dispatched, "a turn with no worker reads as dispatched"
-        assert rec.turn_ended(root, timeout=15.0)["outcome"] == "completed"
+        end = rec.turn_ended(root, timeout=15.0)
+        assert end["outcome"] == "completed", (end, rt.turns(root)[-1])
         refilled(rt, size=2)
 
 
