@@ -181,6 +181,9 @@ def bed() -> Iterator[tuple[tether.Runtime, str, str]]:
         assert isinstance(kid, str)
         rt.send(kid, "hang", authority=User(parent=root), data={"steps": [{"op": "hang"}]})
         rt.wait(kid, until="running")
+        # and on its worker: a listing taken while the claim is being committed reads
+        # dispatched=False, one taken after reads True (a loaded run saw the change)
+        wait_until(lambda: rt.status(kid).dispatched, what="the kid's turn on a worker")
         yield rt, root, kid
         rt.interrupt(kid, authority=User(parent=root), kind="cancel")
 
