@@ -225,6 +225,30 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, round(q * (len(v) - 1)))]
 
 
+class ProcessesSeen:
+    """Processes the soak saw (the host's workers), each kept with its identity (pid and
+    start time), so that a pid the kernel has since given to another process (a machine
+    that runs anything else beside the soak) is never taken for one of ours."""
+
+    def __init__(self) -> None:
+        self._procs: dict[tuple[int, float], psutil.Process] = {}
+
+    def add(self, pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                p = psutil.Process(pid)  # the start time is read now: the identity
+                self._procs.setdefault((pid, p.create_time()), p)
+
+    def alive(self) -> list[psutil.Process]:
+        """Those still running (``is_running`` compares the start time too)."""
+        out = []
+        for p in self._procs.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+
 class Soak:
     def __init__(self, seconds: float, seed: int, *, workers: int = 3, grace: float = 1.0,
                  threads: int = 3, host_kills: int | None = None,
@@ -257,7 +281,7 @@ class Soak:
         self.violations: dict[tuple[str, str], Violation] = {}
         self.tag_n = 0
         self.tok_n = 0
-        self.worker_pids_seen: set[int] = set()
+        self.workers_seen = ProcessesSeen()
         self.convergence: dict[str, list[float]] = {}  # set by each audit's checks
         self.cut_by_kill = 0
 
@@ -580,7 +604,7 @@ class Soak:
         r = self.call("worker_pids")
         if r is None or r.err or not r.ok:
             return
-        self.worker_pids_seen.update(r.ok)
+        self.workers_seen.add(r.ok)
         pid = rng.choice(r.ok)
         t0 = time.time()
         try:
@@ -672,7 +696,7 @@ class Soak:
         assert host is not None
         r = self.call("worker_pids")
         if r is not None and not r.err:
-            self.worker_pids_seen.update(r.ok)
+            self.workers_seen.add(r.ok)
         try:
             tree = psutil.Process(host.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -803,23 +827,22 @@ class Soak:
         self.drain()
         self.audit_and_check(final=True)
         assert self.host is not None
-        self.worker_pids_seen.update((self.call("worker_pids") or Reply(ok=[])).ok or [])
+        self.workers_seen.add((self.call("worker_pids") or Reply(ok=[])).ok or [])
         tree = []
         with contextlib.suppress(psutil.NoSuchProcess):
             tree = psutil.Process(self.host.pid).children(recursive=True)
         self.host.close()
         prefix = f"soaktag-{self.run_id}-"
-        seen = [psutil.Process(p) for p in self.worker_pids_seen if psutil.pid_exists(p)]
 
         def left() -> list[psutil.Process]:
             alive = []
-            for p in [*tree, *seen]:
+            for p in tree:
                 try:
                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                         alive.append(p)
                 except psutil.NoSuchProcess:
                     pass
-            return alive + self.tagged(prefix)
+            return alive + self.workers_seen.alive() + self.tagged(prefix)
 
         self.wait_gone("after close", left, KILL_SWEEP_BOUND)
         elapsed = time.time() - t_start
