@@ -934,6 +934,57 @@ def test_a_host_killed_during_recovery_loses_no_crashed_turns_notice(db_path: st
         assert "partial work" in notice.text, notice
 
 
+_HOST_DYING_IN_A_DISPOSAL = """
+import json, os, signal, sys, time, tether
+from tether.runtime.store import Store
+from tether import User
+rt = tether.Runtime(sys.argv[1], workers=2, grace=1.0)
+root = rt.open_session("tether:Scripted", slug="root")
+# p's turn takes no stop until its grace runs out (a model call that hangs), so its
+# disposal settles it only after k's turn, which stops at once, has ended
+p = rt.spawn(root, "tether:Scripted", slug="p", prompt="work",
+             data={"steps": [{"op": "sleep", "seconds": 60, "say": "in the call"}]})
+k = rt.spawn(p, "tether:Scripted", slug="k", prompt="dig", data={"steps": [{"op": "hang"}]})
+deadline = time.monotonic() + 10.0
+while not (rt.status(k).dispatched and any(e.text == "in the call" for e in rt.transcript(p))):
+    assert time.monotonic() < deadline  # k on its worker, p inside its hung call
+    time.sleep(0.01)
+settle = Store.settle
+def dying(self, session):  # the fault: the host dies as the parent's disposal settles it
+    if session == p:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return settle(self, session)
+Store.settle = dying
+print(json.dumps({"root": root, "p": p, "k": k}), flush=True)
+rt.dispose(p, authority=User(parent=root))
+sys.exit(1)
+"""
+
+
+def test_a_disposal_cut_by_a_host_kill_loses_no_childs_notice(db_path: str) -> None:
+    """A disposal marks the subtree disposing, ends the child's turn, and settles the
+    parent last; a host killed before that settle leaves the parent unsettled after the
+    restart, so the notice of its child's turn end must still be in its inbox (a notice
+    decided on by the disposing flag alone, which is not durable, was dropped)."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_HOST_DYING_IN_A_DISPOSAL), db_path],
+        cwd=Path(__file__).resolve().parent,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    ready = json.loads(done.stdout.splitlines()[0])
+    p, k = ready["p"], ready["k"]
+    with runtime(db_path, workers=1, grace=1.0) as rt:
+        [t] = rt.turns(k)
+        assert (t.outcome, t.cause) != ("crashed", "system"), "k's turn was open at the kill"
+        assert rt.status(p).state != "settled"
+        eventually(lambda: rt.status(p).pending == 1, timeout=5.0, what="the notice")
+        [msg] = rt.inbox(p)
+        assert msg.kind == "notice" and msg.sender == k, msg
+
+
 # ---- 17. a child's end after its parent settled --------------------------------------------------
 
 

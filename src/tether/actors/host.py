@@ -517,16 +517,25 @@ class SessionHost(pykka.ThreadingActor):
 
     def _inbox_open(self, parent: str) -> bool:
         """Whether ``parent`` still takes a notice (asked by a child's host as its turn
-        ends; checked again here when the notice arrives)."""
+        ends; checked again here when the notice arrives). A parent being disposed does:
+        the disposal is not durable until its settle, which closes every pending
+        message in the same commit, so a host killed before that settle leaves the
+        parent alive after the restart with its notice still in its inbox."""
         node = self._dir.catalog.nodes.get(parent)
-        return node is not None and not node.settled and not node.disposing
+        return node is not None and not node.settled
 
     def _notice(self, parent: str, msg: Message) -> None:
         """A child's turn-end notice, durable in ``parent``'s inbox already: queue it."""
-        if not self._inbox_open(parent):
+        node = self._dir.catalog.nodes.get(parent)
+        if node is None or node.settled:
             # its inbox closed after the child's host looked: the notice goes its way
             log.debug("notice.dropped", session=parent, child=msg.sender, why="inbox closed")
             self._store.close_message(msg.id)
+            return
+        if node.disposing:
+            # kept, not queued: the parent's settle closes it with its inbox (and a
+            # disposal cut short by a host kill leaves it pending, as it must)
+            log.debug("notice.kept", session=parent, child=msg.sender, why="disposing")
             return
         s = self._live.get(parent)
         self._accepted(msg, s.lineage if s is not None else None)

@@ -678,6 +678,13 @@ class Store:
                     " error='the host stopped while the turn ran' WHERE outcome IS NULL",
                     (now,),
                 )
+                # a notice committed into an inbox already settled (the child's end and
+                # the parent's settle crossed, and the host died before the notice's
+                # close): closed, as the live host would have
+                self._db.execute(
+                    "UPDATE messages SET state='closed' WHERE state='pending' AND session IN"
+                    " (SELECT id FROM sessions WHERE settled=1)"
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
