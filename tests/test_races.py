@@ -910,18 +910,24 @@ sys.exit(1)
 """
 
 
-def test_a_host_killed_during_recovery_loses_no_crashed_turns_notice(db_path: str) -> None:
-    with _killed_host(db_path) as ready:
-        pass
-    root, kid, turn = ready["root"], ready["kid"], ready["turn"]
-    second = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_HOST_DYING_IN_RECOVERY), db_path],
+def _host_killed_by_its_fault(script: str, db_path: str) -> str:
+    """Run a host ``script`` on ``db_path`` that SIGKILLs itself at its fault; its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), db_path],
         cwd=Path(__file__).resolve().parent,
         timeout=60,
         capture_output=True,
         text=True,
     )
-    assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_host_killed_during_recovery_loses_no_crashed_turns_notice(db_path: str) -> None:
+    with _killed_host(db_path) as ready:
+        pass
+    root, kid, turn = ready["root"], ready["kid"], ready["turn"]
+    _host_killed_by_its_fault(_HOST_DYING_IN_RECOVERY, db_path)
     with runtime(db_path, workers=1, grace=1.0) as rt:
         [t] = rt.turns(kid)
         assert (t.id, t.outcome) == (turn, "crashed")
@@ -966,15 +972,8 @@ def test_a_disposal_cut_by_a_host_kill_loses_no_childs_notice(db_path: str) -> N
     parent last; a host killed before that settle leaves the parent unsettled after the
     restart, so the notice of its child's turn end must still be in its inbox (a notice
     decided on by the disposing flag alone, which is not durable, was dropped)."""
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_HOST_DYING_IN_A_DISPOSAL), db_path],
-        cwd=Path(__file__).resolve().parent,
-        timeout=60,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    ready = json.loads(done.stdout.splitlines()[0])
+    out = _host_killed_by_its_fault(_HOST_DYING_IN_A_DISPOSAL, db_path)
+    ready = json.loads(out.splitlines()[0])
     p, k = ready["p"], ready["k"]
     with runtime(db_path, workers=1, grace=1.0) as rt:
         [t] = rt.turns(k)
