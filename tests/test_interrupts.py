@@ -356,8 +356,13 @@ def test_several_steers_before_one_boundary_are_all_delivered_in_order(
         *(f'<steer origin="user" by="{root}">{w}</steer>' for w in ("one", "two", "three")),
         "after",
     ]
-    steered = [m.reason for m in entries(rt, child, "marker") if m.action == "steered"]
-    assert steered == ["one", "two", "three"]
+    markers = [m for m in entries(rt, child, "marker") if m.action == "steered"]
+    assert [m.reason for m in markers] == ["one", "two", "three"]
+    # One writer, in the session's order: each marker precedes the driver's echo of it.
+    echoes = entries(rt, child, "assistant")
+    for m, echo in zip(markers, echoes, strict=False):
+        assert m.reason is not None and m.reason in echo.text
+        assert m.seq < echo.seq, (m, echo)
 
 
 @pytest.mark.driver_reacts

@@ -228,7 +228,7 @@ class Model:
         """§5: a ChildTurnEnded notice wakes an idle parent, never a parked/dormant one."""
         p = self.sessions[parent]
         if p.settled or p.disposing:
-            return  # README: a notice for a parent whose disposal has begun is dropped
+            return  # README: written and kept for a disposing parent, never queued to it
         p.inbox.append(MMsg("other", False))
         if p.live and p.turn is None and not p.hold:
             self.start_next(p)
