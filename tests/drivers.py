@@ -24,6 +24,7 @@ import psutil
 
 import tether
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable, v2_mount
+from tether.runtime._procs import exiting
 
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
@@ -329,11 +330,13 @@ def wait_entry(
 
 
 def alive(proc: psutil.Process) -> bool:
-    """Running and not a zombie (a zombie counts as dead)."""
+    """Running and not on its way out: a zombie, a process being reaped (``X``) and one
+    already in its exit (a cgroup reads ``populated 0`` at that point) count as dead."""
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE
+        gone = proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
+    return not gone and not exiting(proc.pid)
 
 
 def frozen(proc: psutil.Process) -> bool:

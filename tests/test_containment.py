@@ -43,6 +43,7 @@ from drivers import (
 )
 from tether import InvalidParams, User
 from tether.actors.ports import TurnJob
+from tether.runtime import _contain, _procs
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf, kill_leaf
 
 pytestmark = pytest.mark.timeout(90)
@@ -817,3 +818,33 @@ def test_two_killers_of_one_leaf_racing_its_removal_both_see_it_emptied() -> Non
     finally:
         sys.setswitchinterval(interval)
         groups.close()
+
+
+# ---- the stop report's fates: a process on its way out did not survive ----------------
+
+
+def test_a_process_in_its_exit_or_a_zombie_is_reported_dead_not_survived() -> None:
+    """A cgroup reads ``populated 0`` once its tasks have left it in their exit, before
+    they are zombies, and a reaped process shows ``X`` while its parent reaps it: the
+    stop report must call neither a survivor (a fresh-clone run caught an aborted turn's
+    worker read as running the moment it was reported). The flag the check reads is the
+    kernel's PF_EXITING, which a zombie keeps: shown here on real processes; the short
+    window before the zombie cannot be held open from a test."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE
+    )
+    assert child.stdin is not None
+    try:
+        found: dict[int, tuple[psutil.Process, Any]] = {}
+        _contain.describe([child.pid], found)
+        assert not _procs.exiting(child.pid)
+        assert [f.fate for f in _contain.fates(found)] == ["survived"]
+        child.stdin.close()  # it reads EOF and exits; left unreaped, it stays a zombie
+        proc = found[child.pid][0]
+        eventually(lambda: proc.status() == psutil.STATUS_ZOMBIE, what="the child a zombie")
+        assert _procs.exiting(child.pid) and not _procs.alive(proc)
+        assert [f.fate for f in _contain.fates(found)] == ["dead"]
+    finally:
+        child.kill()
+        child.wait(5.0)
+    assert not _procs.exiting(child.pid)  # gone: no /proc entry

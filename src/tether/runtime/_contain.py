@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 
 from tether.runtime._cgroup import Leaf
-from tether.runtime._procs import alive
+from tether.runtime._procs import alive, exiting
 from tether.wire.records import ProcessFate
 
 __all__ = ["cgroup_pass", "describe", "fates"]
@@ -53,10 +53,11 @@ def describe(
 
 
 def fates(found: dict[int, tuple[psutil.Process, ProcessFate]]) -> list[ProcessFate]:
-    """Every process signalled, with whether it is dead now (a zombie is)."""
+    """Every process signalled, with whether it is dead now (a zombie is, and so is one
+    already in its exit: after a cgroup's ``populated 0`` a task may not be a zombie yet)."""
     out = []
     for p, fate in found.values():
-        if alive(p):
+        if alive(p) and not exiting(p.pid):
             fate = ProcessFate(
                 pid=fate.pid,
                 started=fate.started,

@@ -36,6 +36,7 @@ __all__ = [
     "child_pids",
     "descendant_pids",
     "descendants",
+    "exiting",
     "freeze",
     "freeze_tree",
     "kill_found",
@@ -214,11 +215,28 @@ def reap(pids: Iterable[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+_NOT_RUNNING = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # "X": its parent is reaping it
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+
+
 def alive(p: psutil.Process) -> bool:
-    """Running (the same process, not a recycled pid) and not a zombie."""
+    """Running (the same process, not a recycled pid), not a zombie, not being reaped."""
     try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return p.is_running() and p.status() not in _NOT_RUNNING
     except psutil.NoSuchProcess:
+        return False
+
+
+def exiting(pid: int) -> bool:
+    """In the kernel's exit already (``PF_EXITING``), though not a zombie yet: it runs no
+    more user code. Not dead for a walk (it has not handed its children to a reaper
+    yet), but not a survivor of a kill either: a cgroup reads ``populated 0`` once its
+    tasks are this far into their exit."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return bool(int(fields[6]) & _PF_EXITING)  # field 9 of stat(5): flags
+    except (OSError, IndexError, ValueError):
         return False
 
 
