@@ -89,6 +89,21 @@ def _send(
     }
 
 
+def _abort_of_t1(tok: str) -> dict[str, Any]:
+    """An abort of r's turn t1, accepted at 1.1."""
+    return {
+        "op": "interrupt",
+        "kind": "abort",
+        "target": "r",
+        "result": "accepted",
+        "value": "t1",
+        "t0": 1.1,
+        "t1": 1.101,
+        "args": {},
+        "token": tok,
+    }
+
+
 def test_clean_history_passes() -> None:
     ledger = [_send("r", "m_1", 1.0), _send("r", "m_2", 1.1)]
     sessions = {
@@ -113,17 +128,7 @@ def test_lost_and_twice_and_fifo() -> None:
 
 
 def test_parked_session_woken_without_a_send() -> None:
-    stop = {
-        "op": "interrupt",
-        "kind": "abort",
-        "target": "r",
-        "result": "accepted",
-        "value": "t1",
-        "t0": 1.1,
-        "t1": 1.101,
-        "args": {},
-        "token": "tok-9-end",
-    }
+    stop = _abort_of_t1(tok="tok-9-end")
     ledger = [_send("r", "m_1", 1.0), _send("r", "m_2", 1.05), stop]
     marker = {"kind": "marker", "turn": "t1", "action": "aborted", "text": "", "reason": ""}
     sessions = {
@@ -137,17 +142,7 @@ def test_parked_session_woken_without_a_send() -> None:
 
 
 def test_stop_bound_outcome_and_refusal() -> None:
-    stop = {
-        "op": "interrupt",
-        "kind": "abort",
-        "target": "r",
-        "result": "accepted",
-        "value": "t1",
-        "t0": 1.1,
-        "t1": 1.101,
-        "args": {},
-        "token": "tok-2-end",
-    }
+    stop = _abort_of_t1(tok="tok-2-end")
     refused = {
         "op": "send",
         "target": "r",
