@@ -495,12 +495,23 @@ def test_a_turn_killed_by_its_memory_limit_ends_crashed_memory_limit() -> None:
 
 @pytest.mark.skipif("pids" not in _CONTROLLERS, reason="no cgroup v2 pids controller here")
 def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn_which_ends_crashed_pids_limit() -> None:
-    # A real fork bomb: every process forks two more, forever. The kernel holds it at the
-    # limit (it only refuses forks); the breach ends the turn, whose tree dies with it.
-    bomb = "b() { b & b & wait; }; b"
+    # A real fork bomb: every process forks, forever, and tries again when refused. The
+    # kernel holds it at the limit (it only refuses forks); the breach ends the turn,
+    # whose tree dies with it. (A shell bomb, `b() { b & b & wait; }; b`, collapses by
+    # itself within ~30 ms of its first refused fork, since sh exits on one: it raced
+    # the watch, and a loaded CI run saw the turn complete first.)
+    bomb = textwrap.dedent("""
+        import os, time
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                time.sleep(0.001)
+    """)
     with runtime(workers=1, containment="cgroup") as rt:
         _, child, me = _family(rt, limits={"pids": 40})
-        rt.send(child, "bomb", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", bomb]}))
+        argv = [sys.executable, "-c", bomb]
+        rt.send(child, "bomb", authority=me, data=steps({"op": "tool", "argv": argv}))
         turn = rt.wait(child, until="running").turn
         assert turn is not None
         worker = psutil.Process(_worker_pid(rt, turn))
