@@ -1,9 +1,11 @@
-"""An OpenAI-compatible chat-completions server that replays a script (SPEC §15.4).
+"""A model server that replays a script, on two wires (SPEC §15.4, §16.1).
 
 For tests, demos and benchmarks: real HTTP on loopback, no key, no network. It speaks
-``POST /v1/chat/completions`` (streamed as server-sent events, or not) and
-``GET /v1/models``, and records every request and every client disconnect, so that a
-test can prove a cancel closed the connection.
+OpenAI chat completions (``POST /v1/chat/completions``, streamed as server-sent events or
+not, and ``GET /v1/models``) and Anthropic Messages (``POST /v1/messages``, streamed or
+not, and ``POST /v1/messages/count_tokens``), both from the same script, and records
+every request and every client disconnect, so that a test can prove a cancel closed the
+connection.
 
 ::
 
@@ -23,7 +25,12 @@ spent). A reply:
 - ``hang``: stream the text, then hang (no end) until the client goes away;
 - ``status`` (e.g. 429, 500, 400) with ``count`` (answer so that many requests with it,
   default 1) and ``message``: an HTTP error instead of a reply;
-- ``usage``: the usage to report (default: counted; ``null``: report none).
+- ``usage``: the usage to report (default: counted; ``null``: report none), in either
+  wire's words (``prompt_tokens``/``completion_tokens`` or ``input_tokens``/``output_tokens``).
+
+On the Anthropic wire a reply's text is one ``text`` block and each tool call one
+``tool_use`` block (its input streamed as ``input_json_delta``); ``base_url`` for an
+Anthropic client (``ANTHROPIC_BASE_URL``) is ``server.root``.
 
 Several tests can share one server: ``server.script(name, replies)`` adds a named script,
 chosen per request by the ``X-Tether-Script`` header or by the request's ``model`` name.
@@ -46,8 +53,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +74,8 @@ class Request:
     body: dict[str, Any]
     script: str
     authorization: str | None = None
+    api_key: str | None = None  # the ``x-api-key`` header (the Anthropic wire's key)
+    wire: str = "openai"  # openai | anthropic
     status: int = 200
     ended: float | None = None  # when the response ended (written, or the client left)
     outcome: str = "open"  # open | done | error | disconnected
@@ -152,6 +162,11 @@ class ModelServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}/v1"
 
+    @property
+    def root(self) -> str:
+        """The server's root URL: the ``base_url`` for an Anthropic client."""
+        return self.url.removesuffix("/v1")
+
     def start(self) -> ModelServer:
         if self._httpd is None:
             if self._proc is None:
@@ -212,19 +227,16 @@ class ModelServer:
 
     # ---- the process's HTTP face --------------------------------------------------------
 
-    def _root(self) -> str:
-        return self.url.removesuffix("/v1")
-
     def _post(self, path: str, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
         request = urllib.request.Request(
-            self._root() + path, data, {"Content-Type": "application/json"}
+            self.root + path, data, {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             response.read()
 
     def _fetch(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self._root() + "/_tether/log", timeout=10) as response:
+        with urllib.request.urlopen(self.root + "/_tether/log", timeout=10) as response:
             log: dict[str, Any] = json.load(response)
         return log
 
@@ -306,6 +318,8 @@ def _request_of(raw: dict[str, Any]) -> Request:
         body=raw["body"],
         script=raw["script"],
         authorization=raw.get("authorization"),
+        api_key=raw.get("api_key"),
+        wire=raw.get("wire", "openai"),
         status=raw["status"],
         ended=raw["ended"],
         outcome=raw["outcome"],
@@ -334,6 +348,8 @@ def _log_json(log: _Log) -> dict[str, Any]:
                     "served_s": r.served_s,
                     "hanging": r.hanging,
                     "authorization": r.authorization,
+                    "api_key": r.api_key,
+                    "wire": r.wire,
                     "body": r.body,
                 }
                 for r in log.requests
@@ -385,10 +401,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # ---- routes ------------------------------------------------------------------------
 
     def do_GET(self) -> None:
-        if self.path.rstrip("/") in ("/v1/models", "/models"):
+        path = urllib.parse.urlsplit(self.path).path.rstrip("/")
+        if path in ("/v1/models", "/models"):
             names = sorted(self.log_.scripts) or [_DEFAULT]
             self._json(200, {"object": "list", "data": [_model(n) for n in names]})
-        elif self.path == "/_tether/log":
+        elif path == "/_tether/log":
             self._json(200, _log_json(self.log_))
         else:
             self._json(404, _error_body(404, f"no route {self.path}"))
@@ -396,12 +413,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         arrived = time.time()
         started = time.monotonic()
+        # The Claude Code CLI asks for ``/v1/messages?beta=true``: routes ignore a query.
+        path = urllib.parse.urlsplit(self.path).path.rstrip("/")
+        wire = "anthropic" if path.startswith(("/v1/messages", "/messages")) else "openai"
         try:
             body = self._body()
         except ValueError as exc:
-            self._json(400, _error_body(400, f"invalid JSON body: {exc}"))
+            self._json(400, _error_body(400, f"invalid JSON body: {exc}", wire))
             return
-        if self.path == "/_tether/script":
+        if path == "/_tether/script":
             replies = body.get("replies")
             if not isinstance(replies, list) or not replies:
                 self._json(400, _error_body(400, "replies must be a non-empty list"))
@@ -410,8 +430,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.log_.scripts[str(body.get("name", _DEFAULT))] = _Script(replies)
             self._json(200, {"ok": True})
             return
-        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-            self._json(404, _error_body(404, f"no route {self.path}"))
+        if path in ("/v1/messages/count_tokens", "/messages/count_tokens"):
+            self._json(200, {"input_tokens": _prompt_tokens(body)})
+            return
+        if path not in ("/v1/chat/completions", "/chat/completions", "/v1/messages", "/messages"):
+            self._json(404, _error_body(404, f"no route {self.path}", wire))
             return
         name = self.headers.get("X-Tether-Script") or str(body.get("model") or _DEFAULT)
         with self.log_.lock:
@@ -422,34 +445,42 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 body=body,
                 script=name,
                 authorization=self.headers.get("Authorization"),
+                api_key=self.headers.get("x-api-key"),
+                wire=wire,
             )
             reply = _next_reply(self.log_, name)
             self.log_.requests.append(record)
             self.log_.lock.notify_all()
         try:
-            self._reply(record, reply, started)
-        except _Gone:
-            self._end(record, "disconnected", started, gone=True)
-            self.close_connection = True
-        except (BrokenPipeError, ConnectionResetError):
+            if wire == "anthropic":
+                self._reply_anthropic(record, reply, started)
+            else:
+                self._reply(record, reply, started)
+        except (_Gone, BrokenPipeError, ConnectionResetError):
             self._end(record, "disconnected", started, gone=True)
             self.close_connection = True
 
     # ---- replies -----------------------------------------------------------------------
 
+    def _error_reply(self, record: Request, reply: dict[str, Any], started: float) -> bool:
+        """Answer with the reply's HTTP error, if it has one; whether it did."""
+        status = int(reply.get("status", 200))
+        if status == 200:
+            return False
+        record.status = status
+        message = str(reply.get("message") or _REASONS.get(status, "error"))
+        self._json(status, _error_body(status, message, record.wire), request_id=record.id)
+        self._end(record, "error", started)
+        return True
+
     def _reply(self, record: Request, reply: dict[str, Any], started: float) -> None:
         self._pause(float(reply.get("delay", 0.0)))
-        status = int(reply.get("status", 200))
-        if status != 200:
-            record.status = status
-            message = str(reply.get("message") or _REASONS.get(status, "error"))
-            self._json(status, _error_body(status, message), request_id=record.id)
-            self._end(record, "error", started)
+        if self._error_reply(record, reply, started):
             return
         text = str(reply.get("text") or "")
         calls = [_tool_call(c, i, record.id) for i, c in enumerate(reply.get("tool_calls") or [])]
         model = str(record.body.get("model") or _DEFAULT)
-        usage = reply.get("usage", _count(record.body, text, calls))
+        usage = _usage(reply, record.body, text, calls, "openai")
         if not record.stream:
             if reply.get("hang"):
                 self._hang(record)
@@ -468,12 +499,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._json(200, payload, request_id=record.id)
             self._end(record, "done", started)
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("x-request-id", record.id)
-        self.end_headers()
+        self._start_stream(record)
         chunk = max(1, int(reply.get("chunk", 8)))
         pace = float(reply.get("pace", 0.0))
 
@@ -489,24 +515,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
 
         event({"role": "assistant", "content": ""})
-        for i in range(0, len(text), chunk):
-            self._pause(pace)
-            event({"content": text[i : i + chunk]})
+        for piece in self._paced(text, chunk, pace):
+            event({"content": piece})
         for index, call in enumerate(calls):
             self._pause(pace)
             head = {"index": index, "id": call["id"], "type": "function"}
             head["function"] = {"name": call["function"]["name"], "arguments": ""}
             event({"tool_calls": [head]})
-            arguments = call["function"]["arguments"]
-            for i in range(0, len(arguments), chunk):
-                self._pause(pace)
-                event(
-                    {
-                        "tool_calls": [
-                            {"index": index, "function": {"arguments": arguments[i : i + chunk]}}
-                        ]
-                    }
-                )
+            for piece in self._paced(call["function"]["arguments"], chunk, pace):
+                event({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         if reply.get("hang"):
             self._hang(record)
         event({}, _finish(calls))
@@ -524,11 +541,99 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._write(b"data: [DONE]\n\n")
         # The reply is whole once [DONE] is out: a client may close without reading the
         # terminating chunk (the openai client does), which is not a disconnect.
+        self._finish_stream(record, started)
+
+    def _reply_anthropic(self, record: Request, reply: dict[str, Any], started: float) -> None:
+        """The Anthropic Messages wire: content blocks, streamed as named SSE events."""
+        self._pause(float(reply.get("delay", 0.0)))
+        if self._error_reply(record, reply, started):
+            return
+        text = str(reply.get("text") or "")
+        calls = [_tool_use(c, i, record.id) for i, c in enumerate(reply.get("tool_calls") or [])]
+        model = str(record.body.get("model") or _DEFAULT)
+        usage = _usage(reply, record.body, text, calls, "anthropic") or {
+            "input_tokens": 0,
+            "output_tokens": 0,
+        }
+        stop = "tool_use" if calls else "end_turn"
+        message: dict[str, Any] = {
+            "id": f"msg_{record.id}",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "stop_reason": None,
+            "stop_sequence": None,
+        }
+        if not record.stream:
+            if reply.get("hang"):
+                self._hang(record)
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+            blocks += calls
+            message |= {"content": blocks, "stop_reason": stop, "usage": usage}
+            self._json(200, message, request_id=record.id)
+            self._end(record, "done", started)
+            return
+        self._start_stream(record)
+        chunk = max(1, int(reply.get("chunk", 8)))
+        pace = float(reply.get("pace", 0.0))
+        opening = {"input_tokens": usage["input_tokens"], "output_tokens": 0}
+        self._named("message_start", {"message": message | {"content": [], "usage": opening}})
+        index = 0
+        if text or not calls:
+            self._named(
+                "content_block_start",
+                {"index": 0, "content_block": {"type": "text", "text": ""}},
+            )
+            for piece in self._paced(text, chunk, pace):
+                self._named(
+                    "content_block_delta",
+                    {"index": 0, "delta": {"type": "text_delta", "text": piece}},
+                )
+            if reply.get("hang"):
+                self._hang(record)
+            self._named("content_block_stop", {"index": 0})
+            index = 1
+        for offset, call in enumerate(calls):
+            self._pause(pace)
+            head = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
+            self._named("content_block_start", {"index": index + offset, "content_block": head})
+            for piece in self._paced(json.dumps(call["input"]), chunk, pace):
+                delta = {"type": "input_json_delta", "partial_json": piece}
+                self._named("content_block_delta", {"index": index + offset, "delta": delta})
+            self._named("content_block_stop", {"index": index + offset})
+        if reply.get("hang") and not (text or not calls):
+            self._hang(record)
+        self._named(
+            "message_delta",
+            {
+                "delta": {"stop_reason": stop, "stop_sequence": None},
+                "usage": {"output_tokens": usage["output_tokens"]},
+            },
+        )
+        self._named("message_stop", {})
+        self._finish_stream(record, started)
+
+    def _start_stream(self, record: Request) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-request-id", record.id)
+        self.end_headers()
+
+    def _finish_stream(self, record: Request, started: float) -> None:
+        """The reply is whole: record it, then the terminating chunk, which a client may
+        never read."""
         self._end(record, "done", started)
         try:
             self._write(b"", last=True)
         except (_Gone, OSError):
             self.close_connection = True
+
+    def _paced(self, text: str, chunk: int, pace: float) -> Iterator[str]:
+        for i in range(0, len(text), chunk):
+            self._pause(pace)
+            yield text[i : i + chunk]
 
     def _end(self, record: Request, outcome: str, started: float, *, gone: bool = False) -> None:
         now = time.time()
@@ -565,6 +670,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _event(self, payload: dict[str, Any]) -> None:
         self._write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _named(self, kind: str, payload: dict[str, Any]) -> None:
+        """An Anthropic stream event: its ``event:`` line names the ``type`` of its data."""
+        data = json.dumps({"type": kind, **payload}).encode()
+        self._write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
 
     def _write(self, data: bytes, *, last: bool = False) -> None:
         """One HTTP chunk (``last``: the terminating empty one)."""
@@ -625,9 +735,22 @@ _REASONS = {
 }
 
 
-def _error_body(status: int, message: str) -> dict[str, Any]:
+def _error_body(status: int, message: str, wire: str = "openai") -> dict[str, Any]:
+    if wire == "anthropic":
+        kind = _ANTHROPIC_ERRORS.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "code": status}}
+
+
+_ANTHROPIC_ERRORS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
 def _model(name: str) -> dict[str, Any]:
@@ -645,19 +768,60 @@ def _tool_call(call: dict[str, Any], index: int, request: str) -> dict[str, Any]
     }
 
 
+def _tool_use(call: dict[str, Any], index: int, request: str) -> dict[str, Any]:
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments or "{}")
+    return {
+        "type": "tool_use",
+        "id": str(call.get("id") or f"toolu_{request}_{index}"),
+        "name": str(call["name"]),
+        "input": arguments,
+    }
+
+
 def _finish(calls: list[dict[str, Any]]) -> str:
     return "tool_calls" if calls else "stop"
 
 
-def _count(body: dict[str, Any], text: str, calls: list[dict[str, Any]]) -> dict[str, int]:
-    """A deterministic usage: about four characters a token."""
-    prompt = max(1, len(json.dumps(body.get("messages", []))) // 4)
-    completion = max(1, (len(text) + sum(len(json.dumps(c)) for c in calls)) // 4)
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    """A deterministic count: about four characters a token (the system prompt and the
+    tools count on the Anthropic wire, where they are fields of their own)."""
+    sent = [body.get("messages", []), body.get("system") or "", body.get("tools") or []]
+    return max(1, len(json.dumps(sent)) // 4)
+
+
+def _usage(
+    reply: dict[str, Any],
+    body: dict[str, Any],
+    text: str,
+    calls: list[dict[str, Any]],
+    wire: str,
+) -> dict[str, int] | None:
+    """The reply's usage in ``wire``'s words: the script's own (either wire's keys), or
+    counted; None where the script says ``usage: null``."""
+    given = reply.get("usage", _MISSING)
+    if given is None:
+        return None
+    if isinstance(given, dict):
+        openai_words = "prompt_tokens" in given or "completion_tokens" in given
+        if wire == "openai" and openai_words:
+            return given  # as the script wrote it
+        prompt = int(given.get("prompt_tokens") or given.get("input_tokens") or 0)
+        completion = int(given.get("completion_tokens") or given.get("output_tokens") or 0)
+    else:
+        prompt = _prompt_tokens(body)
+        completion = max(1, (len(text) + sum(len(json.dumps(c)) for c in calls)) // 4)
+    if wire == "anthropic":
+        return {"input_tokens": prompt, "output_tokens": completion}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+_MISSING = object()
 
 
 def _prioritize() -> None:
