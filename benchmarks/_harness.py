@@ -275,7 +275,7 @@ def table(rows: list[Row]) -> str:
 
 
 def machine() -> str:
-    """CPU model, memory and Python version, for the README's table."""
+    """CPU model, memory and Python version, for the results table (benchmarks/RESULTS.md)."""
     cpu = platform.machine()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -1233,7 +1233,7 @@ def _machine() -> str:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    """The README's table: one column per run."""
+    """The results table (benchmarks/RESULTS.md): one column per run."""
     def stop(f: dict[str, Any], kind: str) -> str:
         x = f["stops"].get(kind, {})
         return f"{x.get('n', 0)}: {x.get('p50_ms', 0):g} / {x.get('p99_ms', 0):g} / " \
@@ -1286,7 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     ap.add_argument("--ledger", default=None, help="write the whole ledger here (JSON lines)")
-    ap.add_argument("--table", action="store_true", help="print the README table of --json")
+    ap.add_argument("--table", action="store_true", help="print the results table of --json")
     ap.add_argument("--workdir", default=None,
                     help="keep the store and the hosts' logs here (default: a temporary folder)")
     ap.add_argument("--backend", choices=("local", "ray"), default="local",

@@ -7,7 +7,7 @@ not, with right and wrong authorities), every interrupt kind from every kind of 
 sibling, the target itself, a stale ref), the ``turn=`` guard, pause/resume (one
 session or a subtree), release, dispose, a one-shot's ``kill`` — and after every step
 compares the runtime with what ``Model`` predicts from SPEC §4–§6, §14.2 and §14.4 and
-the README's "Decisions where the spec is silent":
+docs/DECISIONS.md:
 
 * every session's state, pending count, running turn and ``stopping``;
 * its inbox, in order (FIFO: user messages by id, notices and prompts as "other");
