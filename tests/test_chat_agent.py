@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import sqlite3
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -514,3 +516,61 @@ def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
     assert "by system (policy): max_duration 0.5 s exceeded" in result
     [marker] = entries(rt, child, "marker")
     assert (marker.action, marker.origin) == ("preempted", "system")
+
+
+@pytest.fixture
+def hung_http(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A Streamable HTTP MCP server (the SDK's) that reads the handshake and never answers."""
+    log = tmp_path / "hung.log"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.testing.mcp_server", "--http", "0", "--hang-handshake"],
+        env={**os.environ, LOG_ENV: str(log), "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(60.0), "the hung server printed no URL"
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        yield url, log
+    finally:
+        proc.kill()
+        proc.wait(timeout=30.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_while_an_http_mcp_server_is_initializing_ends_the_turn_within_grace(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path, hung_http: tuple[str, Path]
+) -> None:
+    # The stdio server connects first (names are opened in order), then the HTTP one
+    # hangs in its handshake; the cancel must unwind it at once: the turn ends cancelled
+    # well within the grace, never force-broken, and the worker and its stdio server live.
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    url, hung_log = hung_http
+    mcp["servers"]["slow"] = {"url": url}
+    replies = [{"text": "never asked"}]
+    _root, child, me = _agent(rt, server, "mcp-hung-init", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    eventually(
+        lambda: any(r.get("event") == "handshake_held" for r in read_log(str(hung_log))),
+        timeout=60.0,
+        what="the HTTP server to hold the handshake",
+    )
+    [srv] = _mcp_server_procs(rt)
+    workers = set(rt.worker_pids)
+    began = time.monotonic()
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough", grace=2.0)
+    ended = rec.turn_ended(child, timeout=30.0)
+    took = time.monotonic() - began
+    assert ended["outcome"] == "cancelled" and not ended.get("forced"), ended
+    assert took < 1.5, f"the cancel took {took:.2f} s to end the turn"
+    assert alive(srv) and set(rt.worker_pids) == workers
+    assert server.requests_for("mcp-hung-init") == []

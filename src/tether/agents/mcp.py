@@ -343,6 +343,7 @@ class _Conn:
     proc: anyio.abc.Process | None = None  # stdio only
     dead: bool = False  # died or killed: replaced at the next use
     killed: bool = False
+    holding: bool = False  # the owner holds the client and waits on ``stop``
 
     def alive(self) -> bool:
         return not self.dead and (self.proc is None or self.proc.returncode is None)
@@ -584,6 +585,7 @@ class McpTools:
             async with client:
                 if not ready.done():
                     ready.set_result(client)
+                conn.holding = True
                 await conn.stop.wait()
         except Exception as exc:
             if not ready.done():
@@ -605,6 +607,11 @@ class McpTools:
         conn.stop.set()
         if conn.owner is None:
             return
+        if not conn.holding:
+            # still connecting (a server slow to answer initialize): the owner is not
+            # waiting on ``stop`` yet and would only see it once the handshake ends, so
+            # waiting for it would stall a cancel for the whole close wait
+            conn.owner.cancel()
         done, _ = await asyncio.wait({conn.owner}, timeout=_CLOSE_WAIT)
         if not done:
             conn.owner.cancel()
