@@ -574,3 +574,45 @@ def test_a_cancel_while_an_http_mcp_server_is_initializing_ends_the_turn_within_
     assert took < 1.5, f"the cancel took {took:.2f} s to end the turn"
     assert alive(srv) and set(rt.worker_pids) == workers
     assert server.requests_for("mcp-hung-init") == []
+
+
+@pytest.mark.timeout(120)
+def test_one_mcp_server_that_will_not_start_leaves_the_turn_with_the_others_tools_and_says_so(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    mcp["servers"]["broken"] = {"command": ["/nonexistent/mcp-server"]}
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "still-here"}}]},
+        {"text": "Done without the broken one."},
+    ]
+    _root, child, me = _agent(rt, server, "mcp-one-broken", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [first, second] = server.requests_for("mcp-one-broken")
+    offered = [t["function"]["name"] for t in first.body["tools"]]
+    assert "mcp__files__echo" in offered and not any("broken" in n for n in offered)
+    [system] = [m["content"] for m in first.body["messages"] if m["role"] == "system"]
+    [line] = [ln for ln in system.splitlines() if "broken" in ln]
+    assert "its tools not offered" in line and "could not start" in line
+    assert "No such file or directory" in line
+    results = [m["content"] for m in second.body["messages"] if m["role"] == "tool"]
+    assert results == ["still-here"]
+    [said] = [e for e in entries(rt, child, "tool") if (e.data or {}).get("mcp_unavailable")]
+    assert said.data == {"mcp_unavailable": "broken"} and "could not start" in said.text
+    assert texts(rt, child, "assistant")[-1] == "Done without the broken one."
+
+
+def test_an_mcp_config_whose_every_server_fails_ends_the_turn_failed_with_one_line(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    mcp = {"servers": {"a": {"command": ["/nonexistent/a"]}, "b": {"command": ["/nonexistent/b"]}}}
+    _root, child, me = _agent(rt, server, "mcp-all-broken", [{"text": "never"}], mcp=mcp)
+    rt.send(child, "search", authority=me)
+    ended = rec.turn_ended(child, timeout=60.0)
+    assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
+    assert "mcp server 'a' could not start" in ended["error"]
+    assert "mcp server 'b' could not start" in ended["error"]
+    assert server.requests_for("mcp-all-broken") == []

@@ -161,9 +161,18 @@ class ChatAgent:
     async def _loop(self, ctx: AsyncTurnContext, cfg: _Config, client: Any) -> str | None:
         mcp = await _mcp_tools(ctx, cfg)
         tools = [t for t in _host_schemas() if t["function"]["name"] in cfg.tools]
+        missing: dict[str, str] = {}
         if mcp is not None:
-            tools.extend(await mcp.list_tools())
+            offered, missing = await mcp.offered()
+            if len(missing) == len(mcp.servers):  # nothing of the config works: a mistake
+                raise ModelError(_one_line("config.mcp: " + "; ".join(missing.values())))
+            tools.extend(offered)
+            for server, why in missing.items():
+                # in the transcript, never in the model's history (no tool_call_id)
+                ctx.record_tool(why, data={"mcp_unavailable": server})
         messages = _messages(cfg, await ctx.load_history(), ctx)
+        if missing:
+            _tell_missing(messages, missing)
         for _ in range(cfg.max_steps):
             messages.extend(_steers(await ctx.checkpoint()))  # a boundary before each request
             reply = await self._request(ctx, cfg, client, messages, tools)
@@ -451,6 +460,18 @@ async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
             raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
         _mcp_cache[key] = tools
     return tools
+
+
+def _tell_missing(messages: list[dict[str, Any]], missing: dict[str, str]) -> None:
+    """Tell the model, one line a server, which MCP servers' tools it lacks this turn and
+    why: in the system message (one only: some endpoints refuse a second)."""
+    lines = "\n".join(
+        f"Unavailable this turn, its tools not offered: {why}" for why in missing.values()
+    )
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{lines}"}
+    else:
+        messages.insert(0, {"role": "system", "content": lines})
 
 
 async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: str) -> str:
