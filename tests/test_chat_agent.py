@@ -616,3 +616,36 @@ def test_an_mcp_config_whose_every_server_fails_ends_the_turn_failed_with_one_li
     assert "mcp server 'a' could not start" in ended["error"]
     assert "mcp server 'b' could not start" in ended["error"]
     assert server.requests_for("mcp-all-broken") == []
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_keeps_the_stdio_servers_of_at_most_four_mcp_configs(
+    server: ModelServer, tmp_path: Path, db_path: str
+) -> None:
+    # Seven sessions, six configs that differ only in a server's env, one after another
+    # on one worker: the least recently used config's servers are closed as a fifth opens,
+    # so the worker never holds more than four, and a reused config keeps its server.
+    with tether.Runtime(db_path, workers=1, grace=1.0) as one:
+        rec = Recorder(one)
+        seen: list[int] = []
+        workers: set[int] = set()
+        for i, env in enumerate(["0", "1", "2", "3", "0", "4", "5"]):
+            mcp, _log = _mcp(tmp_path)
+            mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
+            replies = [
+                {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
+                {"text": "ok"},
+            ]
+            _root, child, me = _agent(one, server, f"mcp-sets-{i}", replies, mcp=mcp)
+            one.send(child, "echo", authority=me)
+            assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+            servers = _mcp_server_procs(one)
+            workers.update(p.ppid() for p in servers)
+            assert len(workers) == 1, workers  # one active worker: every turn on it
+            assert len(servers) <= 4, [p.pid for p in servers]
+            sets = sorted(p.environ().get("TETHER_TEST_SET", "?") for p in servers)
+            seen.append(len(servers))
+            if i == 4:  # "0" reused: its server kept, no new one
+                assert sets == ["0", "1", "2", "3"]
+        assert sets == ["0", "3", "4", "5"]  # "1" and "2" were least recently used
+        assert seen == [1, 2, 3, 4, 4, 4, 4]

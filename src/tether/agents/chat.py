@@ -29,6 +29,7 @@ import json
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -442,7 +443,13 @@ def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.Tim
 
 # ---- MCP (tether.agents.mcp) ----------------------------------------------------------
 
-_mcp_cache: dict[str, McpTools] = {}  # per worker process: servers live across turns
+# Per worker process: a config's servers live across turns (and sessions with the same
+# config share them), but at most _MCP_SETS configs' servers at once: the least recently
+# used set is closed (its stdio trees killed) when another is opened, so configs that
+# differ only in an ``env`` or ``cwd`` cannot pile servers up in the worker, where they
+# would count against later turns' process limits.
+_mcp_cache: OrderedDict[str, McpTools] = OrderedDict()
+_MCP_SETS = 4
 
 
 async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
@@ -453,12 +460,18 @@ async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
     grace = mcp.get("grace", _MCP_GRACE)
     key = json.dumps([servers, cfg.tool_policy, grace], sort_keys=True)
     tools = _mcp_cache.get(key)
-    if tools is None:
-        try:
-            tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
-        except TetherError as exc:
-            raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
-        _mcp_cache[key] = tools
+    if tools is not None:
+        _mcp_cache.move_to_end(key)
+        return tools
+    try:
+        tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
+    except TetherError as exc:
+        raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
+    while len(_mcp_cache) >= _MCP_SETS:
+        # one turn runs in a worker at a time: every other set is idle, none is mid-call
+        _, evicted = _mcp_cache.popitem(last=False)
+        await asyncio.shield(evicted.aclose())  # a cancel of this turn must not halve it
+    _mcp_cache[key] = tools
     return tools
 
 
