@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import sqlite3
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -514,3 +516,136 @@ def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
     assert "by system (policy): max_duration 0.5 s exceeded" in result
     [marker] = entries(rt, child, "marker")
     assert (marker.action, marker.origin) == ("preempted", "system")
+
+
+@pytest.fixture
+def hung_http(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A Streamable HTTP MCP server (the SDK's) that reads the handshake and never answers."""
+    log = tmp_path / "hung.log"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.testing.mcp_server", "--http", "0", "--hang-handshake"],
+        env={**os.environ, LOG_ENV: str(log), "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(60.0), "the hung server printed no URL"
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        yield url, log
+    finally:
+        proc.kill()
+        proc.wait(timeout=30.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_while_an_http_mcp_server_is_initializing_ends_the_turn_within_grace(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path, hung_http: tuple[str, Path]
+) -> None:
+    # The stdio server connects first (names are opened in order), then the HTTP one
+    # hangs in its handshake; the cancel must unwind it at once: the turn ends cancelled
+    # well within the grace, never force-broken, and the worker and its stdio server live.
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    url, hung_log = hung_http
+    mcp["servers"]["slow"] = {"url": url}
+    replies = [{"text": "never asked"}]
+    _root, child, me = _agent(rt, server, "mcp-hung-init", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    eventually(
+        lambda: any(r.get("event") == "handshake_held" for r in read_log(str(hung_log))),
+        timeout=60.0,
+        what="the HTTP server to hold the handshake",
+    )
+    [srv] = _mcp_server_procs(rt)
+    workers = set(rt.worker_pids)
+    began = time.monotonic()
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough", grace=2.0)
+    ended = rec.turn_ended(child, timeout=30.0)
+    took = time.monotonic() - began
+    assert ended["outcome"] == "cancelled" and not ended.get("forced"), ended
+    assert took < 1.5, f"the cancel took {took:.2f} s to end the turn"
+    assert alive(srv) and set(rt.worker_pids) == workers
+    assert server.requests_for("mcp-hung-init") == []
+
+
+@pytest.mark.timeout(120)
+def test_one_mcp_server_that_will_not_start_leaves_the_turn_with_the_others_tools_and_says_so(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    mcp["servers"]["broken"] = {"command": ["/nonexistent/mcp-server"]}
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "still-here"}}]},
+        {"text": "Done without the broken one."},
+    ]
+    _root, child, me = _agent(rt, server, "mcp-one-broken", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [first, second] = server.requests_for("mcp-one-broken")
+    offered = [t["function"]["name"] for t in first.body["tools"]]
+    assert "mcp__files__echo" in offered and not any("broken" in n for n in offered)
+    [system] = [m["content"] for m in first.body["messages"] if m["role"] == "system"]
+    [line] = [ln for ln in system.splitlines() if "broken" in ln]
+    assert "its tools not offered" in line and "could not start" in line
+    assert "No such file or directory" in line
+    results = [m["content"] for m in second.body["messages"] if m["role"] == "tool"]
+    assert results == ["still-here"]
+    [said] = [e for e in entries(rt, child, "tool") if (e.data or {}).get("mcp_unavailable")]
+    assert said.data == {"mcp_unavailable": "broken"} and "could not start" in said.text
+    assert texts(rt, child, "assistant")[-1] == "Done without the broken one."
+
+
+def test_an_mcp_config_whose_every_server_fails_ends_the_turn_failed_with_one_line(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    mcp = {"servers": {"a": {"command": ["/nonexistent/a"]}, "b": {"command": ["/nonexistent/b"]}}}
+    _root, child, me = _agent(rt, server, "mcp-all-broken", [{"text": "never"}], mcp=mcp)
+    rt.send(child, "search", authority=me)
+    ended = rec.turn_ended(child, timeout=60.0)
+    assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
+    assert "mcp server 'a' could not start" in ended["error"]
+    assert "mcp server 'b' could not start" in ended["error"]
+    assert server.requests_for("mcp-all-broken") == []
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_keeps_the_stdio_servers_of_at_most_four_mcp_configs(
+    server: ModelServer, tmp_path: Path, db_path: str
+) -> None:
+    # Seven sessions, six configs that differ only in a server's env, one after another
+    # on one worker: the least recently used config's servers are closed as a fifth opens,
+    # so the worker never holds more than four, and a reused config keeps its server.
+    with tether.Runtime(db_path, workers=1, grace=1.0) as one:
+        rec = Recorder(one)
+        seen: list[int] = []
+        workers: set[int] = set()
+        for i, env in enumerate(["0", "1", "2", "3", "0", "4", "5"]):
+            mcp, _log = _mcp(tmp_path)
+            mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
+            replies = [
+                {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
+                {"text": "ok"},
+            ]
+            _root, child, me = _agent(one, server, f"mcp-sets-{i}", replies, mcp=mcp)
+            one.send(child, "echo", authority=me)
+            assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+            servers = _mcp_server_procs(one)
+            workers.update(p.ppid() for p in servers)
+            assert len(workers) == 1, workers  # one active worker: every turn on it
+            assert len(servers) <= 4, [p.pid for p in servers]
+            sets = sorted(p.environ().get("TETHER_TEST_SET", "?") for p in servers)
+            seen.append(len(servers))
+            if i == 4:  # "0" reused: its server kept, no new one
+                assert sets == ["0", "1", "2", "3"]
+        assert sets == ["0", "3", "4", "5"]  # "1" and "2" were least recently used
+        assert seen == [1, 2, 3, 4, 4, 4, 4]

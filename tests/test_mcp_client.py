@@ -97,10 +97,9 @@ def log(tmp_path: Path) -> Path:
     return tmp_path / "mcp.jsonl"
 
 
-@pytest.fixture
-def http_url(log: Path) -> Iterator[str]:
+def _http_server(log: Path, *flags: str) -> Iterator[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tether.testing.mcp_server", "--http", "0"],
+        [sys.executable, "-m", "tether.testing.mcp_server", "--http", "0", *flags],
         env={**os.environ, **_env(log)},
         stdout=subprocess.PIPE,
         text=True,
@@ -115,6 +114,17 @@ def http_url(log: Path) -> Iterator[str]:
         proc.wait(timeout=WAIT)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.fixture
+def http_url(log: Path) -> Iterator[str]:
+    yield from _http_server(log)
+
+
+@pytest.fixture
+def hung_http_url(log: Path) -> Iterator[str]:
+    """An HTTP server that reads the handshake and never answers it."""
+    yield from _http_server(log, "--hang-handshake")
 
 
 def test_mcp_tools_are_offered_as_mcp_server_tool_with_their_schemas_and_a_call_returns(
@@ -623,6 +633,27 @@ def test_a_cancel_racing_a_calls_natural_end_never_returns_its_result(log: Path)
             assert outcomes["cancelled"] > 0 and outcomes["returned"] > 0, outcomes
             assert tools.server_pids() == {"t": pid}  # cooperative stops all along
             assert (await tools.call("mcp__t__echo", {"text": "end"})).text == "end"
+        finally:
+            await tools.aclose()
+
+    run(main())
+
+
+def test_a_cancel_of_a_call_whose_http_server_is_still_connecting_ends_at_once(
+    log: Path, hung_http_url: str
+) -> None:
+    # A preempt or cancel of a call that is still opening its connection (the server
+    # stuck in the handshake) must not wait for a handshake that will not end.
+    async def main() -> None:
+        tools = McpTools({"s": {"url": hung_http_url}}, grace=2.0)
+        try:
+            task = asyncio.create_task(tools.call("mcp__s__echo", {"text": "x"}))
+            await logged(log, lambda r: r["event"] == "handshake_held")
+            began = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - began < 1.0
         finally:
             await tools.aclose()
 

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,9 +162,18 @@ class ChatAgent:
     async def _loop(self, ctx: AsyncTurnContext, cfg: _Config, client: Any) -> str | None:
         mcp = await _mcp_tools(ctx, cfg)
         tools = [t for t in _host_schemas() if t["function"]["name"] in cfg.tools]
+        missing: dict[str, str] = {}
         if mcp is not None:
-            tools.extend(await mcp.list_tools())
+            offered, missing = await mcp.offered()
+            if len(missing) == len(mcp.servers):  # nothing of the config works: a mistake
+                raise ModelError(_one_line("config.mcp: " + "; ".join(missing.values())))
+            tools.extend(offered)
+            for server, why in missing.items():
+                # in the transcript, never in the model's history (no tool_call_id)
+                ctx.record_tool(why, data={"mcp_unavailable": server})
         messages = _messages(cfg, await ctx.load_history(), ctx)
+        if missing:
+            _tell_missing(messages, missing)
         for _ in range(cfg.max_steps):
             messages.extend(_steers(await ctx.checkpoint()))  # a boundary before each request
             reply = await self._request(ctx, cfg, client, messages, tools)
@@ -433,7 +443,13 @@ def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.Tim
 
 # ---- MCP (tether.agents.mcp) ----------------------------------------------------------
 
-_mcp_cache: dict[str, McpTools] = {}  # per worker process: servers live across turns
+# Per worker process: a config's servers live across turns (and sessions with the same
+# config share them), but at most _MCP_SETS configs' servers at once: the least recently
+# used set is closed (its stdio trees killed) when another is opened, so configs that
+# differ only in an ``env`` or ``cwd`` cannot pile servers up in the worker, where they
+# would count against later turns' process limits.
+_mcp_cache: OrderedDict[str, McpTools] = OrderedDict()
+_MCP_SETS = 4
 
 
 async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
@@ -444,13 +460,31 @@ async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
     grace = mcp.get("grace", _MCP_GRACE)
     key = json.dumps([servers, cfg.tool_policy, grace], sort_keys=True)
     tools = _mcp_cache.get(key)
-    if tools is None:
-        try:
-            tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
-        except TetherError as exc:
-            raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
-        _mcp_cache[key] = tools
+    if tools is not None:
+        _mcp_cache.move_to_end(key)
+        return tools
+    try:
+        tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
+    except TetherError as exc:
+        raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
+    while len(_mcp_cache) >= _MCP_SETS:
+        # one turn runs in a worker at a time: every other set is idle, none is mid-call
+        _, evicted = _mcp_cache.popitem(last=False)
+        await asyncio.shield(evicted.aclose())  # a cancel of this turn must not halve it
+    _mcp_cache[key] = tools
     return tools
+
+
+def _tell_missing(messages: list[dict[str, Any]], missing: dict[str, str]) -> None:
+    """Tell the model, one line a server, which MCP servers' tools it lacks this turn and
+    why: in the system message (one only: some endpoints refuse a second)."""
+    lines = "\n".join(
+        f"Unavailable this turn, its tools not offered: {why}" for why in missing.values()
+    )
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{lines}"}
+    else:
+        messages.insert(0, {"role": "system", "content": lines})
 
 
 async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: str) -> str:

@@ -343,6 +343,7 @@ class _Conn:
     proc: anyio.abc.Process | None = None  # stdio only
     dead: bool = False  # died or killed: replaced at the next use
     killed: bool = False
+    holding: bool = False  # the owner holds the client and waits on ``stop``
 
     def alive(self) -> bool:
         return not self.dead and (self.proc is None or self.proc.returncode is None)
@@ -527,6 +528,11 @@ class McpTools:
 
     # -- connections
 
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The configured servers' names."""
+        return tuple(sorted(self._specs))
+
     def server_pids(self) -> dict[str, int]:
         """The pids of the stdio servers running now."""
         return {
@@ -584,6 +590,7 @@ class McpTools:
             async with client:
                 if not ready.done():
                     ready.set_result(client)
+                conn.holding = True
                 await conn.stop.wait()
         except Exception as exc:
             if not ready.done():
@@ -605,6 +612,11 @@ class McpTools:
         conn.stop.set()
         if conn.owner is None:
             return
+        if not conn.holding:
+            # still connecting (a server slow to answer initialize): the owner is not
+            # waiting on ``stop`` yet and would only see it once the handshake ends, so
+            # waiting for it would stall a cancel for the whole close wait
+            conn.owner.cancel()
         done, _ = await asyncio.wait({conn.owner}, timeout=_CLOSE_WAIT)
         if not done:
             conn.owner.cancel()
@@ -621,38 +633,55 @@ class McpTools:
 
     async def list_tools(self) -> list[dict[str, Any]]:
         """Every server's tools as OpenAI function-tool specs, named
-        ``mcp__<server>__<tool>``, with the tool's own input schema."""
+        ``mcp__<server>__<tool>``, with the tool's own input schema; the first server
+        that cannot be reached raises ``McpUnavailable``."""
+        specs, missing = await self.offered()
+        if missing:
+            raise McpUnavailable(next(iter(missing.values())))
+        return specs
+
+    async def offered(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """The tools of every server that answered (as ``list_tools``), and each server
+        that did not, with its one-line reason: one server that will not start does not
+        take the others' tools away."""
         specs: list[dict[str, Any]] = []
+        missing: dict[str, str] = {}
         for server in sorted(self._specs):
-            conn = await self._conn(server)
-            assert conn.client is not None
-            cursor: str | None = None
             try:
-                async with asyncio.timeout(self._specs[server].connect_timeout):
-                    for _ in range(_LIST_PAGES):
-                        page = await conn.client.session.list_tools(
-                            params=mcp_types.PaginatedRequestParams(cursor=cursor)
-                            if cursor
-                            else None
+                specs.extend(await self._server_tools(server))
+            except McpUnavailable as exc:
+                missing[server] = exc.message
+        return specs, missing
+
+    async def _server_tools(self, server: str) -> list[dict[str, Any]]:
+        conn = await self._conn(server)
+        assert conn.client is not None
+        specs: list[dict[str, Any]] = []
+        cursor: str | None = None
+        try:
+            async with asyncio.timeout(self._specs[server].connect_timeout):
+                for _ in range(_LIST_PAGES):
+                    page = await conn.client.session.list_tools(
+                        params=mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
+                    )
+                    for tool in page.tools:
+                        specs.append(
+                            {
+                                "type": "function",
+                                "function": {
+                                    "name": f"{_PREFIX}{server}{_SEP}{tool.name}",
+                                    "description": tool.description or tool.title or "",
+                                    "parameters": tool.input_schema,
+                                },
+                            }
                         )
-                        for tool in page.tools:
-                            specs.append(
-                                {
-                                    "type": "function",
-                                    "function": {
-                                        "name": f"{_PREFIX}{server}{_SEP}{tool.name}",
-                                        "description": tool.description or tool.title or "",
-                                        "parameters": tool.input_schema,
-                                    },
-                                }
-                            )
-                        cursor = page.next_cursor
-                        if not cursor:
-                            break
-            except (MCPError, TimeoutError) as exc:
-                raise McpUnavailable(
-                    f"mcp server {server!r} did not list its tools: {_reason(exc)}"
-                ) from exc
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+        except (MCPError, TimeoutError) as exc:
+            raise McpUnavailable(
+                f"mcp server {server!r} did not list its tools: {_reason(exc)}"
+            ) from exc
         return specs
 
     def _split(self, name: str) -> tuple[str, str]:

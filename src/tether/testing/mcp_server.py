@@ -10,6 +10,10 @@ ping, until the time is up); ``progress(steps, every)`` (sends ``notifications/p
 ``spawn_child()`` (starts a sleeping child and returns its pid, so a test can see the
 server's whole tree die).
 
+``--hang-handshake`` (with ``--http``): every handshake POST (``initialize``, or the
+2026 wire's ``server/discover``) is read, logged as ``event: "handshake_held"``, and never
+answered: a server stuck starting up.
+
 With ``TETHER_MCP_LOG`` set, every inbound request and notification is appended to that
 file as one JSON line (``t`` wall-clock seconds, ``event``, ``method``, ``id``; a
 ``notifications/cancelled`` also carries its ``requestId``), and so is the end of every
@@ -153,9 +157,43 @@ def _record_disconnects(app: ASGIApp, log_path: str | None) -> ASGIApp:
     return wrapped
 
 
+_HANDSHAKE = ("initialize", "server/discover")  # the 2025 and the 2026-07-28 wire's
+
+
+def _hang_handshake(app: ASGIApp, log_path: str | None) -> ASGIApp:
+    """The HTTP app, except that a handshake request is read and never answered."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await app(scope, receive, send)
+            return
+        first = await receive()
+        body = first.get("body") or b""
+        with contextlib.suppress(ValueError, AttributeError):
+            method = json.loads(body).get("method")
+            if method in _HANDSHAKE:
+                _log(log_path, event="handshake_held", method=method)
+                await anyio.sleep_forever()
+        replayed = False
+
+        async def recv() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        await app(scope, recv, send)
+
+    return wrapped
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tether.testing.mcp_server")
     parser.add_argument("--http", type=int, metavar="PORT", help="serve Streamable HTTP")
+    parser.add_argument(
+        "--hang-handshake", action="store_true", help="never answer the handshake (HTTP only)"
+    )
     args = parser.parse_args(argv)
     server = build_server(os.environ.get(LOG_ENV))
     if args.http is None:
@@ -169,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     sock.listen(128)  # before the URL is printed: a client that connects at once waits
     port = sock.getsockname()[1]
     app = _record_disconnects(server.streamable_http_app(), os.environ.get(LOG_ENV))
+    if args.hang_handshake:
+        app = _hang_handshake(app, os.environ.get(LOG_ENV))
     config = uvicorn.Config(app, log_level="warning")
     print(f"http://127.0.0.1:{port}/mcp", flush=True)
     uvicorn.Server(config).run(sockets=[sock])
