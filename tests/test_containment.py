@@ -616,6 +616,48 @@ def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn_which_ends_crashed_pids_
         assert [t.outcome for t in rt.turns(child)] == ["crashed", "completed"]
 
 
+REFUSED = textwrap.dedent("""
+    import os, sys
+    # More children than the limit allows, none reaped until the end (a zombie still
+    # counts against pids.max): the forks past the limit are refused, and the tool
+    # then exits 0 with every child gone, before the limit watch need have looked.
+    kids, refused = [], 0
+    for _ in range(int(sys.argv[1])):
+        try:
+            pid = os.fork()
+        except OSError:
+            refused += 1
+            continue
+        if pid == 0:
+            os._exit(0)
+        kids.append(pid)
+    for pid in kids:
+        os.waitpid(pid, 0)
+    print(f"refused {refused}")
+""")
+
+
+@pytest.mark.skipif("pids" not in _CONTROLLERS, reason="no cgroup v2 pids controller here")
+def test_a_turn_whose_tool_hit_its_pids_limit_and_exited_ends_crashed_pids_limit() -> None:
+    """A tool whose forks the pids limit refused, which then finished by itself, and a
+    driver that returned at once: the turn's end is checked against the leaf's refused
+    forks, so it ends as the limit watch ends a breach, whichever comes first (before,
+    a turn that beat the watch's notice ended as its driver said: completed). Looped:
+    each turn races the watch."""
+    tool = [sys.executable, "-c", REFUSED, "60"]
+    with runtime(workers=1, containment="cgroup") as rt:
+        _, child, me = _family(rt, limits={"pids": 24})
+        for i in range(10):
+            rt.send(child, f"fork {i}", authority=me, data=steps({"op": "tool", "argv": tool}))
+            rt.wait(child, until=("idle", "parked"), timeout=30.0)  # idle: it completed
+            turns = rt.turns(child)
+            assert len(turns) == i + 1
+            last = turns[-1]
+            assert (last.outcome, last.error) == ("crashed", "pids limit"), (i, last)
+            rt.resume(child, authority=me)
+            rt.wait(child, until="idle", timeout=15.0)
+
+
 @pytest.mark.skipif("cpu" not in _CONTROLLERS, reason="no cgroup v2 cpu controller here")
 def test_a_cpu_limit_throttles_the_turns_whole_tree() -> None:
     # A tool that would take a whole core for a second of wall time, under a tenth of one:
