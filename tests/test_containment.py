@@ -286,10 +286,98 @@ def test_sigkill_of_the_host_leaves_no_process_of_the_turn(
 
 
 def _only_this_hosts(rt: tether.Runtime, group: str) -> bool:
-    """The group's leaves are the new host's own workers' (the old ones are gone)."""
+    """The group's leaves are the new host's own workers' and its mark (the old ones are
+    gone)."""
     leaves = {n for n in os.listdir(group) if os.path.isdir(os.path.join(group, n))}
     mine = {os.path.basename(leaf_of(pid) or "") for pid in rt.worker_pids}
-    return leaves <= mine
+    mark = rt._cgroups.prefix + "owner"  # type: ignore[attr-defined]
+    return leaves <= mine | {mark}
+
+
+def _children(group: str) -> list[str]:
+    return sorted(n for n in os.listdir(group) if os.path.isdir(os.path.join(group, n)))
+
+
+@needs_cgroup
+def test_a_later_host_of_another_store_removes_the_empty_group_a_sigkilled_host_left(
+    token: str, db_path: str, tmp_path: Path
+) -> None:
+    """Every SIGKILLed host left its store's group behind (``tether/s-<hash>/``): its
+    workers emptied their leaves, its guard (when it lived) removed them, but nobody
+    removed the group unless a host reopened that very store, so they piled up. Here
+    even the guard died: the dead host's mark and empty leaves are left, and a host of
+    another store removes them and the group."""
+    with _killed_host(db_path, "cgroup", token, guard=False) as ready:
+        group, old = ready["group"], ready["leaves"]
+        assert any(n.endswith("-owner") for n in old), old  # the dead host's mark
+        eventually(lambda: not escapee_procs(token), timeout=5.0, what="the escapee gone")
+        eventually(
+            lambda: not any(Leaf(os.path.join(group, n), frozenset()).populated() for n in old),
+            what="the dead host's leaves emptied by its workers",
+        )
+        assert _children(group) == old
+        with runtime(str(tmp_path / "other.db"), workers=1, containment="cgroup") as rt:
+            assert rt._cgroups.base != group  # type: ignore[attr-defined]
+            assert not os.path.exists(group), _children(group)
+
+
+@needs_cgroup
+def test_a_host_making_its_store_group_while_another_host_sweeps_it_keeps_it() -> None:
+    """The sweep's ``rmdir`` of an empty group races a host making that group: the host
+    makes the group again until its mark is in it, and from then on the kernel refuses
+    the sweep. 300 tries, the sweeper in a tight loop."""
+    from tether.runtime import _cgroup
+
+    with runtime(workers=1, containment="cgroup") as rt:
+        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+    group = os.path.join(top, f"s-race{uuid.uuid4().hex[:12]}")
+    prefix = _cgroup._owner_prefix()
+    mark = os.path.join(group, prefix + "owner")
+    stop = threading.Event()
+    swept = [0]
+
+    def sweeper() -> None:
+        while not stop.is_set():
+            _cgroup._sweep_store_group(group)
+            swept[0] += not os.path.exists(group)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=sweeper)
+    thread.start()
+    try:
+        for i in range(300):
+            _cgroup._own_store_group(group, prefix)
+            assert os.path.isdir(mark), f"try {i}: the host's mark is gone"
+            time.sleep(0.0005)  # the sweeper looks at a live host's group meanwhile
+            assert os.path.isdir(mark), f"try {i}: a sweep removed a live host's mark"
+            os.rmdir(mark)  # this host closes: its group is the sweep's now
+    finally:
+        stop.set()
+        thread.join(10.0)
+        sys.setswitchinterval(old)
+        with contextlib.suppress(OSError):
+            os.rmdir(mark)
+        with contextlib.suppress(OSError):
+            os.rmdir(group)
+    assert swept[0] > 0  # the sweep did remove the group between the tries
+
+
+@needs_cgroup
+def test_a_later_host_of_another_store_never_removes_a_live_hosts_group(
+    db_path: str, tmp_path: Path
+) -> None:
+    with runtime(db_path, workers=1, containment="cgroup") as live:
+        group = live._cgroups.base  # type: ignore[attr-defined]
+        root = live.open_session(SCRIPTED)
+        before = _children(group)
+        assert live._cgroups.prefix + "owner" in before  # type: ignore[attr-defined]
+        with runtime(str(tmp_path / "other.db"), workers=1, containment="cgroup"):
+            assert _children(group) == before
+        live.prompt(root, "still here")
+        assert live.wait(root, until="idle", timeout=30.0).state == "idle"
+        assert [t.outcome for t in live.turns(root)] == ["completed"]
+    assert not os.path.exists(group)  # closed: its mark and leaves went, then the group
 
 
 @needs_cgroup
@@ -526,6 +614,48 @@ def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn_which_ends_crashed_pids_
             rt.resume(child, authority=me)
         rt.wait(child, until="idle", timeout=15.0)
         assert [t.outcome for t in rt.turns(child)] == ["crashed", "completed"]
+
+
+REFUSED = textwrap.dedent("""
+    import os, sys
+    # More children than the limit allows, none reaped until the end (a zombie still
+    # counts against pids.max): the forks past the limit are refused, and the tool
+    # then exits 0 with every child gone, before the limit watch need have looked.
+    kids, refused = [], 0
+    for _ in range(int(sys.argv[1])):
+        try:
+            pid = os.fork()
+        except OSError:
+            refused += 1
+            continue
+        if pid == 0:
+            os._exit(0)
+        kids.append(pid)
+    for pid in kids:
+        os.waitpid(pid, 0)
+    print(f"refused {refused}")
+""")
+
+
+@pytest.mark.skipif("pids" not in _CONTROLLERS, reason="no cgroup v2 pids controller here")
+def test_a_turn_whose_tool_hit_its_pids_limit_and_exited_ends_crashed_pids_limit() -> None:
+    """A tool whose forks the pids limit refused, which then finished by itself, and a
+    driver that returned at once: the turn's end is checked against the leaf's refused
+    forks, so it ends as the limit watch ends a breach, whichever comes first (before,
+    a turn that beat the watch's notice ended as its driver said: completed). Looped:
+    each turn races the watch."""
+    tool = [sys.executable, "-c", REFUSED, "60"]
+    with runtime(workers=1, containment="cgroup") as rt:
+        _, child, me = _family(rt, limits={"pids": 24})
+        for i in range(10):
+            rt.send(child, f"fork {i}", authority=me, data=steps({"op": "tool", "argv": tool}))
+            rt.wait(child, until=("idle", "parked"), timeout=30.0)  # idle: it completed
+            turns = rt.turns(child)
+            assert len(turns) == i + 1
+            last = turns[-1]
+            assert (last.outcome, last.error) == ("crashed", "pids limit"), (i, last)
+            rt.resume(child, authority=me)
+            rt.wait(child, until="idle", timeout=15.0)
 
 
 @pytest.mark.skipif("cpu" not in _CONTROLLERS, reason="no cgroup v2 cpu controller here")

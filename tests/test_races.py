@@ -944,6 +944,7 @@ _HOST_DYING_IN_A_DISPOSAL = """
 import json, os, signal, sys, time, tether
 from tether.runtime.store import Store
 from tether import User
+at = sys.argv[2]  # "first": the host dies at the disposal's first settle; "p": at p's
 rt = tether.Runtime(sys.argv[1], workers=2, grace=1.0)
 root = rt.open_session("tether:Scripted", slug="root")
 # p's turn takes no stop until its grace runs out (a model call that hangs), so its
@@ -955,33 +956,89 @@ deadline = time.monotonic() + 10.0
 while not (rt.status(k).dispatched and any(e.text == "in the call" for e in rt.transcript(p))):
     assert time.monotonic() < deadline  # k on its worker, p inside its hung call
     time.sleep(0.01)
+rt.send(p, "queued", authority=User(parent=root))  # waits in p's inbox behind its turn
+turn = rt.status(p).turn
 settle = Store.settle
-def dying(self, session):  # the fault: the host dies as the parent's disposal settles it
-    if session == p:
+def dying(self, session):  # the fault: the host dies as the disposal settles a session
+    if at == "first" or session == p:
         os.kill(os.getpid(), signal.SIGKILL)
     return settle(self, session)
 Store.settle = dying
-print(json.dumps({"root": root, "p": p, "k": k}), flush=True)
+print(json.dumps({"root": root, "p": p, "k": k, "turn": turn}), flush=True)
 rt.dispose(p, authority=User(parent=root))
 sys.exit(1)
 """
 
 
-def test_a_disposal_cut_by_a_host_kill_loses_no_childs_notice(db_path: str) -> None:
+def _killed_in_a_disposal(db_path: str, at: str) -> dict[str, str]:
+    script = textwrap.dedent(_HOST_DYING_IN_A_DISPOSAL)
+    done = subprocess.run(
+        [sys.executable, "-c", script, db_path, at],
+        cwd=Path(__file__).resolve().parent,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    ready: dict[str, str] = json.loads(done.stdout.splitlines()[0])
+    return ready
+
+
+def _message_states(db_path: str, session: str) -> list[tuple[str, str]]:
+    """(kind, state) of every message ever in ``session``'s inbox, from the store itself."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db_path)) as db:
+        rows = db.execute(
+            "SELECT kind, state FROM messages WHERE session=? ORDER BY id", (session,)
+        ).fetchall()
+    return [(str(k), str(s)) for k, s in rows]
+
+
+def test_a_disposal_cut_short_by_a_host_kill_is_finished_by_the_next_host(
+    db_path: str,
+) -> None:
+    """An accepted disposal is durable (the subtree's mark, in one commit): a host
+    killed before any of its settles leaves the next host to finish it, as the
+    disposal would have: p and its child k settled, p's queued message closed with its
+    inbox, p's open turn closed (crashed: its host stopped) and p's parent told of it.
+    Before, both came back unsettled, p parked with its message pending, as if never
+    disposed."""
+    ready = _killed_in_a_disposal(db_path, "first")
+    root, p, k = ready["root"], ready["p"], ready["k"]
+    with runtime(db_path, workers=1, grace=1.0) as rt:
+        assert rt.status(p).state == "settled" and rt.status(k).state == "settled"
+        assert rt.status(p).pending == 0 and rt.inbox(p) == [] and rt.inbox(k) == []
+        [t] = rt.turns(p)
+        assert (t.id, t.outcome, t.cause) == (ready["turn"], "crashed", "system")
+        assert all(t.outcome is not None for t in rt.turns(k))
+        assert [s.id for s in rt.list_agents(root)] == [p]
+        assert rt.status(root).state != "settled"
+        eventually(lambda: rt.status(root).pending == 1, timeout=5.0, what="root's notice")
+        [msg] = rt.inbox(root)
+        assert msg.kind == "notice" and msg.sender == p, msg
+        with pytest.raises(tether.InvalidParams):  # a settled session takes nothing
+            rt.send(p, "again", authority=User(parent=root))
+    # the turn's own message stays claimed by it; the queued one is closed
+    assert _message_states(db_path, p) == [("user", "claimed"), ("user", "closed")]
+
+
+def test_a_disposal_cut_by_a_host_kill_at_its_last_settle_closes_the_childs_notice(
+    db_path: str,
+) -> None:
     """A disposal marks the subtree disposing, ends the child's turn, and settles the
-    parent last; a host killed before that settle leaves the parent unsettled after the
-    restart, so the notice of its child's turn end must still be in its inbox (a notice
-    decided on by the disposing flag alone, which is not durable, was dropped)."""
-    out = _host_killed_by_its_fault(_HOST_DYING_IN_A_DISPOSAL, db_path)
-    ready = json.loads(out.splitlines()[0])
+    parent last; a host killed just before that settle: the next host settles the
+    parent, and the notice of its child's turn end, committed into its inbox with that
+    end, is closed with the inbox (as the settle would have), never lost pending."""
+    ready = _killed_in_a_disposal(db_path, "p")
     p, k = ready["p"], ready["k"]
     with runtime(db_path, workers=1, grace=1.0) as rt:
         [t] = rt.turns(k)
         assert (t.outcome, t.cause) != ("crashed", "system"), "k's turn was open at the kill"
-        assert rt.status(p).state != "settled"
-        eventually(lambda: rt.status(p).pending == 1, timeout=5.0, what="the notice")
-        [msg] = rt.inbox(p)
-        assert msg.kind == "notice" and msg.sender == k, msg
+        assert rt.status(p).state == "settled" and rt.status(k).state == "settled"
+        assert rt.inbox(p) == []
+    states = _message_states(db_path, p)
+    assert states[1:] == [("user", "closed"), ("notice", "closed")], states
 
 
 # ---- 17. a child's end after its parent settled --------------------------------------------------

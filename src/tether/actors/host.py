@@ -518,9 +518,8 @@ class SessionHost(pykka.ThreadingActor):
     def _inbox_open(self, parent: str) -> bool:
         """Whether ``parent`` still takes a notice (asked by a child's host as its turn
         ends; checked again here when the notice arrives). A parent being disposed does:
-        the disposal is not durable until its settle, which closes every pending
-        message in the same commit, so a host killed before that settle leaves the
-        parent alive after the restart with its notice still in its inbox."""
+        its settle closes every pending message in one commit, and a host killed before
+        that settle leaves the next host to finish the disposal, which closes them too."""
         node = self._dir.catalog.nodes.get(parent)
         return node is not None and not node.settled
 
@@ -533,8 +532,8 @@ class SessionHost(pykka.ThreadingActor):
             self._store.close_message(msg.id)
             return
         if node.disposing:
-            # kept, not queued: the parent's settle closes it with its inbox (and a
-            # disposal cut short by a host kill leaves it pending, as it must)
+            # kept, not queued: the parent's settle closes it with its inbox (or, after a
+            # host kill, the next host's finish of the disposal does)
             log.debug("notice.kept", session=parent, child=msg.sender, why="disposing")
             return
         s = self._live.get(parent)

@@ -244,6 +244,10 @@ class AgentStore(Protocol):
         data: dict[str, Any] | None = None,
     ) -> Any: ...
     def settle(self, session: str) -> Durable: ...
+    def dispose_accepted(self, sessions: list[str]) -> Durable:
+        """Record that a disposal of ``sessions`` was accepted (finished at recovery if
+        a host kill cuts it short)."""
+
     def put_stop_report(self, report: StopReport) -> None:
         """Queue a turn's stop report (SPEC §15.6), replacing the turn's earlier one."""
 

@@ -254,7 +254,7 @@ class SupervisorActor(pykka.ThreadingActor):
 
     # ---- dispose --------------------------------------------------------------------
 
-    def _dispose(self, d: DisposeReq) -> list[str]:
+    def _dispose(self, d: DisposeReq) -> tuple[list[str], Durable | None]:
         self._dir.authorize_dispose(d.session, d.authority)
         subtree = self._catalog.preorder(d.session)
         order = [*reversed(subtree), d.session]  # deepest first
@@ -263,7 +263,10 @@ class SupervisorActor(pykka.ThreadingActor):
         # One step: from here on no spawn under any of them and no send into them.
         for sid in todo:
             nodes[sid].disposing = True
+        # Durable in one commit, queued before any of their settles: a host killed
+        # before those leaves the next host to finish the disposal (finish_disposals).
+        ticket = self._store.dispose_accepted(todo) if todo else None
         auth = d.authority
         for sid in todo:
             self._dispatcher.tell(sid, DisposeOp(sid, auth.origin, auth.by, d.grace))
-        return order
+        return order, ticket

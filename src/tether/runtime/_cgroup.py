@@ -5,7 +5,8 @@
     <v2 mount>/[<host's own delegated cgroup>/]tether/        shared by every host
         s-<sha256(store path)[:16]>/                       one host's group (a file store)
         m-<pid>-<start ticks>-<n>/                         ... or an in-memory store's
-            w-<worker token>/                              one leaf per worker
+            h<pid>-<ticks>-w-<worker token>/               one leaf per worker
+            h<pid>-<ticks>-owner/                          a file store's host's mark
 
 One leaf per *worker*, not per turn. A worker holds one turn at a time, so the leaf's
 kill is exactly that turn's kill, and its freeze that turn's pause. The worker moves
@@ -26,7 +27,9 @@ forks racing it die too), and report only once ``cgroup.events`` says ``populate
 Recovery: a host on the same store finds its predecessor's group by name (the hash of the
 store's path) and kills and removes every leaf in it before it starts a worker. An
 in-memory store's group is named after its process and that process's start time: any
-host removes such a group once that process is gone.
+host removes such a group once that process is gone. A file store's group on a store
+nobody reopens is swept by any host once its host (named by the mark in it) is dead and
+its leaves are empty.
 """
 
 from __future__ import annotations
@@ -418,7 +421,7 @@ class Cgroups:
         self._guard: subprocess.Popen[bytes] | None = None
         # This host's leaves carry its own prefix: a dead host's guard clears its own,
         # never those of the next host on the same store (one group per store).
-        self.prefix = f"h{os.getpid()}-{_start_ticks('self') or '0'}-"
+        self.prefix = _owner_prefix()
 
     def guard(self) -> None:
         """Start the guard that clears this group when the host goes, a SIGKILL
@@ -468,14 +471,20 @@ class Cgroups:
         else:
             name = _store_group(store_path)
         base = os.path.join(top, name)
+        owner = _owner_prefix()
         try:
-            os.makedirs(base, exist_ok=True)
+            if store_path is None:
+                os.makedirs(base, exist_ok=True)
+            else:
+                _own_store_group(base, owner)
             missing = [
                 probe
                 for probe in ("cgroup.kill", "cgroup.freeze")
                 if not os.path.exists(os.path.join(base, probe))
             ]
             if missing:  # cgroup.kill is Linux 5.14+
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(base, owner + _OWNER))
                 with contextlib.suppress(OSError):
                     os.rmdir(base)
                 raise CgroupUnavailable(f"this kernel's cgroup v2 has no {', '.join(missing)}")
@@ -484,7 +493,7 @@ class Cgroups:
             raise CgroupUnavailable(f"cannot make a cgroup under {top}: {exc}") from None
         groups = cls(base, controllers)
         groups.recover()
-        _remove_dead_memory_groups(top)
+        _remove_dead_memory_groups(top, base)
         if not guard:
             return groups
         try:
@@ -521,9 +530,12 @@ class Cgroups:
 
     def recover(self) -> list[str]:
         """Kill and remove every leaf left in this group (by a previous host on the same
-        store); returns the leaves cleared."""
+        store; this host's own owner mark stays); returns the leaves cleared."""
         cleared = []
+        mark = os.path.join(self.base, self.prefix + _OWNER)
         for leaf in self.leaves():
+            if leaf.path == mark:
+                continue
             try:
                 for _ in range(10):
                     if leaf.kill() and leaf.remove():
@@ -539,7 +551,7 @@ class Cgroups:
 
     def close(self) -> None:
         """Remove the group once its leaves are gone (another host may hold it: fine),
-        and let the guard go (it clears what is left, then exits)."""
+        and let the guard go (it clears what is left, its owner mark too, then exits)."""
         guard, self._guard = self._guard, None
         if guard is not None:
             assert guard.stdin is not None
@@ -551,6 +563,8 @@ class Cgroups:
                 log.error("cgroup.guard_stuck", pid=guard.pid, group=self.base)
                 guard.kill()
                 guard.wait()
+        with contextlib.suppress(OSError):  # the guard's job, unless there is none
+            os.rmdir(os.path.join(self.base, self.prefix + _OWNER))
         with contextlib.suppress(OSError):
             os.rmdir(self.base)
 
@@ -594,12 +608,50 @@ def _enable(mount: str, base: str) -> frozenset[str]:
     return reached
 
 
+_OWNER = "owner"  # a host's mark in its store's group: an empty child cgroup
+_OWNER_TRIES = 20
 _MEM_GROUP = re.compile(r"m-(\d+)-(\d+)-\d+")
+_HOST_PREFIX = re.compile(r"h(\d+)-(\d+)-")
 
 
-def _remove_dead_memory_groups(top: str) -> None:
+def _owner_prefix() -> str:
+    """This host's prefix for what it makes in its store's group: its pid and start time."""
+    return f"h{os.getpid()}-{_start_ticks('self') or '0'}-"
+
+
+def _own_store_group(base: str, owner: str) -> None:
+    """Make (or find) a file store's group and put this host's mark in it: an empty child
+    cgroup named after the host (``h<pid>-<ticks>-owner``). A store's group outlives a
+    SIGKILLed host, and any host sweeps such groups (``_sweep_store_group``); the mark
+    tells a live host's group from a dead one's, and, being a child, makes the kernel
+    refuse the sweep's ``rmdir`` of the group from the moment it exists. A sweep that
+    removed the group between its ``makedirs`` and the mark's ``mkdir`` shows as ENOENT:
+    make it again."""
+    for _ in range(_OWNER_TRIES):
+        os.makedirs(base, exist_ok=True)
+        try:
+            os.mkdir(os.path.join(base, owner + _OWNER))
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            continue
+        return
+    raise OSError(errno.ENOENT, f"{base} kept vanishing while it was being made")
+
+
+def _host_alive(name: str) -> bool | None:
+    """Whether the host that made ``name`` (a leaf or mark ``h<pid>-<ticks>-…``) runs;
+    None when the name says no host."""
+    m = _HOST_PREFIX.match(name)
+    if m is None:
+        return None
+    return _start_ticks(m.group(1)) == m.group(2)
+
+
+def _remove_dead_memory_groups(top: str, own: str | None = None) -> None:
     """An in-memory store's group whose host process is gone has no successor: any host
-    kills and removes it (and tidies file stores' groups, see below)."""
+    kills and removes it (and sweeps file stores' groups, ``_sweep_store_group``;
+    ``own``: this host's group, not swept)."""
     try:
         names = os.listdir(top)
     except OSError:
@@ -607,8 +659,9 @@ def _remove_dead_memory_groups(top: str) -> None:
     for name in names:
         m = _MEM_GROUP.fullmatch(name)
         if m is None:
-            if name.startswith("s-"):
-                _remove_abandoned_leaves(os.path.join(top, name))
+            group = os.path.join(top, name)
+            if name.startswith("s-") and group != own:
+                _sweep_store_group(group)
             continue
         if _start_ticks(m.group(1)) == m.group(2):
             continue  # its host still runs
@@ -621,14 +674,28 @@ def _remove_dead_memory_groups(top: str) -> None:
 _ABANDONED_AGE = 60.0  # seconds: an empty leaf this old is no worker's that is starting
 
 
-def _remove_abandoned_leaves(group: str) -> None:
+def _sweep_store_group(group: str) -> None:
     """A file store's group whose host was SIGKILLed, on a store nobody reopens: its
-    workers killed their own leaves on the way out but could not remove them. Any host
-    removes such a leaf once it is empty and old. A live host's leaves hold its workers;
-    one it has just made (its worker not in it yet) is too young; the group itself is
-    left alone (a live host may be about to make leaves in it)."""
+    workers killed their own leaves on the way out but could not remove them, and the
+    group stays. Any host removes such a group once its host is dead and its leaves are
+    empty. What the group holds is named after the host that made it (``h<pid>-<ticks>-``):
+    a live host's mark or leaf leaves the group alone (but for a dead host's empty leaves
+    in it); a dead host's empty leaf or mark goes; a dead host's populated leaf (its
+    guard died too) stays, for the next host on that store to kill. Then the group goes
+    if nothing is left in it: the kernel refuses the ``rmdir`` if a host made its mark
+    meanwhile (see ``_own_store_group``). A leaf named after no host (a host from before
+    the marks) goes only once it is empty and old."""
     now = time.time()
     for leaf in Cgroups(group, frozenset()).leaves():
+        name = os.path.basename(leaf.path)
         with contextlib.suppress(OSError):
-            if not leaf.populated() and now - os.stat(leaf.path).st_mtime > _ABANDONED_AGE:
+            if leaf.populated():
+                continue
+            if _host_alive(name) is False or (
+                _host_alive(name) is None and now - os.stat(leaf.path).st_mtime > _ABANDONED_AGE
+            ):
                 os.rmdir(leaf.path)
+    with contextlib.suppress(OSError):  # not empty: a live host's, or a populated leaf
+        if not any(os.path.isdir(os.path.join(group, n)) for n in os.listdir(group)):
+            os.rmdir(group)
+            log.info("cgroup.swept", group=group)

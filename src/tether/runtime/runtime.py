@@ -247,6 +247,11 @@ class Runtime:
         try:
             # the catalog as the dead host left it; its open turns closed, and their
             # parents told, in one commit
+            # a disposal the dead host had accepted and not finished: finished now, so
+            # the catalog and the crashed turns' notices below see it settled
+            disposed = self._store.finish_disposals()
+            if disposed:
+                log.warning("recovery.disposals_finished", sessions=len(disposed))
             catalog = self._store.sessions()
             headers = {h.id: h for h in catalog}
             crashed = self._store.recover(functools.partial(crash_notice, headers))
@@ -782,7 +787,9 @@ class Runtime:
 
     def _dispose(self, session_id: str, authority: Authority | Host, *, wait: bool = True) -> None:
         self._check_id(session_id)
-        order: list[str] = self._ask(DisposeReq(session_id, authority, self.grace))
+        order, ticket = self._ask(DisposeReq(session_id, authority, self.grace))
+        if ticket is not None:
+            ticket.wait()  # accepted once durable: a host kill from here on is finished
         if not wait:
             return
         deadline = time.monotonic() + 2 * self.grace + 10.0

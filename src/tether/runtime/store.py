@@ -89,7 +89,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     created_at  REAL NOT NULL,
     settled     INTEGER NOT NULL DEFAULT 0,
     stall       BLOB,
-    limits      BLOB
+    limits      BLOB,
+    disposing   INTEGER NOT NULL DEFAULT 0   -- a disposal was accepted (see finish_disposals)
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -369,6 +370,8 @@ class Store:
             self._db.execute("ALTER TABLE sessions ADD COLUMN stall BLOB")
         if "limits" not in columns:  # a store written before v3's limits
             self._db.execute("ALTER TABLE sessions ADD COLUMN limits BLOB")
+        if "disposing" not in columns:  # a store written before round 4
+            self._db.execute("ALTER TABLE sessions ADD COLUMN disposing INTEGER NOT NULL DEFAULT 0")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
         for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
             if column not in columns:  # a store written before v3
@@ -636,6 +639,33 @@ class Store:
             (n,) = self._db.execute("SELECT value FROM meta WHERE key='boots'").fetchone()
         return int(n)
 
+    def finish_disposals(self) -> list[str]:
+        """Settle every session whose disposal was accepted (``dispose_accepted``) but
+        not finished: its host was killed meanwhile. What the dead host had not done yet
+        is what a finished disposal leaves: the inbox closed (its pending messages kept,
+        marked closed), the session settled. A disposal marks the whole subtree in one
+        commit, so its descendants are among these. Runs before the catalog is read and
+        before ``recover``, which then closes their open turns as crashed (their parents
+        told, unless settled). Returns the sessions settled."""
+        with self._lock, _readable():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rows = self._db.execute(
+                    "SELECT id FROM sessions WHERE disposing=1 AND settled=0 ORDER BY seq"
+                ).fetchall()
+                if rows:
+                    self._db.execute(
+                        "UPDATE messages SET state='closed' WHERE state='pending' AND session"
+                        " IN (SELECT id FROM sessions WHERE disposing=1 AND settled=0)"
+                    )
+                    self._db.execute("UPDATE sessions SET settled=1 WHERE disposing=1")
+                self._db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
+        return [str(r[0]) for r in rows]
+
     def recover(
         self, notice: Callable[[str, str, str | None], ParentNotice | None] | None = None
     ) -> list[tuple[str, str, str | None]]:
@@ -738,6 +768,16 @@ class Store:
             )
             for r in rows
         ]
+
+    def dispose_accepted(self, sessions: list[str]) -> Ticket:
+        """A disposal of ``sessions`` (a whole subtree) is accepted: one commit, so a
+        host killed before their settles leaves the next host to finish it
+        (``finish_disposals``)."""
+
+        def op(db: sqlite3.Connection) -> None:
+            db.executemany("UPDATE sessions SET disposing=1 WHERE id=?", [(s,) for s in sessions])
+
+        return self.submit(op, waited=True)
 
     def settle(self, session: str) -> Ticket:
         """Close the inbox (pending messages are kept, marked closed) and mark settled."""

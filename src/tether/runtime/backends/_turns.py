@@ -132,6 +132,12 @@ class Worker(Protocol):
         """``job`` ended with its TurnEnd and is forgotten (called under the lock, before
         the worker may take another turn)."""
 
+    def breached(self) -> bool:
+        """At its turn's TurnEnd (under the lock): whether the turn hit a limit it must
+        end for, which a watch has not acted on yet (a tool that hit its pids limit and
+        finished by itself first). True: the worker is doomed, its reason set, and the
+        turn ends as that kill says, as the watch would have ended it."""
+
 
 W = TypeVar("W", bound=Worker)
 
@@ -385,6 +391,8 @@ class Turns(Generic[W]):
                 return False
             if rec.state is not TurnState.DISPATCHED:
                 return True  # a kill is under way: the tree's death reports this turn
+            if w.breached():
+                return True  # doomed now: the tree's death reports this turn
             self._forget_locked(rec)
             w.turn_over(rec.job)
             self.dispatch_locked()

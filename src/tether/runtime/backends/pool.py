@@ -230,6 +230,17 @@ class _Worker:
         self.pool._doom_locked(self)
         log.debug("worker.killing", pid=self.pid)
 
+    def breached(self) -> bool:
+        # The limit watch sees a refused fork only once the kernel's notice comes (at
+        # most every ~10 ms): a tool that hit the limit and then finished, and a driver
+        # that returned, can end the turn first. Its leaf still counts the refusal.
+        if self.leaf is None or self.doomed or not self.leaf.pids_limit_hit():
+            return False
+        log.info("limits.pids_hit_at_end", pid=self.pid)
+        self.error = "pids limit"
+        self.pool._doom_locked(self)
+        return True
+
     def turn_over(self, job: TurnJob) -> None:
         if self.leaf is not None:  # before the next turn resets its baselines
             self.pool.limit_watch.unwatch(self.leaf)

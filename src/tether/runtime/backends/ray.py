@@ -262,6 +262,9 @@ class _Slot:
     def turn_over(self, job: TurnJob) -> None:
         self.frozen = []
 
+    def breached(self) -> bool:
+        return False  # the Ray backend applies no limits (SPEC §15.5 limits are the pool's)
+
     def freeze(self, turn: str) -> None:
         backend = self.backend
         with backend._lock:
