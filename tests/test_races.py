@@ -487,6 +487,70 @@ def test_a_stop_guarded_by_turn_never_stops_the_next_turn(
     api.check()
 
 
+# ---- a spawn racing a subtree stop or pause (issue 26, item 8) --------------------------------
+
+
+_SUBTREE_TRIES = 200
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("op", ["cancel", "abort", "pause"])
+def test_a_spawn_racing_a_subtree_stop_is_stopped_with_the_subtree_or_refused(
+    rt: tether.Runtime, switchy: None, op: str
+) -> None:
+    """A subtree stop (or pause) reaches every session in the subtree when it returns: a
+    child spawned while it walks the tree either landed before (its turn is among those
+    stopped) or is refused, saying why. Only a spawn that returned after the stop did may
+    run on: it came after."""
+    root = rt.open_session(SCRIPTED)
+    me = User(parent=root)
+    landed = refused = 0
+    for i in range(_SUBTREE_TRIES):
+        where = f"{op} race {i}/{_SUBTREE_TRIES}"
+        kid = _child(rt, root, slug=f"kid{i}")
+        for j in range(4):  # idle sessions: the walk takes a few steps
+            _child(rt, kid, slug=f"idle{j}")
+        done: list[float] = []
+
+        def spawn(kid: str = kid, done: list[float] = done) -> str:
+            sid = _child(rt, kid, slug="late", prompt="go", data=HANG)
+            done.append(time.monotonic())
+            return sid
+
+        def stop(kid: str = kid) -> tuple[list[str], float]:
+            _spin(random.uniform(0, 0.003))
+            if op == "pause":
+                turns = rt.pause(kid, authority=me, scope="subtree", reason="hold")
+            else:
+                turns = rt.interrupt(kid, authority=me, kind=op, reason="all", scope="subtree")
+            return turns, time.monotonic()
+
+        spawned, stopped = _race(spawn, stop)
+        assert stopped[0] == "ok", f"{where}: the stop raised {stopped[1]!r}"
+        turns, returned_at = stopped[1]
+        if spawned[0] == "err":
+            exc = spawned[1]
+            assert isinstance(exc, tether.InvalidParams), f"{where}: {exc!r}"
+            assert "being stopped" in exc.message or "being paused" in exc.message, exc.message
+            refused += 1
+        else:
+            late = spawned[1]
+            first = eventually(lambda late=late: rt.turns(late), what=f"{where}: a turn")[0]
+            if done[0] < returned_at:
+                assert first.id in turns, (
+                    f"{where}: {late} was spawned before the {op} returned and runs on: "
+                    f"its turn {first.id} is not among {turns}"
+                )
+                landed += 1
+        if op == "pause":
+            rt.resume(kid, authority=me, scope="subtree")
+        rt.dispose(kid, authority=me)
+    print(f"\n{op}: landed {landed}, refused {refused}, of {_SUBTREE_TRIES}")
+    # The race was run: some spawns came during or before the walk.
+    assert landed + refused > _SUBTREE_TRIES // 10, (landed, refused)
+    refilled(rt)
+
+
 # ---- the suspected timer races ----------------------------------------------------------------
 
 

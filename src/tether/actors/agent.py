@@ -399,13 +399,17 @@ class Session:
             return
         for steer in frame.steers:
             self._marker(t, "steered", steer.origin, steer.by, steer.text)
-        if frame.cancel and not t.delivered and t.stop is not None:
+        if not frame.cancel or t.stop is None:
+            return
+        if not t.delivered:
             t.delivered = True
-            t.delivered_at = self._host.clock.now()
-            t.delivered_via = frame.via
             if t.stop.kind == "cancel" and not t.escalate:
                 # A boundary took the cancel: no escalation; the grace clock starts.
                 self._arm(t, t.stop.grace, "grace")
+        if not frame.held and t.delivered_at is None:
+            # When the cancel took effect; one a shield held took effect at its exit.
+            t.delivered_at = self._host.clock.now()
+            t.delivered_via = frame.via
 
     def tool_killed(self, frame: ToolKilled) -> None:
         t = self.turn
@@ -677,16 +681,21 @@ class Session:
         forced: bool,
         escalated: bool,
         partial: str | None,
+        seen: float,
     ) -> None:
-        """Complete the stop's report once the turn has ended: when and how the stop took
-        effect, what it killed, what became of each tool call it found open."""
-        now = self._host.clock.now()
+        """Complete the stop's report once the turn has ended (``seen``: when its end was
+        observed): when and how the stop took effect, what it killed, what became of each
+        tool call it found open."""
+        now = seen
         effective: float
         via: str | None
-        if stop.kind == "cancel" and t.delivered_at is not None and not escalated:
+        if stop.kind == "cancel" and t.delivered_at is not None and not (forced or escalated):
             effective, via = t.delivered_at, t.delivered_via  # the driver took it
         elif killed:
-            effective, via = now, t.job.kill_via  # the kill, confirmed by the executor
+            # The kill, confirmed by the executor: a forced or escalated cancel took effect
+            # only then, whatever reached the driver before (a shield held it, or the
+            # driver ignored it).
+            effective, via = now, t.job.kill_via
         else:  # the driver ended the turn on its own once the stop had reached it
             effective, via = now, "boundary"
         tools: list[ToolFate] = []
@@ -735,6 +744,9 @@ class Session:
         t = self.turn
         if t is None or t.id != turn:
             return
+        # The end observed (for a kill: the executor has confirmed the tree dead), taken
+        # before the end record's own time, which the stop report's effect precedes.
+        seen = self._host.clock.now()
         self._cancel_timer(t)
         if t.watch is not None:
             t.watch.cancel()
@@ -799,6 +811,7 @@ class Session:
                 forced=forced,
                 escalated=escalated,
                 partial=partial,
+                seen=seen,
             )
         elif t.preempt_report is not None:
             report = msgspec.structs.replace(t.preempt_report, outcome=outcome, partial=partial)

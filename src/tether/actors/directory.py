@@ -40,6 +40,9 @@ class Node:
     depth: int  # 0 for a root
     settled: bool = False
     disposing: bool = False
+    # The subtree stops and pauses walking from here ("stopped", "paused"): no spawn
+    # lands below while one walks (see the supervisor's ``Walk``).
+    walks: list[str] | None = None
     children: list[str] | None = None  # None until the first child: most sessions are leaves
     slugs: dict[str, str] | None = None  # children's slugs, made with the first one
 

@@ -3,8 +3,11 @@
 Sessions themselves live on the dispatcher's hosts (``actors.host``); the supervisor
 decides what changes the *tree*: a new session (checked against its parent's state, so
 nothing is ever spawned under a parent whose disposal has begun), a disposal (the whole
-subtree is marked ``disposing`` in one step, then each host is told, deepest first), and
-the recovery of the catalog at start. It never asks a host; it only tells.
+subtree is marked ``disposing`` in one step, then each host is told, deepest first), the
+walks of subtree stops and pauses (marked at their top in one step, which also reads the
+subtree, so that a spawn below either landed before and is walked, or is refused until
+the walk ends), and the recovery of the catalog at start. It never asks a host; it only
+tells.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "Recover",
     "Resolve",
     "SupervisorActor",
+    "Walk",
     "crash_notice",
     "narrow",
 ]
@@ -110,6 +114,19 @@ class DisposeReq:
 
 
 @dataclass(frozen=True, slots=True)
+class Walk:
+    """A subtree stop or pause (``what``: ``stopped`` or ``paused``) begins (``on``) or
+    ends at ``root``. Beginning answers the subtree, ``root`` first, pre-order: every
+    session created before it; until it ends, a spawn anywhere below ``root`` is
+    refused. The supervisor handles one message at a time, so no spawn falls between
+    the mark and the read."""
+
+    root: str
+    what: str
+    on: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Recover:
     """Load the catalog and materialize root sessions with their inboxes parked (the
     turns a dead host left were closed, and their parents told, by the store's
@@ -135,6 +152,7 @@ class SupervisorActor(pykka.ThreadingActor):
         self._dir = directory
         self._catalog = directory.catalog
         self._dispatcher = dispatcher
+        self._walking = 0  # walks under way: only then does a spawn look up its lineage
 
     def on_receive(self, message: Any) -> Any:
         match message:
@@ -146,6 +164,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._resolve(message)
             case DisposeReq():
                 return self._dispose(message)
+            case Walk():
+                return self._walk(message)
             case Recover(rows=rows):
                 return self._recover(rows)
         return None
@@ -160,6 +180,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 raise InvalidParams(f"session {h.parent} is settled or being disposed")
             if parent.depth + 1 > MAX_DEPTH:
                 raise InvalidParams(f"a session tree is at most {MAX_DEPTH} levels deep")
+            if self._walking:
+                self._check_walks(h.parent)
             if h.slug is not None and self._catalog.slug_taken(h.parent, h.slug):
                 raise InvalidParams(f"slug {h.slug!r} is taken among {h.parent}'s children")
             permissions = narrow(parent.header.permissions, h.permissions)
@@ -191,6 +213,33 @@ class SupervisorActor(pykka.ThreadingActor):
         # settles) always acts after this.
         self._dir.registry[h.id] = s
         self._dispatcher.tell(h.id, Adopt(s))
+
+    # ---- subtree walks --------------------------------------------------------------
+
+    def _walk(self, w: Walk) -> list[str]:
+        node = self._catalog.get(w.root)
+        if w.on:
+            node.walks = [*(node.walks or ()), w.what]
+            self._walking += 1
+            return [w.root, *self._catalog.preorder(w.root)]
+        if node.walks and w.what in node.walks:
+            rest = list(node.walks)
+            rest.remove(w.what)
+            node.walks = rest or None
+            self._walking -= 1
+        return []
+
+    def _check_walks(self, parent: str) -> None:
+        """Refuse a spawn under ``parent`` while a subtree stop or pause walks a subtree
+        holding it: the walk has read the subtree already and would miss the child."""
+        nodes = self._catalog.nodes
+        for sid in (parent, *reversed(self._catalog.lineage(parent))):
+            walks = nodes[sid].walks
+            if walks:
+                raise InvalidParams(
+                    f"session {parent} is in a subtree being {walks[0]} (from {sid}): "
+                    "no spawn there until that returns"
+                )
 
     # ---- recovery -------------------------------------------------------------------
 

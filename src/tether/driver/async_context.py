@@ -119,8 +119,11 @@ class AsyncTurnContext(BaseContext):
             ):
                 return
             st.cancel_delivered = True
-        self._worker.send(Delivered(turn=self.turn, steers=[], cancel=True, via="cancel-at-await"))
-        if self._shield:
+        held = self._shield > 0
+        self._worker.send(
+            Delivered(turn=self.turn, steers=[], cancel=True, via="cancel-at-await", held=held)
+        )
+        if held:
             self._deferred = True
         else:
             task.cancel()
@@ -137,6 +140,10 @@ class AsyncTurnContext(BaseContext):
             self._shield -= 1
             if not self._shield and self._deferred and self._task is not None:
                 self._deferred = False
+                # the cancel takes effect only now: the host's stop report says so
+                self._worker.send(
+                    Delivered(turn=self.turn, steers=[], cancel=True, via="cancel-at-await")
+                )
                 self._task.cancel()
 
     async def checkpoint(self) -> list[Steer | Cancel]:

@@ -46,6 +46,7 @@ from tether.actors.supervisor import (
     Recover,
     Resolve,
     SupervisorActor,
+    Walk,
     crash_notice,
 )
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
@@ -499,18 +500,27 @@ class Runtime:
         # Authorized at the top: below it, the same person or ancestor acts on each.
         delegate = Host(auth.origin, auth.by)
         nodes = self._dir.catalog.nodes
-        ids = [target, *self._dir.catalog.preorder(target)]
         turns: list[str] = []
-        for sid in ids:
-            node = nodes.get(sid)
-            if node is None or node.header.mode == "one-shot":
-                continue  # a one-shot belongs to its handle's holder, not to the subtree
-            guard = turn if sid == target else None  # the guard names the target's turn
-            op = InterruptOp(sid, delegate, kind, reason, grace, deadline, guard)
-            bound = self._dispatcher.ask(sid, op)
-            if bound is not None:
-                turns.append(str(bound))
+        # The subtree as of the mark; a spawn below it is refused until the walk ends.
+        ids: list[str] = self._ask(Walk(target, "stopped", on=True))
+        try:
+            for sid in ids:
+                node = nodes.get(sid)
+                if node is None or node.header.mode == "one-shot":
+                    continue  # a one-shot belongs to its handle's holder, not to the subtree
+                guard = turn if sid == target else None  # the guard names the target's turn
+                op = InterruptOp(sid, delegate, kind, reason, grace, deadline, guard)
+                bound = self._dispatcher.ask(sid, op)
+                if bound is not None:
+                    turns.append(str(bound))
+        finally:
+            self._walk_end(target, "stopped")
         return turns
+
+    def _walk_end(self, target: str, what: str) -> None:
+        """Spawns below ``target`` land again; a runtime closed meanwhile has no tree."""
+        with contextlib.suppress(pykka.ActorDeadError):
+            self._sup.ask(Walk(target, what, on=False))
 
     def stop_report(self, turn: str) -> StopReport | None:
         """What the stop that reached ``turn`` did (SPEC §15.6), durable; None when no
@@ -574,17 +584,22 @@ class Runtime:
         # path: a subtree pause passes it by (its holder's result() must not hang).
         delegate = Host(auth.origin, auth.by)
         nodes = self._dir.catalog.nodes
-        ids = [
-            sid
-            for sid in (target, *self._dir.catalog.preorder(target))
-            if nodes[sid].header.mode != "one-shot"
-        ]
         turns: list[str] = []
-        for sid in ids:
-            guard = turn if sid == target else None  # the guard names the target's turn
-            bound = self._dispatcher.ask(sid, PauseOp(sid, delegate, reason, resume, guard))
-            if bound is not None:
-                turns.append(str(bound))
+        if resume:  # a child spawned meanwhile was never paused: nothing to hold off
+            ids = [target, *self._dir.catalog.preorder(target)]
+        else:  # as for a subtree stop: what the mark read; no spawn below until the end
+            ids = self._ask(Walk(target, "paused", on=True))
+        try:
+            for sid in ids:
+                if nodes[sid].header.mode == "one-shot":
+                    continue
+                guard = turn if sid == target else None  # the guard names the target's turn
+                bound = self._dispatcher.ask(sid, PauseOp(sid, delegate, reason, resume, guard))
+                if bound is not None:
+                    turns.append(str(bound))
+        finally:
+            if not resume:
+                self._walk_end(target, "paused")
         return turns
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:

@@ -154,13 +154,16 @@ class Delivered(msgspec.Struct, frozen=True, tag="delivered"):
 
     ``via`` says where the cancel reached the driver, for its stop report: at a
     ``checkpoint()`` (``boundary``), or at whatever an async driver was awaiting
-    (``cancel-at-await``, SPEC §15.1).
+    (``cancel-at-await``, SPEC §15.1). ``held``: it reached the driver inside a shield
+    (a ``preempt="never"`` call), which holds it back; the grace clock starts, and a
+    second ``Delivered`` (not held) says when the shield let it through.
     """
 
     turn: str
     steers: list[Steer]
     cancel: bool = False
     via: Literal["boundary", "cancel-at-await"] = "boundary"
+    held: bool = False
 
 
 class ToolKilled(msgspec.Struct, frozen=True, tag="tool_killed"):

@@ -216,6 +216,8 @@ class StopReport(msgspec.Struct, frozen=True, kw_only=True):
     ``requested_at`` is when the stop was accepted, ``effective_at`` when it took effect
     (the boundary that delivered it, the await it cancelled, or the moment the kill was
     confirmed); ``via`` says how: ``boundary``, ``cancel-at-await``, ``cgroup``, ``walk``.
+    A forced or escalated cancel took effect only by its kill, whatever reached the
+    driver before; a cancel a shield held back took effect when the shield let it through.
     """
 
     turn: str
