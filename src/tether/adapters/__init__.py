@@ -1,0 +1,11 @@
+"""Hosted agents (SPEC §16.1): async drivers that run an agent written with another
+framework inside a Tether turn, so that every stop reaches inside it.
+
+One module per framework, each needing its own extra: ``pydantic_ai``
+(``tether[pydantic-ai]``), ``openai_agents`` (``tether[openai-agents]``) and
+``claude_code`` (``tether[claude]``). Nothing here is imported by the engine.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
