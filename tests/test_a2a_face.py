@@ -98,6 +98,19 @@ async def send(client: Client, msg: Message, *, immediately: bool = False) -> li
     return [r async for r in client.send_message(request)]
 
 
+def raw(server: LiveServer, method: str, params: dict[str, Any], path: str = "/a2a") -> Any:
+    """One JSON-RPC call over plain HTTP: the decoded answer, error or result."""
+    doc = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+    headers = {"A2A-Version": "1.0"}
+    status, body = server.request("POST", path, json.dumps(doc).encode(), headers)
+    assert status == 200, (status, body)
+    return json.loads(body)
+
+
+def text_message(text: str, **fields: Any) -> dict[str, Any]:
+    return {"messageId": f"m{next(_ids)}", "role": "ROLE_USER", "parts": [{"text": text}], **fields}
+
+
 async def get(client: Client, task: str) -> Task:
     return await client.get_task(GetTaskRequest(id=task))
 
@@ -357,3 +370,13 @@ def test_a_blocking_send_whose_caller_hangs_up_stops_waiting_and_the_turn_goes_o
         event = wait_until(gone, timeout=20, what="the server to notice the caller left")
         info = server.call("subagent.status", {"session": event["session"]})
         assert info["state"] == "running" and info["turn"] == event["task"]
+
+
+def test_a2a_answers_at_its_path_with_a_trailing_slash_too(server: LiveServer) -> None:
+    # A client whose base URL is .../a2a may post to /a2a/; a redirect it does not
+    # follow would lose the call.
+    answer = raw(server, "SendMessage", {"message": text_message("slash")}, path="/a2a/")
+    task = answer["result"]["task"]
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    again = raw(server, "GetTask", {"id": task["id"]}, path="/a2a/")
+    assert again["result"]["id"] == task["id"]

@@ -585,7 +585,10 @@ class A2aHttp:
             return JSONResponse(doc)
 
         self.routes: list[BaseRoute] = [
+            # Both spellings: a client whose base URL is ``.../a2a`` may post to ``/a2a/``
+            # and not follow the redirect Starlette would answer with.
             *create_jsonrpc_routes(self.handler, "/a2a", context_builder=_Context()),
+            *create_jsonrpc_routes(self.handler, "/a2a/", context_builder=_Context()),
             Route("/.well-known/agent-card.json", card, methods=["GET"]),
         ]
 
