@@ -380,3 +380,108 @@ def test_a2a_answers_at_its_path_with_a_trailing_slash_too(server: LiveServer) -
     assert task["status"]["state"] == "TASK_STATE_COMPLETED"
     again = raw(server, "GetTask", {"id": task["id"]}, path="/a2a/")
     assert again["result"]["id"] == task["id"]
+
+
+def _code(answer: Any) -> int:
+    assert "error" in answer, answer
+    code: int = answer["error"]["code"]
+    return code
+
+
+INVALID_PARAMS, TASK_NOT_FOUND, UNSUPPORTED, CONTENT_TYPE = -32602, -32001, -32004, -32005
+
+
+def test_a_send_message_missing_or_malformed_parameters_is_invalid_params(
+    server: LiveServer,
+) -> None:
+    # Each is refused before anything runs (it used to run a turn on empty content).
+    bad: list[dict[str, Any]] = [
+        {},
+        {"message": {"messageId": "m-no-parts", "role": "ROLE_USER", "parts": []}},
+        {"message": {"role": "ROLE_USER", "parts": [{"text": "no id"}]}},
+        {"message": {**text_message("from the agent"), "role": "ROLE_AGENT"}},
+        {"message": text_message("   ")},
+        {"message": text_message("hi"), "configuration": {"historyLength": -1}},
+    ]
+    for params in bad:
+        assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS, params
+        assert _code(raw(server, "SendStreamingMessage", params)) == INVALID_PARAMS, params
+
+
+def test_a_file_or_an_unsupported_media_type_is_content_type_not_supported(
+    server: LiveServer,
+) -> None:
+    parts: list[dict[str, Any]] = [
+        {"raw": "dGNr", "mediaType": "application/x-unsupported"},
+        {"url": "https://example.com/a.txt", "mediaType": "text/plain"},
+        {"text": "<p>hi</p>", "mediaType": "text/html"},
+        {"data": {"a": 1}, "mediaType": "application/xml"},
+    ]
+    for part in parts:
+        params = {"message": {**text_message("x"), "parts": [part]}}
+        assert _code(raw(server, "SendMessage", params)) == CONTENT_TYPE, part
+    # The card's input modes, named, are fine.
+    ok = [
+        {"text": "typed", "mediaType": "text/plain"},
+        {"data": {}, "mediaType": "application/json"},
+    ]
+    answer = raw(server, "SendMessage", {"message": {**text_message("x"), "parts": ok}})
+    assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+
+
+def test_a_message_naming_a_task_that_does_not_exist_is_task_not_found(
+    server: LiveServer,
+) -> None:
+    for method in ("SendMessage", "SendStreamingMessage"):
+        params = {"message": text_message("to nobody", taskId="t_nobody")}
+        assert _code(raw(server, method, params)) == TASK_NOT_FOUND
+
+
+def test_a_message_to_an_ended_task_is_unsupported_and_starts_no_turn(
+    server: LiveServer,
+) -> None:
+    done = raw(server, "SendMessage", {"message": text_message("first")})["result"]["task"]
+    assert done["status"]["state"] == "TASK_STATE_COMPLETED"
+    again = {"message": text_message("more", taskId=done["id"])}
+    assert _code(raw(server, "SendMessage", again)) == UNSUPPORTED
+    with_context = {"message": text_message("more", taskId=done["id"], contextId=done["contextId"])}
+    assert _code(raw(server, "SendMessage", with_context)) == UNSUPPORTED
+    turns = server.call("subagent.turns", {"session": done["contextId"]})["turns"]
+    assert [t["id"] for t in turns] == [done["id"]]
+    assert server.call("subagent.inbox", {"session": done["contextId"]})["messages"] == []
+    # Its context takes the next message, which is a new task.
+    nxt = raw(server, "SendMessage", {"message": text_message("next", contextId=done["contextId"])})
+    assert nxt["result"]["task"]["id"] != done["id"]
+
+
+def test_a_message_naming_only_its_task_goes_to_that_tasks_context(server: LiveServer) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            (answer,) = await send(client, message("work", steps=HANG), immediately=True)
+            task, context = answer.task.id, answer.task.context_id
+            # A steer and a plain message, each naming the task alone.
+            (steered,) = await send(client, message("go right", task=task, steer=True))
+            assert (steered.task.id, steered.task.context_id) == (task, context)
+            await working_with(client, task, "go right</steer>")
+            (queued,) = await send(client, message("later", task=task), immediately=True)
+            assert queued.message.context_id == context
+            inbox = server.call("subagent.inbox", {"session": context})["messages"]
+            assert [m["preview"] for m in inbox] == ["later"]
+        # The task and another context: refused, and nothing is sent.
+        other = raw(server, "SendMessage", {"message": text_message("elsewhere")})
+        wrong = other["result"]["task"]["contextId"]
+        params = {"message": text_message("mixed", taskId=task, contextId=wrong)}
+        assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS
+        steer = {**params["message"], "metadata": {"tether": {"steer": True}}}
+        assert _code(raw(server, "SendMessage", {"message": steer})) == INVALID_PARAMS
+        assert len(server.call("subagent.inbox", {"session": context})["messages"]) == 1
+        assert len(server.call("subagent.turns", {"session": wrong})["turns"]) == 1
+
+    anyio.run(body)
+
+
+def test_a_message_to_a_context_this_server_never_opened_is_invalid_params(
+    server: LiveServer,
+) -> None:
+    params = {"message": text_message("hello", contextId="s_made_up")}
+    assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS

@@ -75,6 +75,7 @@ from a2a.types.a2a_pb2 import (
 from a2a.utils.constants import PROTOCOL_VERSION_1_0
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     InternalError,
     InvalidParamsError,
     InvalidRequestError,
@@ -83,6 +84,8 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from a2a.utils.proto_utils import validate_proto_required_fields
+from a2a.utils.task import validate_history_length
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 from starlette.requests import Request
@@ -137,22 +140,49 @@ def _struct(doc: dict[str, Any]) -> Struct:
     return out
 
 
+_TEXT_TYPES: Final = ("", "text/plain")
+_DATA_TYPES: Final = ("", "application/json")
+
+
 def _content(message: Message) -> tuple[str, dict[str, Any] | None]:
-    """Text parts joined are the content; data parts (objects) merged are the data."""
+    """Text parts joined are the content; data parts (objects) merged are the data. A
+    file (raw or url) or a media type other than the card's input modes is refused."""
     texts: list[str] = []
     data: dict[str, Any] | None = None
     for part in message.parts:
         kind = part.WhichOneof("content")
+        media = part.media_type.split(";")[0].strip().lower()
+        if kind is None:
+            raise InvalidParamsError(message="a part holds text, raw, url or data: this one none")
+        if kind in ("raw", "url") or media not in (_TEXT_TYPES if kind == "text" else _DATA_TYPES):
+            what = f"{kind} part" + (f" of type {part.media_type}" if part.media_type else "")
+            raise ContentTypeNotSupportedError(
+                message=f"a {what} is not supported: send text/plain text or application/json data"
+            )
         if kind == "text":
             texts.append(part.text)
-        elif kind == "data":
+        else:
             value = MessageToDict(part.data)
             if not isinstance(value, dict):
                 raise InvalidParamsError(message="a data part must hold a JSON object")
             data = {**(data or {}), **value}
-        else:
-            raise InvalidParamsError(message=f"a {kind} part is not supported: send text or data")
     return "\n".join(texts), data
+
+
+def _check_send(params: SendMessageRequest) -> None:
+    """Every parameter of a SendMessage, before anything is acted on."""
+    validate_proto_required_fields(params)  # a message, its id, its role, its parts
+    if params.message.role != Role.ROLE_USER:
+        raise InvalidParamsError(message="a message sent to the agent has the role ROLE_USER")
+    config = params.configuration
+    validate_history_length(config)
+    if config.HasField("task_push_notification_config"):
+        raise PushNotificationNotSupportedError
+    modes = [m.split(";")[0].strip().lower() for m in config.accepted_output_modes]
+    if modes and not any(m in ("text/plain", "text/*", "*/*") for m in modes):
+        raise ContentTypeNotSupportedError(
+            message="this agent answers in text/plain, which accepted_output_modes leaves out"
+        )
 
 
 def _steer(message: Message) -> bool:
@@ -325,16 +355,31 @@ class TetherA2A(RequestHandler):
         """Act on a message: the task it concerns (the steered one, or the one its turn
         became), or, asked to return at once for a message queued behind a running
         turn, an acknowledgement naming the queued message."""
+        _check_send(params)
         message = params.message
         content, data = _content(message)
+        if not content.strip() and data is None:
+            raise InvalidParamsError(message="a message needs text or data")
         rt, opts = self.rt, self.options
         session = message.context_id
-        if _steer(message):
-            if not session or not message.task_id:
-                raise InvalidParamsError(message="a steer names its context and its task")
+        if message.task_id:
+            # The task must exist; its context is the message's, given or not; a task
+            # that has ended takes no more messages (a new one goes to its context).
             known = await self._run(self._known, message.task_id)
-            if known.session != session:
-                raise InvalidParamsError(message="that task is not in that context")
+            if session and session != known.session:
+                raise InvalidParamsError(
+                    message=f"task {message.task_id} is in context {known.session}, not {session}"
+                )
+            session = known.session
+            snap = await self._run(self._snapshot, message.task_id, known)
+            if _state(snap) in _TERMINAL:
+                raise UnsupportedOperationError(
+                    message=f"task {message.task_id} has ended: send to its context "
+                    f"{session} without a taskId to start the next task"
+                )
+        if _steer(message):
+            if not message.task_id:
+                raise InvalidParamsError(message="a steer names its task")
             if not content.strip():
                 raise InvalidParamsError(message="a steer needs text")
             turn = await self._run(
@@ -350,7 +395,13 @@ class TetherA2A(RequestHandler):
             log.info("a2a.steer", session=session, task=message.task_id, bound=turn)
             return message.task_id
         if session:
-            after = await self._run(last_seq, rt, session)
+            try:
+                after = await self._run(last_seq, rt, session)
+            except TaskNotFoundError:
+                # A context is a session this server opened; it makes up none.
+                raise InvalidParamsError(
+                    message=f"no context {session!r} here: leave contextId out to open one"
+                ) from None
         else:
             session = await self._run(lambda: rt.open_session(opts.driver, config=opts.config))
             after = 0
