@@ -485,3 +485,67 @@ def test_a_message_to_a_context_this_server_never_opened_is_invalid_params(
 ) -> None:
     params = {"message": text_message("hello", contextId="s_made_up")}
     assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS
+
+
+def test_list_tasks_pages_a_contexts_tasks_newest_first(server: LiveServer) -> None:
+    first = raw(server, "SendMessage", {"message": text_message("one")})["result"]["task"]
+    context = first["contextId"]
+    ids = [first["id"]]
+    for text in ("two", "three"):
+        params = {"message": text_message(text, contextId=context)}
+        ids.append(raw(server, "SendMessage", params)["result"]["task"]["id"])
+    page = raw(server, "ListTasks", {"contextId": context, "pageSize": 2})["result"]
+    assert [t["id"] for t in page["tasks"]] == ids[::-1][:2]
+    assert (page["totalSize"], page["pageSize"]) == (3, 2) and page["nextPageToken"]
+    assert all("artifacts" not in t for t in page["tasks"])  # includeArtifacts defaults false
+    stamps = [t["status"]["timestamp"] for t in page["tasks"]]
+    assert stamps == sorted(stamps, reverse=True)
+    params = {"contextId": context, "pageSize": 2, "pageToken": page["nextPageToken"]}
+    last = raw(server, "ListTasks", params)["result"]
+    assert [t["id"] for t in last["tasks"]] == ids[:1]
+    assert last["nextPageToken"] == "" and last["totalSize"] == 3  # present, and empty
+    full = raw(server, "ListTasks", {"contextId": context, "includeArtifacts": True})["result"]
+    assert [t["artifacts"][0]["parts"][0]["text"] for t in full["tasks"]] == [
+        "ok: three",
+        "ok: two",
+        "ok: one",
+    ]
+    assert full["nextPageToken"] == ""
+    bare = raw(server, "ListTasks", {"contextId": context, "historyLength": 0})["result"]
+    assert [t.get("history", []) for t in bare["tasks"]] == [[], [], []]
+    one = raw(server, "ListTasks", {"contextId": context, "historyLength": 1})["result"]
+    assert [len(t["history"]) for t in one["tasks"]] == [1, 1, 1]
+    nobody = raw(server, "ListTasks", {"contextId": "s_nobody"})["result"]
+    assert nobody["tasks"] == [] and nobody["nextPageToken"] == ""
+
+
+def test_list_tasks_filters_by_state_and_by_time(server: LiveServer) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            (answer,) = await send(client, message("work", steps=HANG), immediately=True)
+            task, context = answer.task.id, answer.task.context_id
+            await until(lambda: get(client, task), "the task")
+            done = raw(server, "SendMessage", {"message": text_message("quick")})["result"]["task"]
+            working = raw(server, "ListTasks", {"status": "TASK_STATE_WORKING"})["result"]
+            listed = {t["id"] for t in working["tasks"]}
+            assert task in listed and done["id"] not in listed
+            assert all(t["status"]["state"] == "TASK_STATE_WORKING" for t in working["tasks"])
+            params = {"contextId": context, "status": "TASK_STATE_COMPLETED"}
+            assert raw(server, "ListTasks", params)["result"]["tasks"] == []
+            since = {"statusTimestampAfter": done["status"]["timestamp"]}
+            recent = {t["id"] for t in raw(server, "ListTasks", since)["result"]["tasks"]}
+            assert done["id"] in recent and task not in recent
+
+    anyio.run(body)
+
+
+def test_list_tasks_refuses_a_bad_page_size_history_length_or_page_token(
+    server: LiveServer,
+) -> None:
+    for params in (
+        {"pageSize": 0},
+        {"pageSize": 101},
+        {"historyLength": -1},
+        {"pageToken": "not a token"},
+    ):
+        assert _code(raw(server, "ListTasks", params)) == INVALID_PARAMS, params

@@ -85,7 +85,13 @@ from a2a.utils.errors import (
     UnsupportedOperationError,
 )
 from a2a.utils.proto_utils import validate_proto_required_fields
-from a2a.utils.task import validate_history_length
+from a2a.utils.task import (
+    ListTasksCursor,
+    decode_list_tasks_cursor,
+    encode_list_tasks_cursor,
+    validate_history_length,
+    validate_page_size,
+)
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 from starlette.requests import Request
@@ -101,6 +107,7 @@ __all__ = ["A2aHttp", "TetherA2A", "agent_card"]
 log = structlog.get_logger("tether.a2a")
 
 _POLL: Final = 0.05  # seconds between two looks at a turn being waited for or streamed
+_DEFAULT_PAGE: Final = 50  # ListTasks' page size when the caller names none (the spec's)
 _CANCEL_REASON: Final = "cancelled over A2A"
 _STOPPED: Final = {
     "completed": TaskState.TASK_STATE_COMPLETED,
@@ -328,7 +335,7 @@ class TetherA2A(RequestHandler):
         entries = self._entries(task, known)
         state = _state(snap)
         status = TaskStatus(state=state)
-        status.timestamp.FromSeconds(int(snap.record.ended_at or snap.record.started_at))
+        status.timestamp.FromNanoseconds(_stamp(snap.record))
         note = _status_note(snap)
         if note:
             status.message.CopyFrom(
@@ -341,8 +348,8 @@ class TetherA2A(RequestHandler):
                 )
             )
         history = [_entry_message(e, task) for e in entries]
-        if history_length is not None and history_length > 0:
-            history = history[-history_length:]
+        if history_length is not None:  # 0: none at all
+            history = history[-history_length:] if history_length > 0 else []
         out = Task(id=task, context_id=known.session, status=status, history=history)
         final = next((e.text for e in reversed(entries) if e.kind == "assistant"), None)
         if snap.record.outcome is not None and final is not None:
@@ -457,7 +464,8 @@ class TetherA2A(RequestHandler):
             return task
         if not immediate and not _steer(params.message):
             await self._until_ended(task, context=context)
-        length = params.configuration.history_length or None
+        config = params.configuration
+        length = config.history_length if config.HasField("history_length") else None
         return await self._snapshot_task(task, length)
 
     async def on_message_send_stream(
@@ -558,7 +566,70 @@ class TetherA2A(RequestHandler):
     async def on_list_tasks(
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
-        raise UnsupportedOperationError(message="ListTasks is not supported: use GetTask")
+        """The tasks of the contexts this face has served (every caller holds the same
+        token, so all of them), newest status first, a page at a time; a page token
+        is the position of the last task of the page before."""
+        validate_history_length(params)
+        size = _DEFAULT_PAGE
+        if params.HasField("page_size"):
+            validate_page_size(params.page_size)
+            size = params.page_size
+        if params.status not in TaskState.values():
+            raise InvalidParamsError(message=f"no task state {params.status}")
+        after: tuple[bool, int, str] | None = None
+        if params.page_token:
+            cursor = decode_list_tasks_cursor(params.page_token)
+            if cursor is None:
+                raise InvalidParamsError(message="not a page token this server gave")
+            after = cursor.sort_key()
+        result: ListTasksResponse = await self._run(self._list, params, size, after)
+        return result
+
+    def _list(
+        self, params: ListTasksRequest, size: int, after: tuple[bool, int, str] | None
+    ) -> ListTasksResponse:
+        with self._contexts_lock:
+            contexts = sorted(self._contexts)
+        if params.context_id:
+            contexts = [c for c in contexts if c == params.context_id]
+        since = (
+            params.status_timestamp_after.ToNanoseconds()
+            if params.HasField("status_timestamp_after")
+            else None
+        )
+        rows: list[tuple[int, str, str]] = []  # (status timestamp, task, context)
+        for session in contexts:
+            turns = self.rt.turns(session)
+            info = self.rt.status(session) if params.status else None
+            for record in turns:
+                stamp = _stamp(record)
+                if since is not None and stamp < since:
+                    continue
+                if info is not None:
+                    snap = _Snapshot(record, info, latest=record.id == turns[-1].id)
+                    if _state(snap) != params.status:
+                        continue
+                rows.append((stamp, record.id, session))
+        rows.sort(reverse=True)
+        total = len(rows)
+        if after is not None:  # every task carries a timestamp: only the last two count
+            rows = [r for r in rows if (True, r[0], r[1]) < after]
+        page, rest = rows[:size], rows[size:]
+        tasks: list[Task] = []
+        length = params.history_length if params.HasField("history_length") else None
+        for _, task, session in page:
+            self._tasks.setdefault(task, _Known(session, 0))
+            out, _ = self._task(task, length)
+            if not params.include_artifacts:
+                out.ClearField("artifacts")
+            tasks.append(out)
+        token = ""
+        if rest:
+            stamp, task, _ = page[-1]
+            token = encode_list_tasks_cursor(ListTasksCursor(timestamp_ns=stamp, task_id=task))
+        return ListTasksResponse(
+            tasks=tasks, next_page_token=token, page_size=size, total_size=total
+        )
 
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext
@@ -596,6 +667,11 @@ def _queued(session: str, message: str, behind: str) -> Message:
         parts=[Part(text=f"queued as {message} behind task {behind}")],
         metadata=_struct({"tether": {"queued": message, "behind": behind}}),
     )
+
+
+def _stamp(record: TurnRecord) -> int:
+    """A task's status timestamp (ns): when its turn ended, or started while it runs."""
+    return int((record.ended_at or record.started_at) * 1e9)
 
 
 def _result(task: str, text: str) -> Artifact:
