@@ -549,3 +549,50 @@ def test_list_tasks_refuses_a_bad_page_size_history_length_or_page_token(
         {"pageToken": "not a token"},
     ):
         assert _code(raw(server, "ListTasks", params)) == INVALID_PARAMS, params
+
+
+def test_blocking_sends_queued_behind_a_turn_stop_waiting_when_their_callers_hang_up(
+    tmp_path: Path,
+) -> None:
+    env = {"TETHER_LOG": "info", "TETHER_LOG_FORMAT": "json"}
+    with running_server(tmp_path, env=env) as server:
+        parts = [{"text": "work"}, {"data": {"steps": HANG}}]
+        params = {
+            "message": {**text_message("work"), "parts": parts},
+            "configuration": {"returnImmediately": True},
+        }
+        first = raw(server, "SendMessage", params)["result"]["task"]
+        context, task = first["contextId"], first["id"]
+        callers = 5
+
+        def hang_up(i: int) -> None:
+            doc = {
+                "jsonrpc": "2.0",
+                "id": i,
+                "method": "SendMessage",
+                "params": {"message": text_message(f"behind {i}", contextId=context)},
+            }
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
+                httpx.post(
+                    server.url + "/a2a", json=doc, headers={"A2A-Version": "1.0"}, timeout=1.5
+                )
+
+        for i in range(callers):
+            hang_up(i)
+
+        def gone() -> list[dict[str, Any]] | None:
+            lines = [
+                json.loads(line)
+                for line in server.log_text().splitlines()
+                if line.startswith("{") and '"a2a.caller_gone"' in line
+            ]
+            found = [e for e in lines if e.get("session") == context and "message" in e]
+            return found if len(found) == callers and found[-1]["waiting"] == 0 else None
+
+        # Each wait ends when its caller leaves (it used to poll until the turn ahead
+        # ended), and the last leaves no waiter behind; the messages stay queued.
+        wait_until(gone, timeout=20, what="every caller's wait to end")
+        inbox = server.call("subagent.inbox", {"session": context})["messages"]
+        assert [m["preview"] for m in inbox] == [f"behind {i}" for i in range(callers)]
+        info = server.call("subagent.status", {"session": context})
+        assert info["state"] == "running" and info["turn"] == task

@@ -26,11 +26,13 @@ server's bearer token, or loopback, is the access control.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -38,7 +40,7 @@ import anyio
 import anyio.to_thread
 import structlog
 from a2a.server.context import ServerCallContext
-from a2a.server.events.event_queue import Event
+from a2a.server.events.event_queue import Event as A2AEvent
 from a2a.server.request_handlers.request_handler import RequestHandler
 from a2a.server.routes import DefaultServerCallContextBuilder, create_jsonrpc_routes
 from a2a.types.a2a_pb2 import (
@@ -98,7 +100,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from tether import AgentInfo, Entry, Runtime, TurnRecord, User
+from tether import AgentInfo, Entry, Event, Runtime, TurnRecord, User
 from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_record
 from tether.wire.errors import TetherError
 
@@ -106,7 +108,9 @@ __all__ = ["A2aHttp", "TetherA2A", "agent_card"]
 
 log = structlog.get_logger("tether.a2a")
 
-_POLL: Final = 0.05  # seconds between two looks at a turn being waited for or streamed
+# A wait sleeps until the runtime says the session changed; it looks again after this
+# many seconds all the same, as a backstop, never as the way it learns of a change.
+_RECHECK: Final = 5.0
 _DEFAULT_PAGE: Final = 50  # ListTasks' page size when the caller names none (the spec's)
 _CANCEL_REASON: Final = "cancelled over A2A"
 _STOPPED: Final = {
@@ -139,6 +143,80 @@ class _Snapshot:
     record: TurnRecord
     info: AgentInfo
     latest: bool  # the session's last turn
+
+
+class _Waiter:
+    """One call waiting on a session: woken by the session's changes, and by its caller
+    hanging up (``gone``)."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.gone = False
+
+
+class _Changes:
+    """Wakes the calls waiting on a session when a turn of it starts or ends, its state
+    moves or its transcript grows. Subscribed to the runtime only while a call waits,
+    so that an idle face makes the runtime build no events."""
+
+    _NAMES: Final = frozenset({"turn.started", "turn.ended", "state", "entry", "marker"})
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._waiting: dict[str, set[_Waiter]] = {}
+        self._sessions: frozenset[str] = frozenset()  # read on the runtime's threads
+        self._unsubscribe: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def waiters(self) -> int:
+        return sum(len(w) for w in self._waiting.values())
+
+    @contextmanager
+    def watch(self, session: str, waiter: _Waiter) -> Iterator[_Waiter]:
+        if self._unsubscribe is None:
+            self._loop = asyncio.get_running_loop()
+            self._unsubscribe = self._rt.subscribe(self._deliver)
+        self._waiting.setdefault(session, set()).add(waiter)
+        self._sessions = frozenset(self._waiting)
+        try:
+            yield waiter
+        finally:
+            left = self._waiting.get(session, set())
+            left.discard(waiter)
+            if not left:
+                self._waiting.pop(session, None)
+            self._sessions = frozenset(self._waiting)
+            if not self._waiting and self._unsubscribe is not None:
+                self._unsubscribe()
+                self._unsubscribe = None
+
+    def _deliver(self, event: Event) -> None:  # on a runtime thread: hand over, never block
+        loop = self._loop
+        if event.name in self._NAMES and event.session in self._sessions and loop is not None:
+            loop.call_soon_threadsafe(self._wake, event.session)
+
+    def _wake(self, session: str) -> None:
+        for waiter in self._waiting.get(session, ()):
+            waiter.wake.set()
+
+
+async def _until_gone(request: Request, waiter: _Waiter) -> None:
+    """Return once the caller has hung up (the body is read: the next message the
+    server has for us is the disconnect), and wake the call waiting for it."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    waiter.gone = True
+    waiter.wake.set()
+
+
+async def _next_change(waiter: _Waiter, deadline: float | None = None) -> None:
+    """Sleep until the waited-on session changes, the caller leaves or ``deadline``."""
+    if deadline is None:
+        await waiter.wake.wait()
+    else:
+        with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
+            await waiter.wake.wait()
 
 
 def _struct(doc: dict[str, Any]) -> Struct:
@@ -286,6 +364,7 @@ class TetherA2A(RequestHandler):
         self._contexts_lock = threading.Lock()  # added to on the loop, read on threads
         self._lane = anyio.CapacityLimiter(32)
         self._stop_lane = anyio.CapacityLimiter(4)  # a cancel never waits behind other calls
+        self.changes = _Changes(rt)
 
     async def _run(self, fn: Callable[..., Any], *args: Any, stop: bool = False) -> Any:
         lane = self._stop_lane if stop else self._lane
@@ -358,7 +437,9 @@ class TetherA2A(RequestHandler):
 
     # ---- sending -------------------------------------------------------------------------
 
-    async def _accept(self, params: SendMessageRequest, *, immediate: bool) -> str | Message:
+    async def _accept(
+        self, params: SendMessageRequest, *, immediate: bool, waiter: _Waiter | None = None
+    ) -> str | Message:
         """Act on a message: the task it concerns (the steered one, or the one its turn
         became), or, asked to return at once for a message queued behind a running
         turn, an acknowledgement naming the queued message."""
@@ -418,37 +499,46 @@ class TetherA2A(RequestHandler):
             self._contexts.add(session)
         # Asked after the prompt, the session's host answers after it has queued it: a
         # turn named here that claimed another message means ours waits behind it.
-        running = (await self._run(rt.status, session)).turn
-        while True:  # the task exists once a turn has claimed the message
-            turns: list[TurnRecord] = await self._run(rt.turns, session)
-            mine = next((t for t in reversed(turns) if t.message == sent), None)
-            if mine is not None:
-                self._tasks[mine.id] = _Known(session, after)
-                return mine.id
-            if immediate and any(t.id == running and t.message != sent for t in turns):
-                return _queued(session, sent, str(running))
-            await anyio.sleep(_POLL)
+        with self.changes.watch(session, waiter or _Waiter()) as w:
+            running = (await self._run(rt.status, session)).turn
+            while True:  # the task exists once a turn has claimed the message
+                w.wake.clear()  # before the look: a change after it wakes the wait below
+                turns: list[TurnRecord] = await self._run(rt.turns, session)
+                mine = next((t for t in reversed(turns) if t.message == sent), None)
+                if mine is not None:
+                    self._tasks[mine.id] = _Known(session, after)
+                    return mine.id
+                if immediate and any(t.id == running and t.message != sent for t in turns):
+                    return _queued(session, sent, str(running))
+                if w.gone:  # the message stays queued; nobody is left to tell
+                    self._gone(session=session, message=sent)
+                    return _queued(session, sent, str(running))
+                await _next_change(w, time.monotonic() + _RECHECK)
+
+    def _gone(self, **where: str) -> None:
+        # The call that noticed is still counted among the waiters.
+        log.info("a2a.caller_gone", waiting=self.changes.waiters - 1, **where)
 
     async def _until_ended(
-        self, task: str, timeout: float | None = None, context: ServerCallContext | None = None
+        self, task: str, timeout: float | None = None, waiter: _Waiter | None = None
     ) -> bool:
         """Wait for the task's turn to end (True), the timeout, or the caller to hang up
         (False either way: the turn goes on, nobody is left to tell)."""
         known = await self._run(self._known, task)
         deadline = None if timeout is None else time.monotonic() + timeout
-        request = None if context is None else context.state.get("request")
-        looks = 0
-        while True:
-            record = await self._run(turn_record, self.rt, known.session, task)
-            if record is None or record.outcome is not None:
-                return True
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            looks += 1
-            if isinstance(request, Request) and looks % 10 == 0 and await request.is_disconnected():
-                log.info("a2a.caller_gone", session=known.session, task=task)
-                return False
-            await anyio.sleep(_POLL)
+        with self.changes.watch(known.session, waiter or _Waiter()) as w:
+            while True:
+                w.wake.clear()
+                record = await self._run(turn_record, self.rt, known.session, task)
+                if record is None or record.outcome is not None:
+                    return True
+                if w.gone:
+                    self._gone(session=known.session, task=task)
+                    return False
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    return False
+                await _next_change(w, min(deadline or math.inf, now + _RECHECK))
 
     async def _snapshot_task(self, task: str, history_length: int | None = None) -> Task:
         out, _ = await self._run(self._task, task, history_length)
@@ -459,18 +549,31 @@ class TetherA2A(RequestHandler):
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> Task | Message:
         immediate = params.configuration.return_immediately
-        task = await self._accept(params, immediate=immediate)
+        request = context.state.get("request")
+        waiter = _Waiter()
+        failed: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            if not immediate and isinstance(request, Request):
+                tg.start_soon(_until_gone, request, waiter)
+            try:
+                task = await self._accept(params, immediate=immediate, waiter=waiter)
+                if not isinstance(task, Message) and not immediate and not _steer(params.message):
+                    await self._until_ended(task, waiter=waiter)
+            except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                failed = exc
+            finally:
+                tg.cancel_scope.cancel()  # the hang-up watch: the wait is over either way
+        if failed is not None:
+            raise failed
         if isinstance(task, Message):
             return task
-        if not immediate and not _steer(params.message):
-            await self._until_ended(task, context=context)
         config = params.configuration
         length = config.history_length if config.HasField("history_length") else None
         return await self._snapshot_task(task, length)
 
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext
-    ) -> AsyncGenerator[Event]:
+    ) -> AsyncGenerator[A2AEvent]:
         task = await self._accept(params, immediate=False)
         assert isinstance(task, str)
         async for event in self._stream(task):
@@ -478,7 +581,7 @@ class TetherA2A(RequestHandler):
 
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
-    ) -> AsyncGenerator[Event]:
+    ) -> AsyncGenerator[A2AEvent]:
         first, _ = await self._run(self._task, params.id)
         if first.status.state in _TERMINAL:
             raise UnsupportedOperationError(
@@ -487,7 +590,7 @@ class TetherA2A(RequestHandler):
         async for event in self._stream(params.id, first):
             yield event
 
-    async def _stream(self, task: str, first: Task | None = None) -> AsyncIterator[Event]:
+    async def _stream(self, task: str, first: Task | None = None) -> AsyncIterator[A2AEvent]:
         """The task, then one status update per new entry of its turn, then its result
         and its final status. Ends when the turn has ended."""
         if first is None:
@@ -497,30 +600,34 @@ class TetherA2A(RequestHandler):
         seen = {m.message_id for m in first.history}
         cursor = known.after
         final: str | None = None
-        while True:
-            # Look at the record before the entries: an end seen here has all its
-            # entries written, so the last page read below holds them.
-            snap: _Snapshot = await self._run(self._snapshot, task, known)
+        with self.changes.watch(known.session, _Waiter()) as w:
             while True:
-                entries, after = await self._run(turn_entries, self.rt, known.session, task, cursor)
-                for entry in entries:
-                    if entry.kind == "assistant":
-                        final = entry.text
-                    message = _entry_message(entry, task)
-                    if message.message_id in seen:
-                        continue
-                    seen.add(message.message_id)
-                    yield TaskStatusUpdateEvent(
-                        task_id=task,
-                        context_id=known.session,
-                        status=TaskStatus(state=TaskState.TASK_STATE_WORKING, message=message),
+                w.wake.clear()  # before the look: an entry after it wakes the wait below
+                # Look at the record before the entries: an end seen here has all its
+                # entries written, so the last page read below holds them.
+                snap: _Snapshot = await self._run(self._snapshot, task, known)
+                while True:
+                    entries, after = await self._run(
+                        turn_entries, self.rt, known.session, task, cursor
                     )
-                if after == cursor:
+                    for entry in entries:
+                        if entry.kind == "assistant":
+                            final = entry.text
+                        message = _entry_message(entry, task)
+                        if message.message_id in seen:
+                            continue
+                        seen.add(message.message_id)
+                        yield TaskStatusUpdateEvent(
+                            task_id=task,
+                            context_id=known.session,
+                            status=TaskStatus(state=TaskState.TASK_STATE_WORKING, message=message),
+                        )
+                    if after == cursor:
+                        break
+                    cursor = after
+                if snap.record.outcome is not None:
                     break
-                cursor = after
-            if snap.record.outcome is not None:
-                break
-            await anyio.sleep(_POLL)
+                await _next_change(w, time.monotonic() + _RECHECK)
         if final is not None:
             yield TaskArtifactUpdateEvent(
                 task_id=task,
