@@ -98,6 +98,19 @@ async def send(client: Client, msg: Message, *, immediately: bool = False) -> li
     return [r async for r in client.send_message(request)]
 
 
+def raw(server: LiveServer, method: str, params: dict[str, Any], path: str = "/a2a") -> Any:
+    """One JSON-RPC call over plain HTTP: the decoded answer, error or result."""
+    doc = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+    headers = {"A2A-Version": "1.0"}
+    status, body = server.request("POST", path, json.dumps(doc).encode(), headers)
+    assert status == 200, (status, body)
+    return json.loads(body)
+
+
+def text_message(text: str, **fields: Any) -> dict[str, Any]:
+    return {"messageId": f"m{next(_ids)}", "role": "ROLE_USER", "parts": [{"text": text}], **fields}
+
+
 async def get(client: Client, task: str) -> Task:
     return await client.get_task(GetTaskRequest(id=task))
 
@@ -357,3 +370,229 @@ def test_a_blocking_send_whose_caller_hangs_up_stops_waiting_and_the_turn_goes_o
         event = wait_until(gone, timeout=20, what="the server to notice the caller left")
         info = server.call("subagent.status", {"session": event["session"]})
         assert info["state"] == "running" and info["turn"] == event["task"]
+
+
+def test_a2a_answers_at_its_path_with_a_trailing_slash_too(server: LiveServer) -> None:
+    # A client whose base URL is .../a2a may post to /a2a/; a redirect it does not
+    # follow would lose the call.
+    answer = raw(server, "SendMessage", {"message": text_message("slash")}, path="/a2a/")
+    task = answer["result"]["task"]
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    again = raw(server, "GetTask", {"id": task["id"]}, path="/a2a/")
+    assert again["result"]["id"] == task["id"]
+
+
+def _code(answer: Any) -> int:
+    assert "error" in answer, answer
+    code: int = answer["error"]["code"]
+    return code
+
+
+INVALID_PARAMS, TASK_NOT_FOUND, UNSUPPORTED, CONTENT_TYPE = -32602, -32001, -32004, -32005
+
+
+def test_a_send_message_missing_or_malformed_parameters_is_invalid_params(
+    server: LiveServer,
+) -> None:
+    # Each is refused before anything runs (it used to run a turn on empty content).
+    bad: list[dict[str, Any]] = [
+        {},
+        {"message": {"messageId": "m-no-parts", "role": "ROLE_USER", "parts": []}},
+        {"message": {"role": "ROLE_USER", "parts": [{"text": "no id"}]}},
+        {"message": {**text_message("from the agent"), "role": "ROLE_AGENT"}},
+        {"message": text_message("   ")},
+        {"message": text_message("hi"), "configuration": {"historyLength": -1}},
+    ]
+    for params in bad:
+        assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS, params
+        assert _code(raw(server, "SendStreamingMessage", params)) == INVALID_PARAMS, params
+
+
+def test_a_file_or_an_unsupported_media_type_is_content_type_not_supported(
+    server: LiveServer,
+) -> None:
+    parts: list[dict[str, Any]] = [
+        {"raw": "dGNr", "mediaType": "application/x-unsupported"},
+        {"url": "https://example.com/a.txt", "mediaType": "text/plain"},
+        {"text": "<p>hi</p>", "mediaType": "text/html"},
+        {"data": {"a": 1}, "mediaType": "application/xml"},
+    ]
+    for part in parts:
+        params = {"message": {**text_message("x"), "parts": [part]}}
+        assert _code(raw(server, "SendMessage", params)) == CONTENT_TYPE, part
+    # The card's input modes, named, are fine.
+    ok = [
+        {"text": "typed", "mediaType": "text/plain"},
+        {"data": {}, "mediaType": "application/json"},
+    ]
+    answer = raw(server, "SendMessage", {"message": {**text_message("x"), "parts": ok}})
+    assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+
+
+def test_a_message_naming_a_task_that_does_not_exist_is_task_not_found(
+    server: LiveServer,
+) -> None:
+    for method in ("SendMessage", "SendStreamingMessage"):
+        params = {"message": text_message("to nobody", taskId="t_nobody")}
+        assert _code(raw(server, method, params)) == TASK_NOT_FOUND
+
+
+def test_a_message_to_an_ended_task_is_unsupported_and_starts_no_turn(
+    server: LiveServer,
+) -> None:
+    done = raw(server, "SendMessage", {"message": text_message("first")})["result"]["task"]
+    assert done["status"]["state"] == "TASK_STATE_COMPLETED"
+    again = {"message": text_message("more", taskId=done["id"])}
+    assert _code(raw(server, "SendMessage", again)) == UNSUPPORTED
+    with_context = {"message": text_message("more", taskId=done["id"], contextId=done["contextId"])}
+    assert _code(raw(server, "SendMessage", with_context)) == UNSUPPORTED
+    turns = server.call("subagent.turns", {"session": done["contextId"]})["turns"]
+    assert [t["id"] for t in turns] == [done["id"]]
+    assert server.call("subagent.inbox", {"session": done["contextId"]})["messages"] == []
+    # Its context takes the next message, which is a new task.
+    nxt = raw(server, "SendMessage", {"message": text_message("next", contextId=done["contextId"])})
+    assert nxt["result"]["task"]["id"] != done["id"]
+
+
+def test_a_message_naming_only_its_task_goes_to_that_tasks_context(server: LiveServer) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            (answer,) = await send(client, message("work", steps=HANG), immediately=True)
+            task, context = answer.task.id, answer.task.context_id
+            # A steer and a plain message, each naming the task alone.
+            (steered,) = await send(client, message("go right", task=task, steer=True))
+            assert (steered.task.id, steered.task.context_id) == (task, context)
+            await working_with(client, task, "go right</steer>")
+            (queued,) = await send(client, message("later", task=task), immediately=True)
+            assert queued.message.context_id == context
+            inbox = server.call("subagent.inbox", {"session": context})["messages"]
+            assert [m["preview"] for m in inbox] == ["later"]
+        # The task and another context: refused, and nothing is sent.
+        other = raw(server, "SendMessage", {"message": text_message("elsewhere")})
+        wrong = other["result"]["task"]["contextId"]
+        params = {"message": text_message("mixed", taskId=task, contextId=wrong)}
+        assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS
+        steer = {**params["message"], "metadata": {"tether": {"steer": True}}}
+        assert _code(raw(server, "SendMessage", {"message": steer})) == INVALID_PARAMS
+        assert len(server.call("subagent.inbox", {"session": context})["messages"]) == 1
+        assert len(server.call("subagent.turns", {"session": wrong})["turns"]) == 1
+
+    anyio.run(body)
+
+
+def test_a_message_to_a_context_this_server_never_opened_is_invalid_params(
+    server: LiveServer,
+) -> None:
+    params = {"message": text_message("hello", contextId="s_made_up")}
+    assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS
+
+
+def test_list_tasks_pages_a_contexts_tasks_newest_first(server: LiveServer) -> None:
+    first = raw(server, "SendMessage", {"message": text_message("one")})["result"]["task"]
+    context = first["contextId"]
+    ids = [first["id"]]
+    for text in ("two", "three"):
+        params = {"message": text_message(text, contextId=context)}
+        ids.append(raw(server, "SendMessage", params)["result"]["task"]["id"])
+    page = raw(server, "ListTasks", {"contextId": context, "pageSize": 2})["result"]
+    assert [t["id"] for t in page["tasks"]] == ids[::-1][:2]
+    assert (page["totalSize"], page["pageSize"]) == (3, 2) and page["nextPageToken"]
+    assert all("artifacts" not in t for t in page["tasks"])  # includeArtifacts defaults false
+    stamps = [t["status"]["timestamp"] for t in page["tasks"]]
+    assert stamps == sorted(stamps, reverse=True)
+    params = {"contextId": context, "pageSize": 2, "pageToken": page["nextPageToken"]}
+    last = raw(server, "ListTasks", params)["result"]
+    assert [t["id"] for t in last["tasks"]] == ids[:1]
+    assert last["nextPageToken"] == "" and last["totalSize"] == 3  # present, and empty
+    full = raw(server, "ListTasks", {"contextId": context, "includeArtifacts": True})["result"]
+    assert [t["artifacts"][0]["parts"][0]["text"] for t in full["tasks"]] == [
+        "ok: three",
+        "ok: two",
+        "ok: one",
+    ]
+    assert full["nextPageToken"] == ""
+    bare = raw(server, "ListTasks", {"contextId": context, "historyLength": 0})["result"]
+    assert [t.get("history", []) for t in bare["tasks"]] == [[], [], []]
+    one = raw(server, "ListTasks", {"contextId": context, "historyLength": 1})["result"]
+    assert [len(t["history"]) for t in one["tasks"]] == [1, 1, 1]
+    nobody = raw(server, "ListTasks", {"contextId": "s_nobody"})["result"]
+    assert nobody["tasks"] == [] and nobody["nextPageToken"] == ""
+
+
+def test_list_tasks_filters_by_state_and_by_time(server: LiveServer) -> None:
+    async def body() -> None:
+        async with a2a(server) as client:
+            (answer,) = await send(client, message("work", steps=HANG), immediately=True)
+            task, context = answer.task.id, answer.task.context_id
+            await until(lambda: get(client, task), "the task")
+            done = raw(server, "SendMessage", {"message": text_message("quick")})["result"]["task"]
+            working = raw(server, "ListTasks", {"status": "TASK_STATE_WORKING"})["result"]
+            listed = {t["id"] for t in working["tasks"]}
+            assert task in listed and done["id"] not in listed
+            assert all(t["status"]["state"] == "TASK_STATE_WORKING" for t in working["tasks"])
+            params = {"contextId": context, "status": "TASK_STATE_COMPLETED"}
+            assert raw(server, "ListTasks", params)["result"]["tasks"] == []
+            since = {"statusTimestampAfter": done["status"]["timestamp"]}
+            recent = {t["id"] for t in raw(server, "ListTasks", since)["result"]["tasks"]}
+            assert done["id"] in recent and task not in recent
+
+    anyio.run(body)
+
+
+def test_list_tasks_refuses_a_bad_page_size_history_length_or_page_token(
+    server: LiveServer,
+) -> None:
+    for params in (
+        {"pageSize": 0},
+        {"pageSize": 101},
+        {"historyLength": -1},
+        {"pageToken": "not a token"},
+    ):
+        assert _code(raw(server, "ListTasks", params)) == INVALID_PARAMS, params
+
+
+def test_blocking_sends_queued_behind_a_turn_stop_waiting_when_their_callers_hang_up(
+    tmp_path: Path,
+) -> None:
+    env = {"TETHER_LOG": "info", "TETHER_LOG_FORMAT": "json"}
+    with running_server(tmp_path, env=env) as server:
+        parts = [{"text": "work"}, {"data": {"steps": HANG}}]
+        params = {
+            "message": {**text_message("work"), "parts": parts},
+            "configuration": {"returnImmediately": True},
+        }
+        first = raw(server, "SendMessage", params)["result"]["task"]
+        context, task = first["contextId"], first["id"]
+        callers = 5
+
+        def hang_up(i: int) -> None:
+            doc = {
+                "jsonrpc": "2.0",
+                "id": i,
+                "method": "SendMessage",
+                "params": {"message": text_message(f"behind {i}", contextId=context)},
+            }
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
+                httpx.post(
+                    server.url + "/a2a", json=doc, headers={"A2A-Version": "1.0"}, timeout=1.5
+                )
+
+        for i in range(callers):
+            hang_up(i)
+
+        def gone() -> list[dict[str, Any]] | None:
+            lines = [
+                json.loads(line)
+                for line in server.log_text().splitlines()
+                if line.startswith("{") and '"a2a.caller_gone"' in line
+            ]
+            found = [e for e in lines if e.get("session") == context and "message" in e]
+            return found if len(found) == callers and found[-1]["waiting"] == 0 else None
+
+        # Each wait ends when its caller leaves (it used to poll until the turn ahead
+        # ended), and the last leaves no waiter behind; the messages stay queued.
+        wait_until(gone, timeout=20, what="every caller's wait to end")
+        inbox = server.call("subagent.inbox", {"session": context})["messages"]
+        assert [m["preview"] for m in inbox] == [f"behind {i}" for i in range(callers)]
+        info = server.call("subagent.status", {"session": context})
+        assert info["state"] == "running" and info["turn"] == task

@@ -26,11 +26,13 @@ server's bearer token, or loopback, is the access control.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -38,7 +40,7 @@ import anyio
 import anyio.to_thread
 import structlog
 from a2a.server.context import ServerCallContext
-from a2a.server.events.event_queue import Event
+from a2a.server.events.event_queue import Event as A2AEvent
 from a2a.server.request_handlers.request_handler import RequestHandler
 from a2a.server.routes import DefaultServerCallContextBuilder, create_jsonrpc_routes
 from a2a.types.a2a_pb2 import (
@@ -75,6 +77,7 @@ from a2a.types.a2a_pb2 import (
 from a2a.utils.constants import PROTOCOL_VERSION_1_0
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     InternalError,
     InvalidParamsError,
     InvalidRequestError,
@@ -83,13 +86,21 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from a2a.utils.proto_utils import validate_proto_required_fields
+from a2a.utils.task import (
+    ListTasksCursor,
+    decode_list_tasks_cursor,
+    encode_list_tasks_cursor,
+    validate_history_length,
+    validate_page_size,
+)
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from tether import AgentInfo, Entry, Runtime, TurnRecord, User
+from tether import AgentInfo, Entry, Event, Runtime, TurnRecord, User
 from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_record
 from tether.wire.errors import TetherError
 
@@ -97,7 +108,10 @@ __all__ = ["A2aHttp", "TetherA2A", "agent_card"]
 
 log = structlog.get_logger("tether.a2a")
 
-_POLL: Final = 0.05  # seconds between two looks at a turn being waited for or streamed
+# A wait sleeps until the runtime says the session changed; it looks again after this
+# many seconds all the same, as a backstop, never as the way it learns of a change.
+_RECHECK: Final = 5.0
+_DEFAULT_PAGE: Final = 50  # ListTasks' page size when the caller names none (the spec's)
 _CANCEL_REASON: Final = "cancelled over A2A"
 _STOPPED: Final = {
     "completed": TaskState.TASK_STATE_COMPLETED,
@@ -131,28 +145,129 @@ class _Snapshot:
     latest: bool  # the session's last turn
 
 
+class _Waiter:
+    """One call waiting on a session: woken by the session's changes, and by its caller
+    hanging up (``gone``)."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.gone = False
+
+
+class _Changes:
+    """Wakes the calls waiting on a session when a turn of it starts or ends, its state
+    moves or its transcript grows. Subscribed to the runtime only while a call waits,
+    so that an idle face makes the runtime build no events."""
+
+    _NAMES: Final = frozenset({"turn.started", "turn.ended", "state", "entry", "marker"})
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._waiting: dict[str, set[_Waiter]] = {}
+        self._sessions: frozenset[str] = frozenset()  # read on the runtime's threads
+        self._unsubscribe: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def waiters(self) -> int:
+        return sum(len(w) for w in self._waiting.values())
+
+    @contextmanager
+    def watch(self, session: str, waiter: _Waiter) -> Iterator[_Waiter]:
+        if self._unsubscribe is None:
+            self._loop = asyncio.get_running_loop()
+            self._unsubscribe = self._rt.subscribe(self._deliver)
+        self._waiting.setdefault(session, set()).add(waiter)
+        self._sessions = frozenset(self._waiting)
+        try:
+            yield waiter
+        finally:
+            left = self._waiting.get(session, set())
+            left.discard(waiter)
+            if not left:
+                self._waiting.pop(session, None)
+            self._sessions = frozenset(self._waiting)
+            if not self._waiting and self._unsubscribe is not None:
+                self._unsubscribe()
+                self._unsubscribe = None
+
+    def _deliver(self, event: Event) -> None:  # on a runtime thread: hand over, never block
+        loop = self._loop
+        if event.name in self._NAMES and event.session in self._sessions and loop is not None:
+            loop.call_soon_threadsafe(self._wake, event.session)
+
+    def _wake(self, session: str) -> None:
+        for waiter in self._waiting.get(session, ()):
+            waiter.wake.set()
+
+
+async def _until_gone(request: Request, waiter: _Waiter) -> None:
+    """Return once the caller has hung up (the body is read: the next message the
+    server has for us is the disconnect), and wake the call waiting for it."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    waiter.gone = True
+    waiter.wake.set()
+
+
+async def _next_change(waiter: _Waiter, deadline: float | None = None) -> None:
+    """Sleep until the waited-on session changes, the caller leaves or ``deadline``."""
+    if deadline is None:
+        await waiter.wake.wait()
+    else:
+        with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
+            await waiter.wake.wait()
+
+
 def _struct(doc: dict[str, Any]) -> Struct:
     out = Struct()
     out.update(doc)
     return out
 
 
+_TEXT_TYPES: Final = ("", "text/plain")
+_DATA_TYPES: Final = ("", "application/json")
+
+
 def _content(message: Message) -> tuple[str, dict[str, Any] | None]:
-    """Text parts joined are the content; data parts (objects) merged are the data."""
+    """Text parts joined are the content; data parts (objects) merged are the data. A
+    file (raw or url) or a media type other than the card's input modes is refused."""
     texts: list[str] = []
     data: dict[str, Any] | None = None
     for part in message.parts:
         kind = part.WhichOneof("content")
+        media = part.media_type.split(";")[0].strip().lower()
+        if kind is None:
+            raise InvalidParamsError(message="a part holds text, raw, url or data: this one none")
+        if kind in ("raw", "url") or media not in (_TEXT_TYPES if kind == "text" else _DATA_TYPES):
+            what = f"{kind} part" + (f" of type {part.media_type}" if part.media_type else "")
+            raise ContentTypeNotSupportedError(
+                message=f"a {what} is not supported: send text/plain text or application/json data"
+            )
         if kind == "text":
             texts.append(part.text)
-        elif kind == "data":
+        else:
             value = MessageToDict(part.data)
             if not isinstance(value, dict):
                 raise InvalidParamsError(message="a data part must hold a JSON object")
             data = {**(data or {}), **value}
-        else:
-            raise InvalidParamsError(message=f"a {kind} part is not supported: send text or data")
     return "\n".join(texts), data
+
+
+def _check_send(params: SendMessageRequest) -> None:
+    """Every parameter of a SendMessage, before anything is acted on."""
+    validate_proto_required_fields(params)  # a message, its id, its role, its parts
+    if params.message.role != Role.ROLE_USER:
+        raise InvalidParamsError(message="a message sent to the agent has the role ROLE_USER")
+    config = params.configuration
+    validate_history_length(config)
+    if config.HasField("task_push_notification_config"):
+        raise PushNotificationNotSupportedError
+    modes = [m.split(";")[0].strip().lower() for m in config.accepted_output_modes]
+    if modes and not any(m in ("text/plain", "text/*", "*/*") for m in modes):
+        raise ContentTypeNotSupportedError(
+            message="this agent answers in text/plain, which accepted_output_modes leaves out"
+        )
 
 
 def _steer(message: Message) -> bool:
@@ -249,6 +364,7 @@ class TetherA2A(RequestHandler):
         self._contexts_lock = threading.Lock()  # added to on the loop, read on threads
         self._lane = anyio.CapacityLimiter(32)
         self._stop_lane = anyio.CapacityLimiter(4)  # a cancel never waits behind other calls
+        self.changes = _Changes(rt)
 
     async def _run(self, fn: Callable[..., Any], *args: Any, stop: bool = False) -> Any:
         lane = self._stop_lane if stop else self._lane
@@ -298,7 +414,7 @@ class TetherA2A(RequestHandler):
         entries = self._entries(task, known)
         state = _state(snap)
         status = TaskStatus(state=state)
-        status.timestamp.FromSeconds(int(snap.record.ended_at or snap.record.started_at))
+        status.timestamp.FromNanoseconds(_stamp(snap.record))
         note = _status_note(snap)
         if note:
             status.message.CopyFrom(
@@ -311,8 +427,8 @@ class TetherA2A(RequestHandler):
                 )
             )
         history = [_entry_message(e, task) for e in entries]
-        if history_length is not None and history_length > 0:
-            history = history[-history_length:]
+        if history_length is not None:  # 0: none at all
+            history = history[-history_length:] if history_length > 0 else []
         out = Task(id=task, context_id=known.session, status=status, history=history)
         final = next((e.text for e in reversed(entries) if e.kind == "assistant"), None)
         if snap.record.outcome is not None and final is not None:
@@ -321,20 +437,37 @@ class TetherA2A(RequestHandler):
 
     # ---- sending -------------------------------------------------------------------------
 
-    async def _accept(self, params: SendMessageRequest, *, immediate: bool) -> str | Message:
+    async def _accept(
+        self, params: SendMessageRequest, *, immediate: bool, waiter: _Waiter | None = None
+    ) -> str | Message:
         """Act on a message: the task it concerns (the steered one, or the one its turn
         became), or, asked to return at once for a message queued behind a running
         turn, an acknowledgement naming the queued message."""
+        _check_send(params)
         message = params.message
         content, data = _content(message)
+        if not content.strip() and data is None:
+            raise InvalidParamsError(message="a message needs text or data")
         rt, opts = self.rt, self.options
         session = message.context_id
-        if _steer(message):
-            if not session or not message.task_id:
-                raise InvalidParamsError(message="a steer names its context and its task")
+        if message.task_id:
+            # The task must exist; its context is the message's, given or not; a task
+            # that has ended takes no more messages (a new one goes to its context).
             known = await self._run(self._known, message.task_id)
-            if known.session != session:
-                raise InvalidParamsError(message="that task is not in that context")
+            if session and session != known.session:
+                raise InvalidParamsError(
+                    message=f"task {message.task_id} is in context {known.session}, not {session}"
+                )
+            session = known.session
+            snap = await self._run(self._snapshot, message.task_id, known)
+            if _state(snap) in _TERMINAL:
+                raise UnsupportedOperationError(
+                    message=f"task {message.task_id} has ended: send to its context "
+                    f"{session} without a taskId to start the next task"
+                )
+        if _steer(message):
+            if not message.task_id:
+                raise InvalidParamsError(message="a steer names its task")
             if not content.strip():
                 raise InvalidParamsError(message="a steer needs text")
             turn = await self._run(
@@ -350,7 +483,13 @@ class TetherA2A(RequestHandler):
             log.info("a2a.steer", session=session, task=message.task_id, bound=turn)
             return message.task_id
         if session:
-            after = await self._run(last_seq, rt, session)
+            try:
+                after = await self._run(last_seq, rt, session)
+            except TaskNotFoundError:
+                # A context is a session this server opened; it makes up none.
+                raise InvalidParamsError(
+                    message=f"no context {session!r} here: leave contextId out to open one"
+                ) from None
         else:
             session = await self._run(lambda: rt.open_session(opts.driver, config=opts.config))
             after = 0
@@ -360,37 +499,46 @@ class TetherA2A(RequestHandler):
             self._contexts.add(session)
         # Asked after the prompt, the session's host answers after it has queued it: a
         # turn named here that claimed another message means ours waits behind it.
-        running = (await self._run(rt.status, session)).turn
-        while True:  # the task exists once a turn has claimed the message
-            turns: list[TurnRecord] = await self._run(rt.turns, session)
-            mine = next((t for t in reversed(turns) if t.message == sent), None)
-            if mine is not None:
-                self._tasks[mine.id] = _Known(session, after)
-                return mine.id
-            if immediate and any(t.id == running and t.message != sent for t in turns):
-                return _queued(session, sent, str(running))
-            await anyio.sleep(_POLL)
+        with self.changes.watch(session, waiter or _Waiter()) as w:
+            running = (await self._run(rt.status, session)).turn
+            while True:  # the task exists once a turn has claimed the message
+                w.wake.clear()  # before the look: a change after it wakes the wait below
+                turns: list[TurnRecord] = await self._run(rt.turns, session)
+                mine = next((t for t in reversed(turns) if t.message == sent), None)
+                if mine is not None:
+                    self._tasks[mine.id] = _Known(session, after)
+                    return mine.id
+                if immediate and any(t.id == running and t.message != sent for t in turns):
+                    return _queued(session, sent, str(running))
+                if w.gone:  # the message stays queued; nobody is left to tell
+                    self._gone(session=session, message=sent)
+                    return _queued(session, sent, str(running))
+                await _next_change(w, time.monotonic() + _RECHECK)
+
+    def _gone(self, **where: str) -> None:
+        # The call that noticed is still counted among the waiters.
+        log.info("a2a.caller_gone", waiting=self.changes.waiters - 1, **where)
 
     async def _until_ended(
-        self, task: str, timeout: float | None = None, context: ServerCallContext | None = None
+        self, task: str, timeout: float | None = None, waiter: _Waiter | None = None
     ) -> bool:
         """Wait for the task's turn to end (True), the timeout, or the caller to hang up
         (False either way: the turn goes on, nobody is left to tell)."""
         known = await self._run(self._known, task)
         deadline = None if timeout is None else time.monotonic() + timeout
-        request = None if context is None else context.state.get("request")
-        looks = 0
-        while True:
-            record = await self._run(turn_record, self.rt, known.session, task)
-            if record is None or record.outcome is not None:
-                return True
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            looks += 1
-            if isinstance(request, Request) and looks % 10 == 0 and await request.is_disconnected():
-                log.info("a2a.caller_gone", session=known.session, task=task)
-                return False
-            await anyio.sleep(_POLL)
+        with self.changes.watch(known.session, waiter or _Waiter()) as w:
+            while True:
+                w.wake.clear()
+                record = await self._run(turn_record, self.rt, known.session, task)
+                if record is None or record.outcome is not None:
+                    return True
+                if w.gone:
+                    self._gone(session=known.session, task=task)
+                    return False
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    return False
+                await _next_change(w, min(deadline or math.inf, now + _RECHECK))
 
     async def _snapshot_task(self, task: str, history_length: int | None = None) -> Task:
         out, _ = await self._run(self._task, task, history_length)
@@ -401,17 +549,31 @@ class TetherA2A(RequestHandler):
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> Task | Message:
         immediate = params.configuration.return_immediately
-        task = await self._accept(params, immediate=immediate)
+        request = context.state.get("request")
+        waiter = _Waiter()
+        failed: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            if not immediate and isinstance(request, Request):
+                tg.start_soon(_until_gone, request, waiter)
+            try:
+                task = await self._accept(params, immediate=immediate, waiter=waiter)
+                if not isinstance(task, Message) and not immediate and not _steer(params.message):
+                    await self._until_ended(task, waiter=waiter)
+            except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                failed = exc
+            finally:
+                tg.cancel_scope.cancel()  # the hang-up watch: the wait is over either way
+        if failed is not None:
+            raise failed
         if isinstance(task, Message):
             return task
-        if not immediate and not _steer(params.message):
-            await self._until_ended(task, context=context)
-        length = params.configuration.history_length or None
+        config = params.configuration
+        length = config.history_length if config.HasField("history_length") else None
         return await self._snapshot_task(task, length)
 
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext
-    ) -> AsyncGenerator[Event]:
+    ) -> AsyncGenerator[A2AEvent]:
         task = await self._accept(params, immediate=False)
         assert isinstance(task, str)
         async for event in self._stream(task):
@@ -419,7 +581,7 @@ class TetherA2A(RequestHandler):
 
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
-    ) -> AsyncGenerator[Event]:
+    ) -> AsyncGenerator[A2AEvent]:
         first, _ = await self._run(self._task, params.id)
         if first.status.state in _TERMINAL:
             raise UnsupportedOperationError(
@@ -428,7 +590,7 @@ class TetherA2A(RequestHandler):
         async for event in self._stream(params.id, first):
             yield event
 
-    async def _stream(self, task: str, first: Task | None = None) -> AsyncIterator[Event]:
+    async def _stream(self, task: str, first: Task | None = None) -> AsyncIterator[A2AEvent]:
         """The task, then one status update per new entry of its turn, then its result
         and its final status. Ends when the turn has ended."""
         if first is None:
@@ -438,30 +600,34 @@ class TetherA2A(RequestHandler):
         seen = {m.message_id for m in first.history}
         cursor = known.after
         final: str | None = None
-        while True:
-            # Look at the record before the entries: an end seen here has all its
-            # entries written, so the last page read below holds them.
-            snap: _Snapshot = await self._run(self._snapshot, task, known)
+        with self.changes.watch(known.session, _Waiter()) as w:
             while True:
-                entries, after = await self._run(turn_entries, self.rt, known.session, task, cursor)
-                for entry in entries:
-                    if entry.kind == "assistant":
-                        final = entry.text
-                    message = _entry_message(entry, task)
-                    if message.message_id in seen:
-                        continue
-                    seen.add(message.message_id)
-                    yield TaskStatusUpdateEvent(
-                        task_id=task,
-                        context_id=known.session,
-                        status=TaskStatus(state=TaskState.TASK_STATE_WORKING, message=message),
+                w.wake.clear()  # before the look: an entry after it wakes the wait below
+                # Look at the record before the entries: an end seen here has all its
+                # entries written, so the last page read below holds them.
+                snap: _Snapshot = await self._run(self._snapshot, task, known)
+                while True:
+                    entries, after = await self._run(
+                        turn_entries, self.rt, known.session, task, cursor
                     )
-                if after == cursor:
+                    for entry in entries:
+                        if entry.kind == "assistant":
+                            final = entry.text
+                        message = _entry_message(entry, task)
+                        if message.message_id in seen:
+                            continue
+                        seen.add(message.message_id)
+                        yield TaskStatusUpdateEvent(
+                            task_id=task,
+                            context_id=known.session,
+                            status=TaskStatus(state=TaskState.TASK_STATE_WORKING, message=message),
+                        )
+                    if after == cursor:
+                        break
+                    cursor = after
+                if snap.record.outcome is not None:
                     break
-                cursor = after
-            if snap.record.outcome is not None:
-                break
-            await anyio.sleep(_POLL)
+                await _next_change(w, time.monotonic() + _RECHECK)
         if final is not None:
             yield TaskArtifactUpdateEvent(
                 task_id=task,
@@ -507,7 +673,70 @@ class TetherA2A(RequestHandler):
     async def on_list_tasks(
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
-        raise UnsupportedOperationError(message="ListTasks is not supported: use GetTask")
+        """The tasks of the contexts this face has served (every caller holds the same
+        token, so all of them), newest status first, a page at a time; a page token
+        is the position of the last task of the page before."""
+        validate_history_length(params)
+        size = _DEFAULT_PAGE
+        if params.HasField("page_size"):
+            validate_page_size(params.page_size)
+            size = params.page_size
+        if params.status not in TaskState.values():
+            raise InvalidParamsError(message=f"no task state {params.status}")
+        after: tuple[bool, int, str] | None = None
+        if params.page_token:
+            cursor = decode_list_tasks_cursor(params.page_token)
+            if cursor is None:
+                raise InvalidParamsError(message="not a page token this server gave")
+            after = cursor.sort_key()
+        result: ListTasksResponse = await self._run(self._list, params, size, after)
+        return result
+
+    def _list(
+        self, params: ListTasksRequest, size: int, after: tuple[bool, int, str] | None
+    ) -> ListTasksResponse:
+        with self._contexts_lock:
+            contexts = sorted(self._contexts)
+        if params.context_id:
+            contexts = [c for c in contexts if c == params.context_id]
+        since = (
+            params.status_timestamp_after.ToNanoseconds()
+            if params.HasField("status_timestamp_after")
+            else None
+        )
+        rows: list[tuple[int, str, str]] = []  # (status timestamp, task, context)
+        for session in contexts:
+            turns = self.rt.turns(session)
+            info = self.rt.status(session) if params.status else None
+            for record in turns:
+                stamp = _stamp(record)
+                if since is not None and stamp < since:
+                    continue
+                if info is not None:
+                    snap = _Snapshot(record, info, latest=record.id == turns[-1].id)
+                    if _state(snap) != params.status:
+                        continue
+                rows.append((stamp, record.id, session))
+        rows.sort(reverse=True)
+        total = len(rows)
+        if after is not None:  # every task carries a timestamp: only the last two count
+            rows = [r for r in rows if (True, r[0], r[1]) < after]
+        page, rest = rows[:size], rows[size:]
+        tasks: list[Task] = []
+        length = params.history_length if params.HasField("history_length") else None
+        for _, task, session in page:
+            self._tasks.setdefault(task, _Known(session, 0))
+            out, _ = self._task(task, length)
+            if not params.include_artifacts:
+                out.ClearField("artifacts")
+            tasks.append(out)
+        token = ""
+        if rest:
+            stamp, task, _ = page[-1]
+            token = encode_list_tasks_cursor(ListTasksCursor(timestamp_ns=stamp, task_id=task))
+        return ListTasksResponse(
+            tasks=tasks, next_page_token=token, page_size=size, total_size=total
+        )
 
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext
@@ -545,6 +774,11 @@ def _queued(session: str, message: str, behind: str) -> Message:
         parts=[Part(text=f"queued as {message} behind task {behind}")],
         metadata=_struct({"tether": {"queued": message, "behind": behind}}),
     )
+
+
+def _stamp(record: TurnRecord) -> int:
+    """A task's status timestamp (ns): when its turn ended, or started while it runs."""
+    return int((record.ended_at or record.started_at) * 1e9)
 
 
 def _result(task: str, text: str) -> Artifact:
@@ -585,7 +819,10 @@ class A2aHttp:
             return JSONResponse(doc)
 
         self.routes: list[BaseRoute] = [
+            # Both spellings: a client whose base URL is ``.../a2a`` may post to ``/a2a/``
+            # and not follow the redirect Starlette would answer with.
             *create_jsonrpc_routes(self.handler, "/a2a", context_builder=_Context()),
+            *create_jsonrpc_routes(self.handler, "/a2a/", context_builder=_Context()),
             Route("/.well-known/agent-card.json", card, methods=["GET"]),
         ]
 

@@ -151,7 +151,7 @@ def build_faces(rt: Runtime, options: FaceOptions) -> list[Face]:
         faces.append(McpHttp(rt, options))
     why = missing_extra("a2a")
     if why is not None:
-        faces.append(_Missing(["/a2a", "/.well-known/agent-card.json"], why))
+        faces.append(_Missing(["/a2a", "/a2a/", "/.well-known/agent-card.json"], why))
     else:
         from tether.serve.a2a_face import A2aHttp
 
