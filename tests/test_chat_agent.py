@@ -209,6 +209,56 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
 
 
+def test_a_steer_between_two_tool_calls_keeps_both_results_in_the_history_and_the_steer_after_them(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    go = tmp_path / "go"
+    wait_go = f"while [ ! -e {go} ]; do sleep 0.01; done; echo first-result"
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "run_command", "arguments": {"argv": ["sh", "-c", wait_go]}},
+                # a host call: its reply comes down the worker's pipe after the steer
+                # did, so the steer is pending at the boundary after it at the latest
+                {"name": "list_agents", "arguments": {}},
+                {"name": "run_command", "arguments": {"argv": ["echo", "third-result"]}},
+            ]
+        },
+        {"text": "Done, the fast way."},
+        {"text": "Still here."},
+    ]
+    root, child, me = _agent(
+        rt, server, "steer-between-calls", replies, tools=["run_command", "list_agents"]
+    )
+    rt.send(child, "do the task", authority=me)
+    worker_with_tool(rt, "sh")
+    rt.interrupt(child, authority=me, kind="steer", reason="use the fast path")
+    go.touch()
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    kinds = [e.kind if e.kind != "marker" else e.action for e in rt.transcript(child)]
+    # the steer landed between the calls of one reply (the case this test is about)
+    assert kinds.index("steered") < len(kinds) - 1 - kinds[::-1].index("tool")
+
+    rt.send(child, "and now?", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=30.0)["outcome"] == "completed"
+    [_, live, later] = server.requests_for("steer-between-calls")
+    said = f'<steer origin="user" by="{root}">use the fast path</steer>'
+    steer = {"role": "user", "content": said}
+    sent = live.body["messages"]
+    # the live request: every call's result right after the reply, then the steer
+    assert [m["role"] for m in sent[-5:]] == ["assistant", "tool", "tool", "tool", "user"]
+    assert sent[-1] == steer
+    assert "third-result" in sent[-2]["content"]
+    # the next turn's history says the same, in the same order
+    assert later.body["messages"][: len(sent)] == sent
+    assert later.body["messages"][len(sent) :] == [
+        {"role": "assistant", "content": "Done, the fast way."},
+        {"role": "user", "content": "and now?"},
+    ]
+    assert all("no result" not in (m.get("content") or "") for m in later.body["messages"][1:])
+
+
 def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_the_turn_completes(
     rt: tether.Runtime, server: ModelServer
 ) -> None:

@@ -388,21 +388,35 @@ def _messages(cfg: _Config, history: list[Entry], ctx: AsyncTurnContext) -> list
 def _paired(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every assistant tool call answered right after its reply, as the API requires: a
     call left without a result (its turn was stopped) gets one saying so; a tool result
-    with no call before it is dropped."""
+    with no call before it is dropped. A user message recorded while a reply's calls were
+    still running (a steer delivered at the boundary after one of them) waits until the
+    last of those calls has its result: where the live request had it too."""
     out: list[dict[str, Any]] = []
     open_ids: list[str] = []
+    held: list[dict[str, Any]] = []  # user messages recorded between the open calls
+
+    def close() -> None:
+        for missing in open_ids:
+            out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
+        open_ids.clear()
+        out.extend(held)
+        held.clear()
+
     for m in messages:
         if m["role"] == "tool":
             if m["tool_call_id"] in open_ids:
                 open_ids.remove(m["tool_call_id"])
                 out.append(m)
+                if not open_ids:
+                    close()  # the reply's calls all answered: what waited comes now
             continue
-        for missing in open_ids:
-            out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
-        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
+        if m["role"] == "user" and open_ids:
+            held.append(m)
+            continue
+        close()
+        open_ids.extend(c["id"] for c in m.get("tool_calls") or ())
         out.append(m)
-    for missing in open_ids:
-        out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
+    close()
     return out
 
 
