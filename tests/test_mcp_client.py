@@ -202,6 +202,40 @@ def test_cancelling_a_hung_stdio_call_sends_notifications_cancelled_for_that_req
     run(main())
 
 
+def test_parallel_calls_each_report_their_own_fate_and_a_returned_one_reports_none(
+    tmp_path: Path,
+) -> None:
+    logs = {name: tmp_path / f"{name}.jsonl" for name in ("a", "b")}
+
+    async def main() -> None:
+        servers = {name: stdio_server(path) for name, path in logs.items()}
+        tools = McpTools(servers, grace=0.5)
+        fates: dict[str, list[str]] = {"hang": [], "stubborn": [], "echo": []}
+        try:
+            hang = asyncio.create_task(
+                tools.call("mcp__a__hang", {"seconds": 60}, on_fate=fates["hang"].append)
+            )
+            stubborn = asyncio.create_task(
+                tools.call("mcp__b__stubborn", {"seconds": 60}, on_fate=fates["stubborn"].append)
+            )
+            await logged(logs["a"], call_of("hang"))
+            await logged(logs["b"], call_of("stubborn"))
+            echo = asyncio.create_task(
+                tools.call("mcp__a__echo", {"text": "mine"}, on_fate=fates["echo"].append)
+            )
+            hang.cancel()
+            stubborn.cancel()
+            done = await asyncio.gather(hang, stubborn, echo, return_exceptions=True)
+            assert isinstance(done[0], asyncio.CancelledError)
+            assert isinstance(done[1], asyncio.CancelledError)
+            assert isinstance(done[2], McpResult) and done[2].text == "mine"
+            assert fates == {"hang": ["cancelled"], "stubborn": ["abandoned"], "echo": []}
+        finally:
+            await tools.aclose()
+
+    run(main())
+
+
 def test_a_stubborn_call_is_abandoned_after_grace_its_tree_killed_and_a_new_server_serves_next(
     log: Path,
 ) -> None:

@@ -513,12 +513,13 @@ async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: 
         return json.dumps({"error": "invalid-params", "message": "arguments must be an object"})
     policy = mcp.policy(name)
     started = time.monotonic()
+    fates: list[str] = []  # this call's own: calls may run alongside it
     try:
         result = await ctx.preemptable(
             name,
-            mcp.call(name, args, on_progress=ctx.progress),
+            mcp.call(name, args, on_progress=ctx.progress, on_fate=fates.append),
             preempt=policy.preempt,
-            fate=lambda: mcp.last_fate,
+            fate=lambda: fates[-1] if fates else None,
         )
     except McpTimeout as exc:
         limit = policy.max_duration if exc.kind == "max_duration" else policy.idle_timeout

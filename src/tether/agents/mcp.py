@@ -698,11 +698,14 @@ class McpTools:
         arguments: dict[str, Any],
         *,
         on_progress: Callable[[], None] | None = None,
+        on_fate: Callable[[Fate], None] | None = None,
     ) -> McpResult:
         """Call ``mcp__<server>__<tool>``. A tool's error, or a server that died under
         the call, is an ``McpResult`` with ``is_error``; a cancel of the awaiting task
-        stops the call (``last_fate`` says how) and re-raises; a policy limit stops it
-        the same way and raises ``McpTimeout``."""
+        stops the call and re-raises; a policy limit stops it the same way and raises
+        ``McpTimeout``. How a stopped call ended goes to ``on_fate`` (this call's own,
+        whatever calls run alongside it; never called for a call that was not stopped)
+        and to ``last_fate`` (the latest call's: only for one call at a time)."""
         server, tool = self._split(name)
         policy = self.policy(name)
         loop = asyncio.get_running_loop()
@@ -748,13 +751,19 @@ class McpTools:
                 if inner.done():
                     return self._ended(conn, inner, state)
         except asyncio.CancelledError:
-            self.last_fate, _ = await self._stop_bounded(conn, inner, state, policy, "cancel")
+            fate, _ = await self._stop_bounded(conn, inner, state, policy, "cancel")
+            self._fated(fate, on_fate)
             raise
         fate, interrupted = await self._stop_bounded(conn, inner, state, policy, kind)
-        self.last_fate = fate
+        self._fated(fate, on_fate)
         if interrupted:
             raise asyncio.CancelledError
         raise McpTimeout(kind, state.partial)
+
+    def _fated(self, fate: Fate, on_fate: Callable[[Fate], None] | None) -> None:
+        self.last_fate = fate
+        if on_fate is not None:
+            on_fate(fate)
 
     def _ended(self, conn: _Conn, inner: asyncio.Task[Any], state: _CallState) -> McpResult:
         rid = None if state.request_id is None else str(state.request_id)
