@@ -74,7 +74,7 @@ def call_of(tool: str) -> Callable[[Record], bool]:
 
 
 def cancel_of(request_id: object) -> Callable[[Record], bool]:
-    return lambda r: r["method"] == "notifications/cancelled" and r["requestId"] == request_id
+    return lambda r: r.get("method") == "notifications/cancelled" and r["requestId"] == request_id
 
 
 def gone(pid: int) -> bool:
@@ -211,17 +211,21 @@ def test_parallel_calls_each_report_their_own_fate_and_a_returned_one_reports_no
         servers = {name: stdio_server(path) for name, path in logs.items()}
         tools = McpTools(servers, grace=0.5)
         fates: dict[str, list[str]] = {"hang": [], "stubborn": [], "echo": []}
+
+        def fate_of(name: str) -> Callable[[str, str], None]:
+            return lambda fate, _partial: fates[name].append(fate)
+
         try:
             hang = asyncio.create_task(
-                tools.call("mcp__a__hang", {"seconds": 60}, on_fate=fates["hang"].append)
+                tools.call("mcp__a__hang", {"seconds": 60}, on_stop=fate_of("hang"))
             )
             stubborn = asyncio.create_task(
-                tools.call("mcp__b__stubborn", {"seconds": 60}, on_fate=fates["stubborn"].append)
+                tools.call("mcp__b__stubborn", {"seconds": 60}, on_stop=fate_of("stubborn"))
             )
             await logged(logs["a"], call_of("hang"))
             await logged(logs["b"], call_of("stubborn"))
             echo = asyncio.create_task(
-                tools.call("mcp__a__echo", {"text": "mine"}, on_fate=fates["echo"].append)
+                tools.call("mcp__a__echo", {"text": "mine"}, on_stop=fate_of("echo"))
             )
             hang.cancel()
             stubborn.cancel()

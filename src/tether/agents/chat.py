@@ -39,7 +39,7 @@ from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS, schemas
 from tether.wire.errors import InvalidParams, Preempted, TetherError
-from tether.wire.frames import Preempt, Steer
+from tether.wire.frames import Cancel, Preempt, Steer
 from tether.wire.records import Entry
 from tether.wire.text import render_frame
 
@@ -268,6 +268,7 @@ class ChatAgent:
         name = call["function"]["name"]
         arguments = call["function"]["arguments"]
         data = {"tool_call_id": call["id"], "name": name, "arguments": arguments}
+        started = time.monotonic()
         try:
             if name in cfg.tools:
                 timer = _max_duration(ctx, cfg, name)
@@ -286,6 +287,12 @@ class ChatAgent:
         except Preempted as exc:
             text = _preempted_text(exc)
             data["preempted"] = True
+        except asyncio.CancelledError:
+            stop = ctx.cancel
+            if stop is not None:  # the turn's cancel: the call's entry says so
+                data["cancelled"] = True
+                ctx.record_tool(_cancelled_text(stop, time.monotonic() - started), data=data)
+            raise
         text = text[:_RESULT_CAP]
         ctx.record_tool(text, data=data)
         return text
@@ -439,6 +446,16 @@ def _preempted_text(exc: Preempted) -> str:
     return f"{head}\npartial output:\n{partial}" if partial else head
 
 
+def _cancelled_text(stop: Cancel, elapsed: float) -> str:
+    """The result a call cut by the turn's cancel gets: what a later turn's model reads."""
+    took = f"{elapsed:.0f} s" if elapsed >= 10 else f"{elapsed:.1f} s"
+    who = stop.origin or "user"
+    head = f"cancelled after {took} by {who}"
+    if stop.by and who != "watchdog":
+        head += f" ({stop.by})"
+    return f"{head}: {stop.reason}" if stop.reason else head
+
+
 def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.TimerHandle | None:
     """A ``max_duration`` policy for a host tool (``run_command``): a preempt of origin
     ``system`` when the call outlasts it."""
@@ -513,20 +530,25 @@ async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: 
         return json.dumps({"error": "invalid-params", "message": "arguments must be an object"})
     policy = mcp.policy(name)
     started = time.monotonic()
-    fates: list[str] = []  # this call's own: calls may run alongside it
+    stops: list[tuple[str, str]] = []  # this call's own (fate, output so far)
     try:
         result = await ctx.preemptable(
             name,
-            mcp.call(name, args, on_progress=ctx.progress, on_fate=fates.append),
+            mcp.call(
+                name, args, on_progress=ctx.progress, on_stop=lambda f, p: stops.append((f, p))
+            ),
             preempt=policy.preempt,
-            fate=lambda: fates[-1] if fates else None,
+            fate=lambda: stops[-1][0] if stops else None,
         )
+    except Preempted as exc:
+        if stops and not exc.partial:
+            exc.partial = stops[-1][1]  # the progress notices received: its output so far
+        raise
     except McpTimeout as exc:
         limit = policy.max_duration if exc.kind == "max_duration" else policy.idle_timeout
         reason = f"{exc.kind} {limit:g} s exceeded" if limit is not None else exc.kind
-        return _preempted_text(
-            ctx.report_preempt(name, reason, started=started, partial=exc.partial)
-        )
+        # raised, as a user's preempt is: the tool entry says ``preempted`` either way
+        raise ctx.report_preempt(name, reason, started=started, partial=exc.partial) from None
     if result.is_error:
         return json.dumps({"error": "tool-error", "message": result.text})
     return result.text

@@ -698,14 +698,15 @@ class McpTools:
         arguments: dict[str, Any],
         *,
         on_progress: Callable[[], None] | None = None,
-        on_fate: Callable[[Fate], None] | None = None,
+        on_stop: Callable[[Fate, str], None] | None = None,
     ) -> McpResult:
         """Call ``mcp__<server>__<tool>``. A tool's error, or a server that died under
         the call, is an ``McpResult`` with ``is_error``; a cancel of the awaiting task
         stops the call and re-raises; a policy limit stops it the same way and raises
-        ``McpTimeout``. How a stopped call ended goes to ``on_fate`` (this call's own,
-        whatever calls run alongside it; never called for a call that was not stopped)
-        and to ``last_fate`` (the latest call's: only for one call at a time)."""
+        ``McpTimeout``. A stopped call's fate and its output so far (the last progress
+        notice, or "") go to ``on_stop``: this call's own, whatever calls run alongside
+        it, and never for a call that was not stopped. ``last_fate`` is the latest
+        call's fate: an answer only for one call at a time."""
         server, tool = self._split(name)
         policy = self.policy(name)
         loop = asyncio.get_running_loop()
@@ -752,18 +753,20 @@ class McpTools:
                     return self._ended(conn, inner, state)
         except asyncio.CancelledError:
             fate, _ = await self._stop_bounded(conn, inner, state, policy, "cancel")
-            self._fated(fate, on_fate)
+            self._stopped(fate, state, on_stop)
             raise
         fate, interrupted = await self._stop_bounded(conn, inner, state, policy, kind)
-        self._fated(fate, on_fate)
+        self._stopped(fate, state, on_stop)
         if interrupted:
             raise asyncio.CancelledError
         raise McpTimeout(kind, state.partial)
 
-    def _fated(self, fate: Fate, on_fate: Callable[[Fate], None] | None) -> None:
+    def _stopped(
+        self, fate: Fate, state: _CallState, on_stop: Callable[[Fate, str], None] | None
+    ) -> None:
         self.last_fate = fate
-        if on_fate is not None:
-            on_fate(fate)
+        if on_stop is not None:
+            on_stop(fate, state.partial)
 
     def _ended(self, conn: _Conn, inner: asyncio.Task[Any], state: _CallState) -> McpResult:
         rid = None if state.request_id is None else str(state.request_id)
