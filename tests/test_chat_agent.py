@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 import structlog
@@ -207,6 +208,56 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(
     assert second.body["messages"][-1] == {"role": "user", "content": steer}
     assert second.body["messages"][-2]["role"] == "tool"
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+
+
+def test_a_steer_between_two_tool_calls_keeps_both_results_in_the_history_and_the_steer_after_them(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    go = tmp_path / "go"
+    wait_go = f"while [ ! -e {go} ]; do sleep 0.01; done; echo first-result"
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "run_command", "arguments": {"argv": ["sh", "-c", wait_go]}},
+                # a host call: its reply comes down the worker's pipe after the steer
+                # did, so the steer is pending at the boundary after it at the latest
+                {"name": "list_agents", "arguments": {}},
+                {"name": "run_command", "arguments": {"argv": ["echo", "third-result"]}},
+            ]
+        },
+        {"text": "Done, the fast way."},
+        {"text": "Still here."},
+    ]
+    root, child, me = _agent(
+        rt, server, "steer-between-calls", replies, tools=["run_command", "list_agents"]
+    )
+    rt.send(child, "do the task", authority=me)
+    worker_with_tool(rt, "sh")
+    rt.interrupt(child, authority=me, kind="steer", reason="use the fast path")
+    go.touch()
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    kinds = [e.kind if e.kind != "marker" else e.action for e in rt.transcript(child)]
+    # the steer landed between the calls of one reply (the case this test is about)
+    assert kinds.index("steered") < len(kinds) - 1 - kinds[::-1].index("tool")
+
+    rt.send(child, "and now?", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=30.0)["outcome"] == "completed"
+    [_, live, later] = server.requests_for("steer-between-calls")
+    said = f'<steer origin="user" by="{root}">use the fast path</steer>'
+    steer = {"role": "user", "content": said}
+    sent = live.body["messages"]
+    # the live request: every call's result right after the reply, then the steer
+    assert [m["role"] for m in sent[-5:]] == ["assistant", "tool", "tool", "tool", "user"]
+    assert sent[-1] == steer
+    assert "third-result" in sent[-2]["content"]
+    # the next turn's history says the same, in the same order
+    assert later.body["messages"][: len(sent)] == sent
+    assert later.body["messages"][len(sent) :] == [
+        {"role": "assistant", "content": "Done, the fast way."},
+        {"role": "user", "content": "and now?"},
+    ]
+    assert all("no result" not in (m.get("content") or "") for m in later.body["messages"][1:])
 
 
 def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_the_turn_completes(
@@ -649,3 +700,103 @@ def test_a_worker_keeps_the_stdio_servers_of_at_most_four_mcp_configs(
                 assert sets == ["0", "1", "2", "3"]
         assert sets == ["0", "3", "4", "5"]  # "1" and "2" were least recently used
         assert seen == [1, 2, 3, 4, 4, 4, 4]
+
+
+def _tool_entries(rt: tether.Runtime, sid: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(e.text, e.data or {}) for e in entries(rt, sid, "tool")]
+
+
+@pytest.mark.timeout(120)
+def test_a_user_preempt_of_an_mcp_call_gives_the_model_its_progress_so_far(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "mcp__files__progress", "arguments": {"steps": 6000, "every": 0.01}}
+            ]
+        },
+        {"text": "Stopped it partway."},
+    ]
+    root, child, me = _agent(rt, server, "mcp-preempt-progress", replies, mcp=mcp)
+    rt.send(child, "index everything", authority=me)
+    eventually(
+        lambda: any(
+            r.get("event") == "progress_sent" and r["step"] >= 5 for r in read_log(str(log))
+        ),
+        timeout=60.0,
+        what="the MCP server to report some progress",
+    )
+    rt.interrupt(child, authority=me, kind="preempt", reason="enough indexing")
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("mcp-preempt-progress")
+    result = second.body["messages"][-1]["content"]
+    assert f"by user ({root}): enough indexing\npartial output:\nprogress " in result
+    assert "/6000: step " in result
+    [(text, data)] = _tool_entries(rt, child)
+    assert text == result and data["preempted"] is True
+
+
+@pytest.mark.timeout(120)
+def test_an_mcp_call_stopped_by_its_idle_timeout_or_max_duration_leaves_a_preempted_tool_entry(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "mcp__files__hang", "arguments": {"seconds": 60}},
+                {"name": "mcp__files__progress", "arguments": {"steps": 2, "every": 30}},
+            ]
+        },
+        {"text": "Both were too slow."},
+    ]
+    policy = {"mcp:files/hang": {"max_duration": 0.5}, "mcp:files/progress": {"idle_timeout": 0.5}}
+    _root, child, me = _agent(rt, server, "mcp-limits", replies, mcp=mcp, tool_policy=policy)
+    rt.send(child, "search", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [(hang, hung), (idle, idled)] = _tool_entries(rt, child)
+    assert "by system (policy): max_duration 0.5 s exceeded" in hang and hung["preempted"] is True
+    assert "by system (policy): idle_timeout 0.5 s exceeded" in idle and idled["preempted"] is True
+
+
+@pytest.mark.timeout(120)
+def test_a_cancelled_mcp_call_leaves_a_tool_entry_saying_so_and_the_report_a_null_partial(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "Starting over."},
+    ]
+    root, child, me = _agent(rt, server, "mcp-cancelled", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    eventually(
+        lambda: any(r.get("method") == "tools/call" for r in read_log(str(log))),
+        timeout=60.0,
+        what="the MCP server to receive the call",
+    )
+    turn = rt.interrupt(child, authority=me, kind="cancel", reason="wrong search")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "cancelled"
+    [(text, data)] = _tool_entries(rt, child)
+    assert text.startswith("cancelled after ") and text.endswith(f"by user ({root}): wrong search")
+    assert data["cancelled"] is True and data["name"] == "mcp__files__hang"
+    report = eventually(
+        lambda: (r := rt.stop_report(turn)) is not None and r.outcome is not None and r,
+        what="the cancel's complete report",
+    )
+    assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "cancelled")]
+    assert report.partial is None  # the turn said no assistant text, only a tool call
+    assert msgspec.to_builtins(report)["partial"] is None
+
+    # the next turn's model reads what really became of the call
+    rt.send(child, "try again", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=60.0)["outcome"] == "completed"
+    [_, later] = server.requests_for("mcp-cancelled")
+    results = [m["content"] for m in later.body["messages"] if m["role"] == "tool"]
+    assert results == [text]

@@ -74,7 +74,7 @@ def call_of(tool: str) -> Callable[[Record], bool]:
 
 
 def cancel_of(request_id: object) -> Callable[[Record], bool]:
-    return lambda r: r["method"] == "notifications/cancelled" and r["requestId"] == request_id
+    return lambda r: r.get("method") == "notifications/cancelled" and r["requestId"] == request_id
 
 
 def gone(pid: int) -> bool:
@@ -196,6 +196,44 @@ def test_cancelling_a_hung_stdio_call_sends_notifications_cancelled_for_that_req
             # a cooperative end keeps the server
             assert tools.server_pids() == {"t": pid}
             assert (await tools.call("mcp__t__echo", {"text": "on"})).text == "on"
+        finally:
+            await tools.aclose()
+
+    run(main())
+
+
+def test_parallel_calls_each_report_their_own_fate_and_a_returned_one_reports_none(
+    tmp_path: Path,
+) -> None:
+    logs = {name: tmp_path / f"{name}.jsonl" for name in ("a", "b")}
+
+    async def main() -> None:
+        servers = {name: stdio_server(path) for name, path in logs.items()}
+        tools = McpTools(servers, grace=0.5)
+        fates: dict[str, list[str]] = {"hang": [], "stubborn": [], "echo": []}
+
+        def fate_of(name: str) -> Callable[[str, str], None]:
+            return lambda fate, _partial: fates[name].append(fate)
+
+        try:
+            hang = asyncio.create_task(
+                tools.call("mcp__a__hang", {"seconds": 60}, on_stop=fate_of("hang"))
+            )
+            stubborn = asyncio.create_task(
+                tools.call("mcp__b__stubborn", {"seconds": 60}, on_stop=fate_of("stubborn"))
+            )
+            await logged(logs["a"], call_of("hang"))
+            await logged(logs["b"], call_of("stubborn"))
+            echo = asyncio.create_task(
+                tools.call("mcp__a__echo", {"text": "mine"}, on_stop=fate_of("echo"))
+            )
+            hang.cancel()
+            stubborn.cancel()
+            done = await asyncio.gather(hang, stubborn, echo, return_exceptions=True)
+            assert isinstance(done[0], asyncio.CancelledError)
+            assert isinstance(done[1], asyncio.CancelledError)
+            assert isinstance(done[2], McpResult) and done[2].text == "mine"
+            assert fates == {"hang": ["cancelled"], "stubborn": ["abandoned"], "echo": []}
         finally:
             await tools.aclose()
 

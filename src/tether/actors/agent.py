@@ -388,8 +388,8 @@ class Session:
             self.header.id, frame.kind, frame.text, turn=frame.turn, data=frame.data
         )
         t = self.turn
-        if frame.kind == "assistant" and t is not None and t.id == frame.turn:
-            t.job.last_say = frame.text
+        if frame.kind == "assistant" and frame.text and t is not None and t.id == frame.turn:
+            t.job.last_say = frame.text  # an entry of tool calls only is no assistant text
         if h.events.wants("entry"):
             self._emit("entry", {"entry": msgspec.to_builtins(entry)})
 
@@ -810,11 +810,13 @@ class Session:
                 outcome=outcome,
                 forced=forced,
                 escalated=escalated,
-                partial=partial,
+                partial=partial or None,  # null, never "", when there is no assistant text
                 seen=seen,
             )
         elif t.preempt_report is not None:
-            report = msgspec.structs.replace(t.preempt_report, outcome=outcome, partial=partial)
+            report = msgspec.structs.replace(
+                t.preempt_report, outcome=outcome, partial=partial or None
+            )
             host.store.put_stop_report(report)
         record = {
             "turn": t.id,

@@ -39,7 +39,7 @@ from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS, schemas
 from tether.wire.errors import InvalidParams, Preempted, TetherError
-from tether.wire.frames import Preempt, Steer
+from tether.wire.frames import Cancel, Preempt, Steer
 from tether.wire.records import Entry
 from tether.wire.text import render_frame
 
@@ -268,6 +268,7 @@ class ChatAgent:
         name = call["function"]["name"]
         arguments = call["function"]["arguments"]
         data = {"tool_call_id": call["id"], "name": name, "arguments": arguments}
+        started = time.monotonic()
         try:
             if name in cfg.tools:
                 timer = _max_duration(ctx, cfg, name)
@@ -286,6 +287,12 @@ class ChatAgent:
         except Preempted as exc:
             text = _preempted_text(exc)
             data["preempted"] = True
+        except asyncio.CancelledError:
+            stop = ctx.cancel
+            if stop is not None:  # the turn's cancel: the call's entry says so
+                data["cancelled"] = True
+                ctx.record_tool(_cancelled_text(stop, time.monotonic() - started), data=data)
+            raise
         text = text[:_RESULT_CAP]
         ctx.record_tool(text, data=data)
         return text
@@ -388,21 +395,35 @@ def _messages(cfg: _Config, history: list[Entry], ctx: AsyncTurnContext) -> list
 def _paired(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every assistant tool call answered right after its reply, as the API requires: a
     call left without a result (its turn was stopped) gets one saying so; a tool result
-    with no call before it is dropped."""
+    with no call before it is dropped. A user message recorded while a reply's calls were
+    still running (a steer delivered at the boundary after one of them) waits until the
+    last of those calls has its result: where the live request had it too."""
     out: list[dict[str, Any]] = []
     open_ids: list[str] = []
+    held: list[dict[str, Any]] = []  # user messages recorded between the open calls
+
+    def close() -> None:
+        for missing in open_ids:
+            out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
+        open_ids.clear()
+        out.extend(held)
+        held.clear()
+
     for m in messages:
         if m["role"] == "tool":
             if m["tool_call_id"] in open_ids:
                 open_ids.remove(m["tool_call_id"])
                 out.append(m)
+                if not open_ids:
+                    close()  # the reply's calls all answered: what waited comes now
             continue
-        for missing in open_ids:
-            out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
-        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
+        if m["role"] == "user" and open_ids:
+            held.append(m)
+            continue
+        close()
+        open_ids.extend(c["id"] for c in m.get("tool_calls") or ())
         out.append(m)
-    for missing in open_ids:
-        out.append({"role": "tool", "tool_call_id": missing, "content": "(no result: stopped)"})
+    close()
     return out
 
 
@@ -423,6 +444,16 @@ def _preempted_text(exc: Preempted) -> str:
         head += f": {exc.reason}"
     partial = exc.partial.strip()
     return f"{head}\npartial output:\n{partial}" if partial else head
+
+
+def _cancelled_text(stop: Cancel, elapsed: float) -> str:
+    """The result a call cut by the turn's cancel gets: what a later turn's model reads."""
+    took = f"{elapsed:.0f} s" if elapsed >= 10 else f"{elapsed:.1f} s"
+    who = stop.origin or "user"
+    head = f"cancelled after {took} by {who}"
+    if stop.by and who != "watchdog":
+        head += f" ({stop.by})"
+    return f"{head}: {stop.reason}" if stop.reason else head
 
 
 def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.TimerHandle | None:
@@ -499,19 +530,25 @@ async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: 
         return json.dumps({"error": "invalid-params", "message": "arguments must be an object"})
     policy = mcp.policy(name)
     started = time.monotonic()
+    stops: list[tuple[str, str]] = []  # this call's own (fate, output so far)
     try:
         result = await ctx.preemptable(
             name,
-            mcp.call(name, args, on_progress=ctx.progress),
+            mcp.call(
+                name, args, on_progress=ctx.progress, on_stop=lambda f, p: stops.append((f, p))
+            ),
             preempt=policy.preempt,
-            fate=lambda: mcp.last_fate,
+            fate=lambda: stops[-1][0] if stops else None,
         )
+    except Preempted as exc:
+        if stops and not exc.partial:
+            exc.partial = stops[-1][1]  # the progress notices received: its output so far
+        raise
     except McpTimeout as exc:
         limit = policy.max_duration if exc.kind == "max_duration" else policy.idle_timeout
         reason = f"{exc.kind} {limit:g} s exceeded" if limit is not None else exc.kind
-        return _preempted_text(
-            ctx.report_preempt(name, reason, started=started, partial=exc.partial)
-        )
+        # raised, as a user's preempt is: the tool entry says ``preempted`` either way
+        raise ctx.report_preempt(name, reason, started=started, partial=exc.partial) from None
     if result.is_error:
         return json.dumps({"error": "tool-error", "message": result.text})
     return result.text

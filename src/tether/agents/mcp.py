@@ -698,11 +698,15 @@ class McpTools:
         arguments: dict[str, Any],
         *,
         on_progress: Callable[[], None] | None = None,
+        on_stop: Callable[[Fate, str], None] | None = None,
     ) -> McpResult:
         """Call ``mcp__<server>__<tool>``. A tool's error, or a server that died under
         the call, is an ``McpResult`` with ``is_error``; a cancel of the awaiting task
-        stops the call (``last_fate`` says how) and re-raises; a policy limit stops it
-        the same way and raises ``McpTimeout``."""
+        stops the call and re-raises; a policy limit stops it the same way and raises
+        ``McpTimeout``. A stopped call's fate and its output so far (the last progress
+        notice, or "") go to ``on_stop``: this call's own, whatever calls run alongside
+        it, and never for a call that was not stopped. ``last_fate`` is the latest
+        call's fate: an answer only for one call at a time."""
         server, tool = self._split(name)
         policy = self.policy(name)
         loop = asyncio.get_running_loop()
@@ -748,13 +752,21 @@ class McpTools:
                 if inner.done():
                     return self._ended(conn, inner, state)
         except asyncio.CancelledError:
-            self.last_fate, _ = await self._stop_bounded(conn, inner, state, policy, "cancel")
+            fate, _ = await self._stop_bounded(conn, inner, state, policy, "cancel")
+            self._stopped(fate, state, on_stop)
             raise
         fate, interrupted = await self._stop_bounded(conn, inner, state, policy, kind)
-        self.last_fate = fate
+        self._stopped(fate, state, on_stop)
         if interrupted:
             raise asyncio.CancelledError
         raise McpTimeout(kind, state.partial)
+
+    def _stopped(
+        self, fate: Fate, state: _CallState, on_stop: Callable[[Fate, str], None] | None
+    ) -> None:
+        self.last_fate = fate
+        if on_stop is not None:
+            on_stop(fate, state.partial)
 
     def _ended(self, conn: _Conn, inner: asyncio.Task[Any], state: _CallState) -> McpResult:
         rid = None if state.request_id is None else str(state.request_id)

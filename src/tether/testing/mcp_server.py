@@ -116,6 +116,7 @@ def build_server(log_path: str | None = None) -> MCPServer:
         for i in range(steps):
             await anyio.sleep(every)
             await ctx.report_progress(i + 1, steps, f"step {i + 1}")
+            _log(log_path, event="progress_sent", step=i + 1)
         return f"{steps} steps"
 
     @server.tool()
