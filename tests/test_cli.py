@@ -288,6 +288,30 @@ def test_transcript_prints_and_follows(server: LiveServer) -> None:
     assert after.count("\n") == 0 and "cancelled after" in after
 
 
+def test_transcript_names_the_calls_of_a_reply_that_is_only_tool_calls(server: LiveServer) -> None:
+    from tether.testing import ModelServer
+
+    with ModelServer() as model:
+        call = {"name": "run_command", "arguments": {"argv": ["echo", "hi"]}}
+        model.script("cli", [{"tool_calls": [call]}, {"text": "done"}])
+        config = {"model": {"base_url": model.url, "name": "cli", "retries": 0}}
+        config["tools"] = ["run_command"]
+        root = ok(
+            server, "open", "--driver", "tether.agents:ChatAgent", "--config", json.dumps(config)
+        )
+        ok(server, "prompt", root, "go")
+        wait_until(
+            lambda: server.call("subagent.turns", {"session": root})["turns"][-1]["outcome"],
+            what="the model turn to end",
+        )
+    lines = ok(server, "transcript", root).splitlines()
+    kinds = [line.split("] ", 1)[1].split(":", 1)[0] for line in lines]
+    assert kinds == ["user", "assistant", "tool", "assistant"], lines
+    assert lines[1].endswith("] assistant: (calls run_command)"), lines
+    assert lines[3].endswith("] assistant: done"), lines
+    assert "gap is\nnot a missing entry" in ok(server, "transcript", "--help")
+
+
 def test_watch_redraws_and_prints_markers(server: LiveServer) -> None:
     root, a, _, a1 = _tree(server)
     watch = Streaming(server, "watch", root, "--json")
