@@ -6,6 +6,7 @@ import io
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -504,3 +505,19 @@ def test_watch_shows_a_paused_session() -> None:
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(render_tree(root, [kid]))
     assert "kid s_kid paused pending=0" in console.export_text().splitlines()[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_names_the_lead_by_its_slug_and_ends_on_how_things_ended(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tether.cli.demo import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "lead  (idle)" in out and not re.search(r"lead [0-9a-f]{6}", out), out
+    before = out.split("Transcripts (last lines)")[0].splitlines()
+    last_frame = [line for line in before if line.strip() and not line.startswith("─")][-1]
+    assert last_frame.startswith("every subagent's turns have ended"), last_frame
+    assert "waiting for researcher" not in last_frame
+    assert "demo finished" in out
