@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import sqlite3
 import subprocess
@@ -435,6 +436,9 @@ def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
     assert "turn cancelled; partial reply kept" in out and "server saw the disconnect" in out
     assert "the MCP server got notifications/cancelled" in out
     assert "the model got: preempted after" in out
+    # The tool hung a visible while before the preempt: the model is not told 0.0 s.
+    elapsed = re.search(r"the model got: preempted after (\d+(?:\.\d)?) s", out)
+    assert elapsed is not None and float(elapsed.group(1)) >= 1.0, out
     assert "demo finished" in out
 
 

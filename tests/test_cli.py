@@ -6,6 +6,7 @@ import io
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -288,6 +289,30 @@ def test_transcript_prints_and_follows(server: LiveServer) -> None:
     assert after.count("\n") == 0 and "cancelled after" in after
 
 
+def test_transcript_names_the_calls_of_a_reply_that_is_only_tool_calls(server: LiveServer) -> None:
+    from tether.testing import ModelServer
+
+    with ModelServer() as model:
+        call = {"name": "run_command", "arguments": {"argv": ["echo", "hi"]}}
+        model.script("cli", [{"tool_calls": [call]}, {"text": "done"}])
+        config = {"model": {"base_url": model.url, "name": "cli", "retries": 0}}
+        config["tools"] = ["run_command"]
+        root = ok(
+            server, "open", "--driver", "tether.agents:ChatAgent", "--config", json.dumps(config)
+        )
+        ok(server, "prompt", root, "go")
+        wait_until(
+            lambda: server.call("subagent.turns", {"session": root})["turns"][-1]["outcome"],
+            what="the model turn to end",
+        )
+    lines = ok(server, "transcript", root).splitlines()
+    kinds = [line.split("] ", 1)[1].split(":", 1)[0] for line in lines]
+    assert kinds == ["user", "assistant", "tool", "assistant"], lines
+    assert lines[1].endswith("] assistant: (calls run_command)"), lines
+    assert lines[3].endswith("] assistant: done"), lines
+    assert "gap is\nnot a missing entry" in ok(server, "transcript", "--help")
+
+
 def test_watch_redraws_and_prints_markers(server: LiveServer) -> None:
     root, a, _, a1 = _tree(server)
     watch = Streaming(server, "watch", root, "--json")
@@ -480,3 +505,19 @@ def test_watch_shows_a_paused_session() -> None:
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(render_tree(root, [kid]))
     assert "kid s_kid paused pending=0" in console.export_text().splitlines()[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_names_the_lead_by_its_slug_and_ends_on_how_things_ended(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tether.cli.demo import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "lead  (idle)" in out and not re.search(r"lead [0-9a-f]{6}", out), out
+    before = out.split("Transcripts (last lines)")[0].splitlines()
+    last_frame = [line for line in before if line.strip() and not line.startswith("─")][-1]
+    assert last_frame.startswith("every subagent's turns have ended"), last_frame
+    assert "waiting for researcher" not in last_frame
+    assert "demo finished" in out

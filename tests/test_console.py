@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 
+import tether.serve.web
 from drivers import frozen
 from tether_server import LiveServer, running_server, settle, shared_server, wait_until
 
@@ -376,7 +378,10 @@ def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     expect(page.locator("#outcome")).to_contain_text(f"Pause: issued to turn {turn}")
     expect(state(page)).to_have_text("paused")
     expect(row_state(page, "held")).to_have_text("paused")
-    expect(transcript(page)).to_contain_text(f"⏸ Paused by user ({root}): let me look")
+    # "paused" once: the state says it, no badge repeats it (view and tree alike).
+    expect(page.locator("#badge")).to_be_hidden()
+    expect(item(page, "held").locator(":scope > .row .badge")).to_be_hidden()
+    expect(transcript(page)).to_contain_text(f"‖ Paused by user ({root}): let me look")
     wait_until(lambda: _stopped(procs), what="the worker and its sleep to be stopped")
     assert server.call("subagent.status", {"session": kid})["state"] == "paused"
 
@@ -621,3 +626,45 @@ def test_stop_subtree_aborts_every_running_turn_below_an_idle_parent(
         )
     # Nothing runs below it any more: Stop is off again.
     expect(page.get_by_role("button", name="Stop", exact=True)).to_be_disabled()
+
+
+def test_a_turn_no_worker_has_taken_reads_waiting_for_a_worker_in_the_tree(
+    tmp_path: Path, page: Page
+) -> None:
+    with running_server(tmp_path, "--workers", "1") as server:
+        root = open_root(server)
+        first = spawn(server, root, "first")
+        server.wait_state(first, "running")
+        second = spawn(server, root, "second")  # the one worker is busy: its turn waits
+        info = server.wait_state(second, "running")
+        assert info["dispatched"] is False
+        console(page, server, root)
+        expect(row_state(page, "first")).to_have_text("running")
+        expect(row_state(page, "second")).to_have_text("waiting for a worker")
+        server.call(
+            "subagent.interrupt", {"address": address(first, root), "kind": "abort", "reason": "x"}
+        )
+        expect(row_state(page, "first")).to_have_text("parked")
+        expect(row_state(page, "second")).to_have_text("running")
+        server.call(
+            "subagent.interrupt", {"address": address(second, root), "kind": "abort", "reason": "x"}
+        )
+        server.wait_state(second, "parked")
+
+
+def test_every_marker_glyph_is_drawn_by_the_default_font() -> None:
+    # Debian's chromium falls back to DejaVu Sans; a glyph it lacks shows as an empty box
+    # where no symbol font is installed (U+23F8 did).
+    if shutil.which("fc-list") is None:
+        pytest.skip("fc-list (fontconfig) is not installed")
+    if not subprocess.run(
+        ["fc-list", ":family=DejaVu Sans"], capture_output=True, text=True
+    ).stdout:
+        pytest.skip("DejaVu Sans is not installed")
+    view = (Path(tether.serve.web.__file__).parent / "view.js").read_text()
+    glyphs = set(re.findall(r'^\s+\w+: \["(.)", "\w+"\],', view, re.M))
+    assert len(glyphs) >= 3, glyphs
+    for glyph in glyphs:
+        query = f":family=DejaVu Sans:charset={ord(glyph):x}"
+        found = subprocess.run(["fc-list", query], capture_output=True, text=True).stdout
+        assert found, f"{glyph!r} (U+{ord(glyph):04X}) is not in DejaVu Sans"

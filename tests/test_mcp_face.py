@@ -69,9 +69,11 @@ async def stdio_session(
 
 @asynccontextmanager
 async def http_session(
-    server: LiveServer, token: str | None = None
+    server: LiveServer, token: str | None = None, owner: str | None = None
 ) -> AsyncIterator[ClientSession]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if owner is not None:
+        headers["Tether-Owner"] = owner
     async with (
         httpx2.AsyncClient(headers=headers, timeout=30) as http,
         streamable_http_client(server.url + "/mcp", http_client=http) as (read, write),
@@ -482,5 +484,93 @@ def test_an_mcp_subtree_cancel_stops_every_running_turn_below_the_agent(tmp_path
             for agent in (a, b):
                 assert (await ok(mcp, "wait_agent", agent=agent))["agent"]["state"] == "parked"
             assert (await ok(mcp, "list_agents"))["agents"][0]["state"] == "idle"  # the root
+
+    anyio.run(body)
+
+
+def test_an_http_mcp_client_naming_its_owner_acts_on_its_agents_after_reconnecting(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with http_session(server, owner="alice@laptop") as first:
+            root = (await ok(first, "spawn_agent", slug="kept"))["agent"]
+            child = (await ok(first, "spawn_agent", parent=root, prompt="w", data=HANG))["agent"]
+            turn = await running_turn(first, root, child)
+        # A new connection (a new MCP session) naming the same owner holds the same roots.
+        async with http_session(server, owner="alice@laptop") as again:
+            assert [a["id"] for a in (await ok(again, "list_agents"))["agents"]] == [root]
+            steer = await ok(again, "interrupt_agent", agent=child, kind="steer", reason="left")
+            assert steer == {"accepted": True, "turn": turn}
+            # Another owner, or none, is a stranger to them.
+            async with http_session(server, owner="bob") as bob, http_session(server) as anon:
+                for stranger in (bob, anon):
+                    refused = await call(stranger, "interrupt_agent", agent=child, kind="abort")
+                    assert refused["error"] == "subagent-unauthorized"
+                    assert (await ok(stranger, "list_agents"))["agents"] == []
+            stopped = await ok(again, "interrupt_agent", agent=child, kind="abort", turn=turn)
+            assert stopped == {"accepted": True, "turn": turn}
+
+    anyio.run(body)
+
+
+def test_tether_mcp_on_a_store_a_server_holds_says_so_in_one_line(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server:
+        done = subprocess.run(
+            [TETHER, "mcp", "--path", str(tmp_path / "state.db")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            input="",  # a pipe closed at once: only the store stops it
+        )
+        assert server.proc is not None and server.proc.poll() is None
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("tether mcp: the store ") and "in use" in done.stderr
+    assert done.stdout == ""
+
+
+def test_tether_mcp_with_stdin_at_end_of_file_from_the_start_exits_cleanly(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [TETHER, "mcp", "--path", str(tmp_path / "state.db"), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+def test_a_waited_message_queued_behind_a_running_turn_says_so_in_its_progress(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        async with stdio_session(tmp_path / "state.db") as mcp:
+            root = (await ok(mcp, "spawn_agent"))["agent"]
+            await ok(mcp, "send_message", to=root, text="first", data=HANG)
+            turn = await until(
+                lambda: _running(mcp), "the first turn to run"
+            )  # two workers: the second message has one free, and still waits its turn
+            notes: list[str | None] = []
+
+            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+                notes.append(message)
+
+            result = await mcp.call_tool(
+                "send_message",
+                {"to": root, "text": "second", "wait": True, "timeout": 2.5},
+                progress_callback=on_progress,
+            )
+            assert result.structured_content is not None
+            assert result.structured_content["timed_out"] is True
+            assert notes and set(notes) == {f"queued behind the running turn {turn}"}, notes
+            await ok(mcp, "interrupt_agent", agent=root, kind="abort", turn=turn)
+
+    async def _running(mcp: ClientSession) -> str | None:
+        info = (await ok(mcp, "list_agents"))["agents"][0]
+        return info["turn"] if info["state"] == "running" else None
 
     anyio.run(body)

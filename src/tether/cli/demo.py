@@ -43,7 +43,7 @@ def _work(topic: str, steps: int) -> list[dict[str, Any]]:
 
 
 def _render(rt: Runtime, lead: str, headline: str) -> Group:
-    tree = Tree(Text(f"lead {lead[-6:]}  ({rt.status(lead).state})", style="bold"))
+    tree = Tree(Text(f"lead  ({rt.status(lead).state})", style="bold"))
     agents = rt.list_agents(lead, scope="descendants")
     for a in agents:
         last = rt.transcript(a.id)[-1:] if a.state != "dormant" else []
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 "woken; ran the parked follow-up, then the new one",
             )
             _until(rt, live, lead, "waiting for researcher", turns_ended(kids["researcher"], 1), 60)
+            # The last frame stays on screen: it says how things ended, not what was awaited.
+            live.update(_render(rt, lead, "every subagent's turns have ended"))
 
         console.print()
         console.rule("[bold]Transcripts (last lines)")

@@ -27,6 +27,7 @@ from tether.testing.model_server import ModelServer
 __all__ = ["main"]
 
 CHAT = "tether.agents:ChatAgent"
+_HUNG_FOR = 1.5  # seconds the tester's MCP call hangs before the preempt
 
 _SCRIPTS: dict[str, list[dict[str, Any]]] = {
     "researcher": [
@@ -149,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         rt.send(kids["tester"], "Find the flaky test's issue.", authority=me)
         call = _wait("the MCP call", lambda: _logged(mcp_log, "tools/call"), timeout=60)
+        # Let the call hang a visible while: a preempt the moment it arrives would tell
+        # the model "preempted after 0.0 s", which is no hung tool.
+        time.sleep(_HUNG_FOR)
+        say(f"→ the tracker call has hung for {_HUNG_FOR:.1f} s: preempting it", "bold")
         rt.interrupt(kids["tester"], authority=me, kind="preempt", reason="the tracker is hung")
         _wait("the tester's turn", ended(kids["tester"]), timeout=60)
         cancelled = _logged(mcp_log, "notifications/cancelled")

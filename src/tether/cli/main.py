@@ -410,11 +410,23 @@ def _release(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def entry_line(entry: dict[str, Any]) -> str:
+    """One transcript entry as a person reads it. A reply that is only tool calls has no
+    text: its calls are named, so no entry prints as nothing."""
+    data = entry.get("data") or {}
+    calls = data.get("tool_calls") if isinstance(data, dict) else None
+    names = [str((c.get("function") or {}).get("name") or "?") for c in calls or ()]
+    text = entry["text"]
+    if names:
+        text += ("  " if text else "") + f"(calls {', '.join(names)})"
+    return f"[{entry['seq']}] {entry['kind']}: {text or '(no text)'}"
+
+
 def _print_entry(args: argparse.Namespace, entry: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(entry, ensure_ascii=False), flush=True)
     else:
-        print(f"[{entry['seq']}] {entry['kind']}: {entry['text']}", flush=True)
+        print(entry_line(entry), flush=True)
 
 
 def _print_after(args: argparse.Namespace, client: Client, after: int) -> int:
@@ -733,7 +745,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "transcript",
         "print a session's transcript (with --follow, keep printing new entries)",
-        "tether transcript s_01J… --follow",
+        "tether transcript s_01J… --follow\n\n"
+        "Every entry is printed, as [seq] kind: text. Seq numbers count across the whole\n"
+        "store, so one session's skip the numbers of other sessions' entries: a gap is\n"
+        "not a missing entry. A reply that is only tool calls names them; --json prints\n"
+        "every field (data included).",
         _transcript,
     )
     p.add_argument("id", help="session id")

@@ -14,7 +14,9 @@ on those roots and on anything below them; for each call the face finds the targ
 root (its durable lineage, which never changes) and presents ``User(parent=<the
 target's durable parent>)``, so the runtime decides authority exactly as on ``/rpc``.
 Anything else is refused with ``subagent-unauthorized``. Over stdio the process is the
-client; over HTTP each MCP session (``Mcp-Session-Id``) is one.
+client. Over HTTP each MCP session (``Mcp-Session-Id``) is one, unless it names an owner
+in the ``Tether-Owner`` header: every connection naming the same owner holds the same
+roots, so a client that reconnects keeps the agents it opened.
 
 The argument Structs extend those of ``tether.tools`` (one source for both schemas).
 A call that waits (``wait: true``, ``wait_agent``) sends progress notifications while
@@ -58,7 +60,7 @@ from tether.driver.tools import StopReportArgs as ToolStopReportArgs
 from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_of_message
 from tether.wire.errors import InvalidParams, TetherError, Unauthorized
 
-__all__ = ["TOOLS", "McpFace", "McpHttp", "run_stdio"]
+__all__ = ["OWNER_HEADER", "TOOLS", "McpFace", "McpHttp", "run_stdio"]
 
 log = structlog.get_logger("tether.mcp")
 
@@ -66,6 +68,8 @@ _POLL: Final = 0.05  # seconds between two looks while a call waits
 _PROGRESS_EVERY: Final = 1.0  # seconds between progress notifications while waiting
 _MAX_DEPTH: Final = 64  # the lineage walk is bounded, as the runtime's (SPEC §6)
 _STDIO: Final = "stdio"
+OWNER_HEADER: Final = "tether-owner"  # an HTTP client's owner id, kept across connections
+_MAX_OWNER: Final = 256
 
 # ---- arguments: the tether.tools Structs, extended --------------------------------------
 
@@ -269,7 +273,13 @@ class McpFace:
             key: str | None = _STDIO
         else:
             headers = getattr(ctx.request, "headers", None)
-            key = headers.get("mcp-session-id") if headers is not None else None
+            owner = headers.get(OWNER_HEADER) if headers is not None else None
+            if owner:
+                if len(owner) > _MAX_OWNER:
+                    raise InvalidParams(f"a {OWNER_HEADER} is at most {_MAX_OWNER} characters")
+                key = "owner:" + owner  # never a session id: those are hex, with no colon
+            else:
+                key = headers.get("mcp-session-id") if headers is not None else None
         if key is None:  # a stateless request: it holds only the configured roots
             return set(self.options.roots)
         return self._held.setdefault(key, set(self.options.roots))
@@ -287,10 +297,9 @@ class McpFace:
             args = msgspec.convert(raw, args_type)
         except msgspec.ValidationError as exc:
             return {"error": "invalid-params", "message": f"{name}: {exc}"}
-        call = _Call(ctx, self._holdings(ctx))
         handler: Callable[[_Call, Any], Awaitable[dict[str, Any]]] = getattr(self, method)
         try:
-            return await handler(call, args)
+            return await handler(_Call(ctx, self._holdings(ctx)), args)
         except TetherError as exc:
             code = "invalid-params" if exc.code == "driver-not-found" else exc.code
             return {"error": code, "message": exc.message}
@@ -364,9 +373,22 @@ class McpFace:
                 return {"turn": turn_id, "outcome": None, "text": text, "timed_out": True}
             if now - last_note >= _PROGRESS_EVERY:
                 last_note = now
-                note = "waiting for a worker" if turn_id is None else (text or "working")
+                note = await self._run(self._where, session, turn_id, text)
                 await self._progress(call, started, timeout, note[:200])
             await anyio.sleep(_POLL)
+
+    def _where(self, session: str, turn: str | None, text: str | None) -> str:
+        """Where a waited-for message is, as a progress note: queued behind another
+        turn, claimed but waiting for a worker, or its turn's latest words."""
+        info = self.rt.status(session)
+        if turn is None:  # not claimed yet: it waits in the inbox
+            if info.turn is not None:
+                how = "paused" if info.state == "paused" else "running"
+                return f"queued behind the {how} turn {info.turn}"
+            return f"queued ({session} is {info.state})"
+        if info.turn == turn and info.state == "running" and not info.dispatched:
+            return "waiting for a worker"
+        return text or "working"
 
     async def _first_message(self, agent: str) -> str:
         """The id of a new child's first message: pending in its inbox, or claimed by its
@@ -557,6 +579,9 @@ class _StdinLines:
         os.set_blocking(self._fd, False)
         self._buffer = b""
         self._eof = False
+        # A file (``< /dev/null``, ``< requests.jsonl``) cannot be waited on, and a read
+        # of it never blocks: it is read directly.
+        self._pollable = True
 
     def __aiter__(self) -> _StdinLines:
         return self
@@ -569,7 +594,11 @@ class _StdinLines:
                 return (line + newline).decode("utf-8", errors="replace")
             if self._eof:
                 raise StopAsyncIteration
-            await anyio.wait_readable(self._fd)
+            if self._pollable:
+                try:
+                    await anyio.wait_readable(self._fd)
+                except PermissionError:  # epoll refuses a regular file or /dev/null
+                    self._pollable = False
             try:
                 chunk = os.read(self._fd, 1 << 16)
             except BlockingIOError:
@@ -623,5 +652,24 @@ def run_stdio(
         finally:
             stdin.close()
 
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except BaseExceptionGroup as group:  # the task group's: say a TetherError as itself
+        found = _tether_error(group)
+        if found is None:
+            raise
+        raise found from None
     return 0
+
+
+def _tether_error(group: BaseExceptionGroup[Any]) -> TetherError | None:
+    """The first TetherError in ``group`` (nested groups included), e.g. a store that
+    another host holds (``StoreLocked``), so the command says it in one line."""
+    for exc in group.exceptions:
+        if isinstance(exc, TetherError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _tether_error(exc)
+            if found is not None:
+                return found
+    return None

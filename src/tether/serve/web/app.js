@@ -233,14 +233,18 @@ function onEvent(ev) {
   const known = store.sessions.has(ev.session);
   const info = session(ev.session);
   if (ev.event === "state") {
+    const turn = info.turn;
     for (const field of STATE_FIELDS) info[field] = ev.data[field];
     info.fromEvents = true;
+    if (info.turn !== turn) info.dispatched = undefined; // unknown until re-listed
   } else if (ev.event === "marker") {
     info.marker = ev.data.entry;
   }
   if (root === store.root) {
     const inTree = ev.session === root || store.order.includes(ev.session);
-    if (!known || !inTree || (ev.event === "entry" && ev.data.entry.kind === "tool")) scheduleTree();
+    // No event says a worker took a turn: while that is unknown or not yet so, re-list.
+    const unsure = info.state === "running" && info.dispatched !== true;
+    if (!known || !inTree || unsure || (ev.event === "entry" && ev.data.entry.kind === "tool")) scheduleTree();
     updateRow(ev.session);
   }
   if (ev.session === store.selected) {

@@ -1,5 +1,5 @@
 // The session tree (role="tree"): one treeitem per session, named by its slug (or id),
-// with its state, pending count, a stopping/paused badge and its last marker.
+// with its state, pending count, a stopping badge and its last marker.
 // Rows are kept by id and updated in place, so a live update never steals focus.
 
 import { $, h, setText } from "./dom.js";
@@ -82,9 +82,10 @@ export function updateRow(id) {
   r.li.dataset.state = info.state;
   r.li.setAttribute("aria-selected", String(store.selected === id));
   setText(r.name, label(info));
-  setText(r.state, info.state);
+  // As `tether tree` says it: a claimed turn no worker has taken yet is not running.
+  setText(r.state, info.state === "running" && info.dispatched === false ? "waiting for a worker" : info.state);
   setText(r.pending, info.pending ? `${info.pending} pending` : "");
-  const badge = info.state === "paused" ? "paused" : info.stopping ? `stopping: ${info.stopping}` : "";
+  const badge = info.stopping ? `stopping: ${info.stopping}` : "";
   setText(r.badge, badge);
   r.badge.hidden = !badge;
   setText(r.marker, info.marker ? markerText(info.marker, { short: true }) : "");

@@ -13,7 +13,8 @@ const VERBS = {
   cancelled: ["⊘", "Cancelled"],
   aborted: ["⊘", "Aborted"],
   preempted: ["⊘", "Preempted"],
-  paused: ["⏸", "Paused"],
+  // U+2016, not U+23F8 (⏸): that one is drawn only where a symbol font is installed.
+  paused: ["‖", "Paused"],
   resumed: ["▶", "Resumed"],
 };
 
@@ -63,7 +64,8 @@ export function renderFacts() {
   setText($("view-title"), label(info));
   setText($("state"), info.state);
   $("state").dataset.state = info.state;
-  const badge = info.state === "paused" ? "paused" : info.stopping ? `stopping: ${info.stopping}` : "";
+  // State already reads "paused": the badge is only for a stop under way.
+  const badge = info.stopping ? `stopping: ${info.stopping}` : "";
   setText($("badge"), badge);
   $("badge").hidden = !badge;
   setText($("pending"), String(info.pending));
