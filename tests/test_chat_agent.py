@@ -804,3 +804,117 @@ def test_a_cancelled_mcp_call_leaves_a_tool_entry_saying_so_and_the_report_a_nul
     [_, later] = server.requests_for("mcp-cancelled")
     results = [m["content"] for m in later.body["messages"] if m["role"] == "tool"]
     assert results == [text]
+
+
+def _echo_turn(
+    rt: tether.Runtime, rec: Recorder, server: ModelServer, tmp_path: Path, script: str, env: str
+) -> tuple[str, User]:
+    """A session whose MCP server differs from others' by ``env`` (TETHER_TEST_SET) and
+    one completed turn of it that called the server's echo tool."""
+    mcp, _log = _mcp(tmp_path)
+    mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
+        {"text": "ok"},
+    ]
+    _root, child, me = _agent(rt, server, script, replies, mcp=mcp)
+    rt.send(child, "echo", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    return child, me
+
+
+def _servers_by_set(rt: tether.Runtime) -> dict[str, list[psutil.Process]]:
+    found: dict[str, list[psutil.Process]] = {}
+    for p in _mcp_server_procs(rt):
+        with contextlib.suppress(psutil.Error):
+            found.setdefault(p.environ().get("TETHER_TEST_SET", "?"), []).append(p)
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_disposing_a_session_closes_the_stdio_servers_its_worker_opened_for_it_and_no_others(
+    server: ModelServer, tmp_path: Path, db_path: str
+) -> None:
+    # Two sessions with distinct MCP configs on one worker: disposing one kills its
+    # server at once (not when the LRU bound gets to it); the other's server stays, and
+    # the other's next turn still calls it.
+    with tether.Runtime(db_path, workers=1, grace=1.0) as one:
+        rec = Recorder(one)
+        a, me_a = _echo_turn(one, rec, server, tmp_path, "mcp-disposed-a", "a")
+        b, me_b = _echo_turn(one, rec, server, tmp_path, "mcp-disposed-b", "b")
+        before = _servers_by_set(one)
+        assert sorted(before) == ["a", "b"] and all(len(v) == 1 for v in before.values())
+        [worker] = {p.ppid() for procs in before.values() for p in procs}
+        [srv_a], [srv_b] = before["a"], before["b"]
+        one.dispose(a, authority=me_a)
+        eventually(lambda: not alive(srv_a), timeout=30.0, what="a's server to be closed")
+        assert alive(srv_b) and sorted(_servers_by_set(one)) == ["b"]
+        assert worker in one.worker_pids  # the same worker: nothing was killed
+        replies = [
+            {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "again"}}]},
+            {"text": "still ok"},
+        ]
+        server.script("mcp-disposed-b", replies)
+        one.send(b, "echo again", authority=me_b)
+        assert rec.turn_ended(b, count=2, timeout=60.0)["outcome"] == "completed"
+        [_, second] = server.requests_for("mcp-disposed-b")[-2:]
+        assert [m["content"] for m in second.body["messages"] if m["role"] == "tool"][-1] == (
+            "again"
+        )
+        assert _servers_by_set(one) == {"b": [srv_b]}  # the same server served it
+
+
+@pytest.mark.timeout(180)
+def test_disposing_one_of_two_sessions_that_share_an_mcp_config_keeps_their_server(
+    server: ModelServer, tmp_path: Path, db_path: str
+) -> None:
+    # The set goes only with the last session that used it: disposing the other too
+    # (dormant by then, released) closes it.
+    with tether.Runtime(db_path, workers=1, grace=1.0) as one:
+        rec = Recorder(one)
+        a, me_a = _echo_turn(one, rec, server, tmp_path, "mcp-shared-a", "s")
+        b, me_b = _echo_turn(one, rec, server, tmp_path, "mcp-shared-b", "s")
+        [srv] = _servers_by_set(one)["s"]
+        one.dispose(a, authority=me_a)
+        one.release(b)  # dormant: its host no longer holds it, the worker still does
+        # a frame after the disposal's, handled after it: a turn of another session
+        _c, _me = _echo_turn(one, rec, server, tmp_path, "mcp-shared-c", "c")
+        assert alive(srv) and _servers_by_set(one)["s"] == [srv]
+        one.dispose(b, authority=me_b)
+        eventually(lambda: not alive(srv), timeout=30.0, what="the shared server to be closed")
+        assert sorted(_servers_by_set(one)) == ["c"]
+
+
+@pytest.mark.timeout(180)
+def test_a_disposal_while_the_worker_runs_a_paused_turn_waits_for_it_and_never_disturbs_it(
+    server: ModelServer, tmp_path: Path, db_path: str
+) -> None:
+    # The one worker holds a's server and runs b's turn (in a tool, then paused): the
+    # disposal of a returns at once, a's server stays while b's turn runs, b's turn
+    # resumes and completes untouched, and a's server goes after it.
+    with tether.Runtime(db_path, workers=1, grace=1.0) as one:
+        rec = Recorder(one)
+        a, me_a = _echo_turn(one, rec, server, tmp_path, "mcp-busy-a", "a")
+        [srv_a] = _servers_by_set(one)["a"]
+        go = tmp_path / "go"
+        wait_go = f"while [ ! -e {go} ]; do sleep 0.01; done; echo released"
+        replies = [
+            {"tool_calls": [{"name": "run_command", "arguments": {"argv": ["sh", "-c", wait_go]}}]},
+            {"text": "b is done"},
+        ]
+        _root, b, me_b = _agent(one, server, "mcp-busy-b", replies)
+        one.send(b, "wait", authority=me_b)
+        worker_with_tool(one, "sleep")
+        [running] = one.pause(b, authority=me_b, reason="hold on")
+        began = time.monotonic()
+        one.dispose(a, authority=me_a)
+        assert time.monotonic() - began < 5.0  # the paused worker held nothing up
+        assert alive(srv_a)  # nothing runs in the worker between turns until b's ends
+        assert one.resume(b, authority=me_b) == [running]
+        go.touch()
+        ended = rec.turn_ended(b, timeout=60.0)
+        assert ended["outcome"] == "completed", ended
+        [_, second] = server.requests_for("mcp-busy-b")
+        [result] = [m["content"] for m in second.body["messages"] if m["role"] == "tool"]
+        assert "released" in result
+        eventually(lambda: not alive(srv_a), timeout=30.0, what="a's server to be closed")

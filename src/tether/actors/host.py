@@ -443,6 +443,7 @@ class SessionHost(pykka.ThreadingActor):
             if node is not None:
                 node.settled = True
             self._store.settle(sid)
+            self._executor.disposed([sid])  # what workers keep for it may go
         s.publish()
 
     # ---- materialization ----------------------------------------------------------
@@ -633,6 +634,7 @@ class SessionHost(pykka.ThreadingActor):
             return
         node.settled = True
         self._store.settle(sid)
+        self._executor.disposed([sid])  # dormant: a worker may still keep its servers
         if self._events.wants("state"):
             lineage = self._dir.catalog.lineage(sid)
             data = {"state": "settled", "pending": 0, "stopping": None, "turn": None}

@@ -179,6 +179,11 @@ class Executor(Protocol):
     def dispatched(self, turn: str) -> bool:
         """True once a worker has taken ``turn`` (False while it waits for one)."""
 
+    def disposed(self, sessions: list[str]) -> None:
+        """``sessions`` are settled for good: tell the workers that may keep something
+        of theirs across turns (a kit's tool servers), so that it goes. Best effort, and
+        never waits on a worker: a dead, busy or paused one holds nothing up."""
+
 
 class Durable(Protocol):
     def wait(self, timeout: float | None = None) -> None: ...

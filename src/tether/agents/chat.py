@@ -37,6 +37,7 @@ import structlog
 
 from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
+from tether.driver.disposal import on_disposed
 from tether.driver.tools import TOOLS, schemas
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Cancel, Preempt, Steer
@@ -481,6 +482,10 @@ def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.Tim
 # would count against later turns' process limits.
 _mcp_cache: OrderedDict[str, McpTools] = OrderedDict()
 _MCP_SETS = 4
+# The sessions whose turns used each set in this worker (same keys as _mcp_cache): when
+# the last of them is disposed, the set is closed at once (``_disposed``), not when the
+# LRU bound gets to it.
+_mcp_users: dict[str, set[str]] = {}
 
 
 async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
@@ -493,6 +498,7 @@ async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
     tools = _mcp_cache.get(key)
     if tools is not None:
         _mcp_cache.move_to_end(key)
+        _mcp_users[key].add(ctx.session)
         return tools
     try:
         tools = McpTools(servers, policies=cfg.tool_policy, grace=grace)
@@ -500,10 +506,29 @@ async def _mcp_tools(ctx: AsyncTurnContext, cfg: _Config) -> McpTools | None:
         raise ModelError(_one_line(f"config.mcp: {exc.message}")) from None
     while len(_mcp_cache) >= _MCP_SETS:
         # one turn runs in a worker at a time: every other set is idle, none is mid-call
-        _, evicted = _mcp_cache.popitem(last=False)
+        old, evicted = _mcp_cache.popitem(last=False)
+        _mcp_users.pop(old, None)
         await asyncio.shield(evicted.aclose())  # a cancel of this turn must not halve it
     _mcp_cache[key] = tools
+    _mcp_users[key] = {ctx.session}
     return tools
+
+
+@on_disposed
+async def _disposed(sessions: list[str]) -> None:
+    """Sessions settled for good (the worker runs this between turns): close every set
+    that no session left uses, its stdio trees killed. A set another session used
+    stays, even if that one is dormant: it may wake."""
+    gone = set(sessions)
+    closing: list[McpTools] = []
+    for key, users in list(_mcp_users.items()):
+        if users & gone:
+            users -= gone
+            if not users:
+                del _mcp_users[key]
+                closing.append(_mcp_cache.pop(key))
+    for tools in closing:
+        await tools.aclose()
 
 
 def _tell_missing(messages: list[dict[str, Any]], missing: dict[str, str]) -> None:

@@ -107,3 +107,6 @@ class ClaimGate:
 
     def dispatched(self, turn: str) -> bool:
         return turn not in self._held and self._backend.dispatched(turn)
+
+    def disposed(self, sessions: list[str]) -> None:
+        self._backend.disposed(sessions)

@@ -16,6 +16,8 @@
     Escalate ──────────────────────────────► reader thread: the cancel is never handed
     ◄──────────────────── Escalating            over now (unless it already was)
     ◄──────────────────── TurnEnd             driver returned or raised
+    Disposed ──────────────────────────────► main thread, between turns: the driver
+                                               room's disposal hooks (a kit's servers)
 
 The reader thread never runs driver code; the main thread never reads the socket. A
 frame for another turn than the current one is stale and dropped. When the channel ends
@@ -39,16 +41,19 @@ import time
 from typing import Any, NoReturn
 
 import msgspec
+import structlog
 
 from tether.driver._command import COMMAND_ENV
 from tether.driver._turn import _TurnState, end_of
 from tether.driver.context import TurnContext
+from tether.driver.disposal import disposal_hooks
 from tether.runtime._log import configure_logging
 from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound
 from tether.wire.frames import (
     CancelFrame,
+    Disposed,
     Escalate,
     Escalating,
     HostFrame,
@@ -166,6 +171,9 @@ def _sweep_and_exit() -> NoReturn:
 
 _SWEEP_PASSES = 50
 _leaving = threading.Lock()
+_DISPOSAL_WAIT = 10.0  # seconds the disposal hooks may take, all told, between turns
+
+log = structlog.get_logger("tether.worker")
 
 
 def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
@@ -190,7 +198,7 @@ class _Worker:
         self.loop: asyncio.AbstractEventLoop | None = None  # made by the first async turn
         self.current: _TurnState | None = None
         self.lock = threading.Lock()
-        self.runs: list[RunTurn | Probe | None] = []
+        self.runs: list[RunTurn | Probe | Disposed | None] = []
         self.runs_ready = threading.Condition(self.lock)
 
     def send(self, frame: msgspec.Struct) -> None:
@@ -225,7 +233,7 @@ class _Worker:
                 _sweep_and_exit()
                 break
             match frame:
-                case RunTurn() | Probe():
+                case RunTurn() | Probe() | Disposed():
                     with self.lock:
                         if isinstance(frame, RunTurn):
                             self.current = _TurnState(frame, self)
@@ -284,11 +292,27 @@ class _Worker:
                         self.send(ProbeReply(driver=driver))
                     except DriverNotFound as exc:
                         self.send(ProbeReply(driver=driver, error=exc.message))
+                case Disposed(sessions=sessions):
+                    self._disposed(sessions)
                 case RunTurn():
                     with self.lock:
                         state = self.current
                     assert state is not None and state.turn == item.turn
                     self.send(self._run(item, state))
+
+    def _disposed(self, sessions: list[str]) -> None:
+        """The disposal hooks, here on the main thread between turns: no turn runs while
+        they do, so what they close is never in use. A hook's failure is logged, never
+        the worker's end; together they get ``_DISPOSAL_WAIT``, then the next turn."""
+        deadline = time.monotonic() + _DISPOSAL_WAIT
+        for hook in disposal_hooks():
+            try:
+                pending = hook(sessions)
+                if pending is not None:
+                    left = max(0.0, deadline - time.monotonic())
+                    self.event_loop().run_until_complete(asyncio.wait_for(pending, left))
+            except Exception as exc:
+                log.warning("worker.disposal_hook_failed", hook=repr(hook), error=repr(exc))
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         """This worker's one event loop, for its whole life: whatever an async driver keeps

@@ -1,7 +1,8 @@
 """Host <-> worker frames: one tagged union per direction, one typed decoder each.
 
-Every frame names the turn it belongs to, so a frame that arrives after its turn ended
-(a late steer, a late tool reply) is recognised and dropped rather than misapplied.
+Every frame of a turn names the turn it belongs to, so a frame that arrives after its
+turn ended (a late steer, a late tool reply) is recognised and dropped rather than
+misapplied. A worker's own frames (a driver check, a disposal, the shutdown) name none.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "Cancel",
     "CancelFrame",
     "Delivered",
+    "Disposed",
     "Escalate",
     "Escalating",
     "HostFrame",
@@ -121,11 +123,29 @@ class Probe(msgspec.Struct, frozen=True, tag="probe"):
     driver: str
 
 
+class Disposed(msgspec.Struct, frozen=True, tag="disposed"):
+    """These sessions are settled for good: no turn of theirs will run again. A worker
+    runs it between turns, never during one: what it keeps for them across turns (an
+    agent kit's tool servers) may go. Names no turn: it is for the worker, not a turn."""
+
+    sessions: list[str]
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-HostFrame = RunTurn | SteerFrame | CancelFrame | Preempt | ToolReply | Escalate | Probe | Shutdown
+HostFrame = (
+    RunTurn
+    | SteerFrame
+    | CancelFrame
+    | Preempt
+    | ToolReply
+    | Escalate
+    | Probe
+    | Disposed
+    | Shutdown
+)
 
 
 # ---- worker -> host -----------------------------------------------------------------

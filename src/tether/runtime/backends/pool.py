@@ -96,6 +96,7 @@ from tether.runtime.backends._turns import (
 from tether.wire.codec import decode_frame, encode_frame
 from tether.wire.errors import FrameError, TetherError
 from tether.wire.frames import (
+    Disposed,
     HostFrame,
     Probe,
     ProbeReply,
@@ -118,6 +119,7 @@ _MAX_START_FAILURES = 3  # at construction only: later, a failed start is retrie
 _BACKOFF_FIRST = 0.01  # seconds before the first retry (of a start, or of a kill) ...
 _BACKOFF_MAX = 1.0  # ... doubling up to this
 _KILL_STUCK_TRIES = 20  # a kill retried this often is logged as an error (escalation)
+_DISPOSED_HELD = 10_000  # disposed sessions' ids held for a paused worker, at most
 
 
 # What the pool asks of the runtime for a worker's frames (the turn table's host).
@@ -196,6 +198,9 @@ class _Worker:
         self.found: dict[int, tuple[psutil.Process, Any]] = {}
         self.reader_done = False  # the loop is done with its stream (and its strand)
         self.finished = False
+        # Sessions disposed while a pause stopped this worker (it reads nothing then, so
+        # its outbox would grow): posted when it is thawed. Under the pool's lock.
+        self.disposed: list[str] = []
 
     def post(self, frame: HostFrame, *, bounded: bool = False) -> None:
         """Send ``frame`` to the worker; never blocks. FrameError if it is over the cap;
@@ -292,6 +297,9 @@ class _Worker:
                 self.leaf.thaw()
             else:
                 thaw_tree(self.pid, escapees)  # signals only: no walk under the lock
+            if self.disposed:  # after the thaw: it reads them between turns
+                sessions, self.disposed = self.disposed, []
+                self.post(Disposed(sessions=sessions))
 
 
 class Pool(TableBackend["_Worker"]):
@@ -390,6 +398,27 @@ class Pool(TableBackend["_Worker"]):
             if driver not in self._probe_replies:
                 raise WorkerGone
             return self._probe_replies.pop(driver)
+
+    def disposed(self, sessions: list[str]) -> None:
+        """Tell every worker that may have run these sessions' turns (an active one: the
+        spare has run none) that they are settled; it closes what it keeps for them
+        between turns. Posted, never waited for: a busy worker acts on it after its
+        turn, a dead one never, and a stopped one (paused) is sent it when thawed."""
+        frame = Disposed(sessions=sessions)
+        with self._lock:
+            if self.turns.closed:
+                return  # every worker is being stopped, with all it keeps
+            for w in self._active:
+                if w.doomed:
+                    continue
+                if w.frozen_for is not None:
+                    if len(w.disposed) < _DISPOSED_HELD:  # past it, the LRU bound holds
+                        w.disposed.extend(sessions)
+                    continue
+                try:
+                    w.post(frame)
+                except FrameError as exc:  # more ids than a frame holds: not worth a fault
+                    log.warning("worker.disposed_dropped", pid=w.pid, error=exc.message)
 
     def worker_pids(self) -> list[int]:
         with self._lock:

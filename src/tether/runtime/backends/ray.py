@@ -424,6 +424,12 @@ class RayBackend(TableBackend[_Slot]):
             raise FrameError(f"frame of {len(payload)} bytes is over the {MAX_FRAME}-byte cap")
         return payload
 
+    def disposed(self, sessions: list[str]) -> None:
+        """Nothing is told: a slot's ``send`` carries frames of a turn (held until it
+        starts, dropped after), and a slot has no channel between turns. What a turn
+        child keeps for a disposed session stays until the kit's own bound (the agent
+        kit's four MCP configs) or the child's end lets it go."""
+
     def worker_pids(self) -> list[int]:
         """The turn children's pids (on their nodes), spare included."""
         with self._lock:
