@@ -464,7 +464,9 @@ def test_close_aborts_a_turn_whose_earlier_cancel_never_reached_a_boundary(db_pa
         rt.send(child, "wedge", authority=me, data=steps({"op": "tool", "argv": ["sleep", "60"]}))
         worker = worker_with_tool(rt, "sleep", count=1)
         tools = tree_of(worker)
-        rt.interrupt(child, authority=me, kind="cancel", reason="no deadline")  # stuck: no boundary
+        # stuck: no boundary, and a deadline of its own far off (the runtime's default
+        # would escalate it by itself before the drain gets to it)
+        rt.interrupt(child, authority=me, kind="cancel", reason="no deadline", deadline=600)
     finally:
         rt.close()
     assert [p for p in [worker, *tools] if alive(p)] == []

@@ -324,6 +324,7 @@ class SessionHost(pykka.ThreadingActor):
         events: EventSink,
         timers: TimerQueue,
         grace: float,
+        cancel_deadline: float | None = None,
     ) -> None:
         super().__init__()
         self._dir = directory
@@ -343,6 +344,7 @@ class SessionHost(pykka.ThreadingActor):
             notify_parent=lambda parent, msg: self._dispatcher.tell(parent, _Notice(parent, msg)),
             inbox_open=self._inbox_open,
             grace=grace,
+            cancel_deadline=cancel_deadline,
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
 

@@ -76,6 +76,7 @@ from tether.wire.records import (
 )
 from tether.wire.text import cap
 from tether.wire.vocab import (
+    MAX_SECONDS,
     Grace,
     Kind,
     Permission,
@@ -94,6 +95,10 @@ KINDS = ("steer", "cancel", "abort", "preempt")
 CONTAINMENTS = ("auto", "cgroup", "walk")
 CONTAINMENT_ENV = "TETHER_CONTAINMENT"  # the default of ``containment`` (CI forces each)
 MAX_CONTENT = 1_000_000  # characters in one message
+# A cancel issued without a deadline gets this many graces (and at least this many
+# seconds) for a boundary to take it before it escalates to an abort.
+CANCEL_DEADLINE_GRACES = 3.0
+CANCEL_DEADLINE_MIN = 1.0
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
@@ -215,6 +220,7 @@ class Runtime:
         ray_address: str | None = None,
         ray_options: dict[str, Any] | None = None,
         containment: str | None = None,
+        cancel_deadline: float | None = None,
     ) -> None:
         """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
@@ -225,18 +231,31 @@ class Runtime:
         (a cgroup v2 leaf per worker: InvalidParams where none is available, with the
         reason), ``"walk"`` (the process-tree walk) or ``"auto"`` (cgroup where
         available); default: the environment variable ``TETHER_CONTAINMENT``, else auto.
-        ``rt.containment`` says which is in force."""
+        ``rt.containment`` says which is in force.
+
+        ``cancel_deadline`` is the deadline of every cancel issued without one
+        (``interrupt(deadline=…)``, SPEC §5): a cancel no boundary has taken that many
+        seconds after it was issued escalates to an abort (``escalated``), so that a
+        driver stuck in a blocking call cannot keep its turn for ever. Default:
+        ``CANCEL_DEADLINE_GRACES`` times ``grace``, at least ``CANCEL_DEADLINE_MIN``
+        seconds; ``rt.cancel_deadline`` says which is in force."""
         configure_logging()
         if subreaper:
             set_subreaper()
         workers = _convert(workers, _Workers, "workers")
         grace = _convert(grace, Grace, "grace")
+        if cancel_deadline is None:
+            cancel_deadline = min(
+                max(CANCEL_DEADLINE_GRACES * grace, CANCEL_DEADLINE_MIN), MAX_SECONDS
+            )
+        cancel_deadline = _convert(cancel_deadline, Seconds, "cancel_deadline")
         check_backend(backend, ray_address)
         if containment is None:
             containment = os.environ.get(CONTAINMENT_ENV) or "auto"
         if containment not in CONTAINMENTS:
             raise InvalidParams(f"containment must be one of {CONTAINMENTS}, not {containment!r}")
         self.grace = grace
+        self.cancel_deadline: float = cancel_deadline
         self._closed = False
         self._events = _EventBus()
         if path is not None:
@@ -299,6 +318,7 @@ class Runtime:
                         events=self._events,
                         timers=self._timers,
                         grace=self.grace,
+                        cancel_deadline=self.cancel_deadline,
                     )
                 )
             self._sup = SupervisorActor.start(
