@@ -313,6 +313,8 @@ class SessionHost(pykka.ThreadingActor):
     """Hosts the live sessions whose ids route here."""
 
     _create_actor_inbox = staticmethod(simple_inbox)
+    # A program that forgets close() must still exit (the runtime closes itself then).
+    use_daemon_thread = True
 
     def __init__(
         self,

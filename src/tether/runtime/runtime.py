@@ -9,6 +9,7 @@ session (send, interrupt, status, release).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -111,6 +112,44 @@ _HISTORY_CHUNK = 16  # entries read from the store at a time while filling a pag
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
 
+# The runtimes this process opened and has not closed, oldest first: a program that
+# forgets close() gets it when its main thread ends (``_close_at_exit``).
+_open: dict[int, Runtime] = {}
+_open_lock = threading.Lock()
+_exit_hook = False
+
+
+def _close_at_exit() -> None:
+    """Close every runtime the program left open, newest first, as close() would."""
+    with _open_lock:
+        left = [rt for rt in _open.values() if rt._pid == os.getpid()]
+    for rt in reversed(left):
+        log.info("runtime.closed_at_exit")
+        try:
+            rt.close()
+        except Exception:  # the others must still close
+            log.exception("runtime.close_at_exit_failed")
+
+
+def _register_open(rt: Runtime) -> None:
+    global _exit_hook
+    with _open_lock:
+        _open[id(rt)] = rt
+        if _exit_hook:
+            return
+        _exit_hook = True
+    # threading's own exit hooks run as the main thread ends, before the interpreter
+    # joins threads and before atexit: threads and processes may still start there
+    # (atexit refuses both from 3.12), and the pool's tool executor is not shut yet
+    # (hooks run last registered first, and concurrent.futures registered earlier).
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading exit hooks")
+        register(_close_at_exit)
+    except RuntimeError:  # already shutting down, or no such hook here
+        atexit.register(_close_at_exit)
+
 
 class OneShot:
     """The holder's handle on a one-shot subagent: one task, one result."""
@@ -207,7 +246,8 @@ class _Host(WorkerHost):
 
 
 class Runtime:
-    """One embedded Tether host. Use it as a context manager, or call ``close()``."""
+    """One embedded Tether host. Use it as a context manager, or call ``close()``; one
+    left open is closed, as ``close()`` would, when the program's main thread ends."""
 
     def __init__(
         self,
@@ -331,6 +371,9 @@ class Runtime:
         except BaseException:
             self._shutdown()
             raise
+        # Only a process's own runtimes close at its exit: a forked child's copy does not.
+        self._pid = os.getpid()
+        _register_open(self)
 
     def _release_start(self) -> None:
         """A start that failed: give back the store (and its lock) and the cgroups."""
@@ -699,6 +742,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        with _open_lock:
+            _open.pop(id(self), None)
         self._pool.drain()
         try:
             # A frozen turn reaches no boundary: close aborts it (SPEC §14.4).
