@@ -464,7 +464,9 @@ def test_close_aborts_a_turn_whose_earlier_cancel_never_reached_a_boundary(db_pa
         rt.send(child, "wedge", authority=me, data=steps({"op": "tool", "argv": ["sleep", "60"]}))
         worker = worker_with_tool(rt, "sleep", count=1)
         tools = tree_of(worker)
-        rt.interrupt(child, authority=me, kind="cancel", reason="no deadline")  # stuck: no boundary
+        # stuck: no boundary, and a deadline of its own far off (the runtime's default
+        # would escalate it by itself before the drain gets to it)
+        rt.interrupt(child, authority=me, kind="cancel", reason="no deadline", deadline=600)
     finally:
         rt.close()
     assert [p for p in [worker, *tools] if alive(p)] == []
@@ -475,6 +477,60 @@ def test_close_aborts_a_turn_whose_earlier_cancel_never_reached_a_boundary(db_pa
             "system",
             "the runtime is closing",
         )
+
+
+_FORGETFUL = """
+import json, os, sys, time, psutil, tether
+from tether import User
+rt = tether.Runtime(sys.argv[1], workers=2, grace=0.5)
+done = rt.open_session("tether:Scripted", slug="done")
+rt.prompt(done, "hi")
+rt.wait(done, until="idle", timeout=10.0)
+hang = rt.open_session("tether:Scripted", slug="hang")
+rt.prompt(hang, "wait", data={"steps": [{"op": "hang"}]})
+stuck = rt.open_session("tether:Scripted", slug="stuck")
+rt.prompt(stuck, "block", data={"steps": [{"op": "block", "seconds": 600, "say": "in"}]})
+deadline = time.monotonic() + 10.0
+while not (rt.status(hang).state == "running"
+           and any(e.text == "in" for e in rt.transcript(stuck))):
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+tree = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps({"done": done, "hang": hang, "stuck": stuck, "tree": tree}), flush=True)
+# and no close(): the script just ends
+"""
+
+
+def test_a_script_that_forgets_close_still_exits_and_closes_the_runtime(db_path: str) -> None:
+    """The runtime closes itself when the program's main thread ends, as close() would:
+    the script exits, leaves no worker behind, and its turns end as a drain ends them
+    (the next open finds none crashed)."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _FORGETFUL, db_path],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=45,  # under the test's own timeout: a hang fails here, with the script killed
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the hung turn's cancel takes a boundary at once; the blocked one's escalates after
+    # the grace: a few seconds, never the block's ten minutes
+    assert time.monotonic() - start < 30.0
+    ready = json.loads(done.stdout)
+    names = ("done", "hang", "stuck")
+    tree = []
+    for pid in ready["tree"]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree.append(psutil.Process(pid))
+    assert len(ready["tree"]) >= 3  # the launcher and its workers
+    left = [f"{p.pid}:{' '.join(p.cmdline())[-60:]}" for p in tree if alive(p)]
+    assert left == [], f"processes of the exited script still running: {left}"
+    with runtime(db_path, workers=1, grace=1.0) as rt:
+        outcomes = {name: [t.outcome for t in rt.turns(ready[name])] for name in names}
+        assert outcomes == {"done": ["completed"], "hang": ["cancelled"], "stuck": ["aborted"]}
+        reasons = {rt.turns(ready[name])[0].reason for name in ("hang", "stuck")}
+        assert reasons == {"the runtime is closing"}
 
 
 def test_discovery_counts_non_waking_sends_before_the_agent_does(rt: tether.Runtime) -> None:

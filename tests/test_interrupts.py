@@ -244,6 +244,50 @@ def test_deadline_escalates_a_cancel_stuck_in_a_tool_to_an_abort(
     refilled(rt)
 
 
+def test_a_cancel_without_a_deadline_ends_a_driver_stuck_in_a_blocking_call_by_the_default(
+    rt: tether.Runtime,
+) -> None:
+    """A new user's first cancel: no ``deadline=``, and a sync driver blocked where no
+    boundary comes. The runtime's default deadline (three graces) escalates it to an
+    abort, so the cancel still ends its turn."""
+    assert rt.cancel_deadline == 3 * rt.grace
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, "tether:Scripted")
+    block = {"op": "block", "seconds": 600, "say": "blocking"}
+    rt.send(child, "A", authority=me, data=steps(block))
+    wait_entry(rt, child, "assistant", "blocking")
+
+    start = time.monotonic()
+    turn = rt.interrupt(child, authority=me, kind="cancel", reason="stop")
+    ended = rec.turn_ended(child, timeout=rt.cancel_deadline + 10.0)
+    elapsed = time.monotonic() - start
+    assert elapsed >= 0.9 * rt.cancel_deadline, "escalated before the default deadline"
+    assert (ended["outcome"], ended["escalated"], ended["forced"]) == ("aborted", True, False)
+    assert _actions(rt, child) == ["cancelled", "escalated"]
+    assert turn is not None
+    report = rt.stop_report(turn)
+    assert report is not None
+    assert (report.kind, report.outcome, report.escalated) == ("cancel", "aborted", True)
+    refilled(rt)
+
+
+def test_a_runtimes_cancel_deadline_is_the_deadline_of_every_cancel_given_none() -> None:
+    with tether.Runtime(workers=1, grace=5.0, cancel_deadline=0.5) as rt:
+        assert rt.cancel_deadline == 0.5
+        rec = Recorder(rt)
+        _root, child, me = _family(rt, "tether:Scripted")
+        block = {"op": "block", "seconds": 600, "say": "blocking"}
+        rt.send(child, "A", authority=me, data=steps(block))
+        wait_entry(rt, child, "assistant", "blocking")
+        rt.interrupt(child, authority=me, kind="cancel")
+        ended = rec.turn_ended(child, timeout=10.0)  # well before three graces (15 s)
+        assert (ended["outcome"], ended["escalated"]) == ("aborted", True)
+    with pytest.raises(tether.InvalidParams, match="cancel_deadline"):
+        tether.Runtime(cancel_deadline=0)
+    with tether.Runtime(workers=1, grace=0.0) as rt:
+        assert rt.cancel_deadline == 1.0  # never 0: at least a second
+
+
 @pytest.mark.driver_reacts
 def test_preempt_kills_only_the_tool_and_the_turn_goes_on_to_complete(
     rt: tether.Runtime,

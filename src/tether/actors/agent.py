@@ -355,8 +355,9 @@ class Session:
                 ex.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
                 self._marker(t, "cancelled", i.origin, i.by, i.reason)
                 self._stop_accepted(t, t.stop)
-                if i.deadline is not None:
-                    self._arm(t, i.deadline, "deadline")
+                deadline = i.deadline if i.deadline is not None else self._host.cancel_deadline
+                if deadline is not None:
+                    self._arm(t, deadline, "deadline")
             case "abort":
                 if t.stop is not None and t.stop.kind == "abort":
                     return t.id
@@ -943,8 +944,12 @@ class SessionServices:
         grace: float,
         inbox_open: Callable[[str], bool] = lambda _parent: True,
         clock: Clock = SYSTEM_CLOCK,
+        cancel_deadline: float | None = None,
     ) -> None:
         self.grace = grace  # the runtime's default, for the watchdog's cancel
+        # The deadline of a cancel issued without one: a driver stuck where no boundary
+        # comes (a blocking call) would otherwise keep its turn for ever.
+        self.cancel_deadline = cancel_deadline
         self.store = store
         self.executor = executor
         self.events = events

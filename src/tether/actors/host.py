@@ -313,6 +313,8 @@ class SessionHost(pykka.ThreadingActor):
     """Hosts the live sessions whose ids route here."""
 
     _create_actor_inbox = staticmethod(simple_inbox)
+    # A program that forgets close() must still exit (the runtime closes itself then).
+    use_daemon_thread = True
 
     def __init__(
         self,
@@ -324,6 +326,7 @@ class SessionHost(pykka.ThreadingActor):
         events: EventSink,
         timers: TimerQueue,
         grace: float,
+        cancel_deadline: float | None = None,
     ) -> None:
         super().__init__()
         self._dir = directory
@@ -343,6 +346,7 @@ class SessionHost(pykka.ThreadingActor):
             notify_parent=lambda parent, msg: self._dispatcher.tell(parent, _Notice(parent, msg)),
             inbox_open=self._inbox_open,
             grace=grace,
+            cancel_deadline=cancel_deadline,
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
 

@@ -137,6 +137,8 @@ class Recover:
 
 class SupervisorActor(pykka.ThreadingActor):
     _create_actor_inbox = staticmethod(simple_inbox)
+    # A program that forgets close() must still exit (the runtime closes itself then).
+    use_daemon_thread = True
 
     def __init__(
         self,

@@ -9,6 +9,7 @@ session (send, interrupt, status, release).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -77,6 +78,7 @@ from tether.wire.records import (
 )
 from tether.wire.text import cap
 from tether.wire.vocab import (
+    MAX_SECONDS,
     Grace,
     Kind,
     Permission,
@@ -95,6 +97,10 @@ KINDS = ("steer", "cancel", "abort", "preempt")
 CONTAINMENTS = ("auto", "cgroup", "walk")
 CONTAINMENT_ENV = "TETHER_CONTAINMENT"  # the default of ``containment`` (CI forces each)
 MAX_CONTENT = 1_000_000  # characters in one message
+# A cancel issued without a deadline gets this many graces (and at least this many
+# seconds) for a boundary to take it before it escalates to an abort.
+CANCEL_DEADLINE_GRACES = 3.0
+CANCEL_DEADLINE_MIN = 1.0
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
@@ -106,6 +112,44 @@ _HISTORY_BYTES = MAX_FRAME // 2
 _HISTORY_CHUNK = 16  # entries read from the store at a time while filling a page
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
+
+# The runtimes this process opened and has not closed, oldest first: a program that
+# forgets close() gets it when its main thread ends (``_close_at_exit``).
+_open: dict[int, Runtime] = {}
+_open_lock = threading.Lock()
+_exit_hook = False
+
+
+def _close_at_exit() -> None:
+    """Close every runtime the program left open, newest first, as close() would."""
+    with _open_lock:
+        left = [rt for rt in _open.values() if rt._pid == os.getpid()]
+    for rt in reversed(left):
+        log.info("runtime.closed_at_exit")
+        try:
+            rt.close()
+        except Exception:  # the others must still close
+            log.exception("runtime.close_at_exit_failed")
+
+
+def _register_open(rt: Runtime) -> None:
+    global _exit_hook
+    with _open_lock:
+        _open[id(rt)] = rt
+        if _exit_hook:
+            return
+        _exit_hook = True
+    # threading's own exit hooks run as the main thread ends, before the interpreter
+    # joins threads and before atexit: threads and processes may still start there
+    # (atexit refuses both from 3.12), and the pool's tool executor is not shut yet
+    # (hooks run last registered first, and concurrent.futures registered earlier).
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading exit hooks")
+        register(_close_at_exit)
+    except RuntimeError:  # already shutting down, or no such hook here
+        atexit.register(_close_at_exit)
 
 
 class OneShot:
@@ -203,7 +247,8 @@ class _Host(WorkerHost):
 
 
 class Runtime:
-    """One embedded Tether host. Use it as a context manager, or call ``close()``."""
+    """One embedded Tether host. Use it as a context manager, or call ``close()``; one
+    left open is closed, as ``close()`` would, when the program's main thread ends."""
 
     def __init__(
         self,
@@ -216,6 +261,7 @@ class Runtime:
         ray_address: str | None = None,
         ray_options: dict[str, Any] | None = None,
         containment: str | None = None,
+        cancel_deadline: float | None = None,
     ) -> None:
         """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
@@ -226,18 +272,31 @@ class Runtime:
         (a cgroup v2 leaf per worker: InvalidParams where none is available, with the
         reason), ``"walk"`` (the process-tree walk) or ``"auto"`` (cgroup where
         available); default: the environment variable ``TETHER_CONTAINMENT``, else auto.
-        ``rt.containment`` says which is in force."""
+        ``rt.containment`` says which is in force.
+
+        ``cancel_deadline`` is the deadline of every cancel issued without one
+        (``interrupt(deadline=…)``, SPEC §5): a cancel no boundary has taken that many
+        seconds after it was issued escalates to an abort (``escalated``), so that a
+        driver stuck in a blocking call cannot keep its turn for ever. Default:
+        ``CANCEL_DEADLINE_GRACES`` times ``grace``, at least ``CANCEL_DEADLINE_MIN``
+        seconds; ``rt.cancel_deadline`` says which is in force."""
         configure_logging()
         if subreaper:
             set_subreaper()
         workers = _convert(workers, _Workers, "workers")
         grace = _convert(grace, Grace, "grace")
+        if cancel_deadline is None:
+            cancel_deadline = min(
+                max(CANCEL_DEADLINE_GRACES * grace, CANCEL_DEADLINE_MIN), MAX_SECONDS
+            )
+        cancel_deadline = _convert(cancel_deadline, Seconds, "cancel_deadline")
         check_backend(backend, ray_address)
         if containment is None:
             containment = os.environ.get(CONTAINMENT_ENV) or "auto"
         if containment not in CONTAINMENTS:
             raise InvalidParams(f"containment must be one of {CONTAINMENTS}, not {containment!r}")
         self.grace = grace
+        self.cancel_deadline: float = cancel_deadline
         self._closed = False
         self._events = _EventBus()
         if path is not None:
@@ -305,6 +364,7 @@ class Runtime:
                         events=self._events,
                         timers=self._timers,
                         grace=self.grace,
+                        cancel_deadline=self.cancel_deadline,
                     )
                 )
             self._sup = SupervisorActor.start(
@@ -317,6 +377,9 @@ class Runtime:
         except BaseException:
             self._shutdown()
             raise
+        # Only a process's own runtimes close at its exit: a forked child's copy does not.
+        self._pid = os.getpid()
+        _register_open(self)
 
     def _release_start(self) -> None:
         """A start that failed: give back the store (and its lock) and the cgroups."""
@@ -699,6 +762,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        with _open_lock:
+            _open.pop(id(self), None)
         self._pool.drain()
         try:
             # A frozen turn reaches no boundary: close aborts it (SPEC §14.4).
