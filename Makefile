@@ -29,6 +29,7 @@ demo-agent: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy --strict src
 
 # The Ray cases (marker `ray`, `ray_cluster`) run under `make test-ray`, which installs

@@ -113,11 +113,26 @@ def _run_child(case: Case, reps: int, quick: bool, timeout: float, log: IO[str])
     fd, out_name = tempfile.mkstemp(prefix="bench-", suffix=".json")
     os.close(fd)
     out = Path(out_name)
-    cmd = [sys.executable, "-m", "benchmarks", "--run-case", case.name, "--reps", str(reps),
-           "--out", str(out)] + (["--quick"] if quick else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--run-case",
+        case.name,
+        "--reps",
+        str(reps),
+        "--out",
+        str(out),
+    ] + (["--quick"] if quick else [])
     log.flush()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + max(timeout, 1.0)
     while proc.poll() is None and time.monotonic() < deadline:
         # Reap, while the case runs, the orphans it leaves us (the sleeps of each killed
@@ -197,12 +212,17 @@ class Row:
         def r(x: float | None) -> float | None:
             return None if x is None else float(f"{x:.6g}")
 
-        return {"name": self.fig.name, "value": r(self.value), "unit": self.fig.unit,
-                "baseline": self.fig.baseline, "baseline_value": r(self.baseline_value),
-                "ratio": r(self.ratio),
-                "target": str(self.fig.target) if self.fig.target else None,
-                "ratio_target": str(self.fig.ratio_target) if self.fig.ratio_target else None,
-                "ok": self.passed}
+        return {
+            "name": self.fig.name,
+            "value": r(self.value),
+            "unit": self.fig.unit,
+            "baseline": self.fig.baseline,
+            "baseline_value": r(self.baseline_value),
+            "ratio": r(self.ratio),
+            "target": str(self.fig.target) if self.fig.target else None,
+            "ratio_target": str(self.fig.ratio_target) if self.fig.ratio_target else None,
+            "ok": self.passed,
+        }
 
 
 def aggregate(figures: list[Figure], results: dict[str, CaseResult]) -> list[Row]:
@@ -252,22 +272,46 @@ def target_text(fig: Figure) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    head = ["name", "median", "unit", "p99", "spread (min-max)", "target", "ok",
-            "baseline", "base", "ratio"]
+    head = [
+        "name",
+        "median",
+        "unit",
+        "p99",
+        "spread (min-max)",
+        "target",
+        "ok",
+        "baseline",
+        "base",
+        "ratio",
+    ]
     lines = [head]
     for r in rows:
         spread = f"{fmt(min(r.per_rep))} - {fmt(max(r.per_rep))}" if r.per_rep else "-"
         target = target_text(r.fig)
         ok = {True: "pass", False: "MISS", None: ""}[r.passed]
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
-        lines.append([r.fig.name, fmt(r.value), r.fig.unit, fmt(r.p99), spread, target, ok,
-                      r.fig.baseline or "", fmt(r.baseline_value), ratio])
+        lines.append(
+            [
+                r.fig.name,
+                fmt(r.value),
+                r.fig.unit,
+                fmt(r.p99),
+                spread,
+                target,
+                ok,
+                r.fig.baseline or "",
+                fmt(r.baseline_value),
+                ratio,
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     right = {1, 3, 8, 9}
     out = []
     for i, line in enumerate(lines):
-        cells = [c.rjust(w) if j in right else c.ljust(w)
-                 for j, (c, w) in enumerate(zip(line, widths, strict=True))]
+        cells = [
+            c.rjust(w) if j in right else c.ljust(w)
+            for j, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
         out.append("  ".join(cells).rstrip())
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
@@ -303,12 +347,18 @@ def select(only: list[str], quick: bool = False) -> tuple[list[Figure], list[Cas
     if not only:
         chosen = [f for f in FIGURES if _runs(f, quick, pats)]
     else:
-        matched = [f for f in FIGURES
-                   if any(fnmatch.fnmatch(f.name, p) or fnmatch.fnmatch(f.case, p) for p in pats)]
+        matched = [
+            f
+            for f in FIGURES
+            if any(fnmatch.fnmatch(f.name, p) or fnmatch.fnmatch(f.case, p) for p in pats)
+        ]
         chosen = [f for f in matched if _runs(f, quick, pats)]
         if not chosen:
-            why = ("only full-only figures match; in --quick, name one exactly"
-                   if matched else "no figure or case matches")
+            why = (
+                "only full-only figures match; in --quick, name one exactly"
+                if matched
+                else "no figure or case matches"
+            )
             raise SystemExit(f"--only {only}: {why}")
         names = {f.name for f in chosen}
         for f in list(chosen):
@@ -322,18 +372,33 @@ def select(only: list[str], quick: bool = False) -> tuple[list[Figure], list[Cas
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="fewer repetitions and samples, no full-only case (about 4 minutes "
-                        "on 2 cores)")
-    p.add_argument("--json", type=Path, default=RESULTS / "latest.json",
-                   help="where to write the result rows (default: %(default)s)")
-    p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help="figure or case names (fnmatch patterns, comma-separated, repeatable)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repetitions and samples, no full-only case (about 4 minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / "latest.json",
+        help="where to write the result rows (default: %(default)s)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="figure or case names (fnmatch patterns, comma-separated, repeatable)",
+    )
     p.add_argument("--list", action="store_true", help="list figures and cases, run nothing")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 when a target misses or a required case fails")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 when a target misses or a required case fails"
+    )
     # Internal: the child side of run_case.
     p.add_argument("--run-case", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=1, help=argparse.SUPPRESS)
@@ -366,12 +431,16 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     # The load average says whether other work shared the machine: every figure here is
     # sensitive to it, the stop latencies most.
-    print(f"\nTether benchmarks ({mode}, {time.monotonic() - t0:.0f}s, {os.cpu_count()} cpus, "
-          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)")
+    print(
+        f"\nTether benchmarks ({mode}, {time.monotonic() - t0:.0f}s, {os.cpu_count()} cpus, "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)"
+    )
     print(f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()}")
     if scale() != 1:
-        print(f"SCALED: {SCALE_ENV}={scale():g}; figures named for a session count are not "
-              "comparable with their targets")
+        print(
+            f"SCALED: {SCALE_ENV}={scale():g}; figures named for a session count are not "
+            "comparable with their targets"
+        )
     print()
     print(table(rows))
     notes = [(name, n) for name, res in results.items() for n in res.notes]
@@ -389,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.json}")
     missed = [r.fig.name for r in rows if r.passed is False]
     failed = [n for n, res in results.items() if res.error and not CASES[n].optional]
-    print(f"targets: {sum(r.passed is True for r in rows)} pass, {len(missed)} miss"
-          + (f" ({', '.join(missed)})" if missed else ""))
+    print(
+        f"targets: {sum(r.passed is True for r in rows)} pass, {len(missed)} miss"
+        + (f" ({', '.join(missed)})" if missed else "")
+    )
     return 1 if args.check and (missed or failed) else 0

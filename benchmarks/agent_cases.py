@@ -60,12 +60,20 @@ def _in_flight(server: ModelServer, script: str, count: int) -> str:
     return request.id
 
 
-def _cancel_case(cfg: Cfg, driver: str, config: Callable[[ModelServer], dict[str, Any]],
-                 script: str, grace: float, samples_n: int,
-                 deadline: float | None = None) -> Iterator[Samples]:
+def _cancel_case(
+    cfg: Cfg,
+    driver: str,
+    config: Callable[[ModelServer], dict[str, Any]],
+    script: str,
+    grace: float,
+    samples_n: int,
+    deadline: float | None = None,
+) -> Iterator[Samples]:
     _need_openai()
-    with ModelServer(process=True, realtime=True) as server, \
-            tether.Runtime(workers=2, grace=grace) as rt:
+    with (
+        ModelServer(process=True, realtime=True) as server,
+        tether.Runtime(workers=2, grace=grace) as rt,
+    ):
         server.script(script, HUNG)
         parent, auth = _quiet_parent(rt)
         child = str(rt.spawn(parent, driver, config=config(server)))
@@ -80,8 +88,9 @@ def _cancel_case(cfg: Cfg, driver: str, config: Callable[[ModelServer], dict[str
                 count += 1
                 request = _in_flight(server, script, count)
                 t0 = time.perf_counter_ns()
-                rt.interrupt(child, authority=auth, kind="cancel", reason="bench",
-                             deadline=deadline)
+                rt.interrupt(
+                    child, authority=auth, kind="cancel", reason="bench", deadline=deadline
+                )
                 ended, ev = events.wait(mark, _on(child, "turn.ended"))
                 want = "cancelled" if deadline is None else "aborted"
                 if ev.data["outcome"] != want:
@@ -93,8 +102,10 @@ def _cancel_case(cfg: Cfg, driver: str, config: Callable[[ModelServer], dict[str
                     late += 1
                 _pool_steady(rt, 2)
             how = f"grace {grace:g} s" if deadline is None else f"deadline {deadline:g} s"
-            cfg.note(f"{how}; disconnect recorded after the turn's end in {late} of "
-                     f"{count} samples", key="order")
+            cfg.note(
+                f"{how}; disconnect recorded after the turn's end in {late} of {count} samples",
+                key="order",
+            )
             yield {"cancel_ms": samples}
 
 
@@ -102,6 +113,7 @@ def cancel_inflight(cfg: Cfg) -> Iterator[Samples]:
     """`interrupt(kind="cancel")` → the turn ended `cancelled`, an async ChatAgent
     mid-stream (its reply hung after the first words): the cancel lands at the stream's
     await, the response is closed, the partial reply kept."""
+
     def config(server: ModelServer) -> dict[str, Any]:
         return {"model": {"base_url": server.url, "name": "inflight", "retries": 0}}
 
@@ -113,6 +125,7 @@ def cancel_inflight_sync(cfg: Cfg) -> Iterator[Samples]:
     client): it never reaches a boundary, so the cancel is never taken; the kill comes
     from the cancel's deadline (1 s, escalating to an abort), what a sync driver's stop
     costs when its model call hangs."""
+
     def config(server: ModelServer) -> dict[str, Any]:
         return {"base_url": server.url, "model": "inflight-sync"}
 
@@ -172,8 +185,11 @@ def stream_floor(cfg: Cfg) -> Iterator[Samples]:
 
         async def read(model: str) -> None:
             stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "go"}], stream=True,
-                stream_options={"include_usage": True})
+                model=model,
+                messages=[{"role": "user", "content": "go"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             try:
                 async for _ in stream:
                     pass
@@ -202,8 +218,10 @@ def stream_floor(cfg: Cfg) -> Iterator[Samples]:
             for _ in range(5):
                 request_once()
             while True:
-                yield {"cancel_ms": [cancel_once() for _ in range(cfg.n(20, 60))],
-                       "overhead_ms": [request_once() for _ in range(cfg.n(40, 150))]}
+                yield {
+                    "cancel_ms": [cancel_once() for _ in range(cfg.n(20, 60))],
+                    "overhead_ms": [request_once() for _ in range(cfg.n(40, 150))],
+                }
         finally:
             asyncio.run_coroutine_threadsafe(client.close(), loop).result(WAIT)
             loop.call_soon_threadsafe(loop.stop)

@@ -166,16 +166,21 @@ def sqlite_commit(cfg: Cfg) -> Iterator[Samples]:
         try:
             for p in SQLITE_PRAGMAS:
                 db.execute(p)
-            db.execute("CREATE TABLE inbox (id INTEGER PRIMARY KEY, session TEXT NOT NULL,"
-                       " content TEXT NOT NULL, data BLOB, created_at REAL NOT NULL)")
+            db.execute(
+                "CREATE TABLE inbox (id INTEGER PRIMARY KEY, session TEXT NOT NULL,"
+                " content TEXT NOT NULL, data BLOB, created_at REAL NOT NULL)"
+            )
             db.execute("CREATE INDEX inbox_session ON inbox (session, id)")
             cfg.note("pragmas: " + ", ".join(p.removeprefix("PRAGMA ") for p in SQLITE_PRAGMAS))
             while True:
                 t0 = time.perf_counter()
                 for i in range(n):
                     db.execute("BEGIN")
-                    db.execute("INSERT INTO inbox (session, content, data, created_at)"
-                               " VALUES (?, ?, ?, ?)", (f"s{i % 100}", "x", None, time.time()))
+                    db.execute(
+                        "INSERT INTO inbox (session, content, data, created_at)"
+                        " VALUES (?, ?, ?, ?)",
+                        (f"s{i % 100}", "x", None, time.time()),
+                    )
                     db.execute("COMMIT")
                 yield {"commits_per_s": [n / (time.perf_counter() - t0)]}
         finally:

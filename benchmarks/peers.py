@@ -32,10 +32,13 @@ class Survivors:
         self.left += len(survivors) + len(_procs.alive([tree.starter]))
         self.samples += 1
         _procs.kill_all(survivors)
-        self.cfg.note(f"{self.peer}: when its hard stop returned, {self.left} of "
-                      f"{4 * self.samples} tree processes (worker, sh, 2 sleeps) were still "
-                      f"running, over {self.samples} samples; the benchmark kills the tool "
-                      f"tree", key=self.peer)
+        self.cfg.note(
+            f"{self.peer}: when its hard stop returned, {self.left} of "
+            f"{4 * self.samples} tree processes (worker, sh, 2 sleeps) were still "
+            f"running, over {self.samples} samples; the benchmark kills the tool "
+            f"tree",
+            key=self.peer,
+        )
 
 
 # ---------------------------------------------------------------- anyio
@@ -63,8 +66,7 @@ def anyio_hard_stop(cfg: Cfg) -> Iterator[Samples]:
 
         async def target() -> None:
             try:
-                await anyio.to_process.run_sync(run_wedge, _procs.wedge_argv(tag),
-                                                cancellable=True)
+                await anyio.to_process.run_sync(run_wedge, _procs.wedge_argv(tag), cancellable=True)
             except anyio.get_cancelled_exc_class():
                 stopped.append(time.perf_counter_ns())
                 raise
@@ -155,8 +157,7 @@ def ray_peer(cfg: Cfg) -> Iterator[Samples]:
     except ImportError as e:
         raise Skip(f"ray not installed ({e}); `pip install ray` to include it") from e
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.ERROR)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
         # Defined here, so that Ray ships them by value and its workers need not import us.
         @ray.remote

@@ -44,9 +44,7 @@ def _ray_case(cfg: Cfg, containment: str) -> Iterator[Samples]:
         raise Skip("Ray is not installed; the extra tether[ray] includes it")
     options = {"init_options": {"num_cpus": 2}}
     try:
-        rt = tether.Runtime(
-            workers=2, backend="ray", containment=containment, ray_options=options
-        )
+        rt = tether.Runtime(workers=2, backend="ray", containment=containment, ray_options=options)
     except tether.InvalidParams as exc:  # no writable cgroup v2 here: say why
         raise Skip(exc.message) from None
     with rt:

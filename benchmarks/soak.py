@@ -84,9 +84,22 @@ class HostProc:
         self._dead = False
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.soak_host", db, "--grace", str(grace),
-             "--workers", str(workers), "--backend", backend],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.soak_host",
+                db,
+                "--grace",
+                str(grace),
+                "--workers",
+                str(workers),
+                "--backend",
+                backend,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=ROOT,
         )
         assert self.proc.stdout is not None
         ready: list[Any] = [threading.Event(), None]
@@ -250,9 +263,18 @@ class ProcessesSeen:
 
 
 class Soak:
-    def __init__(self, seconds: float, seed: int, *, workers: int = 3, grace: float = 1.0,
-                 threads: int = 3, host_kills: int | None = None,
-                 workdir: str | None = None, backend: str = "local") -> None:
+    def __init__(
+        self,
+        seconds: float,
+        seed: int,
+        *,
+        workers: int = 3,
+        grace: float = 1.0,
+        threads: int = 3,
+        host_kills: int | None = None,
+        workdir: str | None = None,
+        backend: str = "local",
+    ) -> None:
         self.seconds = seconds
         self.seed = seed
         self.workers = workers
@@ -320,20 +342,36 @@ class Soak:
             self.violate("wedge", str(exc))
             return None
 
-    def act(self, op: str, kind: str, args: dict[str, Any], meta: dict[str, Any],
-            timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
+    def act(
+        self,
+        op: str,
+        kind: str,
+        args: dict[str, Any],
+        meta: dict[str, Any],
+        timeout: float = CALL_TIMEOUT,
+    ) -> dict[str, Any]:
         """A ledgered operation: its outcome is accepted, refused (code) or indeterminate."""
         r = self.call(op, timeout=timeout, **args)
         if r is None:
-            return self.record(op=kind, args=args, **meta, result="indeterminate",
-                               t0=time.time(), t1=time.time())
+            return self.record(
+                op=kind, args=args, **meta, result="indeterminate", t0=time.time(), t1=time.time()
+            )
         if r.err is not None:
             if r.err.startswith("python:"):
                 self.violate("host-error", f"{op}: {r.err}: {r.msg}")
-            return self.record(op=kind, args=args, **meta, result="refused", code=r.err,
-                               msg=r.msg[:200], t0=r.t0, t1=r.t1)
-        return self.record(op=kind, args=args, **meta, result="accepted", value=r.ok,
-                           t0=r.t0, t1=r.t1)
+            return self.record(
+                op=kind,
+                args=args,
+                **meta,
+                result="refused",
+                code=r.err,
+                msg=r.msg[:200],
+                t0=r.t0,
+                t1=r.t1,
+            )
+        return self.record(
+            op=kind, args=args, **meta, result="accepted", value=r.ok, t0=r.t0, t1=r.t1
+        )
 
     # ---- the forest --------------------------------------------------------------------
 
@@ -377,8 +415,9 @@ class Soak:
         with self._nlock:
             self.nodes[r.ok] = Node(r.ok, p.id, p.depth + 1, slug)
         # the spawn's prompt is the child's first, waking message
-        self.record(op="spawn", target=r.ok, parent=p.id, result="accepted", waking=True,
-                    t0=r.t0, t1=r.t1)
+        self.record(
+            op="spawn", target=r.ok, parent=p.id, result="accepted", waking=True, t0=r.t0, t1=r.t1
+        )
 
     # ---- scripts -----------------------------------------------------------------------
 
@@ -394,21 +433,47 @@ class Soak:
             if c < 0.15:
                 steps.append({"op": "say", "text": "hi"})
             elif c < 0.40:
-                steps.append({"op": "work", "steps": rng.randint(1, 30),
-                              "every": round(rng.uniform(0.01, 0.08), 3)})
+                steps.append(
+                    {
+                        "op": "work",
+                        "steps": rng.randint(1, 30),
+                        "every": round(rng.uniform(0.01, 0.08), 3),
+                    }
+                )
             elif c < 0.55:
                 steps.append({"op": "hang"})
             elif c < 0.72:
                 n = rng.randint(1, 20)
                 t = self.tag()
-                steps.append({"op": "tool", "argv": ["env", f"SOAK_TAG={t}", "sh", "-c",
-                                                     f"sleep {n} & sleep {n}; wait", t]})
+                steps.append(
+                    {
+                        "op": "tool",
+                        "argv": [
+                            "env",
+                            f"SOAK_TAG={t}",
+                            "sh",
+                            "-c",
+                            f"sleep {n} & sleep {n}; wait",
+                            t,
+                        ],
+                    }
+                )
             elif c < 0.85:
                 n = rng.randint(1, 20)
                 t = self.tag()
-                steps.append({"op": "tool", "argv": ["env", f"SOAK_TAG={t}", "sh", "-c",
-                                                     f"setsid sleep {n + 5} & sleep {n}; wait",
-                                                     t]})
+                steps.append(
+                    {
+                        "op": "tool",
+                        "argv": [
+                            "env",
+                            f"SOAK_TAG={t}",
+                            "sh",
+                            "-c",
+                            f"setsid sleep {n + 5} & sleep {n}; wait",
+                            t,
+                        ],
+                    }
+                )
             else:
                 steps.append({"op": "ignore_cancel"})
         if rng.random() < 0.15:
@@ -476,21 +541,34 @@ class Soak:
             return
         n = rng.choice(nodes)
         wrong = rng.random() < 0.15
-        auth = self.wrong_auth(rng, n.id, send=True) if wrong else self.right_auth(
-            rng, n.id, send=True)
+        auth = (
+            self.wrong_auth(rng, n.id, send=True)
+            if wrong
+            else self.right_auth(rng, n.id, send=True)
+        )
         why = auth.pop("why", None)
         _, tok = self.token()
         wake = rng.random() < 0.75
         if n.parent is None and not wrong and rng.random() < 0.3:
-            e = self.act("prompt", "send", {"target": n.id, "content": tok,
-                                            "data": self.script(rng)},
-                         {"target": n.id, "wake": True, "token": tok, "auth": "prompt"})
+            e = self.act(
+                "prompt",
+                "send",
+                {"target": n.id, "content": tok, "data": self.script(rng)},
+                {"target": n.id, "wake": True, "token": tok, "auth": "prompt"},
+            )
         else:
-            e = self.act("send", "send", {"target": n.id, "content": tok,
-                                          "data": self.script(rng), "auth": auth,
-                                          "wake": wake},
-                         {"target": n.id, "wake": wake, "token": tok, "auth": auth,
-                          "wrong": why})
+            e = self.act(
+                "send",
+                "send",
+                {
+                    "target": n.id,
+                    "content": tok,
+                    "data": self.script(rng),
+                    "auth": auth,
+                    "wake": wake,
+                },
+                {"target": n.id, "wake": wake, "token": tok, "auth": auth, "wrong": why},
+            )
         if wrong and e["result"] == "accepted":
             self.violate("wrong-authority-accepted", f"send to {n.id} by {why}", [e["seq"]])
 
@@ -501,8 +579,11 @@ class Soak:
         n = rng.choice(nodes)
         kind = rng.choice(["steer", "cancel", "cancel", "abort", "abort", "preempt"])
         wrong = rng.random() < 0.2
-        auth = self.wrong_auth(rng, n.id, send=False) if wrong else self.right_auth(
-            rng, n.id, send=False)
+        auth = (
+            self.wrong_auth(rng, n.id, send=False)
+            if wrong
+            else self.right_auth(rng, n.id, send=False)
+        )
         why = auth.pop("why", None)
         _, tok = self.token()
         guard = None
@@ -512,24 +593,42 @@ class Soak:
                 guard = r.ok.get("turn")
             if guard is None or rng.random() < 0.3:
                 guard = f"t_stale{rng.randrange(10**6)}"
-        args: dict[str, Any] = {"target": n.id, "auth": auth, "kind": kind, "reason": tok,
-                                "grace": None, "deadline": None, "turn": guard}
+        args: dict[str, Any] = {
+            "target": n.id,
+            "auth": auth,
+            "kind": kind,
+            "reason": tok,
+            "grace": None,
+            "deadline": None,
+            "turn": guard,
+        }
         if kind == "cancel":
             args["deadline"] = round(rng.uniform(0.3, 3.0), 2)
             if rng.random() < 0.5:
                 args["grace"] = round(rng.uniform(0.2, 2.0), 2)
-        e = self.act("interrupt", "interrupt",
-                     args, {"target": n.id, "kind": kind, "token": tok, "wrong": why,
-                            "guard": guard})
+        e = self.act(
+            "interrupt",
+            "interrupt",
+            args,
+            {"target": n.id, "kind": kind, "token": tok, "wrong": why, "guard": guard},
+        )
         if wrong and e["result"] == "accepted" and e["value"] is not None:
-            self.violate("wrong-authority-accepted",
-                         f"{kind} of {n.id} by {why} bound to {e['value']}", [e["seq"]])
-        if (not wrong and e["result"] == "refused" and e["code"] == "subagent-unauthorized"
-                and "ref" not in auth):
+            self.violate(
+                "wrong-authority-accepted",
+                f"{kind} of {n.id} by {why} bound to {e['value']}",
+                [e["seq"]],
+            )
+        if (
+            not wrong
+            and e["result"] == "refused"
+            and e["code"] == "subagent-unauthorized"
+            and "ref" not in auth
+        ):
             self.violate("right-authority-refused", f"{kind} of {n.id}", [e["seq"]])
         if guard is not None and e["result"] == "accepted" and e["value"] not in (None, guard):
-            self.violate("turn-guard", f"{kind} guarded by {guard} bound to {e['value']}",
-                         [e["seq"]])
+            self.violate(
+                "turn-guard", f"{kind} guarded by {guard} bound to {e['value']}", [e["seq"]]
+            )
 
     def op_pause(self, rng: random.Random) -> None:
         with self._llock:
@@ -543,26 +642,35 @@ class Soak:
             return
         n = rng.choice(nodes)
         wrong = rng.random() < 0.15
-        auth = self.wrong_auth(rng, n.id, send=False) if wrong else self.right_auth(
-            rng, n.id, send=False)
+        auth = (
+            self.wrong_auth(rng, n.id, send=False)
+            if wrong
+            else self.right_auth(rng, n.id, send=False)
+        )
         why = auth.pop("why", None)
         scope = "subtree" if rng.random() < 0.3 else "session"
         _, tok = self.token()
-        e = self.act("pause", "pause", {"target": n.id, "auth": auth, "scope": scope,
-                                        "reason": tok, "turn": None},
-                     {"target": n.id, "token": tok, "wrong": why, "scope": scope})
+        e = self.act(
+            "pause",
+            "pause",
+            {"target": n.id, "auth": auth, "scope": scope, "reason": tok, "turn": None},
+            {"target": n.id, "token": tok, "wrong": why, "scope": scope},
+        )
         if wrong:
             if e["result"] == "accepted" and e["value"]:
-                self.violate("wrong-authority-accepted", f"pause of {n.id} by {why}",
-                             [e["seq"]])
+                self.violate("wrong-authority-accepted", f"pause of {n.id} by {why}", [e["seq"]])
             if e["result"] == "accepted" and e["value"]:
                 self.call("resume", target=n.id, auth={"user": self.owner(n.id)}, scope=scope)
             return
         if e["result"] != "accepted" or not e["value"]:
             return
         time.sleep(rng.uniform(0.05, 1.0))  # pacing: how long the person looks
-        self.act("resume", "resume", {"target": n.id, "auth": auth, "scope": scope},
-                 {"target": n.id, "scope": scope, "pause": e["seq"]})
+        self.act(
+            "resume",
+            "resume",
+            {"target": n.id, "auth": auth, "scope": scope},
+            {"target": n.id, "scope": scope, "pause": e["seq"]},
+        )
 
     def op_release(self, rng: random.Random) -> None:
         nodes = self.live_nodes()
@@ -577,14 +685,23 @@ class Soak:
             return
         n = rng.choice(nodes)
         wrong = rng.random() < 0.3
-        auth = self.wrong_auth(rng, n.id, send=True) if wrong else self.right_auth(
-            rng, n.id, send=True)
+        auth = (
+            self.wrong_auth(rng, n.id, send=True)
+            if wrong
+            else self.right_auth(rng, n.id, send=True)
+        )
         why = auth.pop("why", None)
         with self._nlock:
-            subtree = [n.id] + [m.id for m in self.nodes.values()
-                                if n.id in self._ancestors_locked(m.id)]
-        e = self.act("dispose", "dispose", {"target": n.id, "auth": auth},
-                     {"target": n.id, "subtree": subtree, "wrong": why}, timeout=90.0)
+            subtree = [n.id] + [
+                m.id for m in self.nodes.values() if n.id in self._ancestors_locked(m.id)
+            ]
+        e = self.act(
+            "dispose",
+            "dispose",
+            {"target": n.id, "auth": auth},
+            {"target": n.id, "subtree": subtree, "wrong": why},
+            timeout=90.0,
+        )
         if wrong and e["result"] == "accepted":
             self.violate("wrong-authority-accepted", f"dispose of {n.id} by {why}", [e["seq"]])
         if e["result"] != "refused":  # accepted, or perhaps (host died): settled from now on
@@ -617,8 +734,13 @@ class Soak:
 
     def ops_thread(self, i: int) -> None:
         rng = random.Random(self.seed * 7919 + i)
-        ops = [(self.op_send, 40), (self.op_interrupt, 40), (self.op_pause, 6),
-               (self.op_release, 5), (self.op_dispose, 1.5)]
+        ops = [
+            (self.op_send, 40),
+            (self.op_interrupt, 40),
+            (self.op_pause, 6),
+            (self.op_release, 5),
+            (self.op_dispose, 1.5),
+        ]
         funcs = [f for f, _ in ops]
         weights = [w for _, w in ops]
         while not self.stop.is_set():
@@ -635,8 +757,7 @@ class Soak:
     def chaos_thread(self, t_end: float) -> None:
         rng = random.Random(self.seed * 104729)
         span = t_end - time.time()
-        kills = sorted(rng.uniform(0.25, 0.85) * span + time.time()
-                       for _ in range(self.host_kills))
+        kills = sorted(rng.uniform(0.25, 0.85) * span + time.time() for _ in range(self.host_kills))
         next_worker = time.time() + rng.uniform(1.0, 5.0)
         while not self.stop.is_set() and time.time() < t_end:
             now = time.time()
@@ -703,8 +824,7 @@ class Soak:
             tree = []
         t_kill = time.time()
         host.kill()
-        self.record(op="kill_host", pid=host.pid, result="accepted", t0=t_kill,
-                    t1=time.time())
+        self.record(op="kill_host", pid=host.pid, result="accepted", t0=t_kill, t1=time.time())
         prefix = f"soaktag-{self.run_id}-g{self.gen}-"
 
         def left() -> list[psutil.Process]:
@@ -741,11 +861,15 @@ class Soak:
             if r is None or r.err:
                 continue
             st = r.ok["state"]
-            ok = st == "settled" if n.settled else (
-                st in ("parked", "idle") if n.parent is None else st == "dormant")
+            ok = (
+                st == "settled"
+                if n.settled
+                else (st in ("parked", "idle") if n.parent is None else st == "dormant")
+            )
             if not ok and not (n.settled and st in ("dormant", "settled")):
-                self.violate("recovery-state", f"{n.id} (depth {n.depth}) is {st} after restart "
-                             f"{self.gen}")
+                self.violate(
+                    "recovery-state", f"{n.id} (depth {n.depth}) is {st} after restart {self.gen}"
+                )
 
     # ---- the end -----------------------------------------------------------------------
 
@@ -758,19 +882,39 @@ class Soak:
                 if r is None or r.err:
                     continue
                 if r.ok["state"] == "paused":
-                    self.act("resume", "resume", {"target": n.id, "auth": {"user": self.owner(
-                        n.id)}, "scope": "session"}, {"target": n.id, "scope": "session"})
+                    self.act(
+                        "resume",
+                        "resume",
+                        {"target": n.id, "auth": {"user": self.owner(n.id)}, "scope": "session"},
+                        {"target": n.id, "scope": "session"},
+                    )
                 if r.ok["state"] in ("running", "paused", "disposing"):
                     running.append(n.id)
             if not running:
                 return
             for sid in running:
                 _, tok = self.token()
-                self.act("interrupt", "interrupt",
-                         {"target": sid, "auth": {"user": self.owner(sid)}, "kind": "abort",
-                          "reason": tok, "grace": None, "deadline": None, "turn": None},
-                         {"target": sid, "kind": "abort", "token": tok, "wrong": None,
-                          "guard": None, "drain": True})
+                self.act(
+                    "interrupt",
+                    "interrupt",
+                    {
+                        "target": sid,
+                        "auth": {"user": self.owner(sid)},
+                        "kind": "abort",
+                        "reason": tok,
+                        "grace": None,
+                        "deadline": None,
+                        "turn": None,
+                    },
+                    {
+                        "target": sid,
+                        "kind": "abort",
+                        "token": tok,
+                        "wrong": None,
+                        "guard": None,
+                        "drain": True,
+                    },
+                )
             for sid in running:
                 # ``seconds``, not ``timeout``: that name is the call's own deadline
                 self.call("wait", target=sid, seconds=20.0)
@@ -812,8 +956,10 @@ class Soak:
             self.spawn(rng)
         self.gate.set()
         t_end = t_start + self.seconds
-        threads = [threading.Thread(target=self.ops_thread, args=(i,), daemon=True)
-                   for i in range(self.threads)]
+        threads = [
+            threading.Thread(target=self.ops_thread, args=(i,), daemon=True)
+            for i in range(self.threads)
+        ]
         chaos = threading.Thread(target=self.chaos_thread, args=(t_end,), daemon=True)
         for t in [*threads, chaos]:
             t.start()
@@ -849,8 +995,7 @@ class Soak:
         figures = self.figures(elapsed)
         if self._tmp is not None:
             self._tmp.cleanup()
-        return SoakResult(self.seed, elapsed, figures, list(self.violations.values()),
-                          self.ledger)
+        return SoakResult(self.seed, elapsed, figures, list(self.violations.values()), self.ledger)
 
     def figures(self, elapsed: float) -> dict[str, Any]:
         counts: Counter[str] = Counter()
@@ -865,8 +1010,12 @@ class Soak:
         stops = {}
         for kind, vals in self.convergence.items():
             ms = [v * 1000 for v in vals]
-            stops[kind] = {"n": len(ms), "p50_ms": round(_pct(ms, 0.5), 1),
-                           "p99_ms": round(_pct(ms, 0.99), 1), "max_ms": round(max(ms or [0]), 1)}
+            stops[kind] = {
+                "n": len(ms),
+                "p50_ms": round(_pct(ms, 0.5), 1),
+                "p99_ms": round(_pct(ms, 0.99), 1),
+                "max_ms": round(max(ms or [0]), 1),
+            }
         turns = self.last_audit.get("sessions", {}) if self.last_audit else {}
         outcomes: Counter[str] = Counter()
         for s in turns.values():
@@ -886,8 +1035,9 @@ class Soak:
             "stops_cut_by_host_kill": self.cut_by_kill,
             "turn_outcomes": dict(sorted(outcomes.items())),
             "host_kills": sum(1 for e in self.ledger if e["op"] == "kill_host"),
-            "worker_kills": sum(1 for e in self.ledger
-                                if e["op"] == "kill_worker" and e["result"] == "accepted"),
+            "worker_kills": sum(
+                1 for e in self.ledger if e["op"] == "kill_worker" and e["result"] == "accepted"
+            ),
             "host_kill_sweep_s_max": round(max(self.sweeps or [0.0]), 2),
             "violations": len(self.violations),
         }
@@ -927,7 +1077,8 @@ class Checker:
                 for t in e["value"] or []:
                     (self.pauses_of if op == "pause" else self.resumes_of)[t].append(e)
             elif (op == "send" and e.get("wake") and res in ("accepted", "indeterminate")) or (
-                    op == "spawn" and res == "accepted"):
+                op == "spawn" and res == "accepted"
+            ):
                 self.wakers_of[e["target"]].append(e)
             elif op == "release" and res == "accepted":
                 self.releases_of[e["target"]].append(e)
@@ -979,9 +1130,12 @@ class Checker:
                 st = self.a["messages"].get(m)
                 settled = self.sess[sid]["status"]["state"] == "settled"
                 if not (settled and st is not None and st[1] == "closed"):
-                    self.v("lost", f"accepted message {m} to {sid} is neither claimed nor "
-                           f"pending (store: {st}, state {self.sess[sid]['status']['state']})",
-                           [e["seq"]])
+                    self.v(
+                        "lost",
+                        f"accepted message {m} to {sid} is neither claimed nor "
+                        f"pending (store: {st}, state {self.sess[sid]['status']['state']})",
+                        [e["seq"]],
+                    )
         for sid, s in self.sess.items():
             keys = [int(t["message"][2:]) for t in s["turns"]]
             if any(b <= a for a, b in itertools.pairwise(keys)):
@@ -989,8 +1143,7 @@ class Checker:
             if s["status"]["state"] != "settled" and keys and s["inbox"]:
                 first = int(s["inbox"][0]["id"][2:])
                 if first < max(keys):
-                    self.v("fifo", f"{sid}: pending m_{first} is older than claimed "
-                           f"m_{max(keys)}")
+                    self.v("fifo", f"{sid}: pending m_{first} is older than claimed m_{max(keys)}")
 
     def paused_overlap(self, sid: str, turn: str, t0: float, t1: float) -> float:
         total = 0.0
@@ -1011,12 +1164,16 @@ class Checker:
                 continue
             t = self.turns.get(e["value"])
             if t is None:
-                self.v("stop-unknown-turn", f"{e['kind']} bound to unknown turn {e['value']}",
-                       [e["seq"]])
+                self.v(
+                    "stop-unknown-turn",
+                    f"{e['kind']} bound to unknown turn {e['value']}",
+                    [e["seq"]],
+                )
                 continue
             if t["session"] != e["target"]:
-                self.v("stop-wrong-session", f"{e['value']} is not a turn of {e['target']}",
-                       [e["seq"]])
+                self.v(
+                    "stop-wrong-session", f"{e['value']} is not a turn of {e['target']}", [e["seq"]]
+                )
             if e["kind"] == "abort":
                 bound = ABORT_BOUND
             else:
@@ -1026,34 +1183,56 @@ class Checker:
             end = t["ended_at"]
             if t["outcome"] == "crashed" and t.get("error") == RECOVERED_ERROR:
                 cut += 1
-                kill = min((r["kill"] for r in self.restarts if r["kill"] >= e["t0"]),
-                           default=None)
+                kill = min((r["kill"] for r in self.restarts if r["kill"] >= e["t0"]), default=None)
                 if kill is not None and kill - e["t0"] > bound + self.paused_overlap(
-                        t["session"], t["id"], e["t0"], kill):
-                    self.v("stop-bound", f"{e['kind']} of {t['id']} not converged in "
-                           f"{bound:g} s before the host was killed", [e["seq"]])
+                    t["session"], t["id"], e["t0"], kill
+                ):
+                    self.v(
+                        "stop-bound",
+                        f"{e['kind']} of {t['id']} not converged in "
+                        f"{bound:g} s before the host was killed",
+                        [e["seq"]],
+                    )
                 continue
             if end is None:
                 now = time.time()
-                if now - e["t0"] > bound + self.paused_overlap(t["session"], t["id"], e["t0"],
-                                                                 now) + 30:
-                    self.v("stop-bound", f"{e['kind']} of {t['id']} still open after "
-                           f"{now - e['t0']:.1f} s", [e["seq"]])
+                if (
+                    now - e["t0"]
+                    > bound + self.paused_overlap(t["session"], t["id"], e["t0"], now) + 30
+                ):
+                    self.v(
+                        "stop-bound",
+                        f"{e['kind']} of {t['id']} still open after {now - e['t0']:.1f} s",
+                        [e["seq"]],
+                    )
                 continue
             took = end - e["t0"] - self.paused_overlap(t["session"], t["id"], e["t0"], end)
             conv[e["kind"]].append(max(0.0, took))
             if took > bound:
-                self.v("stop-bound", f"{e['kind']} of {t['id']} took {took:.2f} s "
-                       f"(bound {bound:g} s, outcome {t['outcome']})", [e["seq"]])
+                self.v(
+                    "stop-bound",
+                    f"{e['kind']} of {t['id']} took {took:.2f} s "
+                    f"(bound {bound:g} s, outcome {t['outcome']})",
+                    [e["seq"]],
+                )
             if t["outcome"] not in ("cancelled", "aborted", "crashed"):
-                self.v("stop-outcome", f"{e['kind']} accepted for {t['id']} but it ended "
-                       f"{t['outcome']}", [e["seq"]])
+                self.v(
+                    "stop-outcome",
+                    f"{e['kind']} accepted for {t['id']} but it ended {t['outcome']}",
+                    [e["seq"]],
+                )
             elif t["outcome"] != "crashed":
-                acts = [x for x in self.sess[t["session"]]["entries"] if x["kind"] == "marker"
-                        and x["turn"] == t["id"] and x["action"] in ("cancelled", "aborted")]
+                acts = [
+                    x
+                    for x in self.sess[t["session"]]["entries"]
+                    if x["kind"] == "marker"
+                    and x["turn"] == t["id"]
+                    and x["action"] in ("cancelled", "aborted")
+                ]
                 if not acts:
-                    self.v("stop-marker", f"{t['id']} ended {t['outcome']} with no marker",
-                           [e["seq"]])
+                    self.v(
+                        "stop-marker", f"{t['id']} ended {t['outcome']} with no marker", [e["seq"]]
+                    )
         self.s.convergence = dict(conv)
         self.s.cut_by_kill = cut
 
@@ -1076,11 +1255,17 @@ class Checker:
                 for m in TOKEN.finditer(text):
                     tok = m.group(0)
                     if tok in refused:
-                        self.v("refusal-touched", f"refused {tok} left a {kind} in {sid}",
-                               [refused[tok]])
+                        self.v(
+                            "refusal-touched",
+                            f"refused {tok} left a {kind} in {sid}",
+                            [refused[tok]],
+                        )
                     if tok in noop and kind == "marker":
-                        self.v("noop-touched", f"no-op interrupt {tok} left a marker in {sid}",
-                               [noop[tok]])
+                        self.v(
+                            "noop-touched",
+                            f"no-op interrupt {tok} left a marker in {sid}",
+                            [noop[tok]],
+                        )
 
     def holds(self) -> None:
         """Parked stays parked: after a stopped turn, a release or a host restart, the
@@ -1116,19 +1301,26 @@ class Checker:
                 # report is, in the host's order, after it (one soak in eleven saw that).
                 woke = n.get("woken_by")
                 if woke is not None and any(
-                        w.get("value") == woke and w["t0"] <= start for w in wakers):
+                    w.get("value") == woke and w["t0"] <= start for w in wakers
+                ):
                     continue
                 # A send whose call died with its host has no id in the ledger, and a
                 # spawn's prompt is a message the ledger never names: for those only
                 # the clocks are left.
                 if woke is not None and any(
-                        (w["result"] == "indeterminate" or w["op"] == "spawn")
-                        and w["t1"] >= hold and w["t0"] <= start for w in wakers):
+                    (w["result"] == "indeterminate" or w["op"] == "spawn")
+                    and w["t1"] >= hold
+                    and w["t0"] <= start
+                    for w in wakers
+                ):
                     continue
-                self.v("parked-woke", f"turn {n['id']} of {sid} started at {start:.3f} "
-                       f"after a hold ({why}) at {hold:.3f}, woken by {woke or 'nothing'}, "
-                       "which is no waking send of the ledger",
-                       [r["seq"] for r in releases][-3:])
+                self.v(
+                    "parked-woke",
+                    f"turn {n['id']} of {sid} started at {start:.3f} "
+                    f"after a hold ({why}) at {hold:.3f}, woken by {woke or 'nothing'}, "
+                    "which is no waking send of the ledger",
+                    [r["seq"] for r in releases][-3:],
+                )
 
     def wakes(self) -> None:
         """Every accepted waking send is followed by a turn of its session, unless
@@ -1145,19 +1337,26 @@ class Checker:
                 continue
             if any(r["kill"] >= e["t0"] for r in self.restarts):
                 continue
-            if any(t["ended_at"] and t["ended_at"] >= e["t0"] and t["outcome"] in (
-                    "crashed", "failed") for t in s["turns"]):
+            if any(
+                t["ended_at"] and t["ended_at"] >= e["t0"] and t["outcome"] in ("crashed", "failed")
+                for t in s["turns"]
+            ):
                 continue
             # a stop accepted before the send: its turn's end resumes the queue (latch)
             converging = {x["value"] for x in self.stop_on.get(sid, []) if x["t1"] < e["t0"]}
-            if any(x["t1"] >= e["t0"] and x["value"] not in converging
-                   for x in self.stop_on.get(sid, [])):
+            if any(
+                x["t1"] >= e["t0"] and x["value"] not in converging
+                for x in self.stop_on.get(sid, [])
+            ):
                 continue
             if sid in self.disposed_at:
                 continue
-            self.v("wake-lost", f"waking send {e['value']} to {sid} was followed by no turn "
-                   f"(state {s['status']['state']}, pending {s['status']['pending']})",
-                   [e["seq"]])
+            self.v(
+                "wake-lost",
+                f"waking send {e['value']} to {sid} was followed by no turn "
+                f"(state {s['status']['state']}, pending {s['status']['pending']})",
+                [e["seq"]],
+            )
 
     def recovery(self) -> None:
         for k, rs in enumerate(self.restarts):
@@ -1165,12 +1364,18 @@ class Checker:
                 if t["started_at"] < rs["kill"]:
                     if t["outcome"] is None:
                         self.v("recovery", f"turn {t['id']} open at host kill {k} is still open")
-                    elif t["ended_at"] >= rs["ready"] - 0.001 and t["ended_at"] <= (
-                            self.restarts[k + 1]["kill"] if k + 1 < len(self.restarts)
-                            else 1e18) and t["started_at"] < rs["kill"] and (
-                            t["outcome"] != "crashed" or t["cause"] != "system"):
-                        self.v("recovery", f"turn {t['id']} open at host kill {k} ended "
-                               f"{t['outcome']}/{t['cause']}, not crashed/system")
+                    elif (
+                        t["ended_at"] >= rs["ready"] - 0.001
+                        and t["ended_at"]
+                        <= (self.restarts[k + 1]["kill"] if k + 1 < len(self.restarts) else 1e18)
+                        and t["started_at"] < rs["kill"]
+                        and (t["outcome"] != "crashed" or t["cause"] != "system")
+                    ):
+                        self.v(
+                            "recovery",
+                            f"turn {t['id']} open at host kill {k} ended "
+                            f"{t['outcome']}/{t['cause']}, not crashed/system",
+                        )
 
     def notices(self) -> None:
         by_turn: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -1178,8 +1383,9 @@ class Checker:
             by_turn[str(n["turn"])].append(n)
         for turn, ns in by_turn.items():
             if len(ns) > 1:
-                self.v("notice-twice", f"turn {turn} has {len(ns)} notices: "
-                       f"{[n['id'] for n in ns]}")
+                self.v(
+                    "notice-twice", f"turn {turn} has {len(ns)} notices: {[n['id'] for n in ns]}"
+                )
         for sid, s in self.sess.items():
             node = self.s.nodes.get(sid)
             if node is None or node.parent is None:
@@ -1195,11 +1401,13 @@ class Checker:
                     continue
                 ns = by_turn.get(t["id"], [])
                 if not ns:
-                    self.v("notice-missing", f"turn {t['id']} of {sid} ended {t['outcome']} "
-                           f"at {t['ended_at']:.3f}; parent {node.parent} has no notice")
+                    self.v(
+                        "notice-missing",
+                        f"turn {t['id']} of {sid} ended {t['outcome']} "
+                        f"at {t['ended_at']:.3f}; parent {node.parent} has no notice",
+                    )
                 elif ns[0]["session"] != node.parent:
-                    self.v("notice-misdirected", f"notice of {t['id']} went to "
-                           f"{ns[0]['session']}")
+                    self.v("notice-misdirected", f"notice of {t['id']} went to {ns[0]['session']}")
 
     def disposals(self) -> None:
         for e in self.ledger:
@@ -1210,12 +1418,16 @@ class Checker:
                 if s is None:
                     continue
                 if s["status"]["state"] != "settled":
-                    self.v("dispose", f"{sid} is {s['status']['state']} after its disposal",
-                           [e["seq"]])
+                    self.v(
+                        "dispose", f"{sid} is {s['status']['state']} after its disposal", [e["seq"]]
+                    )
                 for t in s["turns"]:
                     if t["started_at"] > e["t1"]:
-                        self.v("dispose", f"turn {t['id']} of {sid} started after the "
-                               "disposal returned", [e["seq"]])
+                        self.v(
+                            "dispose",
+                            f"turn {t['id']} of {sid} started after the disposal returned",
+                            [e["seq"]],
+                        )
 
 
 def _machine() -> str:
@@ -1228,49 +1440,81 @@ def _machine() -> str:
     except OSError:
         pass
     mem = psutil.virtual_memory().total / 2**30
-    return (f"{os.cpu_count()} vCPU {model}, {mem:.0f} GiB, Python "
-            f"{platform.python_version()}, load {os.getloadavg()[0]:.1f}")
+    return (
+        f"{os.cpu_count()} vCPU {model}, {mem:.0f} GiB, Python "
+        f"{platform.python_version()}, load {os.getloadavg()[0]:.1f}"
+    )
 
 
 def table(runs: list[dict[str, Any]]) -> str:
     """The results table (benchmarks/RESULTS.md): one column per run."""
+
     def stop(f: dict[str, Any], kind: str) -> str:
         x = f["stops"].get(kind, {})
-        return f"{x.get('n', 0)}: {x.get('p50_ms', 0):g} / {x.get('p99_ms', 0):g} / " \
-               f"{x.get('max_ms', 0):g} ms"
+        return (
+            f"{x.get('n', 0)}: {x.get('p50_ms', 0):g} / {x.get('p99_ms', 0):g} / "
+            f"{x.get('max_ms', 0):g} ms"
+        )
 
     def ops(f: dict[str, Any], prefix: str) -> int:
-        return sum(v for k, v in f["operations"].items()
-                   if k.startswith(prefix) and ".wrong_authority." not in k)
+        return sum(
+            v
+            for k, v in f["operations"].items()
+            if k.startswith(prefix) and ".wrong_authority." not in k
+        )
 
     def cnt(f: dict[str, Any], prefix: str, suffix: str, wrong: bool = False) -> int:
-        return sum(v for k, v in f["operations"].items() if k.startswith(prefix)
-                   and k.endswith(suffix) and (wrong or ".wrong_authority." not in k))
+        return sum(
+            v
+            for k, v in f["operations"].items()
+            if k.startswith(prefix)
+            and k.endswith(suffix)
+            and (wrong or ".wrong_authority." not in k)
+        )
 
     rows = [
         ("seed", lambda f: str(f["seed"])),
         ("date", lambda f: f["date"]),
         ("chaos / total", lambda f: f"{f['chaos_s'] / 60:g} min / {f['duration_s']:.0f} s"),
         ("sessions", lambda f: str(f["sessions"])),
-        ("sends accepted / refused", lambda f: f"{ops(f, 'send.accepted')} / "
-         f"{ops(f, 'send.refused')}"),
-        ("interrupts accepted / refused", lambda f: f"{cnt(f, 'interrupt', '.accepted')} / "
-         f"{cnt(f, 'interrupt', '.refused')}"),
-        ("wrong-authority calls refused / accepted no-op", lambda f: (
-            f"{cnt(f, '', '.wrong_authority.refused', wrong=True)} / "
-            f"{cnt(f, '', '.wrong_authority.accepted', wrong=True)}")),
-        ("pauses / releases / disposals", lambda f: f"{ops(f, 'pause.accepted')} / "
-         f"{ops(f, 'release.accepted')} / {ops(f, 'dispose.accepted')}"),
+        (
+            "sends accepted / refused",
+            lambda f: f"{ops(f, 'send.accepted')} / {ops(f, 'send.refused')}",
+        ),
+        (
+            "interrupts accepted / refused",
+            lambda f: f"{cnt(f, 'interrupt', '.accepted')} / {cnt(f, 'interrupt', '.refused')}",
+        ),
+        (
+            "wrong-authority calls refused / accepted no-op",
+            lambda f: (
+                f"{cnt(f, '', '.wrong_authority.refused', wrong=True)} / "
+                f"{cnt(f, '', '.wrong_authority.accepted', wrong=True)}"
+            ),
+        ),
+        (
+            "pauses / releases / disposals",
+            lambda f: (
+                f"{ops(f, 'pause.accepted')} / "
+                f"{ops(f, 'release.accepted')} / {ops(f, 'dispose.accepted')}"
+            ),
+        ),
         ("abort: n: p50 / p99 / max", lambda f: stop(f, "abort")),
         ("cancel: n: p50 / p99 / max", lambda f: stop(f, "cancel")),
-        ("turns (completed / cancelled / aborted / crashed)", lambda f: " / ".join(
-            str(f["turn_outcomes"].get(k, 0))
-            for k in ("completed", "cancelled", "aborted", "crashed"))),
+        (
+            "turns (completed / cancelled / aborted / crashed)",
+            lambda f: " / ".join(
+                str(f["turn_outcomes"].get(k, 0))
+                for k in ("completed", "cancelled", "aborted", "crashed")
+            ),
+        ),
         ("host kills / worker kills", lambda f: f"{f['host_kills']} / {f['worker_kills']}"),
         ("violations", lambda f: str(f["violations"])),
     ]
-    out = ["| | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |",
-           "|---|" + "---|" * len(runs)]
+    out = [
+        "| | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |",
+        "|---|" + "---|" * len(runs),
+    ]
     for name, fn in rows:
         out.append(f"| {name} | " + " | ".join(fn(f) for f in runs) + " |")
     return "\n".join(out)
@@ -1287,10 +1531,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     ap.add_argument("--ledger", default=None, help="write the whole ledger here (JSON lines)")
     ap.add_argument("--table", action="store_true", help="print the results table of --json")
-    ap.add_argument("--workdir", default=None,
-                    help="keep the store and the hosts' logs here (default: a temporary folder)")
-    ap.add_argument("--backend", choices=("local", "ray"), default="local",
-                    help="where turns run (ray: the host starts its own local Ray each time)")
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the store and the hosts' logs here (default: a temporary folder)",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="where turns run (ray: the host starts its own local Ray each time)",
+    )
     ns = ap.parse_args(argv)
     if ns.table:
         print(table(json.loads(Path(ns.json).read_text())["runs"]))
@@ -1311,9 +1562,13 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 runs = {}
         runs.setdefault("runs", [])
-        runs["runs"] = [r for r in runs["runs"] if r.get("seed") != ns.seed
-                        or r.get("chaos_s") != res.figures["chaos_s"]
-                        or r.get("backend", "local") != ns.backend] + [res.figures]
+        runs["runs"] = [
+            r
+            for r in runs["runs"]
+            if r.get("seed") != ns.seed
+            or r.get("chaos_s") != res.figures["chaos_s"]
+            or r.get("backend", "local") != ns.backend
+        ] + [res.figures]
         path.write_text(json.dumps(runs, indent=2) + "\n")
     if res.violations:
         print(res.explain(), file=sys.stderr)

@@ -61,15 +61,24 @@ class Host:
         try:
             result = getattr(self, "op_" + req["op"])(**req.get("args", {}))
         except TetherError as exc:
-            self.write({"id": req["id"], "err": exc.code, "msg": exc.message, "t0": t0,
-                        "t1": time.time()})
+            self.write(
+                {"id": req["id"], "err": exc.code, "msg": exc.message, "t0": t0, "t1": time.time()}
+            )
             return
         except Exception as exc:  # an unexpected error is itself a finding: report it
-            self.write({"id": req["id"], "err": "python:" + type(exc).__name__,
-                        "msg": str(exc)[:500], "t0": t0, "t1": time.time()})
+            self.write(
+                {
+                    "id": req["id"],
+                    "err": "python:" + type(exc).__name__,
+                    "msg": str(exc)[:500],
+                    "t0": t0,
+                    "t1": time.time(),
+                }
+            )
             return
-        self.write({"id": req["id"], "ok": msgspec.to_builtins(result), "t0": t0,
-                    "t1": time.time()})
+        self.write(
+            {"id": req["id"], "ok": msgspec.to_builtins(result), "t0": t0, "t1": time.time()}
+        )
 
     # ---- operations (each is one public call) -----------------------------------------
 
@@ -82,20 +91,35 @@ class Host:
     def op_prompt(self, target: str, content: str, data: dict[str, Any]) -> str:
         return self.rt.prompt(target, content, data=data)
 
-    def op_send(self, target: str, content: str, data: dict[str, Any],
-                auth: dict[str, Any], wake: bool) -> str:
+    def op_send(
+        self, target: str, content: str, data: dict[str, Any], auth: dict[str, Any], wake: bool
+    ) -> str:
         return self.rt.send(target, content, authority=_auth(auth), data=data, wake=wake)
 
-    def op_interrupt(self, target: str, auth: dict[str, Any], kind: str, reason: str,
-                     grace: float | None, deadline: float | None,
-                     turn: str | None) -> str | None:
-        return self.rt.interrupt(target, authority=_auth(auth), kind=kind, reason=reason,
-                                 grace=grace, deadline=deadline, turn=turn)
+    def op_interrupt(
+        self,
+        target: str,
+        auth: dict[str, Any],
+        kind: str,
+        reason: str,
+        grace: float | None,
+        deadline: float | None,
+        turn: str | None,
+    ) -> str | None:
+        return self.rt.interrupt(
+            target,
+            authority=_auth(auth),
+            kind=kind,
+            reason=reason,
+            grace=grace,
+            deadline=deadline,
+            turn=turn,
+        )
 
-    def op_pause(self, target: str, auth: dict[str, Any], scope: str, reason: str,
-                 turn: str | None) -> list[str]:
-        return self.rt.pause(target, authority=_auth(auth), scope=scope, reason=reason,
-                             turn=turn)
+    def op_pause(
+        self, target: str, auth: dict[str, Any], scope: str, reason: str, turn: str | None
+    ) -> list[str]:
+        return self.rt.pause(target, authority=_auth(auth), scope=scope, reason=reason, turn=turn)
 
     def op_resume(self, target: str, auth: dict[str, Any], scope: str) -> list[str]:
         return self.rt.resume(target, authority=_auth(auth), scope=scope)
@@ -113,8 +137,7 @@ class Host:
         return self.rt.agent_ref(target)
 
     def op_wait(self, target: str, seconds: float) -> Any:
-        return self.rt.wait(target, until=("idle", "parked", "dormant", "settled"),
-                            timeout=seconds)
+        return self.rt.wait(target, until=("idle", "parked", "dormant", "settled"), timeout=seconds)
 
     def op_worker_pids(self) -> list[int]:
         return self.rt.worker_pids
@@ -132,9 +155,16 @@ class Host:
                     break
                 after = page[-1].seq
                 entries.extend(
-                    {"kind": e.kind, "text": e.text[:300], "turn": e.turn, "action": e.action,
-                     "reason": (e.reason or "")[:300], "by": e.by}
-                    for e in page if e.kind in ("marker", "user", "tool")
+                    {
+                        "kind": e.kind,
+                        "text": e.text[:300],
+                        "turn": e.turn,
+                        "action": e.action,
+                        "reason": (e.reason or "")[:300],
+                        "by": e.by,
+                    }
+                    for e in page
+                    if e.kind in ("marker", "user", "tool")
                 )
             out[sid] = {
                 "status": msgspec.to_builtins(self.rt.status(sid)),
@@ -153,10 +183,19 @@ class Host:
         notices = []
         for mid, session, blob, state in rows:
             data = _dec.decode(blob) if blob else {}
-            notices.append({"id": f"m_{mid}", "session": session, "state": state,
-                            "turn": data.get("notice", {}).get("turn")})
-        return {"sessions": out, "notices": notices,
-                "messages": {f"m_{mid}": [s, st] for mid, s, st in states}}
+            notices.append(
+                {
+                    "id": f"m_{mid}",
+                    "session": session,
+                    "state": state,
+                    "turn": data.get("notice", {}).get("turn"),
+                }
+            )
+        return {
+            "sessions": out,
+            "notices": notices,
+            "messages": {f"m_{mid}": [s, st] for mid, s, st in states},
+        }
 
     def op_close(self) -> None:
         self.rt.close()

@@ -41,8 +41,9 @@ def wedge(tag: str) -> dict[str, Any]:
 class Events:
     """Runtime events of the given names, each with the time our callback received it."""
 
-    def __init__(self, rt: tether.Runtime, names: set[str],
-                 sessions: set[str] | None = None) -> None:
+    def __init__(
+        self, rt: tether.Runtime, names: set[str], sessions: set[str] | None = None
+    ) -> None:
         self._names = frozenset(names)
         self._sessions = None if sessions is None else frozenset(sessions)
         self._cond = threading.Condition()
@@ -62,8 +63,9 @@ class Events:
         with self._cond:
             return len(self._seen)
 
-    def wait(self, since: int, pred: Callable[[tether.Event], bool],
-             timeout: float = WAIT) -> tuple[int, tether.Event]:
+    def wait(
+        self, since: int, pred: Callable[[tether.Event], bool], timeout: float = WAIT
+    ) -> tuple[int, tether.Event]:
         deadline = time.monotonic() + timeout
         with self._cond:
             i = since
@@ -85,8 +87,11 @@ def _on(session: str, name: str) -> Callable[[tether.Event], bool]:
 def _pool_steady(rt: tether.Runtime, workers: int) -> None:
     """After a kill, wait until the pool is back to `workers` plus its warm spare, so that
     every sample starts from the steady state the targets are stated for."""
-    poll_until(lambda: True if len(rt.worker_pids) >= workers + 1 else None, WAIT,
-               "the pool to replace a killed worker")
+    poll_until(
+        lambda: True if len(rt.worker_pids) >= workers + 1 else None,
+        WAIT,
+        "the pool to replace a killed worker",
+    )
     time.sleep(0.15)  # a counted worker may still be starting (launcher fork + Ready)
 
 
@@ -124,8 +129,11 @@ def _quiet_parent(rt: tether.Runtime) -> tuple[str, tether.User]:
     rt.interrupt(parent, authority=auth, kind="cancel", reason="park")
     rt.wait(parent, until="parked", timeout=WAIT)
     # The root's one notice turn (for that cancel) ends before any sample starts.
-    poll_until(lambda: True if [t for t in rt.turns(root) if t.outcome] else None, WAIT,
-               "the root's notice turn")
+    poll_until(
+        lambda: True if [t for t in rt.turns(root) if t.outcome] else None,
+        WAIT,
+        "the root's notice turn",
+    )
     rt.wait(root, timeout=WAIT)
     return parent, tether.User(parent=parent)
 
@@ -223,8 +231,10 @@ def abort_loaded(cfg: Cfg) -> Iterator[Samples]:
     holds one worker, the load takes the other and every host thread. Measured from the
     abort call to the later of: worker, sh and both sleeps dead, and the turn's `aborted`
     end event. The load's own turn rate while sampling goes to the notes."""
-    with tempfile.TemporaryDirectory(prefix="bench-abort-loaded-") as d, \
-            tether.Runtime(Path(d) / "tether.db", workers=2) as rt:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-abort-loaded-") as d,
+        tether.Runtime(Path(d) / "tether.db", workers=2) as rt,
+    ):
         child, auth = _quiet_child(rt, SCRIPTED)
         events = Events(rt, {"turn.ended"}, sessions={child})
         roots = [rt.open_session(SCRIPTED) for _ in range(cfg.sessions(1000))]
@@ -245,13 +255,17 @@ def abort_loaded(cfg: Cfg) -> Iterator[Samples]:
                         dead = watch.wait(WAIT)
                         ended, ev = events.wait(mark, _on(child, "turn.ended"))
                     if ev.data["outcome"] != "aborted":
-                        raise RuntimeError(f"the wedged turn ended {ev.data['outcome']}, "
-                                           "not aborted")
+                        raise RuntimeError(
+                            f"the wedged turn ended {ev.data['outcome']}, not aborted"
+                        )
                     samples.append(ms_since(t0, max(dead, ended)))
                     _pool_steady(rt, 2)
                 rate = (load.ended - ended0) / (time.perf_counter() - t_start)
-                cfg.note(f"load while sampling: {rate:,.0f} trivial turns/s ended over "
-                         f"{len(roots):,} sessions (last repetition)", key="load")
+                cfg.note(
+                    f"load while sampling: {rate:,.0f} trivial turns/s ended over "
+                    f"{len(roots):,} sessions (last repetition)",
+                    key="load",
+                )
                 yield {"abort_ms": samples}
 
 
@@ -283,8 +297,10 @@ def respawn(cfg: Cfg) -> Iterator[Samples]:
                 waiting = start(wedge(next_tag))
                 time.sleep(0.03)
                 if _said(rt, waiting, drivers.STARTED, 0) is not None:
-                    raise RuntimeError("a third turn started with two busy: the pool has more "
-                                       "than 2 runnable workers; this case needs them all busy")
+                    raise RuntimeError(
+                        "a third turn started with two busy: the pool has more "
+                        "than 2 runnable workers; this case needs them all busy"
+                    )
                 t0 = time.perf_counter_ns()
                 rt.interrupt(current, authority=auth, kind="abort", reason="bench")
                 # Wait for the new tree, not the stamp: polling the transcript while the
@@ -292,8 +308,11 @@ def respawn(cfg: Cfg) -> Iterator[Samples]:
                 _procs.find_tree(next_tag, WAIT)
                 # The stamp was said before the tool started, but the host may not have
                 # written it yet: the tree can be up before the Say frame is handled.
-                started = poll_until(functools.partial(_said, rt, waiting, drivers.STARTED, 0),
-                                     WAIT, "the start stamp")
+                started = poll_until(
+                    functools.partial(_said, rt, waiting, drivers.STARTED, 0),
+                    WAIT,
+                    "the start stamp",
+                )
                 samples.append(ms_since(t0, started))
                 current, tag = waiting, next_tag
             yield {"respawn_ms": samples}
@@ -314,8 +333,11 @@ def cancel_signal(cfg: Cfg) -> Iterator[Samples]:
                 after = _last_seq(rt, child)
                 mark = events.mark()
                 rt.send(child, "probe", authority=auth)
-                poll_until(functools.partial(_said_text, rt, child, drivers.POLLING, after),
-                           WAIT, "the probe to start polling")
+                poll_until(
+                    functools.partial(_said_text, rt, child, drivers.POLLING, after),
+                    WAIT,
+                    "the probe to start polling",
+                )
                 time.sleep(0.002)  # past the say: the probe is in its poll loop
                 t0 = time.perf_counter_ns()
                 rt.interrupt(child, authority=auth, kind="cancel", reason="bench")
@@ -395,8 +417,10 @@ def turns(cfg: Cfg) -> Iterator[Samples]:
     run in the host too) and of no child, so the workers' CPU is not counted.
     """
     n, sessions = cfg.n(2000, 10000), 8
-    with tempfile.TemporaryDirectory(prefix="bench-turns-") as d, \
-            tether.Runtime(Path(d) / "tether.db", workers=2) as rt:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-turns-") as d,
+        tether.Runtime(Path(d) / "tether.db", workers=2) as rt,
+    ):
         roots = [rt.open_session(SCRIPTED) for _ in range(sessions)]
         ended = _Countdown()
         rt.subscribe(ended.on_event)
@@ -412,8 +436,10 @@ def turns(cfg: Cfg) -> Iterator[Samples]:
                 cfg.note(f"only {got} of {size} turns ended within 60 s")
             for root in roots:  # drain, so a short batch does not spill into the next
                 rt.wait(root, timeout=WAIT)
-            return {"turns_per_s": [got / (t1 - t0)],
-                    "host_cpu_us": [(c1 - c0) / max(got, 1) * 1e6]}
+            return {
+                "turns_per_s": [got / (t1 - t0)],
+                "host_cpu_us": [(c1 - c0) / max(got, 1) * 1e6],
+            }
 
         _pool_steady(rt, 2)
         batch(200)  # warm-up: the first turns load the driver and grow the store
@@ -428,8 +454,10 @@ def sends(cfg: Cfg) -> Iterator[Samples]:
     """Accepted durable sends (file store, `wake=False`) from one caller, round-robin over
     the inboxes of 100 children; each returns only once its message is committed."""
     n, inboxes = cfg.n(5000, 20000), 100
-    with tempfile.TemporaryDirectory(prefix="bench-sends-") as d, \
-            tether.Runtime(Path(d) / "tether.db", workers=2) as rt:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-sends-") as d,
+        tether.Runtime(Path(d) / "tether.db", workers=2) as rt,
+    ):
         root = rt.open_session(SCRIPTED)
         auth = tether.User(parent=root)
         kids = [str(rt.spawn(root, SCRIPTED)) for _ in range(inboxes)]
@@ -509,8 +537,10 @@ def _grow_tree(rt: tether.Runtime, live: int, budget_s: float) -> _Tree:
         leaves += [str(rt.spawn(kid, SCRIPTED)) for _ in range(count - (i == 0))]
         if time.perf_counter() - t0 > budget_s:
             done = 1 + len(kids) + len(leaves)
-            raise RuntimeError(f"spawned only {done:,} of {live:,} sessions within "
-                               f"{budget_s:g} s ({done / budget_s:,.0f}/s)")
+            raise RuntimeError(
+                f"spawned only {done:,} of {live:,} sessions within "
+                f"{budget_s:g} s ({done / budget_s:,.0f}/s)"
+            )
     spawn_s = time.perf_counter() - t0
     timed = len(kids) + len(leaves) - 2
     time.sleep(0.2)  # let the new sessions settle (a v1 actor's thread into its inbox wait)
@@ -558,8 +588,9 @@ def _interrupt_calls(rt: tether.Runtime, tree: _Tree, calls: int) -> list[float]
     return call_us
 
 
-def _session_tree(cfg: Cfg, live: int, lists: int, calls: int,
-                  budget_s: float = 600) -> Iterator[Samples]:
+def _session_tree(
+    cfg: Cfg, live: int, lists: int, calls: int, budget_s: float = 600
+) -> Iterator[Samples]:
     """`live` continuable sessions on a file store (`_grow_tree`), all idle: spawning
     them, their memory, listing them (`_list_ms`), the synchronous part of interrupt on
     one of them (`_interrupt_calls`), and `close()` with all of them live and idle (call
@@ -580,8 +611,13 @@ def _session_tree(cfg: Cfg, live: int, lists: int, calls: int,
                 close_s = time.perf_counter() - t0
             finally:
                 rt.close()  # a no-op after the timed close
-        yield {"spawn_per_s": [tree.spawn_per_s], "idle_session_kib": [tree.kib],
-               "list_ms": list_ms, "interrupt_call_us": call_us, "close_s": [close_s]}
+        yield {
+            "spawn_per_s": [tree.spawn_per_s],
+            "idle_session_kib": [tree.kib],
+            "list_ms": list_ms,
+            "interrupt_call_us": call_us,
+            "close_s": [close_s],
+        }
 
 
 def sessions_100(cfg: Cfg) -> Iterator[Samples]:
@@ -593,8 +629,9 @@ def sessions_10k(cfg: Cfg) -> Iterator[Samples]:
 
 
 def sessions_100k(cfg: Cfg) -> Iterator[Samples]:
-    return _session_tree(cfg, cfg.sessions(100_000), cfg.n(5, 20), cfg.n(500, 2000),
-                         budget_s=cfg.n(120, 900))
+    return _session_tree(
+        cfg, cfg.sessions(100_000), cfg.n(5, 20), cfg.n(500, 2000), budget_s=cfg.n(120, 900)
+    )
 
 
 def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
@@ -618,9 +655,11 @@ def sessions_1m(cfg: Cfg) -> Iterator[Samples]:
             finally:
                 rt.close()
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        cfg.note(f"{tree.live:,} sessions: spawned at {tree.spawn_per_s:,.0f}/s, listed in "
-                 f"{list_ms:,.0f} ms, closed in {close_s:.1f} s; peak RSS {peak_gib:.2f} GiB",
-                 key="1m")
+        cfg.note(
+            f"{tree.live:,} sessions: spawned at {tree.spawn_per_s:,.0f}/s, listed in "
+            f"{list_ms:,.0f} ms, closed in {close_s:.1f} s; peak RSS {peak_gib:.2f} GiB",
+            key="1m",
+        )
         yield {"rss_gib": [rss_gib], "list_ms": [list_ms], "interrupt_call_us": call_us}
 
 
@@ -634,7 +673,7 @@ def _proc_state(pid: int) -> str:
             stat = f.read()
     except FileNotFoundError:
         return "X"
-    return stat[stat.rindex(b")") + 2:][:1].decode()
+    return stat[stat.rindex(b")") + 2 :][:1].decode()
 
 
 def _until(pids: list[int], pred: Callable[[str], bool]) -> int:
@@ -678,9 +717,11 @@ def watchdog_overhead(cfg: Cfg) -> Iterator[Samples]:
     runtimes measured alternately in the same process (as `turns`: file store, 2
     workers, 8 roots). The figure is the relative loss, in percent."""
     n, sessions = cfg.n(1500, 6000), 8
-    with tempfile.TemporaryDirectory(prefix="bench-watchdog-") as d, \
-            tether.Runtime(Path(d) / "plain.db", workers=2) as plain, \
-            tether.Runtime(Path(d) / "watched.db", workers=2) as watched:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-watchdog-") as d,
+        tether.Runtime(Path(d) / "plain.db", workers=2) as plain,
+        tether.Runtime(Path(d) / "watched.db", workers=2) as watched,
+    ):
         setups = []
         for rt, stall in ((plain, None), (watched, {"after": 60.0})):
             roots = [rt.open_session(SCRIPTED, stall=stall) for _ in range(sessions)]
@@ -825,16 +866,18 @@ def _running_subtree(rt: tether.Runtime) -> tuple[str, tether.User, dict[str, st
     for _ in range(9):
         child = str(rt.spawn(root, SCRIPTED, prompt="hang", data=HANG))
         sessions.append(child)
-        sessions += [str(rt.spawn(child, SCRIPTED, prompt="hang", data=HANG))
-                     for _ in range(10)]
+        sessions += [str(rt.spawn(child, SCRIPTED, prompt="hang", data=HANG)) for _ in range(10)]
     running: dict[str, str] = {}
     for sid in sessions:
         turn = rt.wait(sid, until="running", timeout=WAIT).turn
         if turn is None:
             raise RuntimeError(f"{sid} is not running")
         running[sid] = turn
-    poll_until(lambda: True if all(rt.status(s).dispatched for s in sessions) else None,
-               WAIT, "every turn of the subtree on a worker")
+    poll_until(
+        lambda: True if all(rt.status(s).dispatched for s in sessions) else None,
+        WAIT,
+        "every turn of the subtree on a worker",
+    )
     return root, auth, running
 
 
@@ -857,8 +900,9 @@ def subtree_abort_100(cfg: Cfg) -> Iterator[Samples]:
                 mark = events.mark()
                 wanted = set(running.values())
                 t0 = time.perf_counter_ns()
-                stopped = rt.interrupt(root, authority=auth, kind="abort", reason="bench",
-                                       scope="subtree")
+                stopped = rt.interrupt(
+                    root, authority=auth, kind="abort", reason="bench", scope="subtree"
+                )
                 last, left = t0, set(wanted)
                 while left:
                     ns, ev = events.wait(mark, functools.partial(_ends_one_of, left))
@@ -866,8 +910,9 @@ def subtree_abort_100(cfg: Cfg) -> Iterator[Samples]:
                     last = max(last, ns)
                 if set(stopped) != wanted:
                     raise RuntimeError(f"the subtree abort named {len(stopped)} of {len(wanted)}")
-                bad = [(sid, t) for sid, t in running.items()
-                       if rt.turns(sid)[-1].outcome != "aborted"]
+                bad = [
+                    (sid, t) for sid, t in running.items() if rt.turns(sid)[-1].outcome != "aborted"
+                ]
                 if bad:
                     raise RuntimeError(f"turns not recorded aborted: {bad[:3]}")
                 samples.append(ms_since(t0, last))

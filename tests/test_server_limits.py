@@ -163,6 +163,7 @@ def test_held_event_streams_leave_descriptors_for_an_abort(
         finally:
             for s in streams:
                 s.close()
+
         # And once the clients go, their slots come back.
         def stream_again() -> bool:
             s = _RawStream(server.port)
@@ -344,9 +345,11 @@ def test_interrupt_is_answered_at_once_while_disposals_wait(tmp_path: Path) -> N
             for _ in threads:
                 assert sent.acquire(timeout=30.0)
             events.wait_for(
-                lambda e: e["event"] == "state"
-                and e["data"]["session"] == stubborn
-                and e["data"]["data"]["state"] == "disposing",
+                lambda e: (
+                    e["event"] == "state"
+                    and e["data"]["session"] == stubborn
+                    and e["data"]["data"]["state"] == "disposing"
+                ),
                 what="the disposal under way",
             )
             start = time.monotonic()
@@ -366,8 +369,9 @@ def test_interrupt_is_answered_at_once_while_disposals_wait(tmp_path: Path) -> N
             for t in threads:
                 t.join(timeout=40.0)
             assert len(answers) == 48
-            assert all(a == {"jsonrpc": "2.0", "id": 1, "result": {"accepted": True}}
-                       for a in answers), answers[:3]
+            assert all(
+                a == {"jsonrpc": "2.0", "id": 1, "result": {"accepted": True}} for a in answers
+            ), answers[:3]
             server.wait_state(stubborn, "settled", timeout=30.0)
 
 
