@@ -1,0 +1,112 @@
+"""``tether.adapters.openai_agents:OpenAIAgentsAgent`` (SPEC §16.1) with the real OpenAI
+Agents SDK and its real client, against the model server over HTTP.
+
+The model server runs in a process of its own on loopback; the SDK's agent (built by a
+factory in ``tests/adapter_agents_oai.py``) runs in a worker process. Each test has its
+own script, chosen by the model name it configures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-agents]")
+
+import tether
+from drivers import SCRIPTED, Recorder, entries, runtime, texts
+from tether import User
+from tether.testing import ModelServer
+
+pytestmark = pytest.mark.timeout(90)
+
+OAI = "tether.adapters.openai_agents:OpenAIAgentsAgent"
+KEY_ENV = "TETHER_TEST_OAI_KEY"
+SECRET = "sk-tether-oai-0123456789abcdef"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def api_key() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, SECRET)
+        yield SECRET
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ModelServer]:
+    # A process of its own: it notices a client's disconnect at once (see test_chat_agent)
+    with ModelServer(process=True, realtime=True) as s:
+        yield s
+
+
+def _config(server: ModelServer, script: str, **extra: Any) -> dict[str, Any]:
+    model = {"base_url": server.url, "name": script, "api_key_env": KEY_ENV, "timeout": 30}
+    return {"agent": "adapter_agents_oai:helper", "model": model, **extra}
+
+
+def _agent(
+    rt: tether.Runtime,
+    server: ModelServer,
+    script: str,
+    replies: list[dict[str, Any]],
+    **extra: Any,
+) -> tuple[str, str, User]:
+    server.script(script, replies)
+    root = rt.open_session(SCRIPTED)
+    child = rt.spawn(root, OAI, slug="agent", config=_config(server, script, **extra))
+    assert isinstance(child, str)
+    return root, child, User(parent=root)
+
+
+def _roles(request: Any) -> list[str]:
+    return [m["role"] for m in request.body["messages"]]
+
+
+def test_a_turn_with_a_tool_call_records_replies_tool_entries_and_usage_and_the_next_turn_continues_it_after_a_restart(  # noqa: E501
+    server: ModelServer, db_path: str
+) -> None:
+    replies = [
+        {
+            "text": "Let me look.",
+            "tool_calls": [{"name": "lookup", "arguments": {"topic": "owls"}}],
+        },
+        {"text": "Owls: notes on owls.", "chunk": 3},
+        {"text": "You asked about owls."},
+    ]
+    with runtime(db_path, workers=2, grace=1.0) as rt:
+        rec = Recorder(rt)
+        _root, child, me = _agent(rt, server, "oai-history", replies)
+        rt.send(child, "tell me about owls", authority=me)
+        ended = rec.turn_ended(child, timeout=60.0)
+        assert ended["outcome"] == "completed", ended
+        said = [(e.kind, e.text) for e in rt.transcript(child)]
+        assert said[0] == ("user", "tell me about owls")
+        assert said[1] == ("assistant", "Let me look.")
+        assert said[2] == ("tool", "notes on owls")
+        assert said[3] == ("assistant", "Owls: notes on owls.")
+        tool = entries(rt, child, "tool")[0].data or {}
+        assert (tool["name"], json.loads(tool["arguments"])) == ("lookup", {"topic": "owls"})
+        usage = rt.turns(child)[0].usage
+        assert usage is not None and usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+        [first, second] = server.requests_for("oai-history")
+        assert first.body["stream_options"] == {"include_usage": True}
+        assert first.authorization == f"Bearer {SECRET}"
+        assert _roles(second) == ["system", "user", "assistant", "tool"]
+
+    # a new host on the same store: the next turn continues the same conversation
+    with runtime(db_path, workers=2, grace=1.0) as rt:
+        rec = Recorder(rt)
+        rt.send(child, "what did I ask?", authority=me)
+        assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+        third = server.requests_for("oai-history")[2]
+        messages = third.body["messages"]
+        assert _roles(third) == ["system", "user", "assistant", "tool", "assistant", "user"]
+        assert messages[1]["content"] == "tell me about owls"
+        assert messages[2]["tool_calls"][0]["function"]["name"] == "lookup"
+        assert messages[3]["content"] == "notes on owls"
+        assert messages[4]["content"] == "Owls: notes on owls."
+        assert messages[5]["content"] == "what did I ask?"
+        assert texts(rt, child, "assistant")[-1] == "You asked about owls."
