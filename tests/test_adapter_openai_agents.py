@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ import pytest
 pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-agents]")
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, runtime, texts
+from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
+from test_chat_agent import _all_read
 from tether import User
 from tether.testing import ModelServer
 
@@ -110,3 +112,90 @@ def test_a_turn_with_a_tool_call_records_replies_tool_entries_and_usage_and_the_
         assert messages[4]["content"] == "Owls: notes on owls."
         assert messages[5]["content"] == "what did I ask?"
         assert texts(rt, child, "assistant")[-1] == "You asked about owls."
+
+
+def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keeps_the_partial(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    text = "I am halfway through a long answer"
+    root, child, me = _agent(rt, server, "oai-cut", [{"text": text, "chunk": 4, "hang": True}])
+    rt.send(child, "tell me everything", authority=me)
+    [request] = server.wait_requests(1, script="oai-cut", timeout=60.0)
+    server.wait_for(lambda s: s.requests_for("oai-cut")[0].hanging, what="the hang")
+    eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
+
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    ended = rec.turn_ended(child, timeout=30.0)
+    assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+    gone = server.wait_disconnect(request.id)
+    [turn] = rt.turns(child)
+    assert turn.ended_at is not None and gone.time <= turn.ended_at
+    cut = texts(rt, child, "assistant")[-1]
+    assert cut and text.startswith(cut)  # what arrived, and nothing else
+    assert entries(rt, child, "assistant")[-1].data == {"cut": True}
+    eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
+    notice = (entries(rt, root, "notice")[-1].data or {})["notice"]
+    assert (notice["outcome"], notice["partial"]) == ("cancelled", cut)
+
+
+def test_a_steer_sent_mid_stream_reaches_the_next_request_and_stays_in_the_later_ones(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    look = [{"name": "lookup", "arguments": {"topic": "paths"}}]
+    replies = [
+        {
+            "text": "Working on the slow path, step by step.",
+            "tool_calls": look,
+            "chunk": 2,
+            "pace": 0.02,
+        },
+        {"text": "Checking the fast path.", "tool_calls": look},
+        {"text": "Switched to the fast path."},
+    ]
+    root, child, me = _agent(rt, server, "oai-steer", replies)
+    rt.send(child, "do the task", authority=me)
+    server.wait_requests(1, script="oai-steer", timeout=60.0)
+    rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second, third] = server.requests_for("oai-steer")
+    steer = {
+        "role": "user",
+        "content": f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>',
+    }
+    assert second.body["messages"][-1] == steer
+    assert second.body["messages"][-2]["role"] == "tool"
+    # the SDK keeps no filter's additions: the adapter puts the steer back at its place
+    assert _roles(third) == ["system", "user", "assistant", "tool", "user", "assistant", "tool"]
+    assert third.body["messages"][4] == steer
+    assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+    # and the transcript has it after the tool result it followed
+    kinds = [e.kind for e in rt.transcript(child)]
+    assert kinds == ["user", "assistant", "tool", "marker", "assistant", "tool", "assistant"]
+
+
+def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_result_and_the_turn_completes(  # noqa: E501
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    probe = tmp_path / "probe-started"
+    replies = [
+        {"tool_calls": [{"name": "slow_probe", "arguments": {"target": "db"}}]},
+        {"text": "The probe took too long; moving on."},
+    ]
+    extra = {"agent": "adapter_agents_oai:prober", "probe_file": str(probe)}
+    root, child, me = _agent(rt, server, "oai-preempt", replies, **extra)
+    rt.send(child, "probe the db", authority=me)
+    eventually(probe.exists, timeout=60.0, what="the tool to start")
+    rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("oai-preempt")
+    result = second.body["messages"][-1]
+    assert result["role"] == "tool"
+    assert result["content"].startswith("preempted after ")
+    assert f"by user ({root}): too slow" in result["content"]
+    tool = entries(rt, child, "tool")[-1]
+    assert tool.text == result["content"] and (tool.data or {})["preempted"] is True
+    assert texts(rt, child, "assistant")[-1] == "The probe took too long; moving on."
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
