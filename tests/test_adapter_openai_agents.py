@@ -199,3 +199,38 @@ def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_resu
     assert tool.text == result["content"] and (tool.data or {})["preempted"] is True
     assert texts(rt, child, "assistant")[-1] == "The probe took too long; moving on."
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+
+
+def test_the_framework_agent_spawns_a_child_with_spawn_agent_and_stops_it_with_interrupt_agent(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {"tool_calls": [{"name": "spawn_agent", "arguments": {"slug": "kid"}}]},
+        {"text": "Spawned kid."},
+        {"text": "kid is working on it", "hang": True},  # the kid's turn
+        {"tool_calls": [{"name": "interrupt_agent", "arguments": {"agent": "kid"}}]},
+        {"text": "Stopped kid."},
+    ]
+    tools = ["spawn_agent", "interrupt_agent"]
+    _root, child, me = _agent(rt, server, "oai-family", replies, tools=tools)
+    # one step at a time, so that the script's replies go to the requests in order
+    rt.send(child, "start a helper", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [kid] = rt.list_agents(child)
+    assert kid.slug == "kid"
+    first = server.requests_for("oai-family")[0]
+    assert sorted(t["function"]["name"] for t in first.body["tools"]) == sorted(["lookup", *tools])
+
+    rt.send(kid.id, "work", authority=User(parent=child))
+    [*_, kids] = server.wait_requests(3, script="oai-family", timeout=60.0)
+    server.wait_for(lambda s: s.requests_for("oai-family")[2].hanging, what="the kid's stream")
+    rt.send(child, "stop the helper", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=60.0)["outcome"] == "completed"
+    assert rec.turn_ended(kid.id, timeout=30.0)["outcome"] == "cancelled"
+    server.wait_disconnect(kids.id)
+    stopped = [e for e in entries(rt, child, "tool") if (e.data or {})["name"] == "interrupt_agent"]
+    [turn] = rt.turns(kid.id)
+    assert [json.loads(e.text) for e in stopped] == [{"accepted": True, "turn": turn.id}]
+    assert texts(rt, kid.id, "assistant") == ["kid is working on it"]
+    assert texts(rt, child, "assistant")[-1] == "Stopped kid."
