@@ -19,9 +19,10 @@ pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
-from test_chat_agent import _all_read
+from test_chat_agent import _all_read, _mcp
 from tether import User
 from tether.testing import ModelServer
+from tether.testing.mcp_server import read_log
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -119,7 +120,8 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
 ) -> None:
     rec = Recorder(rt)
     text = "I am halfway through a long answer"
-    root, child, me = _agent(rt, server, "oai-cut", [{"text": text, "chunk": 4, "hang": True}])
+    replies = [{"text": text, "chunk": 4, "hang": True}, {"text": "Going on from there."}]
+    root, child, me = _agent(rt, server, "oai-cut", replies)
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script="oai-cut", timeout=60.0)
     server.wait_for(lambda s: s.requests_for("oai-cut")[0].hanging, what="the hang")
@@ -137,6 +139,16 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
     eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
     notice = (entries(rt, root, "notice")[-1].data or {})["notice"]
     assert (notice["outcome"], notice["partial"]) == ("cancelled", cut)
+
+    # the SDK's run kept nothing of the cut turn; the next turn still sees the partial
+    rt.send(child, "go on", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=30.0)["outcome"] == "completed"
+    after = server.requests_for("oai-cut")[1].body["messages"]
+    assert [(m["role"], m["content"]) for m in after[1:]] == [
+        ("user", "tell me everything"),
+        ("assistant", cut),
+        ("user", "go on"),
+    ]
 
 
 def test_a_steer_sent_mid_stream_reaches_the_next_request_and_stays_in_the_later_ones(
@@ -188,8 +200,11 @@ def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_resu
     root, child, me = _agent(rt, server, "oai-preempt", replies, **extra)
     rt.send(child, "probe the db", authority=me)
     eventually(probe.exists, timeout=60.0, what="the tool to start")
-    rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert turn is not None
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("slow_probe", "preempted")]
     [_, second] = server.requests_for("oai-preempt")
     result = second.body["messages"][-1]
     assert result["role"] == "tool"
@@ -234,3 +249,56 @@ def test_the_framework_agent_spawns_a_child_with_spawn_agent_and_stops_it_with_i
     assert [json.loads(e.text) for e in stopped] == [{"accepted": True, "turn": turn.id}]
     assert texts(rt, kid.id, "assistant") == ["kid is working on it"]
     assert texts(rt, child, "assistant")[-1] == "Stopped kid."
+
+
+@pytest.mark.timeout(120)
+def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_framework_agent_goes_on(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "The search hung; going on without it."},
+    ]
+    root, child, me = _agent(rt, server, "oai-mcp", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+    call = eventually(
+        lambda: next((r for r in read_log(str(log)) if r.get("method") == "tools/call"), None),
+        timeout=60.0,
+        what="the MCP server to receive the call",
+    )
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="search is stuck")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    cancelled = [r for r in read_log(str(log)) if r.get("method") == "notifications/cancelled"]
+    assert [r["requestId"] for r in cancelled] == [call["id"]]
+    [first, second] = server.requests_for("oai-mcp")
+    assert "mcp__files__hang" in [t["function"]["name"] for t in first.body["tools"]]
+    result = second.body["messages"][-1]["content"]
+    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+    assert texts(rt, child, "assistant")[-1] == "The search hung; going on without it."
+
+
+def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    server.script("oai-refused", [{"status": 400, "message": "no such\nmodel"}])
+    root = rt.open_session(SCRIPTED)
+    configs = [
+        {"model": {"base_url": server.url}},  # no agent
+        {**_config(server, "oai-refused"), "agent": "adapter_agents_oai:nobody"},
+        {**_config(server, "oai-refused"), "tools": ["rm_rf"]},
+        _config(server, "oai-refused"),
+    ]
+    errors = []
+    for i, config in enumerate(configs):
+        sid = str(rt.spawn(root, OAI, slug=f"bad{i}", config=config, prompt="hi"))
+        ended = rec.turn_ended(sid, timeout=60.0)
+        assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
+        assert all("Traceback" not in e.text for e in rt.transcript(sid))
+        errors.append(ended["error"])
+    assert "config.agent" in errors[0] and "nobody" in errors[1]
+    assert "rm_rf" in errors[2] and "HTTP 400: no such model" in errors[3]
