@@ -302,3 +302,50 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
         errors.append(ended["error"])
     assert "config.agent" in errors[0] and "nobody" in errors[1]
     assert "rm_rf" in errors[2] and "HTTP 400: no such model" in errors[3]
+
+
+def test_a_cancel_during_a_function_tool_stops_it_and_the_next_turn_sees_the_call_unanswered(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    probe = tmp_path / "probe-started"
+    replies = [
+        {"tool_calls": [{"name": "slow_probe", "arguments": {"target": "db"}}]},
+        {"text": "Fine, no probe then."},
+    ]
+    extra = {"agent": "adapter_agents_oai:prober", "probe_file": str(probe)}
+    _root, child, me = _agent(rt, server, "oai-cancel-tool", replies, **extra)
+    rt.send(child, "probe the db", authority=me)
+    eventually(probe.exists, timeout=60.0, what="the tool to start")
+    turn = rt.interrupt(child, authority=me, kind="cancel", reason="never mind")
+    assert turn is not None
+    ended = rec.turn_ended(child, timeout=30.0)
+    assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+    report = eventually(lambda: rt.stop_report(turn), what="the cancel's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("slow_probe", "cancelled")]
+    assert entries(rt, child, "tool") == []  # the call never returned
+
+    rt.send(child, "go on", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=30.0)["outcome"] == "completed"
+    after = server.requests_for("oai-cancel-tool")[1].body["messages"]
+    assert _roles(server.requests_for("oai-cancel-tool")[1]) == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "user",
+    ]
+    assert after[2]["tool_calls"][0]["id"] == after[3]["tool_call_id"]
+    assert after[3]["content"] == "(no result: stopped)"
+
+
+def test_429_and_500_are_retried_by_the_client_and_the_turn_completes(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
+    _root, child, me = _agent(rt, server, "oai-flaky", replies)
+    rt.send(child, "try", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    assert [r.status for r in server.requests_for("oai-flaky")] == [429, 500, 200]
+    assert texts(rt, child, "assistant") == ["third time lucky"]
