@@ -349,3 +349,15 @@ def test_429_and_500_are_retried_by_the_client_and_the_turn_completes(
     assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
     assert [r.status for r in server.requests_for("oai-flaky")] == [429, 500, 200]
     assert texts(rt, child, "assistant") == ["third time lucky"]
+
+
+def test_abort_mid_stream_kills_the_turn_and_the_server_sees_the_disconnect(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _agent(rt, server, "oai-abort", [{"text": "streaming...", "hang": True}])
+    rt.send(child, "go", authority=me)
+    [request] = server.wait_requests(1, script="oai-abort", timeout=60.0)
+    rt.interrupt(child, authority=me, kind="abort", reason="kill it")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
+    server.wait_disconnect(request.id)
