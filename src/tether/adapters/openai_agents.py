@@ -1,0 +1,451 @@
+"""``tether.adapters.openai_agents:OpenAIAgentsAgent``: an OpenAI Agents SDK agent as a
+Tether async driver (SPEC §16.1), extra ``tether[openai-agents]``.
+
+Config: ``{"agent": "pkg.mod:factory", "model": {...}, "tools": [...], "mcp": {...},
+"tool_policy": {...}, "max_steps": 50}``. The factory is called with the session config
+and returns an ``agents.Agent``; ``model`` (as ChatAgent's: ``base_url``, ``name``,
+``api_key_env``, ``timeout``, ``retries``, ...) replaces the agent's own model with an
+``OpenAIChatCompletionsModel`` on that endpoint; ``tools`` adds Tether's agent tools and
+``mcp`` the MCP servers Tether opens (SPEC §15.3) as the SDK's function tools.
+
+The SDK runs its loop in a task of its own (``Runner.run_streamed``), so everything this
+adapter promises happens inside that task, in order::
+
+    SDK task:  input filter ─► model stream ─► tool ─► input filter ─► model stream ─► …
+               (boundary:       (progress per   (preemptable;  (a steer taken
+                steers taken)    event; the      one tool       here is the last
+                                 reply's entry   entry)         user message)
+                                 and usage)
+
+- each model reply is one assistant entry (its SDK input items in ``data``), each tool
+  call one ``tool`` entry: the next turn's input list is rebuilt from them, so the
+  conversation survives a host restart, and a cut turn too (the SDK's immediate cancel
+  leaves the run's own items empty: what the adapter recorded is all there is);
+- a steer is taken before each model request, in ``RunConfig.call_model_input_filter``:
+  a ``<steer …>`` user message, kept at its place for the run's later requests;
+- a cancel lands as ``CancelledError`` in the driver's task, which does not reach the
+  SDK's: the adapter cancels the run (``result.cancel()``, immediate), waits for its task
+  to unwind (the stream's connection closed), and keeps the partial reply (``cut``);
+- a preempt stops only the running function tool (``ctx.preemptable``); the model gets
+  the honest ``preempted after N s by …`` result and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import agents
+import openai
+from agents import FunctionTool, Model, ModelSettings, OpenAIChatCompletionsModel
+from agents.exceptions import AgentsException
+from agents.models.multi_provider import MultiProvider
+
+from tether.agents.chat import (
+    ModelError,
+    _Config,
+    _describe,
+    _host_schemas,
+    _max_duration,
+    _mcp_call,
+    _mcp_tools,
+    _Model,
+    _one_line,
+    _preempted_text,
+    _result_text,
+)
+from tether.agents.chat import _config as _chat_config
+from tether.driver.async_context import AsyncTurnContext
+from tether.wire.errors import InvalidParams, Preempted, TetherError
+from tether.wire.frames import Steer
+from tether.wire.records import Entry
+from tether.wire.text import render_frame
+
+__all__ = ["OpenAIAgentsAgent"]
+
+_UNWIND = 5.0  # seconds a cancelled run's task may take to close its stream
+_NO_RESULT = "(no result: stopped)"
+
+
+class OpenAIAgentsAgent:
+    """An ``agents.Agent`` run as a Tether turn: ``rt.open_session(
+    "tether.adapters.openai_agents:OpenAIAgentsAgent", config={"agent": "pkg.mod:factory",
+    "model": {...}, "tools": [...]})``."""
+
+    async def run(self, ctx: AsyncTurnContext) -> str | None:
+        agents.set_tracing_disabled(True)  # no trace export: offline, and not ours to send
+        try:
+            cfg, spec = _parse(ctx.config)
+            agent = _factory(spec)(dict(ctx.config))
+            if not isinstance(agent, agents.Agent):
+                raise InvalidParams(f"config.agent: {spec} returned {type(agent).__name__}")
+        except TetherError as exc:
+            raise ModelError(_one_line(exc.message)) from None
+        turn = _Run(ctx, cfg)
+        agent = await turn.prepare(agent, model="model" in ctx.config)
+        items = _input_items(await ctx.load_history(), ctx)
+        result = agents.Runner.run_streamed(
+            agent,
+            items,
+            max_turns=cfg.max_steps,
+            run_config=agents.RunConfig(
+                call_model_input_filter=turn.take_steers, tracing_disabled=True
+            ),
+        )
+        try:
+            async for _ in result.stream_events():
+                pass  # the entries are written in the SDK's task, as things happen
+        except asyncio.CancelledError:
+            # The SDK's loop is a task of its own: stop it, and wait for it to unwind so
+            # that the stream's connection is closed before the turn's end is reported.
+            result.cancel("immediate")
+            task = result.run_loop_task
+            if task is not None:
+                await asyncio.wait([task], timeout=_UNWIND)
+            turn.keep_partial()
+            if ctx.cancel is None:
+                raise  # not this turn's cancel
+            return None  # the partial reply, kept, is the turn's final text
+        except Exception as exc:
+            raise _model_error(exc, cfg.model.retries) from None
+        return None  # the last reply, said already, is the turn's final text
+
+
+@dataclass
+class _Run:
+    """One turn's bookkeeping, shared by the SDK's task (model, tools, filter) and the
+    driver's (a cancel)."""
+
+    ctx: AsyncTurnContext
+    cfg: _Config
+    partial: str = ""  # the text of the reply streaming now
+    steers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (place, msg)
+
+    async def prepare(self, agent: Any, *, model: bool) -> Any:
+        """The factory's agent with this session's model, usage asked for in streams,
+        every function tool preemptable and recorded, and Tether's tools added."""
+        if model:
+            inner: Any = OpenAIChatCompletionsModel(
+                model=self.cfg.model.name, openai_client=_client(self.cfg.model)
+            )
+        elif isinstance(agent.model, str) or agent.model is None:
+            inner = MultiProvider().get_model(agent.model)
+        else:
+            inner = agent.model
+        settings = agent.model_settings
+        if settings.include_usage is None:  # the SDK asks a non-OpenAI endpoint for none
+            settings = settings.resolve(ModelSettings(include_usage=True))
+        tools = [self._own(t) for t in agent.tools]
+        tools.extend(self._host_tool(s["function"]) for s in _host_schemas())
+        tools = [t for t in tools if t is not None]
+        tools.extend(await self._mcp_tools())
+        return agent.clone(model=_Observed(inner, self), model_settings=settings, tools=tools)
+
+    # ---- steers: the SDK's model-input filter, before every model request -----------
+
+    async def take_steers(self, data: Any) -> Any:
+        frames = await self.ctx.checkpoint()
+        model_data = data.model_data
+        base = list(model_data.input)
+        for f in frames:
+            if isinstance(f, Steer):
+                self.steers.append((len(base), {"role": "user", "content": f.render()}))
+        # The filter's additions are not kept by the SDK: a steer taken earlier in the run
+        # goes back in at its place in every later request.
+        model_data.input = self.with_steers(base)
+        return model_data
+
+    def with_steers(self, items: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        pending = list(self.steers)
+        for i, item in enumerate(items):
+            while pending and pending[0][0] <= i:
+                out.append(pending.pop(0)[1])
+            out.append(item)
+        out.extend(msg for _, msg in pending)
+        return out
+
+    # ---- replies -------------------------------------------------------------------
+
+    def on_event(self, event: Any) -> None:
+        """One streamed event of a model reply (in the SDK's task, as it arrives)."""
+        self.ctx.progress()
+        kind = getattr(event, "type", "")
+        if kind == "response.created":
+            self.partial = ""
+        elif kind == "response.output_text.delta":
+            self.partial += event.delta
+        elif kind == "response.completed":
+            self.partial = ""
+            self._reply(event.response)
+
+    def _reply(self, response: Any) -> None:
+        usage = getattr(response, "usage", None)
+        if usage is not None and (usage.input_tokens or usage.output_tokens):
+            self.ctx.add_usage(
+                {
+                    "prompt_tokens": int(usage.input_tokens or 0),
+                    "completion_tokens": int(usage.output_tokens or 0),
+                }
+            )
+        items = [o.model_dump(exclude_unset=True, mode="json") for o in response.output]
+        text = "".join(
+            part.get("text", "")
+            for o in items
+            if o.get("type") == "message"
+            for part in o.get("content") or ()
+            if part.get("type") == "output_text"
+        )
+        calls = [
+            {
+                "id": o["call_id"],
+                "type": "function",
+                "function": {"name": o["name"], "arguments": o.get("arguments", "")},
+            }
+            for o in items
+            if o.get("type") == "function_call"
+        ]
+        if not text and not calls:
+            return
+        data: dict[str, Any] = {"input_items": items}
+        if calls:
+            data["tool_calls"] = calls
+        self.ctx.say(text, data=data)
+
+    def keep_partial(self) -> None:
+        """A cut reply: what arrived is kept (``cut``), as ChatAgent keeps it."""
+        if self.partial:
+            self.ctx.say(self.partial, data={"cut": True})
+            self.partial = ""
+
+    # ---- tools ---------------------------------------------------------------------
+
+    def _own(self, tool: Any) -> Any:
+        """The agent's own function tool, preemptable and recorded; other tools as they are."""
+        if not isinstance(tool, FunctionTool):
+            return tool
+        invoke = tool.on_invoke_tool
+        name = tool.name
+        policy = self.cfg.tool_policy.get(name) or {}
+
+        async def run(tc: Any, arguments: str) -> Any:
+            return await self.ctx.preemptable(
+                name, invoke(tc, arguments), preempt=policy.get("preempt", "cooperative")
+            )
+
+        wrapped = copy.copy(tool)
+        wrapped.on_invoke_tool = self._recorded(name, run)
+        return wrapped
+
+    def _host_tool(self, schema: dict[str, Any]) -> Any:
+        """One of Tether's agent tools (``spawn_agent`` & co), if the config asks for it."""
+        name = schema["name"]
+        if name not in self.cfg.tools:
+            return None
+
+        async def run(tc: Any, arguments: str) -> str:
+            return _result_text(await self.ctx.call_tool(name, arguments))
+
+        return FunctionTool(
+            name=name,
+            description=schema.get("description", ""),
+            params_json_schema=schema["parameters"],
+            on_invoke_tool=self._recorded(name, run),
+            strict_json_schema=False,
+        )
+
+    async def _mcp_tools(self) -> list[Any]:
+        mcp = await _mcp_tools(self.ctx, self.cfg)
+        if mcp is None:
+            return []
+        offered, missing = await mcp.offered()
+        if len(missing) == len(mcp.servers):
+            raise ModelError(_one_line("config.mcp: " + "; ".join(missing.values())))
+        for server, why in missing.items():
+            self.ctx.record_tool(why, data={"mcp_unavailable": server})
+        out = []
+        for schema in offered:
+            fn = schema["function"]
+
+            def make(name: str) -> Callable[[Any, str], Awaitable[str]]:
+                async def run(tc: Any, arguments: str) -> str:
+                    return await _mcp_call(self.ctx, mcp, name, arguments)
+
+                return run
+
+            out.append(
+                FunctionTool(
+                    name=fn["name"],
+                    description=fn.get("description") or "",
+                    params_json_schema=fn.get("parameters") or {"type": "object"},
+                    on_invoke_tool=self._recorded(fn["name"], make(fn["name"])),
+                    strict_json_schema=False,
+                )
+            )
+        return out
+
+    def _recorded(
+        self, name: str, run: Callable[[Any, str], Awaitable[Any]]
+    ) -> Callable[[Any, str], Awaitable[Any]]:
+        """A tool call as ChatAgent runs one: a ``max_duration`` policy, the honest
+        preempted result, one ``tool`` entry (with its SDK input item) per call."""
+
+        async def invoke(tc: Any, arguments: str) -> Any:
+            call_id = str(getattr(tc, "tool_call_id", "") or "")
+            data: dict[str, Any] = {"tool_call_id": call_id, "name": name, "arguments": arguments}
+            timer = _max_duration(self.ctx, self.cfg, name)
+            try:
+                out = await run(tc, arguments)
+            except Preempted as exc:
+                out = _preempted_text(exc)
+                data["preempted"] = True
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            text = out if isinstance(out, str) else json.dumps(out, default=str)
+            item = {"type": "function_call_output", "call_id": call_id, "output": text}
+            self.ctx.record_tool(text, data={**data, "input_items": [item]})
+            return out
+
+        return invoke
+
+
+class _Observed(Model):
+    """The agent's model, watched: every streamed event goes through ``_Run.on_event`` in
+    the SDK's task as it arrives (progress, the partial text, the reply's entry)."""
+
+    def __init__(self, inner: Any, run: _Run) -> None:
+        self._inner = inner
+        self._run = run
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    def get_retry_advice(self, request: Any) -> Any:
+        return self._inner.get_retry_advice(request)
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = await self._inner.get_response(*args, **kwargs)
+        self._run._reply(response)
+        return response
+
+    async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async for event in self._inner.stream_response(*args, **kwargs):
+            self._run.on_event(event)
+            yield event
+
+
+def _parse(raw: dict[str, Any]) -> tuple[_Config, str]:
+    spec = raw.get("agent")
+    if not isinstance(spec, str) or ":" not in spec:
+        raise InvalidParams("config.agent: give the agent's factory as 'pkg.module:name'")
+    return _chat_config({k: v for k, v in raw.items() if k != "agent"}), spec
+
+
+def _factory(spec: str) -> Callable[[dict[str, Any]], Any]:
+    module, _, name = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidParams(f"config.agent: cannot load {spec}: {exc}") from None
+    if not callable(found):
+        raise InvalidParams(f"config.agent: {spec} is not callable")
+    return found  # type: ignore[no-any-return]
+
+
+# One client per endpoint in this worker process, kept across turns on the worker's one
+# loop; keyed by what makes a client, the key included: held in memory only.
+_clients: dict[tuple[Any, ...], Any] = {}
+
+
+def _client(model: _Model) -> Any:
+    key = "unused"  # a local server needs none; the client insists on a value
+    if model.api_key_env:
+        found = os.environ.get(model.api_key_env)
+        if not found:
+            raise ModelError(
+                f"the environment variable {model.api_key_env} (api_key_env) is not set"
+            )
+        key = found
+    ident = (
+        model.base_url,
+        key,
+        model.timeout,
+        model.retries,
+        tuple(sorted(model.headers.items())),
+    )
+    client = _clients.get(ident)
+    if client is None:
+        client = openai.AsyncOpenAI(
+            base_url=model.base_url,
+            api_key=key,
+            timeout=model.timeout,
+            max_retries=model.retries,  # the client's own backoff: the SDK retries none
+            default_headers=model.headers or None,
+        )
+        _clients[ident] = client
+    return client
+
+
+def _model_error(exc: Exception, retries: int) -> Exception:
+    if isinstance(exc, openai.APIStatusError | openai.APIConnectionError):
+        return ModelError(_describe(exc, retries))
+    if isinstance(exc, AgentsException):
+        return ModelError(_one_line(f"{type(exc).__name__}: {exc}"))
+    return exc
+
+
+def _input_items(history: list[Entry], ctx: AsyncTurnContext) -> list[Any]:
+    """The run's input list: earlier turns' entries (each reply and tool result carries
+    its SDK input items), their steers where they were taken, and this turn's message."""
+    out: list[dict[str, Any]] = []
+    for e in history:
+        if e.turn == ctx.turn:
+            continue  # this turn's own message comes last, from ctx.message
+        data = e.data or {}
+        match e.kind:
+            case "user" | "notice":
+                out.append({"role": "user", "content": e.text})
+            case "assistant" | "tool" if data.get("input_items"):
+                out.extend(data["input_items"])
+            case "assistant" if e.text:  # a cut reply: its text
+                out.append({"role": "assistant", "content": e.text})
+            case "marker" if e.action == "steered":
+                steer = render_frame("steer", e.origin or "", e.by or "", e.reason or "")
+                out.append({"role": "user", "content": steer})
+    out.append({"role": "user", "content": ctx.message.content})
+    return _paired(out)
+
+
+def _paired(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every function call answered before the next message, as the chat API requires: a
+    call left without a result (its turn was stopped) gets one saying so; a result with
+    no call before it is dropped."""
+    out: list[dict[str, Any]] = []
+    open_ids: list[str] = []
+
+    def close() -> None:
+        for call_id in open_ids:
+            out.append({"type": "function_call_output", "call_id": call_id, "output": _NO_RESULT})
+        open_ids.clear()
+
+    for item in items:
+        kind = item.get("type")
+        if kind == "function_call_output":
+            if item.get("call_id") in open_ids:
+                open_ids.remove(item["call_id"])
+                out.append(item)
+            continue
+        if kind == "function_call":
+            open_ids.append(str(item.get("call_id")))
+        else:
+            close()
+        out.append(item)
+    close()
+    return out
