@@ -12,10 +12,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
+from drivers import (
+    SCRIPTED,
+    Recorder,
+    alive,
+    entries,
+    escapee,
+    escapee_procs,
+    eventually,
+    frozen,
+    runtime,
+    texts,
+    worker_with_tool,
+)
 from test_chat_agent import _all_read
 from tether import User
 from tether.testing import ModelServer
@@ -75,6 +88,16 @@ def _bash(command: str) -> dict[str, Any]:
 def _said(request: Any) -> str:
     """Everything the model was sent in a request's messages, as one text."""
     return json.dumps(request.body.get("messages", []))
+
+
+def _tool_result(request: Any) -> str:
+    """The text of the tool result in a request's last message."""
+    last = request.body["messages"][-1]
+    [block] = [b for b in last["content"] if b.get("type") == "tool_result"]
+    content = block["content"]
+    if isinstance(content, list):
+        return "\n".join(c.get("text", "") for c in content)
+    return str(content)
 
 
 def test_a_turn_runs_bash_and_answers_and_the_next_turn_continues_it_also_after_a_restart(
@@ -150,3 +173,124 @@ def test_a_cancel_mid_stream_closes_the_model_stream_and_keeps_the_cut_reply(
     assert cut.data is not None and cut.data["cut"] is True
     report = rt.stop_report(turn.id)
     assert report is not None and report.partial == cut.text
+
+
+def _cli(rt: tether.Runtime) -> psutil.Process:
+    """The Claude Code CLI under the runtime's workers (the worker's direct child)."""
+
+    def find() -> psutil.Process | None:
+        for pid in rt.worker_pids:
+            try:
+                kids = psutil.Process(pid).children()
+            except psutil.NoSuchProcess:
+                continue
+            for p in kids:
+                try:
+                    if alive(p) and "claude" in " ".join(p.cmdline()):
+                        return p
+                except psutil.Error:
+                    pass
+        return None
+
+    return eventually(find, timeout=TIMEOUT, what="the Claude Code CLI under a worker")
+
+
+def test_a_steer_sent_while_the_model_streams_reaches_the_next_model_request(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {
+            "text": "Working on the slow path, step by step, slowly.",
+            "tool_calls": [_bash("echo slow-path")],
+            "chunk": 2,
+            "pace": 0.05,
+        },
+        {"text": "Switched to the fast path."},
+    ]
+    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    rt.send(child, "do the task", authority=me)
+    server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+    rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+    [first, second] = server.requests_for(MODEL)
+    assert "fast" not in _said(first)
+    steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
+    assert steer in _said(second).replace("\\", "")
+    assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+    assert texts(rt, child, "assistant")[-1] == "Switched to the fast path."
+
+
+def test_a_preempt_of_a_running_bash_command_stops_only_it_and_the_model_is_told(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {"tool_calls": [_bash("echo started; sleep 30; echo never")]},
+        {"text": "That took too long; moving on."},
+    ]
+    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    rt.send(child, "run it", authority=me)
+    server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+    worker_with_tool(rt, "sleep")
+    rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+    [_, second] = server.requests_for(MODEL)
+    said = _tool_result(second)
+    # The command's shell was killed: the CLI reports a failed command (its output cannot
+    # be replaced by a hook) and the preempted text comes with it, as the hook's context
+    assert "preempted after " in said
+    assert f"by user ({root}): too slow" in said
+    assert "started" in said and "never" not in said  # the output so far, and no more
+    [tool] = entries(rt, child, "tool")
+    assert tool.text.startswith("preempted after ") and tool.data is not None
+    assert tool.data["preempted"] is True
+    assert texts(rt, child, "assistant")[-1] == "That took too long; moving on."
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+
+
+def test_an_abort_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn(
+    server: ModelServer, tmp_path: Path, token: str
+) -> None:
+    with runtime(workers=1, grace=1.0, containment="cgroup") as rt:
+        rec = Recorder(rt)
+        replies = [{"tool_calls": [_bash(escapee(token, then="sleep 60; echo never"))]}]
+        _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+        rt.send(child, "run it", authority=me)
+        cli = _cli(rt)
+        escaped = eventually(lambda: escapee_procs(token), timeout=TIMEOUT, what="the escapee")
+        tree = [cli, *cli.children(recursive=True)]
+        rt.interrupt(child, authority=me, kind="abort", reason="stop it all")
+        assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "aborted"
+        eventually(lambda: not any(alive(p) for p in [*tree, *escaped]), what="all gone")
+        [turn] = rt.turns(child)
+        report = rt.stop_report(turn.id)
+        assert report is not None
+        signalled = {p.pid: p.fate for p in report.processes}
+        assert signalled.get(cli.pid) == "dead"
+        assert all(signalled.get(p.pid) == "dead" for p in escaped)
+        assert set(signalled.values()) == {"dead"}
+
+
+def test_a_pause_freezes_the_cli_and_its_command_and_resume_lets_the_turn_complete(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    with runtime(workers=1, grace=1.0, containment="cgroup") as rt:
+        rec = Recorder(rt)
+        replies = [
+            {"tool_calls": [_bash("echo started; sleep 1.5; echo finished")]},
+            {"text": "It finished."},
+        ]
+        _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+        rt.send(child, "run it", authority=me)
+        server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        worker_with_tool(rt, "sleep")
+        cli = _cli(rt)
+        assert rt.pause(child, authority=me) != []
+        tree = [cli, *cli.children(recursive=True)]
+        eventually(lambda: all(frozen(p) for p in tree), what="the CLI and its command frozen")
+        assert len(server.requests_for(MODEL)) == 1
+        rt.resume(child, authority=me)
+        assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+        assert texts(rt, child, "assistant")[-1] == "It finished."
+        assert "finished" in entries(rt, child, "tool")[0].text

@@ -36,7 +36,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -150,9 +149,9 @@ def _kind(obj: Any) -> str:
 class _Bash:
     """One running Bash call: preemptable while it runs (its task awaits its end)."""
 
-    def __init__(self, tool_use_id: str, started: float) -> None:
+    def __init__(self, tool_use_id: str, before: set[int]) -> None:
         self.id = tool_use_id
-        self.started = started  # wall clock: what psutil's create_time compares with
+        self.before = before  # the CLI's children before the command started: not its
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.preempted: Preempted | None = None
         self.task: asyncio.Task[None] | None = None
@@ -169,7 +168,7 @@ class _Turn:
         self.pending: _Reply | None = None  # a finished reply with no tool call: the last?
         self.calls: dict[str, dict[str, Any]] = {}  # tool_use_id -> its call
         self.bash: dict[str, _Bash] = {}
-        self.preempted: dict[str, Preempted] = {}
+        self.preempted: dict[str, str] = {}  # tool_use_id -> the preempted text told
         self.interrupted = False  # after an interrupt, the CLI ends the cut stream itself
 
     # ---- the CLI's messages --------------------------------------------------------
@@ -241,10 +240,10 @@ class _Turn:
             text = "\n".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
         else:
             text = "" if content is None else str(content)
-        preempt = self.preempted.pop(block.tool_use_id, None)
-        if preempt is not None:
+        told = self.preempted.pop(block.tool_use_id, None)
+        if told is not None:
             data["preempted"] = True
-            text = _preempted_text(preempt)
+            text = told
         elif block.is_error:
             data["error"] = True
         self.ctx.record_tool(text[:_RESULT_CAP], data=data)
@@ -289,7 +288,7 @@ class _Turn:
     async def pre_tool(self, data: Any, tool_use_id: str | None, _: Any) -> dict[str, Any]:
         if data.get("tool_name") == "Bash" and tool_use_id:
             self._flush()  # the reply that asked for it, before its result
-            bash = _Bash(tool_use_id, time.time())
+            bash = _Bash(tool_use_id, _children(self.client))
             self.bash[tool_use_id] = bash
             bash.task = asyncio.ensure_future(self._watch(bash))
         return {}
@@ -301,8 +300,8 @@ class _Turn:
             await self.ctx.preemptable("Bash", asyncio.shield(bash.ended))
         except Preempted as exc:
             bash.preempted = exc
-            self.preempted[bash.id] = exc
-            _kill_commands(self.client, bash.started)
+            self.preempted[bash.id] = _preempted_text(exc)
+            _kill_commands(self.client, bash.before)
 
     async def post_tool(self, data: Any, tool_use_id: str | None, _: Any) -> dict[str, Any]:
         bash = self.bash.pop(tool_use_id or "", None)
@@ -313,13 +312,33 @@ class _Turn:
         if bash.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await bash.task
-        if bash.preempted is None:
+        exc = bash.preempted
+        if exc is None:
             return {}
-        text = _preempted_text(bash.preempted)
+        # the honest result, with what the command wrote before it was killed
+        response = data.get("tool_response")
+        partial = ""
+        if isinstance(response, dict):
+            partial = "\n".join(
+                str(response.get(k) or "") for k in ("stdout", "stderr") if response.get(k)
+            )
+        text = _preempted_text(
+            Preempted(
+                exc.message,
+                origin=exc.origin,
+                by=exc.by,
+                reason=exc.reason,
+                elapsed=exc.elapsed,
+                partial=partial or exc.partial,
+            )
+        )
+        self.preempted[bash.id] = text
         event = data.get("hook_event_name", "PostToolUse")
-        out: dict[str, Any] = {"hookEventName": event, "additionalContext": text}
+        out: dict[str, Any] = {"hookEventName": event}
         if event == "PostToolUse":
-            out["updatedToolOutput"] = {"stdout": text, "stderr": "", "interrupted": True}
+            out["updatedToolOutput"] = {"stdout": text, "stderr": "", "interrupted": False}
+        else:  # a failure's output cannot be replaced: the model is told beside it
+            out["additionalContext"] = text
         return {"hookSpecificOutput": out}
 
     def close(self) -> None:
@@ -514,17 +533,25 @@ def _kill_tree(proc: psutil.Process) -> None:
                 p.send_signal(signal.SIGKILL)
 
 
-def _kill_commands(client: Any, since: float) -> None:
-    """Kill the trees of the CLI's children started since the Bash call began: the
-    running command's shell and whatever it started."""
+def _children(client: Any) -> set[int]:
+    cli = _cli(client)
+    if cli is None:
+        return set()
+    with contextlib.suppress(psutil.Error):
+        return {p.pid for p in cli.children()}
+    return set()
+
+
+def _kill_commands(client: Any, before: set[int]) -> None:
+    """Kill the trees of the CLI's children that were not there before the Bash call
+    began: the running command's shell and whatever it started."""
     cli = _cli(client)
     if cli is None:
         return
     with contextlib.suppress(psutil.Error):
         for child in cli.children():
-            with contextlib.suppress(psutil.Error):
-                if child.create_time() >= since - 0.05:
-                    _kill_tree(child)
+            if child.pid not in before:
+                _kill_tree(child)
 
 
 # ---- the CLI's session, kept in Tether's store -------------------------------------
