@@ -294,3 +294,54 @@ def test_a_pause_freezes_the_cli_and_its_command_and_resume_lets_the_turn_comple
         assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
         assert texts(rt, child, "assistant")[-1] == "It finished."
         assert "finished" in entries(rt, child, "tool")[0].text
+
+
+def _tool(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"name": f"mcp__tether__{name}", "arguments": arguments}
+
+
+def test_claude_code_with_tethers_tools_spawns_a_child_and_stops_it(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    # The parent's Bash waits until the child's model request has arrived (the third),
+    # so the scripted replies go to each in a known order.
+    wait = f"until curl -sf {server.root}/_tether/log | grep -q req_3; do sleep 0.05; done"
+    replies = [
+        {"tool_calls": [_tool("spawn_agent", {"slug": "kid", "prompt": "work hard"})]},
+        {"tool_calls": [_bash(f"{wait}; echo child-running")]},
+        {"text": "The child is working on it", "hang": True},  # the child's reply
+        {"tool_calls": [_tool("interrupt_agent", {"agent": "kid", "reason": "enough"})]},
+        {"text": "I stopped the child."},
+    ]
+    server.script(MODEL, replies)
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, tmp_path / "home") | {"tools": ["spawn_agent", "interrupt_agent"]}
+    parent = rt.spawn(root, AGENT, slug="claude", config=config)
+    assert isinstance(parent, str)
+    rt.send(parent, "delegate it", authority=User(parent=root))
+    assert rec.turn_ended(parent, timeout=TIMEOUT)["outcome"] == "completed"
+    [kid] = [a for a in rt.list_agents(parent) if a.slug == "kid"]
+    ended = rec.turn_ended(kid.id, timeout=TIMEOUT)
+    assert ended["outcome"] == "cancelled"
+    cut = entries(rt, kid.id, "assistant")[-1]
+    assert cut.data is not None and cut.data["cut"] is True
+    spawned, _bashed, stopped = entries(rt, parent, "tool")
+    assert kid.id in spawned.text and spawned.data is not None
+    assert spawned.data["name"] == "mcp__tether__spawn_agent"
+    assert stopped.data is not None and stopped.data["name"] == "mcp__tether__interrupt_agent"
+    assert texts(rt, parent, "assistant")[-1] == "I stopped the child."
+
+
+def test_a_model_error_ends_the_turn_failed_with_one_line(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    replies = [{"status": 400, "message": "no such\nmodel", "count": 10}]
+    _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    rt.send(child, "try", authority=me)
+    ended = rec.turn_ended(child, timeout=TIMEOUT)
+    assert ended["outcome"] == "failed", ended
+    error = ended["error"]
+    assert "\n" not in error and "Traceback" not in error and "400" in error, error
+    assert all("Traceback" not in e.text for e in rt.transcript(child))

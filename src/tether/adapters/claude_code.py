@@ -44,7 +44,7 @@ from typing import Any
 import psutil
 import structlog
 
-from tether.agents.chat import _preempted_text
+from tether.agents.chat import _one_line, _preempted_text
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS, parameters
 from tether.wire.errors import InvalidParams, Preempted, TetherError
@@ -463,10 +463,13 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
         return None
     finally:
         steering.cancel()
-    if result is not None and result.is_error and result.subtype != "success":
-        turn.finish(result, _save(home, turn), cut=False)
-        raise ClaudeCodeError(f"Claude Code: {result.subtype}: {'; '.join(result.errors or [])}")
     turn.finish(result, _save(home, turn), cut=False)
+    if result is None:
+        raise ClaudeCodeError("the Claude Code CLI ended without a result")
+    if result.is_error:
+        status = f" (HTTP {result.api_error_status})" if result.api_error_status else ""
+        why = "; ".join(result.errors or []) or str(result.result or "")
+        raise ClaudeCodeError(_one_line(f"Claude Code: {result.subtype}{status}: {why}"))
     return None
 
 
