@@ -86,8 +86,23 @@ def _bash(command: str) -> dict[str, Any]:
 
 
 def _said(request: Any) -> str:
-    """Everything the model was sent in a request's messages, as one text."""
-    return json.dumps(request.body.get("messages", []))
+    """Every text the model was sent in a request's messages, one a line."""
+    out: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for key in ("text", "content"):
+                walk(node.get(key))
+            if isinstance(node.get("input"), dict):
+                out.append(json.dumps(node["input"]))
+
+    walk(request.body.get("messages", []))
+    return "\n".join(out)
 
 
 def _tool_result(request: Any) -> str:
@@ -216,7 +231,7 @@ def test_a_steer_sent_while_the_model_streams_reaches_the_next_model_request(
     [first, second] = server.requests_for(MODEL)
     assert "fast" not in _said(first)
     steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
-    assert steer in _said(second).replace("\\", "")
+    assert steer in _said(second)
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
     assert texts(rt, child, "assistant")[-1] == "Switched to the fast path."
 
@@ -345,3 +360,23 @@ def test_a_model_error_ends_the_turn_failed_with_one_line(
     error = ended["error"]
     assert "\n" not in error and "Traceback" not in error and "400" in error, error
     assert all("Traceback" not in e.text for e in rt.transcript(child))
+
+
+def test_a_steer_sent_while_the_last_reply_streams_gets_a_reply_of_its_own_in_the_same_turn(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {"text": "A slow final answer, streaming along at its own pace.", "chunk": 2, "pace": 0.04},
+        {"text": "Taking your steer into account."},
+    ]
+    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    rt.send(child, "answer", authority=me)
+    server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+    rt.interrupt(child, authority=me, kind="steer", reason="mention the steer")
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+    [_, second] = server.requests_for(MODEL)
+    steer = f'<steer origin="user" by="{root}">mention the steer</steer>'
+    assert steer in _said(second)
+    assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+    assert texts(rt, child, "assistant") == [replies[0]["text"], replies[1]["text"]]

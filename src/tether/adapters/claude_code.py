@@ -38,6 +38,7 @@ import signal
 import tempfile
 import uuid
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +171,34 @@ class _Turn:
         self.bash: dict[str, _Bash] = {}
         self.preempted: dict[str, str] = {}  # tool_use_id -> the preempted text told
         self.interrupted = False  # after an interrupt, the CLI ends the cut stream itself
+        self.written: list[Steer] = []  # steers written to the CLI, not delivered yet
+
+    # ---- steers --------------------------------------------------------------------
+
+    async def relay(self) -> None:
+        """Write steers to the CLI as they arrive: a message written mid-turn reaches the
+        model's next request. Looks without a boundary (a boundary counts as progress, and
+        a poll must not hide a stall from the watchdog)."""
+        state = self.ctx._state  # the pending steers, peeked at under the turn's lock
+        while True:
+            await asyncio.sleep(_STEER_POLL)
+            with state.lock:
+                new = [] if state.cancel is not None else list(state.steers)
+            new = [f for f in new if all(f is not w for w in self.written)]
+            for frame in new:
+                self.written.append(frame)  # before the write: the turn's end waits for it
+                await self.client.query(_user_message(frame.render()))
+
+    async def requesting(self) -> None:
+        """The CLI is sending a model request: the steers written before it are in it, so
+        they are delivered now (the host writes their ``steered`` markers)."""
+        if not self.written:
+            return
+        delivered = [f for f in await self.ctx.checkpoint() if isinstance(f, Steer)]
+        late = [f for f in delivered if all(f is not w for w in self.written)]
+        self.written = []
+        for frame in late:  # taken from the store meanwhile: in the next request
+            await self.client.query(_user_message(frame.render()))
 
     # ---- the CLI's messages --------------------------------------------------------
 
@@ -192,8 +221,24 @@ class _Turn:
                     if _kind(block) == "ToolResultBlock":
                         self._tool_result(block)
         elif name == "ResultMessage":
+            self._usage(msg)
             return msg
         return None
+
+    def _usage(self, result: Any) -> None:
+        usage = result.usage or {}
+        if usage:
+            prompt = sum(
+                int(usage.get(k) or 0)
+                for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+            )
+            self.ctx.add_usage(
+                {"prompt_tokens": prompt, "completion_tokens": int(usage.get("output_tokens") or 0)}
+            )
+        cost = result.total_cost_usd
+        if isinstance(cost, (int, float)) and cost > 0:
+            # TurnRecord.usage holds ints: the cost in millionths of a dollar
+            self.ctx.add_usage({"cost_microusd": round(float(cost) * 1_000_000)})
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
@@ -248,21 +293,8 @@ class _Turn:
             data["error"] = True
         self.ctx.record_tool(text[:_RESULT_CAP], data=data)
 
-    def finish(self, result: Any, saved: dict[str, Any] | None, *, cut: bool) -> None:
+    def finish(self, saved: dict[str, Any] | None) -> None:
         """The turn's end: its last reply (cut, or held back), with the saved session."""
-        usage = (result.usage or {}) if result is not None else {}
-        if usage:
-            prompt = sum(
-                int(usage.get(k) or 0)
-                for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
-            )
-            self.ctx.add_usage(
-                {"prompt_tokens": prompt, "completion_tokens": int(usage.get("output_tokens") or 0)}
-            )
-        cost = getattr(result, "total_cost_usd", None)
-        if isinstance(cost, (int, float)) and cost > 0:
-            # TurnRecord.usage holds ints: the cost in millionths of a dollar
-            self.ctx.add_usage({"cost_microusd": round(float(cost) * 1_000_000)})
         data: dict[str, Any] = {}
         if saved is not None:
             data[_SESSION_KEY] = saved
@@ -446,24 +478,28 @@ async def _start(
 
 async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) -> str | None:
     """Send the message, relay steers, read until the result; a cancel interrupts."""
-    steering = asyncio.ensure_future(_steer(ctx, client))
+    steering = asyncio.ensure_future(turn.relay())
     result: Any = None
     try:
         await client.query(ctx.message.content)
-        async for msg in client.receive_response():
+        async for msg in client.receive_messages():
+            if _kind(msg) == "SystemMessage" and (msg.data or {}).get("status") == "requesting":
+                await turn.requesting()
             result = turn.take(msg)
-            if result is not None:
+            # a steer written after the last request is answered by the CLI in a loop of
+            # its own, after this result: read on to that one's result
+            if result is not None and not turn.written:
                 break
     except asyncio.CancelledError:
         if ctx.cancel is None:
             raise  # not this turn's cancel
         steering.cancel()
         result = await _wrap_up(client, turn)
-        turn.finish(result, _save(home, turn), cut=True)
+        turn.finish(_save(home, turn))
         return None
     finally:
         steering.cancel()
-    turn.finish(result, _save(home, turn), cut=False)
+    turn.finish(_save(home, turn))
     if result is None:
         raise ClaudeCodeError("the Claude Code CLI ended without a result")
     if result.is_error:
@@ -488,20 +524,14 @@ async def _wrap_up(client: Any, turn: _Turn) -> Any:
     return None
 
 
-async def _steer(ctx: AsyncTurnContext, client: Any) -> None:
-    """Relay steers to the CLI as they arrive: a message written mid-turn reaches the
-    model's next request. Looks without a boundary (a boundary counts as progress, and a
-    poll must not hide a stall from the watchdog); delivers when there is one."""
-    state = ctx._state  # the pending steers, peeked at under the turn's lock
-    while True:
-        await asyncio.sleep(_STEER_POLL)
-        with state.lock:
-            waiting = bool(state.steers) and state.cancel is None
-        if not waiting:
-            continue
-        for frame in await ctx.checkpoint():
-            if isinstance(frame, Steer):
-                await client.query(frame.render())
+async def _user_message(text: str) -> AsyncIterator[dict[str, Any]]:
+    """One user message for ``client.query``, in the CLI's stream-json input shape."""
+    yield {
+        "type": "user",
+        "message": {"role": "user", "content": text},
+        "parent_tool_use_id": None,
+        "session_id": "default",
+    }
 
 
 async def _stop(client: Any) -> None:
