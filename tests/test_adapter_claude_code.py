@@ -380,3 +380,23 @@ def test_a_steer_sent_while_the_last_reply_streams_gets_a_reply_of_its_own_in_th
     assert steer in _said(second)
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
     assert texts(rt, child, "assistant") == [replies[0]["text"], replies[1]["text"]]
+
+
+def test_a_cancel_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn(
+    server: ModelServer, tmp_path: Path, token: str
+) -> None:
+    with runtime(workers=1, grace=2.0, containment="cgroup") as rt:
+        rec = Recorder(rt)
+        replies = [{"tool_calls": [_bash(escapee(token, then="sleep 60; echo never"))]}]
+        _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+        rt.send(child, "run it", authority=me)
+        cli = _cli(rt)
+        escaped = eventually(lambda: escapee_procs(token), timeout=TIMEOUT, what="the escapee")
+        tree = [cli, *cli.children(recursive=True)]
+        rt.interrupt(child, authority=me, kind="cancel", reason="stop")
+        assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "cancelled"
+        eventually(lambda: not any(alive(p) for p in [*tree, *escaped]), what="all gone")
+        [turn] = rt.turns(child)
+        report = rt.stop_report(turn.id)
+        assert report is not None
+        assert [(t.name, t.fate) for t in report.tools] == [("Bash", "cancelled")]

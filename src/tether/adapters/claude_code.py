@@ -12,7 +12,8 @@ all and pause freezes them all. ::
 
 - **steer**: written to the CLI while the turn runs (``client.query`` mid-turn): the CLI
   hands it to the model in its next request. The ``steered`` marker is written when the
-  steer is written to the CLI (the CLI says nothing when it takes it).
+  CLI says it sends that request (its ``requesting`` status); a steer written while the
+  last reply streams is answered by the CLI in a loop of its own, read to its result.
 - **cancel**: ``client.interrupt()`` (the model stream is closed at once), then the reply
   cut so far, which the CLI sends as an assistant message, is kept (``cut: true``); the
   engine kills the CLI's tree if it outlasts ``grace``.
@@ -20,10 +21,11 @@ all and pause freezes them all. ::
   tells the model the honest ``preempted after N s by …`` text; the turn goes on.
 - **history**: the CLI keeps a session as a JSONL file under its config dir. Each turn
   runs with a fresh ``CLAUDE_CONFIG_DIR``; at the turn's end the file is saved in the data
-  of the turn's last assistant entry, and the next turn writes it back and ``resume``\\ s,
-  so the conversation survives a host restart.
-- never ``disconnect()`` with the CLI alive (it waits ~5 s for the CLI to exit): the CLI
-  is killed first, then the client is closed.
+  of the turn's last assistant entry, and the next turn writes it back and resumes it
+  (``resume``), so the conversation survives a host restart.
+- at the turn's end the CLI is killed with whatever its commands left behind (an escapee
+  re-parented to the worker, which a cancel's ``interrupt()`` leaves alive), then the
+  client is closed: never ``disconnect()`` with the CLI alive (it waits ~5 s for it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator
@@ -48,6 +51,7 @@ import structlog
 from tether.agents.chat import _one_line, _preempted_text
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS, parameters
+from tether.runtime._procs import alive, all_dead, child_pids, kill_tree
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
@@ -62,6 +66,7 @@ _SESSION_KEY = "claude_session"  # the entry data key holding the saved session
 _STEER_POLL = 0.02  # seconds between looks for a pending steer (no boundary: no progress)
 _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
 _RESULT_CAP = 20_000
+_SWEEP_PASSES = 20  # kill passes at the turn's end, until one finds nothing of ours alive
 
 
 class ClaudeCodeError(TetherError):
@@ -172,6 +177,7 @@ class _Turn:
         self.preempted: dict[str, str] = {}  # tool_use_id -> the preempted text told
         self.interrupted = False  # after an interrupt, the CLI ends the cut stream itself
         self.written: list[Steer] = []  # steers written to the CLI, not delivered yet
+        self.before: set[int] = set()  # the worker's children before the CLI started
 
     # ---- steers --------------------------------------------------------------------
 
@@ -404,7 +410,7 @@ class ClaudeCodeAgent:
         finally:
             if turn is not None:
                 turn.close()
-            await _stop(client)
+            await _stop(client, turn.before if turn is not None else None)
             shutil.rmtree(home, ignore_errors=True)
 
 
@@ -467,11 +473,12 @@ async def _start(
     )
     client = ClaudeSDKClient(options)
     turn = _Turn(ctx, client, session)
+    turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
     try:
         await client.connect()
     except BaseException:
-        await _stop(client)
+        await _stop(client, turn.before)
         raise
     return client, turn
 
@@ -534,15 +541,47 @@ async def _user_message(text: str) -> AsyncIterator[dict[str, Any]]:
     }
 
 
-async def _stop(client: Any) -> None:
-    """Kill the CLI's tree, then close the client (fast once the CLI is gone)."""
+async def _stop(client: Any, before: set[int] | None) -> None:
+    """Kill the CLI's tree and whatever its commands left behind, then close the client
+    (fast once the CLI is gone: ``disconnect()`` waits ~5 s for a live CLI to exit)."""
     if client is None:
         return
     proc = _cli(client)
-    if proc is not None:
+    if before is not None:
+        _kill_ours(before, None if proc is None else proc.pid)
+    elif proc is not None:
         _kill_tree(proc)
     with contextlib.suppress(Exception):
         await asyncio.shield(client.disconnect())
+
+
+def _kill_ours(before: set[int], cli: int | None) -> None:
+    """Kill every child of the worker that was not there before the CLI started, and
+    its tree: the CLI, and what its commands left behind. The worker is a subreaper, so
+    an escapee of a Bash command (double-forked, ``setsid``, its environment cleared)
+    has re-parented to it, and a cancel's ``interrupt()`` leaves one alive. Frozen
+    before the kill, so nothing forks meanwhile; passes until nothing new is left."""
+    me = os.getpid()
+    orphans: set[int] = set()
+    for _ in range(_SWEEP_PASSES):
+        roots = [pid for pid in child_pids(me) if pid not in before]
+        orphans.update(pid for pid in roots if pid != cli)
+        live = [p for p in kill_tree(roots) if alive(p)] if roots else []
+        if not live:
+            break
+        all_dead(live, 0.2)
+    # The orphans are ours to reap (the SDK's subprocess reaps the CLI): dead by now
+    deadline = time.monotonic() + 1.0
+    while orphans and time.monotonic() < deadline:
+        for pid in list(orphans):
+            try:
+                done, _status = os.waitpid(pid, os.WNOHANG)
+            except (ChildProcessError, OSError):
+                done = pid
+            if done:
+                orphans.discard(pid)
+        if orphans:
+            time.sleep(0.005)
 
 
 def _cli(client: Any) -> psutil.Process | None:
