@@ -66,6 +66,7 @@ _SESSION_KEY = "claude_session"  # the entry data key holding the saved session
 _STEER_POLL = 0.02  # seconds between looks for a pending steer (no boundary: no progress)
 _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
 _RESULT_CAP = 20_000
+_SESSION_CAP = 8 * 1024 * 1024  # characters of a saved session (a frame carries 16 MiB)
 _SWEEP_PASSES = 20  # kill passes at the turn's end, until one finds nothing of ours alive
 
 
@@ -662,10 +663,15 @@ def _save(home: str, turn: _Turn) -> dict[str, Any] | None:
             path = os.path.join(root, f"{session}.jsonl")
             with open(path, "rb") as f:
                 body = f.read()
+            packed = base64.b64encode(zlib.compress(body, 6)).decode()
+            if len(packed) > _SESSION_CAP:
+                # over what one entry may carry: the next turn starts a new conversation
+                log.warning("claude.session_too_large", turn=turn.ctx.turn, size=len(packed))
+                return None
             return {
                 "id": session,
                 "path": os.path.relpath(path, home),
-                "jsonl": base64.b64encode(zlib.compress(body, 6)).decode(),
+                "jsonl": packed,
             }
     return None
 
