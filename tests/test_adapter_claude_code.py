@@ -387,8 +387,9 @@ def test_a_cancel_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn
 ) -> None:
     with runtime(workers=1, grace=2.0, containment="cgroup") as rt:
         rec = Recorder(rt)
-        replies = [{"tool_calls": [_bash(escapee(token, then="sleep 60; echo never"))]}]
-        _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+        call = _bash(escapee(token, then="sleep 60; echo never"))
+        replies = [{"text": "Starting the long job.", "tool_calls": [call]}]
+        root, child, me = _agent(rt, server, tmp_path / "home", replies)
         rt.send(child, "run it", authority=me)
         cli = _cli(rt)
         escaped = eventually(lambda: escapee_procs(token), timeout=TIMEOUT, what="the escapee")
@@ -400,3 +401,7 @@ def test_a_cancel_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn
         report = rt.stop_report(turn.id)
         assert report is not None
         assert [(t.name, t.fate) for t in report.tools] == [("Bash", "cancelled")]
+        # the parent hears the last reply said, not the entry that keeps the session
+        notice = eventually(lambda: entries(rt, root, "notice"), what="the notice")[-1]
+        assert notice.data is not None
+        assert notice.data["notice"]["partial"] == "Starting the long job."

@@ -179,6 +179,7 @@ class _Turn:
         self.interrupted = False  # after an interrupt, the CLI ends the cut stream itself
         self.written: list[Steer] = []  # steers written to the CLI, not delivered yet
         self.before: set[int] = set()  # the worker's children before the CLI started
+        self.said = ""  # the last reply text said this turn
 
     # ---- steers --------------------------------------------------------------------
 
@@ -266,7 +267,7 @@ class _Turn:
     def _flush(self) -> None:
         """Write the pending and the finished replies as assistant entries."""
         if self.pending is not None:
-            self.ctx.say(self.pending.final_text())
+            self.say(self.pending.final_text())
             self.pending = None
         reply = self.reply
         if reply is None or not reply.done:
@@ -277,7 +278,7 @@ class _Turn:
             self.calls[c["id"]] = c
         text = reply.final_text()
         if text or calls:
-            self.ctx.say(text, data={"tool_calls": calls} if calls else None)
+            self.say(text, data={"tool_calls": calls} if calls else None)
 
     def _tool_result(self, block: Any) -> None:
         call = self.calls.get(block.tool_use_id) or {}
@@ -300,8 +301,14 @@ class _Turn:
             data["error"] = True
         self.ctx.record_tool(text[:_RESULT_CAP], data=data)
 
-    def finish(self, saved: dict[str, Any] | None) -> None:
-        """The turn's end: its last reply (cut, or held back), with the saved session."""
+    def say(self, text: str, data: dict[str, Any] | None = None) -> None:
+        self.ctx.say(text, data=data)
+        if text:
+            self.said = text
+
+    def finish(self, saved: dict[str, Any] | None) -> str | None:
+        """The turn's end: its last reply (cut, or held back), with the saved session;
+        the turn's final text when that is not the last entry's."""
         data: dict[str, Any] = {}
         if saved is not None:
             data[_SESSION_KEY] = saved
@@ -317,10 +324,13 @@ class _Turn:
             last, self.pending = self.pending, None
         self._flush()
         if last is not None:
-            self.ctx.say(last.final_text(), data=data or None)
+            self.say(last.final_text(), data=data or None)
         elif saved is not None:
-            # nothing left to say (stopped while a tool ran): a silent entry keeps it
+            # nothing left to say (stopped while a tool ran): a silent entry keeps it, and
+            # the turn's final text stays the last reply said
             self.ctx.say("", data=data)
+            return self.said or None
+        return None
 
     # ---- Bash calls: preemptable while they run ------------------------------------
 
@@ -503,8 +513,7 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
             raise  # not this turn's cancel
         steering.cancel()
         result = await _wrap_up(client, turn)
-        turn.finish(_save(home, turn))
-        return None
+        return turn.finish(_save(home, turn))
     finally:
         steering.cancel()
     turn.finish(_save(home, turn))
