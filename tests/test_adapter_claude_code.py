@@ -405,3 +405,25 @@ def test_a_cancel_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn
         notice = eventually(lambda: entries(rt, root, "notice"), what="the notice")[-1]
         assert notice.data is not None
         assert notice.data["notice"]["partial"] == "Starting the long job."
+
+
+def test_a_steer_sent_while_bash_runs_reaches_the_request_after_the_command(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {"tool_calls": [_bash("echo working; sleep 1.5; echo worked")]},
+        {"text": "Noted your steer."},
+    ]
+    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    rt.send(child, "do the task", authority=me)
+    server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+    worker_with_tool(rt, "sleep")
+    rt.interrupt(child, authority=me, kind="steer", reason="also check the logs")
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+    [_, second] = server.requests_for(MODEL)
+    assert f'<steer origin="user" by="{root}">also check the logs</steer>' in _said(second)
+    assert "worked" in _tool_result(second)  # the command was not cut by the steer
+    [marker] = entries(rt, child, "marker")
+    assert marker.action == "steered"
+    assert texts(rt, child, "assistant")[-1] == "Noted your steer."
