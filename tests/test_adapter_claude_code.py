@@ -427,3 +427,25 @@ def test_a_steer_sent_while_bash_runs_reaches_the_request_after_the_command(
     [marker] = entries(rt, child, "marker")
     assert marker.action == "steered"
     assert texts(rt, child, "assistant")[-1] == "Noted your steer."
+
+
+def test_a_config_mistake_or_a_key_in_the_config_fails_the_turn_with_one_line(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    root = rt.open_session(SCRIPTED)
+    me = User(parent=root)
+    good = _config(server, tmp_path / "home")
+    bad = [
+        good | {"claude": {**good["claude"], "modle": MODEL}},
+        good | {"model": {**good["model"], "api_key": SECRET}},
+        good | {"tools": ["rm_rf"]},
+    ]
+    for n, config in enumerate(bad):
+        child = rt.spawn(root, AGENT, slug=f"bad{n}", config=config)
+        assert isinstance(child, str)
+        rt.send(child, "go", authority=me)
+        ended = rec.turn_ended(child, timeout=TIMEOUT)
+        assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
+        assert "config" in ended["error"] and SECRET not in ended["error"]
+    assert server.requests == []
