@@ -626,9 +626,13 @@ def _own_store_group(base: str, owner: str) -> None:
     tells a live host's group from a dead one's, and, being a child, makes the kernel
     refuse the sweep's ``rmdir`` of the group from the moment it exists. A sweep that
     removed the group between its ``makedirs`` and the mark's ``mkdir`` shows as ENOENT:
-    make it again."""
+    make it again. ``makedirs`` itself can lose that race (its ``mkdir`` sees the group,
+    its ``isdir`` check no longer does: ``FileExistsError``): the same retry."""
     for _ in range(_OWNER_TRIES):
-        os.makedirs(base, exist_ok=True)
+        try:
+            os.makedirs(base, exist_ok=True)
+        except FileExistsError:
+            continue
         try:
             os.mkdir(os.path.join(base, owner + _OWNER))
         except FileExistsError:

@@ -1,0 +1,714 @@
+"""``tether.adapters.claude_code:ClaudeCodeAgent``: Claude Code as a Tether agent (SPEC §16.1).
+
+An async driver (SPEC §15.1) over ``claude-agent-sdk`` (extra ``tether[claude]``). Each
+turn starts the SDK's bundled Claude Code CLI as a child of the worker, so the CLI and
+every Bash command it runs are in the turn's process tree (and cgroup): abort kills them
+all and pause freezes them all. ::
+
+    ctx.message ─► client.query ─► CLI: model request ─► stream events ─► assistant entry
+                                        ▲     Bash ◄── tool_use ◄──────────┘
+                                        └── tool result ─► tool entry
+    ResultMessage ─► usage, cost; the session's JSONL saved in the turn's last entry
+
+- **steer**: written to the CLI while the turn runs (``client.query`` mid-turn): the CLI
+  hands it to the model in its next request. The ``steered`` marker is written when the
+  CLI says it sends that request (its ``requesting`` status); a steer written while the
+  last reply streams is answered by the CLI in a loop of its own, read to its result.
+- **cancel**: ``client.interrupt()`` (the model stream is closed at once), then the reply
+  cut so far, which the CLI sends as an assistant message, is kept (``cut: true``); the
+  engine kills the CLI's tree if it outlasts ``grace``.
+- **preempt**: the running Bash command's process tree is killed; a ``PostToolUse`` hook
+  tells the model the honest ``preempted after N s by …`` text; the turn goes on.
+- **history**: the CLI keeps a session as a JSONL file under its config dir. Each turn
+  runs with a fresh ``CLAUDE_CONFIG_DIR``; at the turn's end the file is saved in the data
+  of the turn's last assistant entry, and the next turn writes it back and resumes it
+  (``resume``), so the conversation survives a host restart.
+- at the turn's end the CLI is killed with whatever its commands left behind (an escapee
+  re-parented to the worker, which a cancel's ``interrupt()`` leaves alive), then the
+  client is closed: never ``disconnect()`` with the CLI alive (it waits ~5 s for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import structlog
+
+from tether.agents.chat import _one_line, _preempted_text
+from tether.driver.async_context import AsyncTurnContext
+from tether.driver.tools import TOOLS, parameters
+from tether.runtime._procs import alive, all_dead, child_pids, kill_tree
+from tether.wire.errors import InvalidParams, Preempted, TetherError
+from tether.wire.frames import Steer
+from tether.wire.records import Entry
+
+__all__ = ["ClaudeCodeAgent", "ClaudeCodeError"]
+
+log = structlog.get_logger("tether.adapters.claude_code")
+
+# The CLI's own conversation id for a Tether session: stable, so resume finds it.
+_NAMESPACE = uuid.UUID("5b0c7e2a-8f57-4a40-9d0e-2f1d3c6a9b11")
+_SESSION_KEY = "claude_session"  # the entry data key holding the saved session
+_STEER_POLL = 0.02  # seconds between looks for a pending steer (no boundary: no progress)
+_WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
+_RESULT_CAP = 20_000
+_SESSION_CAP = 8 * 1024 * 1024  # characters of a saved session (a frame carries 16 MiB)
+_SWEEP_PASSES = 20  # kill passes at the turn's end, until one finds nothing of ours alive
+
+
+class ClaudeCodeError(TetherError):
+    """The Claude Code CLI could not run the turn (a config mistake, a CLI error)."""
+
+    code = "claude-code-error"
+
+
+@dataclass
+class _Config:
+    model: str | None = None
+    system_prompt: str | None = None
+    allowed_tools: list[str] = field(default_factory=lambda: ["Bash"])
+    cwd: str | None = None
+    max_turns: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    base_url: str | None = None
+    api_key_env: str | None = None
+    tools: list[str] = field(default_factory=list)
+
+
+def _config(raw: dict[str, Any]) -> _Config:
+    """The session config, checked: a mistake is a one-line ``InvalidParams``."""
+    claude = dict(raw.get("claude") or {})
+    model = dict(raw.get("model") or {})
+    if "api_key" in model or "ANTHROPIC_API_KEY" in (claude.get("env") or {}):
+        raise InvalidParams("config: give model.api_key_env, never the key itself")
+    known = {"model", "system_prompt", "allowed_tools", "cwd", "max_turns", "env"}
+    if set(claude) - known:
+        raise InvalidParams(f"config.claude: unknown keys {sorted(set(claude) - known)}")
+    if set(model) - {"base_url", "api_key_env"}:
+        raise InvalidParams(
+            f"config.model: unknown keys {sorted(set(model) - {'base_url', 'api_key_env'})}"
+        )
+    if raw.get("mcp"):
+        raise InvalidParams("config.mcp: not supported by ClaudeCodeAgent yet")
+    tools = [str(t) for t in raw.get("tools") or []]
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
+    try:
+        cfg = _Config(
+            model=claude.get("model"),
+            system_prompt=claude.get("system_prompt"),
+            allowed_tools=[str(t) for t in claude.get("allowed_tools", ["Bash"])],
+            cwd=claude.get("cwd"),
+            max_turns=None if claude.get("max_turns") is None else int(claude["max_turns"]),
+            env={str(k): str(v) for k, v in (claude.get("env") or {}).items()},
+            base_url=model.get("base_url"),
+            api_key_env=model.get("api_key_env"),
+            tools=tools,
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidParams(f"config: {exc}") from None
+    return cfg
+
+
+@dataclass
+class _Reply:
+    """One model reply, gathered from the CLI's messages (one per content block)."""
+
+    text: str = ""  # what streamed so far
+    blocks: list[Any] = field(default_factory=list)
+    done: bool = False  # its stream ended (message_stop)
+
+    def final_text(self) -> str:
+        said = "".join(getattr(b, "text", "") for b in self.blocks if _kind(b) == "TextBlock")
+        return said or self.text
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": b.id,
+                "type": "function",
+                "function": {"name": b.name, "arguments": json.dumps(b.input)},
+            }
+            for b in self.blocks
+            if _kind(b) == "ToolUseBlock"
+        ]
+
+
+def _kind(obj: Any) -> str:
+    return type(obj).__name__
+
+
+class _Bash:
+    """One running Bash call: preemptable while it runs (its task awaits its end)."""
+
+    def __init__(self, tool_use_id: str, before: set[int]) -> None:
+        self.id = tool_use_id
+        self.before = before  # the CLI's children before the command started: not its
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.preempted: Preempted | None = None
+        self.task: asyncio.Task[None] | None = None
+
+
+class _Turn:
+    """The bookkeeping of one turn with the CLI."""
+
+    def __init__(self, ctx: AsyncTurnContext, client: Any, session: str) -> None:
+        self.ctx = ctx
+        self.client = client
+        self.session = session  # the CLI's session id
+        self.reply: _Reply | None = None
+        self.pending: _Reply | None = None  # a finished reply with no tool call: the last?
+        self.calls: dict[str, dict[str, Any]] = {}  # tool_use_id -> its call
+        self.bash: dict[str, _Bash] = {}
+        self.preempted: dict[str, str] = {}  # tool_use_id -> the preempted text told
+        self.interrupted = False  # after an interrupt, the CLI ends the cut stream itself
+        self.written: list[Steer] = []  # steers written to the CLI, not delivered yet
+        self.before: set[int] = set()  # the worker's children before the CLI started
+        self.said = ""  # the last reply text said this turn
+
+    # ---- steers --------------------------------------------------------------------
+
+    async def relay(self) -> None:
+        """Write steers to the CLI as they arrive: a message written mid-turn reaches the
+        model's next request. Looks without a boundary (a boundary counts as progress, and
+        a poll must not hide a stall from the watchdog)."""
+        state = self.ctx._state  # the pending steers, peeked at under the turn's lock
+        while True:
+            await asyncio.sleep(_STEER_POLL)
+            with state.lock:
+                new = [] if state.cancel is not None else list(state.steers)
+            new = [f for f in new if all(f is not w for w in self.written)]
+            for frame in new:
+                self.written.append(frame)  # before the write: the turn's end waits for it
+                await self.client.query(_user_message(frame.render()))
+
+    async def requesting(self) -> None:
+        """The CLI is sending a model request: the steers written before it are in it, so
+        they are delivered now (the host writes their ``steered`` markers)."""
+        if not self.written:
+            return
+        delivered = [f for f in await self.ctx.checkpoint() if isinstance(f, Steer)]
+        late = [f for f in delivered if all(f is not w for w in self.written)]
+        self.written = []
+        for frame in late:  # taken from the store meanwhile: in the next request
+            await self.client.query(_user_message(frame.render()))
+
+    # ---- the CLI's messages --------------------------------------------------------
+
+    def take(self, msg: Any) -> Any:
+        """Record one message; the ResultMessage when it is one."""
+        ctx = self.ctx
+        ctx.progress()  # every message from the CLI is progress for the stall watchdog
+        name = _kind(msg)
+        if name == "StreamEvent":
+            self._event(msg.event)
+        elif name == "AssistantMessage":
+            if msg.parent_tool_use_id is None:
+                if self.reply is None:
+                    self.reply = _Reply()
+                self.reply.blocks.extend(msg.content)
+        elif name == "UserMessage":
+            if msg.parent_tool_use_id is None and isinstance(msg.content, list):
+                self._flush()
+                for block in msg.content:
+                    if _kind(block) == "ToolResultBlock":
+                        self._tool_result(block)
+        elif name == "ResultMessage":
+            self._usage(msg)
+            return msg
+        return None
+
+    def _usage(self, result: Any) -> None:
+        usage = result.usage or {}
+        if usage:
+            prompt = sum(
+                int(usage.get(k) or 0)
+                for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+            )
+            self.ctx.add_usage(
+                {"prompt_tokens": prompt, "completion_tokens": int(usage.get("output_tokens") or 0)}
+            )
+        cost = result.total_cost_usd
+        if isinstance(cost, (int, float)) and cost > 0:
+            # TurnRecord.usage holds ints: the cost in millionths of a dollar
+            self.ctx.add_usage({"cost_microusd": round(float(cost) * 1_000_000)})
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "message_start":
+            self._flush()
+            self.reply = _Reply()
+        elif kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta" and self.reply is not None:
+                self.reply.text += str(delta.get("text") or "")
+        elif kind == "message_stop" and self.reply is not None and not self.interrupted:
+            self.reply.done = True
+            if self.reply.tool_calls():
+                self._flush()
+            else:  # maybe the turn's last reply: said with the saved session at the end
+                self.pending, self.reply = self.reply, None
+
+    def _flush(self) -> None:
+        """Write the pending and the finished replies as assistant entries."""
+        if self.pending is not None:
+            self.say(self.pending.final_text())
+            self.pending = None
+        reply = self.reply
+        if reply is None or not reply.done:
+            return
+        self.reply = None
+        calls = reply.tool_calls()
+        for c in calls:
+            self.calls[c["id"]] = c
+        text = reply.final_text()
+        if text or calls:
+            self.say(text, data={"tool_calls": calls} if calls else None)
+
+    def _tool_result(self, block: Any) -> None:
+        call = self.calls.get(block.tool_use_id) or {}
+        fn = call.get("function") or {}
+        data: dict[str, Any] = {
+            "tool_call_id": block.tool_use_id,
+            "name": fn.get("name", ""),
+            "arguments": fn.get("arguments", ""),
+        }
+        content = block.content
+        if isinstance(content, list):
+            text = "\n".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+        else:
+            text = "" if content is None else str(content)
+        told = self.preempted.pop(block.tool_use_id, None)
+        if told is not None:
+            data["preempted"] = True
+            text = told
+        elif block.is_error:
+            data["error"] = True
+        self.ctx.record_tool(text[:_RESULT_CAP], data=data)
+
+    def say(self, text: str, data: dict[str, Any] | None = None) -> None:
+        self.ctx.say(text, data=data)
+        if text:
+            self.said = text
+
+    def finish(self, saved: dict[str, Any] | None) -> str | None:
+        """The turn's end: its last reply (cut, or held back), with the saved session;
+        the turn's final text when that is not the last entry's."""
+        data: dict[str, Any] = {}
+        if saved is not None:
+            data[_SESSION_KEY] = saved
+        # The turn's last entry carries the saved session: the reply cut by an interrupt
+        # (its stream never ended), else the finished reply held back at its end.
+        last: _Reply | None = None
+        if self.reply is not None and not self.reply.done:
+            if self.reply.blocks or self.reply.text:
+                last = self.reply
+                data["cut"] = True
+            self.reply = None
+        if last is None:
+            last, self.pending = self.pending, None
+        self._flush()
+        if last is not None:
+            self.say(last.final_text(), data=data or None)
+        elif saved is not None:
+            # nothing left to say (stopped while a tool ran): a silent entry keeps it, and
+            # the turn's final text stays the last reply said
+            self.ctx.say("", data=data)
+            return self.said or None
+        return None
+
+    # ---- Bash calls: preemptable while they run ------------------------------------
+
+    async def pre_tool(self, data: Any, tool_use_id: str | None, _: Any) -> dict[str, Any]:
+        if data.get("tool_name") == "Bash" and tool_use_id:
+            self._flush()  # the reply that asked for it, before its result
+            bash = _Bash(tool_use_id, _children(self.client))
+            self.bash[tool_use_id] = bash
+            bash.task = asyncio.ensure_future(self._watch(bash))
+        return {}
+
+    async def _watch(self, bash: _Bash) -> None:
+        """Await the Bash call's end as the turn's innermost preemptable call: a preempt
+        cancels the wait (``Preempted`` here) and kills the command's tree."""
+        try:
+            await self.ctx.preemptable("Bash", asyncio.shield(bash.ended))
+        except Preempted as exc:
+            bash.preempted = exc
+            self.preempted[bash.id] = _preempted_text(exc)
+            _kill_commands(self.client, bash.before)
+
+    async def post_tool(self, data: Any, tool_use_id: str | None, _: Any) -> dict[str, Any]:
+        bash = self.bash.pop(tool_use_id or "", None)
+        if bash is None:
+            return {}
+        if not bash.ended.done():
+            bash.ended.set_result(None)
+        if bash.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await bash.task
+        exc = bash.preempted
+        if exc is None:
+            return {}
+        # the honest result, with what the command wrote before it was killed
+        response = data.get("tool_response")
+        partial = ""
+        if isinstance(response, dict):
+            partial = "\n".join(
+                str(response.get(k) or "") for k in ("stdout", "stderr") if response.get(k)
+            )
+        text = _preempted_text(
+            Preempted(
+                exc.message,
+                origin=exc.origin,
+                by=exc.by,
+                reason=exc.reason,
+                elapsed=exc.elapsed,
+                partial=partial or exc.partial,
+            )
+        )
+        self.preempted[bash.id] = text
+        event = data.get("hook_event_name", "PostToolUse")
+        out: dict[str, Any] = {"hookEventName": event}
+        if event == "PostToolUse":
+            out["updatedToolOutput"] = {"stdout": text, "stderr": "", "interrupted": False}
+        else:  # a failure's output cannot be replaced: the model is told beside it
+            out["additionalContext"] = text
+        return {"hookSpecificOutput": out}
+
+    def close(self) -> None:
+        for bash in self.bash.values():
+            if bash.task is not None:
+                bash.task.cancel()
+
+
+class ClaudeCodeAgent:
+    """Claude Code as an agent: ``rt.open_session("tether.adapters.claude_code:ClaudeCodeAgent",
+    config={...})``.
+
+    Config (SPEC §16.1): ``claude`` {``model``, ``system_prompt``, ``allowed_tools``
+    (default ``["Bash"]``), ``cwd``, ``max_turns``, ``env``}, ``model`` {``base_url`` (the
+    CLI's ``ANTHROPIC_BASE_URL``), ``api_key_env`` (the variable whose value becomes its
+    ``ANTHROPIC_API_KEY``)}, ``tools`` (Tether's agent tools, offered as MCP tools).
+    """
+
+    async def run(self, ctx: AsyncTurnContext) -> str | None:
+        try:
+            cfg = _config(ctx.config)
+        except TetherError as exc:
+            raise ClaudeCodeError(exc.message) from None
+        history = await ctx.load_history()
+        home = tempfile.mkdtemp(prefix="tether-claude-")
+        client: Any = None
+        turn: _Turn | None = None
+        try:
+            client, turn = await _start(ctx, cfg, history, home)
+            return await _converse(ctx, client, turn, home)
+        finally:
+            if turn is not None:
+                turn.close()
+            await _stop(client, turn.before if turn is not None else None)
+            shutil.rmtree(home, ignore_errors=True)
+
+
+async def _start(
+    ctx: AsyncTurnContext, cfg: _Config, history: list[Entry], home: str
+) -> tuple[Any, _Turn]:
+    from claude_agent_sdk import ClaudeAgentOptions, ClaudeSDKClient, HookMatcher
+
+    cwd = os.path.abspath(cfg.cwd or os.getcwd())
+    session = str(uuid.uuid5(_NAMESPACE, ctx.session))
+    saved = _saved(history)
+    env = {
+        "CLAUDE_CONFIG_DIR": home,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        **cfg.env,
+    }
+    if cfg.base_url:
+        env["ANTHROPIC_BASE_URL"] = cfg.base_url
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env)
+        if not key:
+            raise ClaudeCodeError(
+                f"the environment variable {cfg.api_key_env} (api_key_env) is not set"
+            )
+        env["ANTHROPIC_API_KEY"] = key
+    kwargs: dict[str, Any] = {}
+    if saved is not None and saved.get("id") == session and _restore(home, saved):
+        kwargs["resume"] = session
+    else:
+        kwargs["session_id"] = session
+    turn_box: list[_Turn] = []
+
+    async def pre(data: Any, tool_use_id: str | None, hook_ctx: Any) -> Any:
+        return await turn_box[0].pre_tool(data, tool_use_id, hook_ctx)
+
+    async def post(data: Any, tool_use_id: str | None, hook_ctx: Any) -> Any:
+        return await turn_box[0].post_tool(data, tool_use_id, hook_ctx)
+
+    allowed = list(cfg.allowed_tools)
+    mcp: dict[str, Any] = {}
+    if cfg.tools:
+        mcp["tether"] = _host_tools(ctx, cfg.tools)
+        allowed += [f"mcp__tether__{t}" for t in cfg.tools]
+    options = ClaudeAgentOptions(
+        model=cfg.model,
+        system_prompt=cfg.system_prompt,
+        allowed_tools=allowed,
+        cwd=cwd,
+        max_turns=cfg.max_turns,
+        env=env,
+        include_partial_messages=True,
+        mcp_servers=mcp,
+        hooks={
+            "PreToolUse": [HookMatcher(matcher="Bash", hooks=[pre])],
+            "PostToolUse": [HookMatcher(matcher="Bash", hooks=[post])],
+            "PostToolUseFailure": [HookMatcher(matcher="Bash", hooks=[post])],
+        },
+        **kwargs,
+    )
+    client = ClaudeSDKClient(options)
+    turn = _Turn(ctx, client, session)
+    turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
+    turn_box.append(turn)
+    try:
+        await client.connect()
+    except BaseException:
+        await _stop(client, turn.before)
+        raise
+    return client, turn
+
+
+async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) -> str | None:
+    """Send the message, relay steers, read until the result; a cancel interrupts."""
+    steering = asyncio.ensure_future(turn.relay())
+    result: Any = None
+    try:
+        await client.query(ctx.message.content)
+        async for msg in client.receive_messages():
+            if _kind(msg) == "SystemMessage" and (msg.data or {}).get("status") == "requesting":
+                await turn.requesting()
+            result = turn.take(msg)
+            # a steer written after the last request is answered by the CLI in a loop of
+            # its own, after this result: read on to that one's result
+            if result is not None and not turn.written:
+                break
+    except asyncio.CancelledError:
+        if ctx.cancel is None:
+            raise  # not this turn's cancel
+        steering.cancel()
+        result = await _wrap_up(client, turn)
+        return turn.finish(_save(home, turn))
+    finally:
+        steering.cancel()
+    turn.finish(_save(home, turn))
+    if result is None:
+        raise ClaudeCodeError("the Claude Code CLI ended without a result")
+    if result.is_error:
+        status = f" (HTTP {result.api_error_status})" if result.api_error_status else ""
+        why = "; ".join(result.errors or []) or str(result.result or "")
+        raise ClaudeCodeError(_one_line(f"Claude Code: {result.subtype}{status}: {why}"))
+    return None
+
+
+async def _wrap_up(client: Any, turn: _Turn) -> Any:
+    """After a cancel: interrupt the CLI (it closes the model stream at once), then read
+    to its result, which comes after the cut reply. The engine's grace bounds this."""
+    turn.interrupted = True
+    with contextlib.suppress(Exception):
+        await client.interrupt()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(_WRAP_UP):
+            async for msg in client.receive_response():
+                result = turn.take(msg)
+                if result is not None:
+                    return result
+    return None
+
+
+async def _user_message(text: str) -> AsyncIterator[dict[str, Any]]:
+    """One user message for ``client.query``, in the CLI's stream-json input shape."""
+    yield {
+        "type": "user",
+        "message": {"role": "user", "content": text},
+        "parent_tool_use_id": None,
+        "session_id": "default",
+    }
+
+
+async def _stop(client: Any, before: set[int] | None) -> None:
+    """Kill the CLI's tree and whatever its commands left behind, then close the client
+    (fast once the CLI is gone: ``disconnect()`` waits ~5 s for a live CLI to exit)."""
+    if client is None:
+        return
+    proc = _cli(client)
+    if before is not None:
+        _kill_ours(before, None if proc is None else proc.pid)
+    elif proc is not None:
+        _kill_tree(proc)
+    with contextlib.suppress(Exception):
+        await asyncio.shield(client.disconnect())
+
+
+def _kill_ours(before: set[int], cli: int | None) -> None:
+    """Kill every child of the worker that was not there before the CLI started, and
+    its tree: the CLI, and what its commands left behind. The worker is a subreaper, so
+    an escapee of a Bash command (double-forked, ``setsid``, its environment cleared)
+    has re-parented to it, and a cancel's ``interrupt()`` leaves one alive. Frozen
+    before the kill, so nothing forks meanwhile; passes until nothing new is left."""
+    me = os.getpid()
+    orphans: set[int] = set()
+    for _ in range(_SWEEP_PASSES):
+        roots = [pid for pid in child_pids(me) if pid not in before]
+        orphans.update(pid for pid in roots if pid != cli)
+        live = [p for p in kill_tree(roots) if alive(p)] if roots else []
+        if not live:
+            break
+        all_dead(live, 0.2)
+    # The orphans are ours to reap (the SDK's subprocess reaps the CLI): dead by now
+    deadline = time.monotonic() + 1.0
+    while orphans and time.monotonic() < deadline:
+        for pid in list(orphans):
+            try:
+                done, _status = os.waitpid(pid, os.WNOHANG)
+            except (ChildProcessError, OSError):
+                done = pid
+            if done:
+                orphans.discard(pid)
+        if orphans:
+            time.sleep(0.005)
+
+
+def _cli(client: Any) -> psutil.Process | None:
+    """The CLI's process (the SDK keeps it in its transport)."""
+    transport = getattr(client, "_transport", None)
+    process = getattr(transport, "_process", None)
+    pid = getattr(process, "pid", None)
+    if pid is None:
+        return None
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _kill_tree(proc: psutil.Process) -> None:
+    with contextlib.suppress(psutil.Error):
+        kids = proc.children(recursive=True)
+        for p in [proc, *kids]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+
+
+def _children(client: Any) -> set[int]:
+    cli = _cli(client)
+    if cli is None:
+        return set()
+    with contextlib.suppress(psutil.Error):
+        return {p.pid for p in cli.children()}
+    return set()
+
+
+def _kill_commands(client: Any, before: set[int]) -> None:
+    """Kill the trees of the CLI's children that were not there before the Bash call
+    began: the running command's shell and whatever it started."""
+    cli = _cli(client)
+    if cli is None:
+        return
+    with contextlib.suppress(psutil.Error):
+        for child in cli.children():
+            if child.pid not in before:
+                _kill_tree(child)
+
+
+# ---- the CLI's session, kept in Tether's store -------------------------------------
+
+
+def _saved(history: list[Entry]) -> dict[str, Any] | None:
+    for e in reversed(history):
+        data = e.data or {}
+        if e.kind == "assistant" and isinstance(data.get(_SESSION_KEY), dict):
+            return dict(data[_SESSION_KEY])
+    return None
+
+
+def _restore(home: str, saved: dict[str, Any]) -> bool:
+    """Write the saved session file back under a fresh config dir; whether it could."""
+    try:
+        rel = str(saved["path"])
+        body = zlib.decompress(base64.b64decode(saved["jsonl"]))
+    except (KeyError, ValueError, zlib.error):
+        return False
+    path = os.path.normpath(os.path.join(home, rel))
+    if not path.startswith(home + os.sep):
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(body)
+    return True
+
+
+def _save(home: str, turn: _Turn) -> dict[str, Any] | None:
+    """The session's JSONL (compressed), as the CLI left it under its config dir."""
+    session = turn.session
+    projects = os.path.join(home, "projects")
+    for root, _dirs, files in os.walk(projects):
+        if f"{session}.jsonl" in files:
+            path = os.path.join(root, f"{session}.jsonl")
+            with open(path, "rb") as f:
+                body = f.read()
+            packed = base64.b64encode(zlib.compress(body, 6)).decode()
+            if len(packed) > _SESSION_CAP:
+                # over what one entry may carry: the next turn starts a new conversation
+                log.warning("claude.session_too_large", turn=turn.ctx.turn, size=len(packed))
+                return None
+            return {
+                "id": session,
+                "path": os.path.relpath(path, home),
+                "jsonl": packed,
+            }
+    return None
+
+
+# ---- Tether's agent tools, as an in-process MCP server of the SDK ---------------------
+
+
+def _host_tools(ctx: AsyncTurnContext, names: list[str]) -> Any:
+    from claude_agent_sdk import SdkMcpTool, create_sdk_mcp_server
+
+    def handler(name: str) -> Any:
+        async def call(args: dict[str, Any]) -> dict[str, Any]:
+            try:
+                result = await ctx.call_tool(name, args)
+            except Preempted as exc:
+                text = _preempted_text(exc)
+            else:
+                text = json.dumps(result, ensure_ascii=False)
+            return {"content": [{"type": "text", "text": text}]}
+
+        return call
+
+    tools = []
+    for name in names:
+        description, schema = parameters(TOOLS[name][0])
+        tools.append(
+            SdkMcpTool(
+                name=name, description=description, input_schema=schema, handler=handler(name)
+            )
+        )
+    return create_sdk_mcp_server("tether", tools=tools)
