@@ -382,6 +382,38 @@ def test_a2a_answers_at_its_path_with_a_trailing_slash_too(server: LiveServer) -
     assert again["result"]["id"] == task["id"]
 
 
+def test_a2a_answers_a_body_declared_as_not_json_with_415_and_runs_nothing(
+    server: LiveServer,
+) -> None:
+    # The JSON-RPC binding is application/json: a body declared otherwise is refused at
+    # the HTTP level (not a parse error blaming the body), and no turn starts.
+    def tasks() -> int:
+        total: int = raw(server, "ListTasks", {}).get("result", {}).get("totalSize", 0)
+        return total
+
+    before = tasks()
+    doc = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {}}
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):
+        status, body = server.request(
+            "POST", "/a2a", json.dumps(doc).encode(), {"Content-Type": kind, "A2A-Version": "1.0"}
+        )
+        assert status == 415, (kind, status, body)
+        assert b"application/json" in body
+    assert tasks() == before
+    # JSON with a charset parameter is JSON
+    answer = raw(server, "SendMessage", {"message": text_message("charset ok")})
+    assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    status, body = server.request(
+        "POST",
+        "/a2a/",
+        json.dumps(
+            {"jsonrpc": "2.0", "id": 2, "method": "GetTask", "params": {"id": "nope"}}
+        ).encode(),
+        {"Content-Type": "application/json; charset=utf-8", "A2A-Version": "1.0"},
+    )
+    assert status == 200 and _code(json.loads(body)) == -32001, body
+
+
 def _code(answer: Any) -> int:
     assert "error" in answer, answer
     code: int = answer["error"]["code"]

@@ -808,6 +808,30 @@ class _Context(DefaultServerCallContextBuilder):
         return context
 
 
+def _json_only(route: BaseRoute) -> BaseRoute:
+    """A JSON-RPC route that answers 415 to a body whose declared type is not JSON (the
+    binding is ``application/json``): a parse error would blame the body for what the
+    header already said. A request that declares no type goes through."""
+    if not isinstance(route, Route) or "POST" not in (route.methods or ()):
+        return route
+    inner = route.endpoint
+
+    async def endpoint(request: Request) -> Response:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind and kind != "application/json" and not kind.endswith("+json"):
+            return JSONResponse(
+                {
+                    "error": f"unsupported media type {kind!r}: the A2A JSON-RPC binding is "
+                    "application/json"
+                },
+                status_code=415,
+            )
+        answer: Response = await inner(request)
+        return answer
+
+    return Route(route.path, endpoint, methods=list(route.methods or ()), name=route.name)
+
+
 class A2aHttp:
     """``/a2a`` (JSON-RPC) and the Agent Card on ``tether serve``."""
 
@@ -821,8 +845,13 @@ class A2aHttp:
         self.routes: list[BaseRoute] = [
             # Both spellings: a client whose base URL is ``.../a2a`` may post to ``/a2a/``
             # and not follow the redirect Starlette would answer with.
-            *create_jsonrpc_routes(self.handler, "/a2a", context_builder=_Context()),
-            *create_jsonrpc_routes(self.handler, "/a2a/", context_builder=_Context()),
+            *map(
+                _json_only,
+                [
+                    *create_jsonrpc_routes(self.handler, "/a2a", context_builder=_Context()),
+                    *create_jsonrpc_routes(self.handler, "/a2a/", context_builder=_Context()),
+                ],
+            ),
             Route("/.well-known/agent-card.json", card, methods=["GET"]),
         ]
 
