@@ -7,6 +7,7 @@ points it at the test's model server (config ``model``).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 
@@ -24,8 +25,10 @@ def pydantic_ai_agent(config: dict[str, Any]) -> Any:
         return f"value-of-{key}"
 
     @agent.tool_plain
-    async def slow_search(query: str) -> str:
-        """Search slowly."""
+    async def slow_search(query: str, started: str = "") -> str:
+        """Search slowly; ``started``: a file to create once the search runs."""
+        if started:
+            Path(started).touch()
         await asyncio.sleep(60)
         return f"found {query}"
 

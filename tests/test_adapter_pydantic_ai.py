@@ -9,13 +9,16 @@ own script, chosen by the model name it configures.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, runtime, texts
+from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
+from test_chat_agent import _all_read
 from tether import User
 from tether.testing import ModelServer
 
@@ -117,3 +120,179 @@ def test_a_turn_keeps_its_replies_tool_results_and_usage_and_the_next_turn_conti
         assert "You asked about k1 before." in contents and contents[-1] == "and now?"
         assert texts(again, child, "assistant")[-1] == "Still the same conversation."
         assert root  # the parent's session is the same too
+
+
+def test_a_cancel_mid_stream_closes_the_connection_and_keeps_the_partial_reply(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    text = "I am halfway through a long answer"
+    replies = [{"text": text, "chunk": 4, "hang": True}, {"text": "Picking up where I was cut."}]
+    root, child, me = _agent(rt, server, "pyd-cut", replies)
+    rt.send(child, "tell me everything", authority=me)
+    [request] = server.wait_requests(1, script="pyd-cut", timeout=60.0)
+    server.wait_for(lambda s: s.requests_for("pyd-cut")[0].hanging, what="the hang")
+    eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
+
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    ended = rec.turn_ended(child, timeout=30.0)
+    assert (ended["outcome"], ended["forced"]) == ("cancelled", False), ended
+    gone = server.wait_disconnect(request.id)
+    [turn] = rt.turns(child)
+    assert turn.ended_at is not None and gone.time <= turn.ended_at
+    [cut] = entries(rt, child, "assistant")
+    assert cut.text and text.startswith(cut.text)  # what arrived, and nothing else
+    assert cut.data is not None and cut.data["cut"] is True
+    notice = _notice(rt, root)
+    assert (notice["outcome"], notice["partial"]) == ("cancelled", cut.text)
+
+    # the cut reply is part of the conversation the next turn continues
+    rt.send(child, "go on", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=30.0)["outcome"] == "completed"
+    messages = server.requests_for("pyd-cut")[1].body["messages"]
+    assert [(m["role"], m.get("content")) for m in messages[-3:]] == [
+        ("user", "tell me everything"),
+        ("assistant", cut.text),
+        ("user", "go on"),
+    ]
+
+
+def test_a_cancel_while_a_tool_runs_ends_the_turn_and_the_next_turn_sees_the_call_stopped(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    started = tmp_path / "search.started"
+    call = {"name": "slow_search", "arguments": {"query": "q", "started": str(started)}}
+    replies = [{"text": "Searching.", "tool_calls": [call]}, {"text": "Fine, no search."}]
+    _root, child, me = _agent(rt, server, "pyd-cancel-tool", replies)
+    rt.send(child, "search", authority=me)
+    eventually(started.exists, timeout=60.0, what="the tool to run")
+    turn = rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    assert turn is not None
+    ended = rec.turn_ended(child, timeout=30.0)
+    assert (ended["outcome"], ended["forced"]) == ("cancelled", False), ended
+    report = eventually(lambda: rt.stop_report(turn), what="the cancel's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("slow_search", "cancelled")]
+
+    rt.send(child, "never mind", authority=me)
+    ended = rec.turn_ended(child, count=2, timeout=30.0)
+    assert ended["outcome"] == "completed", ended.get("error")
+    messages = server.requests_for("pyd-cancel-tool")[1].body["messages"]
+    roles = [m["role"] for m in messages]
+    assert roles[-3:] == ["assistant", "tool", "user"], roles
+    assert messages[-2]["content"] == "(no result: stopped)"
+    assert texts(rt, child, "assistant") == ["Searching.", "Fine, no search."]
+
+
+def test_a_steer_sent_while_the_model_streams_reaches_the_next_request(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    replies = [
+        {
+            "text": "Working on the slow path, step by step.",
+            "tool_calls": [{"name": "lookup", "arguments": {"key": "k2"}}],
+            "chunk": 2,
+            "pace": 0.05,
+        },
+        {"text": "Switched to the fast path."},
+    ]
+    root, child, me = _agent(rt, server, "pyd-steer", replies)
+    rt.send(child, "do the task", authority=me)
+    server.wait_requests(1, script="pyd-steer", timeout=60.0)
+    rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [first, second] = server.requests_for("pyd-steer")
+    assert not first.body["messages"][-1]["content"].startswith("<steer")
+    steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
+    assert second.body["messages"][-1] == {"role": "user", "content": steer}
+    assert second.body["messages"][-2]["role"] == "tool"
+    assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+    assert texts(rt, child, "assistant")[-1] == "Switched to the fast path."
+
+
+def test_a_preempt_of_a_running_tool_stops_only_that_tool_and_the_model_gets_the_preempted_result(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    started = tmp_path / "search.started"
+    call = {"name": "slow_search", "arguments": {"query": "q", "started": str(started)}}
+    replies = [{"tool_calls": [call]}, {"text": "The search was too slow; moving on."}]
+    root, child, me = _agent(rt, server, "pyd-preempt", replies)
+    rt.send(child, "search", authority=me)
+    eventually(started.exists, timeout=60.0, what="the tool to run")
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("pyd-preempt")
+    result = second.body["messages"][-1]
+    assert result["role"] == "tool"
+    assert result["content"].startswith("preempted after ")
+    assert f"by user ({root}): too slow" in result["content"]
+    [tool] = entries(rt, child, "tool")
+    assert tool.data is not None and tool.data["preempted"] is True
+    assert tool.text == result["content"]
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+    assert texts(rt, child, "assistant")[-1] == "The search was too slow; moving on."
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("slow_search", "preempted")]
+
+
+_WAIT_FOR_CHILD = """
+import json, sys, time, urllib.request
+url, script = sys.argv[1], sys.argv[2]
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    with urllib.request.urlopen(url + "/_tether/log") as r:
+        log = json.load(r)
+    if sum(1 for q in log["requests"] if q["script"] == script) >= 2:
+        print("the child asked the model")
+        sys.exit(0)
+    time.sleep(0.02)
+sys.exit("the child never asked the model")
+"""
+
+
+def test_the_agent_spawns_a_child_with_tethers_tools_and_stops_it(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    # The parent's first reply spawns the child and, alongside, waits (a command) until
+    # the child's model request has arrived, so that the script's replies go in order:
+    # the child hangs, and only then does the parent ask again and cancel it.
+    rec = Recorder(rt)
+    script = "pyd-family"
+    wait = [sys.executable, "-c", _WAIT_FOR_CHILD, server.root, script]
+    replies = [
+        {
+            "tool_calls": [
+                {"name": "spawn_agent", "arguments": {"slug": "kid", "prompt": "work on it"}},
+                {"name": "run_command", "arguments": {"argv": wait}},
+            ]
+        },
+        {"text": "kid: working...", "hang": True},
+        {"tool_calls": [{"name": "interrupt_agent", "arguments": {"agent": "kid"}}]},
+        {"text": "Stopped the child."},
+    ]
+    tools = ["spawn_agent", "interrupt_agent", "run_command"]
+    _root, parent, me = _agent(rt, server, script, replies, tools=tools)
+    rt.send(parent, "delegate, then stop", authority=me)
+    assert rec.turn_ended(parent, timeout=60.0)["outcome"] == "completed"
+    [kid] = rt.list_agents(parent)
+    assert kid.slug == "kid"
+    assert rec.turn_ended(str(kid.id), timeout=30.0)["outcome"] == "cancelled"
+    child_request = server.requests_for(script)[1]
+    server.wait_disconnect(child_request.id)
+    assert texts(rt, str(kid.id), "assistant") == ["kid: working..."]
+    names = [(e.data or {}).get("name") for e in entries(rt, parent, "tool")]
+    assert sorted(names[:2]) == ["run_command", "spawn_agent"] and names[2] == "interrupt_agent"
+    stopped = json.loads(entries(rt, parent, "tool")[2].text)
+    assert stopped["accepted"] is True and stopped["turn"] == rt.turns(str(kid.id))[0].id
+    assert texts(rt, parent, "assistant")[-1] == "Stopped the child."
+
+
+def _notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
+    eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
+    data = entries(rt, root, "notice")[-1].data
+    assert data is not None
+    notice: dict[str, Any] = data["notice"]
+    return notice

@@ -289,7 +289,10 @@ class _Turn:
         if not self.partial:
             return
         chunk = self._unsaved()
-        chunk.append(ModelResponse(parts=[TextPart(self.partial)]))
+        if not chunk or not isinstance(chunk[-1], ModelResponse):
+            # the framework keeps the interrupted reply in its messages; where it did
+            # not, what arrived is added, so the next turn sees what the model said
+            chunk.append(ModelResponse(parts=[TextPart(self.partial)]))
         self.saved += len(chunk)
         self.ctx.say(self.partial, data={"cut": True, _KEY: _dump(chunk)})
         self.partial = ""
