@@ -18,9 +18,10 @@ import pytest
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
-from test_chat_agent import _all_read
+from test_chat_agent import _all_read, _mcp
 from tether import User
 from tether.testing import ModelServer
+from tether.testing.mcp_server import read_log
 
 pytest.importorskip("pydantic_ai")
 
@@ -296,3 +297,76 @@ def _notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
     assert data is not None
     notice: dict[str, Any] = data["notice"]
     return notice
+
+
+def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    server.script("pyd-refused", [{"status": 400, "message": "no such\nmodel"}])
+    root = rt.open_session(SCRIPTED)
+    good = _config(server, "pyd-refused")
+    configs = [
+        {**good, "model": {**good["model"], "api_key": "sk-literal"}},
+        {**good, "tools": ["rm_rf"]},
+        {**good, "model": {**good["model"], "api_key_env": "TETHER_NO_SUCH_VAR"}},
+        {**good, "agent": "adapter_agents:no_such_factory"},
+        good,
+    ]
+    errors = []
+    for i, config in enumerate(configs):
+        sid = str(rt.spawn(root, ADAPTER, slug=f"bad{i}", config=config, prompt="hi"))
+        ended = rec.turn_ended(sid, timeout=60.0)
+        assert ended["outcome"] == "failed", ended
+        assert "\n" not in ended["error"] and "Traceback" not in ended["error"]
+        assert all("Traceback" not in e.text for e in rt.transcript(sid))
+        errors.append(ended["error"])
+    assert "api_key_env" in errors[0] and "rm_rf" in errors[1]
+    assert "TETHER_NO_SUCH_VAR" in errors[2] and "no_such_factory" in errors[3]
+    assert "HTTP 400" in errors[4] and "no such model" in errors[4], errors[4]
+    assert len(server.requests_for("pyd-refused")) == 1  # a 400 is not retried
+
+
+@pytest.mark.timeout(120)
+def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_the_server(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "from-mcp"}}]},
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "The search hung; going on without it."},
+    ]
+    root, child, me = _agent(rt, server, "pyd-mcp", replies, mcp=mcp)
+    rt.send(child, "search", authority=me)
+
+    def hung_call() -> dict[str, Any] | None:
+        return next(
+            (
+                r
+                for r in read_log(str(log))
+                if r.get("method") == "tools/call" and r.get("tool") == "hang"
+            ),
+            None,
+        )
+
+    call = eventually(hung_call, timeout=60.0, what="the MCP server to receive the hang")
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="search is stuck")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    cancelled = [r for r in read_log(str(log)) if r.get("method") == "notifications/cancelled"]
+    assert [r["requestId"] for r in cancelled] == [call["id"]]
+    first, second, third = server.requests_for("pyd-mcp")
+    offered = [t["function"]["name"] for t in first.body["tools"]]
+    assert "mcp__files__echo" in offered and "lookup" in offered
+    assert second.body["messages"][-1] == {
+        "role": "tool",
+        "tool_call_id": second.body["messages"][-1]["tool_call_id"],
+        "content": "from-mcp",
+    }
+    result = third.body["messages"][-1]["content"]
+    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "preempted")]

@@ -20,15 +20,18 @@ streaming each model request, and keeps the ChatAgent's promises (SPEC §15.2)::
   the same conversation from Tether's store.
 
 Config: ``{"agent": "pkg.mod:factory", "model": {"base_url", "name", "api_key_env",
-"timeout", "retries"}, "tools": [...]}``. The factory is called with the config and
-returns the agent; ``model`` points it at that endpoint (``OpenAIChatModel`` over
-``OpenAIProvider(base_url=…)``), overriding its own; ``tools`` adds Tether's agent tools.
+"timeout", "retries"}, "tools": [...], "mcp": {...}, "tool_policy": {...}}``. The factory
+is called with the config and returns the agent; ``model`` points it at that endpoint
+(``OpenAIChatModel`` over an ``openai`` client with that ``base_url``), overriding its
+own; ``tools`` adds Tether's agent tools; ``mcp`` servers are opened by Tether's MCP
+client (SPEC §15.3) and offered as ``mcp__<server>__<tool>``, their policies applying.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -36,16 +39,23 @@ from typing import Any
 
 import structlog
 
+from tether.agents import chat
+
 # ChatAgent's bookkeeping, one home for each piece: its error, its one-line errors, its
-# host tool schemas and results, its honest preempted text.
+# host tool schemas and results, its honest preempted text, its MCP tools and policies.
 from tether.agents.chat import (
     ModelError,
+    _describe,
     _host_schemas,
+    _max_duration,
+    _mcp_call,
+    _mcp_tools,
     _one_line,
     _preempted_text,
     _result_text,
     _steers,
 )
+from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS
 from tether.wire.errors import InvalidParams, Preempted, TetherError
@@ -73,6 +83,7 @@ class _Config:
     factory: str
     model: _Model | None
     tools: list[str] = field(default_factory=list)
+    chat: chat._Config | None = None  # its mcp and tool_policy, as ChatAgent reads them
 
 
 def _config(raw: dict[str, Any]) -> _Config:
@@ -96,10 +107,11 @@ def _config(raw: dict[str, Any]) -> _Config:
     bad = [t for t in tools if t not in TOOLS]
     if bad:
         raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
-    for key in ("mcp", "tool_policy"):
-        if raw.get(key):  # said plainly rather than silently ignored
-            raise InvalidParams(f"config.{key}: not supported by PydanticAIAgent yet")
-    return _Config(factory=factory, model=model, tools=tools)
+    # MCP servers and tool policies as ChatAgent reads them (SPEC §15.3): one reading
+    tools_cfg = chat._config(
+        {"tools": tools, "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
+    )
+    return _Config(factory=factory, model=model, tools=tools, chat=tools_cfg)
 
 
 def _model_of(model: _Model) -> Any:
@@ -127,6 +139,8 @@ class PydanticAIAgent:
     config={"agent": "pkg.mod:factory", "model": {...}, "tools": [...]})``."""
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
+        if importlib.util.find_spec("pydantic_ai") is None:
+            raise ModelError("PydanticAIAgent needs the extra tether[pydantic-ai]")
         try:
             cfg = _config(ctx.config)
             agent = _agent_of_config(cfg, ctx.config)
@@ -144,7 +158,7 @@ class PydanticAIAgent:
         except TetherError:
             raise
         except Exception as exc:  # the framework's own errors: one line, never a traceback
-            raise ModelError(_one_line(_describe(exc))) from None
+            raise ModelError(_describe(exc, 0)) from None
 
 
 def _agent_of_config(cfg: _Config, raw: dict[str, Any]) -> Any:
@@ -161,12 +175,6 @@ def _agent_of_config(cfg: _Config, raw: dict[str, Any]) -> Any:
     return agent
 
 
-def _describe(exc: Exception) -> str:
-    status = getattr(exc, "status_code", None)
-    head = f"HTTP {status}" if status is not None else type(exc).__name__
-    return f"model request failed: {head}: {exc}"
-
-
 class _Turn:
     """One turn's bookkeeping: what was said and stored, what is streaming."""
 
@@ -177,6 +185,20 @@ class _Turn:
         self.saved = 0  # how many of the run's new messages are stored in entries
         self.partial = ""  # the text of the reply streaming now
         self.preempted: set[str] = set()  # tool call ids stopped by a preempt
+        self.offered: list[dict[str, Any]] = []  # the MCP tools' schemas this turn
+
+    async def _mcp(self) -> McpTools | None:
+        """The config's MCP servers, opened by Tether (kept across the worker's turns)."""
+        assert self.cfg.chat is not None
+        mcp = await _mcp_tools(self.ctx, self.cfg.chat)
+        if mcp is None:
+            return None
+        self.offered, missing = await mcp.offered()
+        if len(missing) == len(mcp.servers):  # nothing of the config works: a mistake
+            raise ModelError(_one_line("config.mcp: " + "; ".join(missing.values())))
+        for server, why in missing.items():
+            self.ctx.record_tool(why, data={"mcp_unavailable": server})
+        return mcp
 
     async def run(self, agent: Any, model: Any) -> str | None:
         from pydantic_ai import Agent
@@ -184,7 +206,9 @@ class _Turn:
 
         ctx = self.ctx
         history = _history(await ctx.load_history(), ctx.turn)
-        toolsets = [_host_toolset(self, self.cfg.tools)] if self.cfg.tools else None
+        mcp = await self._mcp()
+        tools = _host_tools(self, self.cfg.tools) + _mcp_as_tools(self, mcp, self.offered)
+        toolsets = [_toolset(tools)] if tools else None
         async with agent.iter(
             ctx.message.content,
             message_history=history or None,
@@ -353,35 +377,64 @@ def _history(entries: list[Entry], turn: str) -> list[Any]:
     return out
 
 
-def _host_toolset(turn: _Turn, names: list[str]) -> Any:
-    """Tether's agent tools (SPEC §11) as Pydantic AI tools, with their own schemas."""
-    from pydantic_ai import Tool
+def _toolset(tools: list[Any]) -> Any:
     from pydantic_ai.toolsets import FunctionToolset
 
-    tools = []
-    for schema in _host_schemas():
-        fn = schema["function"]
-        if fn["name"] in names:
-            tools.append(
-                Tool.from_schema(
-                    _host_tool(turn, fn["name"]),
-                    name=fn["name"],
-                    description=fn.get("description"),
-                    json_schema=fn["parameters"],
-                )
-            )
     return FunctionToolset(tools)
+
+
+def _tool(function: Any, schema: dict[str, Any]) -> Any:
+    from pydantic_ai import Tool
+
+    fn = schema["function"]
+    return Tool.from_schema(
+        function,
+        name=fn["name"],
+        description=fn.get("description"),
+        json_schema=fn.get("parameters") or {"type": "object", "properties": {}},
+    )
+
+
+def _host_tools(turn: _Turn, names: list[str]) -> list[Any]:
+    """Tether's agent tools (SPEC §11) as Pydantic AI tools, with their own schemas."""
+    return [
+        _tool(_host_tool(turn, s["function"]["name"]), s)
+        for s in _host_schemas()
+        if s["function"]["name"] in names
+    ]
 
 
 def _host_tool(turn: _Turn, name: str) -> Any:
     async def call(**arguments: Any) -> str:
+        assert turn.cfg.chat is not None
+        timer = _max_duration(turn.ctx, turn.cfg.chat, name)  # a policy's limit
         try:
             return _result_text(await turn.ctx.call_tool(name, json.dumps(arguments)))
         except Preempted as exc:
-            # which call it was is known to the capability; the text says it all
             return _preempted_text(exc)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     return call
+
+
+def _mcp_as_tools(turn: _Turn, mcp: McpTools | None, offered: list[dict[str, Any]]) -> list[Any]:
+    """The MCP servers' tools (``mcp__<server>__<tool>``), called through Tether's MCP
+    client: a preempt or cancel reaches the server, its policies apply (SPEC §15.3)."""
+    if mcp is None:
+        return []
+
+    def tool(name: str) -> Any:
+        async def call(**arguments: Any) -> str:
+            try:
+                return await _mcp_call(turn.ctx, mcp, name, json.dumps(arguments))
+            except Preempted as exc:
+                return _preempted_text(exc)
+
+        return call
+
+    return [_tool(tool(s["function"]["name"]), s) for s in offered]
 
 
 def _make_stops() -> type[Any]:
@@ -397,8 +450,8 @@ def _make_stops() -> type[Any]:
         async def wrap_tool_execute(
             self, ctx: Any, *, call: Any, tool_def: Any, args: Any, handler: Any
         ) -> Any:
-            if call.tool_name in self.turn.cfg.tools:
-                # a Tether tool: ``ctx.call_tool`` is preemptable already
+            if call.tool_name in self.turn.cfg.tools or call.tool_name.startswith("mcp__"):
+                # a Tether or MCP tool: preemptable already (``ctx.call_tool``, the MCP call)
                 result = await handler(args)
                 if isinstance(result, str) and result.startswith("preempted after "):
                     self.turn.preempted.add(call.tool_call_id)
