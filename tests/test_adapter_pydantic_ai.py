@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
-from test_chat_agent import _all_read, _mcp
+from drivers import SCRIPTED, Recorder, entries, eventually, frozen, runtime, texts
+from test_chat_agent import _all_read, _mcp, _talking_to
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -370,3 +370,35 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
     report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
     assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "preempted")]
+
+
+def test_abort_mid_stream_kills_the_turn_and_the_server_sees_the_disconnect(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _agent(rt, server, "pyd-abort", [{"text": "streaming...", "hang": True}])
+    rt.send(child, "go", authority=me)
+    [request] = server.wait_requests(1, script="pyd-abort", timeout=60.0)
+    rt.interrupt(child, authority=me, kind="abort", reason="kill it")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
+    server.wait_disconnect(request.id)
+
+
+def test_pause_freezes_the_stream_and_resume_continues_it(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    rec = Recorder(rt)
+    text = "".join(f"word{i} " for i in range(40)).strip()
+    replies = [{"text": text, "chunk": 6, "pace": 0.03}]
+    _root, child, me = _agent(rt, server, "pyd-paused", replies)
+    rt.send(child, "go", authority=me)
+    server.wait_requests(1, script="pyd-paused", timeout=60.0)
+    worker = eventually(lambda: _talking_to(rt, server), what="the agent's worker")
+    assert rt.pause(child, authority=me) != []
+    eventually(lambda: frozen(worker), what="the worker frozen")
+    assert texts(rt, child, "assistant") == []
+    rt.resume(child, authority=me)
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    assert texts(rt, child, "assistant") == [text]
+    ours = {r.id for r in server.requests_for("pyd-paused")}
+    assert all(d.request not in ours for d in server.disconnects)

@@ -128,10 +128,20 @@ def _model_of(model: _Model) -> Any:
         key = found
     import openai
 
-    client = openai.AsyncOpenAI(
-        base_url=model.base_url, api_key=key, timeout=model.timeout, max_retries=model.retries
-    )
+    ident = (model.base_url, key, model.timeout, model.retries)
+    client = _clients.get(ident)
+    if client is None:
+        client = openai.AsyncOpenAI(
+            base_url=model.base_url, api_key=key, timeout=model.timeout, max_retries=model.retries
+        )
+        _clients[ident] = client
     return OpenAIChatModel(model.name, provider=OpenAIProvider(openai_client=client))
+
+
+# One client per endpoint in this worker process, kept across turns on the worker's one
+# event loop (as ChatAgent's): its connections are reused, never one pool per turn left
+# open. Keyed by what makes a client, the key included: held in memory only.
+_clients: dict[tuple[Any, ...], Any] = {}
 
 
 class PydanticAIAgent:
