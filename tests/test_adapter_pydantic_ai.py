@@ -97,6 +97,7 @@ def test_a_turn_keeps_its_replies_tool_results_and_usage_and_the_next_turn_conti
         [first, second] = server.requests_for(script)
         assert first.authorization == f"Bearer {SECRET}"
         assert first.body["stream"] is True
+        assert first.body["stream_options"] == {"include_usage": True}  # usage asked for
         assert "lookup" in [t["function"]["name"] for t in first.body["tools"]]
         assert second.body["messages"][-1]["role"] == "tool"
         assert second.body["messages"][-1]["content"] == "value-of-k1"
