@@ -1,0 +1,485 @@
+"""``tether.adapters.pydantic_ai:PydanticAIAgent``: a Pydantic AI agent under Tether (SPEC §16.1).
+
+An async driver (SPEC §15.1) that runs a ``pydantic_ai.Agent`` through ``agent.iter()``,
+streaming each model request, and keeps the ChatAgent's promises (SPEC §15.2)::
+
+    node loop of agent.iter()
+      ModelRequestNode ─ boundary: steers ─► run.enqueue(<steer …>, priority="asap")
+                       └ stream: progress per event, the partial reply kept
+      CallToolsNode    ─ the reply: one assistant entry (its messages in its data)
+                       └ each tool result: one ``tool`` entry
+
+- A steer is taken at the boundary before each model request and enqueued ``asap``:
+  the framework puts it in that very request (its ``EnqueuedMessagesEvent``).
+- A cancel is ``CancelledError`` at the await in the stream: the framework's HTTP stream
+  is closed, the partial reply is kept as a ``cut`` entry, with the run's messages so far.
+- A preempt stops the innermost running tool only (a capability wraps every tool's
+  execution in ``ctx.preemptable``); the model gets ``preempted after N s by …``.
+- History: each assistant entry carries the Pydantic AI messages that led to it
+  (``ModelMessagesTypeAdapter``), so the next turn, after a host restart too, continues
+  the same conversation from Tether's store.
+
+Config: ``{"agent": "pkg.mod:factory", "model": {"base_url", "name", "api_key_env",
+"timeout", "retries"}, "tools": [...], "mcp": {...}, "tool_policy": {...}}``. The factory
+is called with the config and returns the agent; ``model`` points it at that endpoint
+(``OpenAIChatModel`` over an ``openai`` client with that ``base_url``), overriding its
+own; ``tools`` adds Tether's agent tools; ``mcp`` servers are opened by Tether's MCP
+client (SPEC §15.3) and offered as ``mcp__<server>__<tool>``, their policies applying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from tether.agents import chat
+
+# ChatAgent's bookkeeping, one home for each piece: its error, its one-line errors, its
+# host tool schemas and results, its honest preempted text, its MCP tools and policies.
+from tether.agents.chat import (
+    ModelError,
+    _describe,
+    _host_schemas,
+    _max_duration,
+    _mcp_call,
+    _mcp_tools,
+    _one_line,
+    _preempted_text,
+    _result_text,
+    _steers,
+)
+from tether.agents.mcp import McpTools
+from tether.driver.async_context import AsyncTurnContext
+from tether.driver.tools import TOOLS
+from tether.wire.errors import InvalidParams, Preempted, TetherError
+from tether.wire.records import Entry
+
+__all__ = ["PydanticAIAgent"]
+
+log = structlog.get_logger("tether.adapters.pydantic_ai")
+
+_KEY = "pydantic_ai"  # an assistant entry's data: the framework's messages up to that reply
+_NO_RESULT = "(no result: stopped)"
+
+
+@dataclass
+class _Model:
+    base_url: str | None = None
+    name: str = "default"
+    api_key_env: str | None = None
+    timeout: float = 600.0
+    retries: int = 3
+
+
+@dataclass
+class _Config:
+    factory: str
+    model: _Model | None
+    tools: list[str] = field(default_factory=list)
+    chat: chat._Config | None = None  # its mcp and tool_policy, as ChatAgent reads them
+
+
+def _config(raw: dict[str, Any]) -> _Config:
+    """The session config, checked: a mistake is a one-line ``InvalidParams``."""
+    factory = raw.get("agent")
+    if not isinstance(factory, str) or ":" not in factory:
+        raise InvalidParams("config.agent: give the factory as 'pkg.module:function'")
+    model: _Model | None = None
+    if raw.get("model") is not None:
+        given = dict(raw["model"])
+        if "api_key" in given:  # never: a key in the config would be stored
+            raise InvalidParams("config.model: give api_key_env, never the key itself")
+        unknown = set(given) - set(_Model.__dataclass_fields__)
+        if unknown:
+            raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+        try:
+            model = _Model(**given)
+        except TypeError as exc:
+            raise InvalidParams(f"config.model: {exc}") from None
+    tools = [str(t) for t in raw.get("tools") or []]
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
+    # MCP servers and tool policies as ChatAgent reads them (SPEC §15.3): one reading
+    tools_cfg = chat._config(
+        {"tools": tools, "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
+    )
+    return _Config(factory=factory, model=model, tools=tools, chat=tools_cfg)
+
+
+def _model_of(model: _Model) -> Any:
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    key = "unused"  # a local server needs none; the client insists on a value
+    if model.api_key_env:
+        found = os.environ.get(model.api_key_env)
+        if not found:
+            raise ModelError(
+                f"the environment variable {model.api_key_env} (api_key_env) is not set"
+            )
+        key = found
+    import openai
+
+    ident = (model.base_url, key, model.timeout, model.retries)
+    client = _clients.get(ident)
+    if client is None:
+        client = openai.AsyncOpenAI(
+            base_url=model.base_url, api_key=key, timeout=model.timeout, max_retries=model.retries
+        )
+        _clients[ident] = client
+    return OpenAIChatModel(model.name, provider=OpenAIProvider(openai_client=client))
+
+
+# One client per endpoint in this worker process, kept across turns on the worker's one
+# event loop (as ChatAgent's): its connections are reused, never one pool per turn left
+# open. Keyed by what makes a client, the key included: held in memory only.
+_clients: dict[tuple[Any, ...], Any] = {}
+
+
+class PydanticAIAgent:
+    """A Pydantic AI agent: ``rt.open_session("tether.adapters.pydantic_ai:PydanticAIAgent",
+    config={"agent": "pkg.mod:factory", "model": {...}, "tools": [...]})``."""
+
+    async def run(self, ctx: AsyncTurnContext) -> str | None:
+        if importlib.util.find_spec("pydantic_ai") is None:
+            raise ModelError("PydanticAIAgent needs the extra tether[pydantic-ai]")
+        try:
+            cfg = _config(ctx.config)
+            agent = _agent_of_config(cfg, ctx.config)
+            model = None if cfg.model is None else _model_of(cfg.model)
+        except TetherError as exc:
+            raise ModelError(_one_line(exc.message)) from None
+        turn = _Turn(ctx, cfg)
+        try:
+            return await turn.run(agent, model)
+        except asyncio.CancelledError:
+            if ctx.cancel is None:
+                raise  # not this turn's cancel
+            turn.cut()
+            return None
+        except TetherError:
+            raise
+        except Exception as exc:  # the framework's own errors: one line, never a traceback
+            raise ModelError(_describe(exc, 0)) from None
+
+
+def _agent_of_config(cfg: _Config, raw: dict[str, Any]) -> Any:
+    from pydantic_ai.agent import AbstractAgent
+
+    module, _, name = cfg.factory.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidParams(f"config.agent: cannot import {cfg.factory}: {exc}") from None
+    agent = factory(raw)
+    if not isinstance(agent, AbstractAgent):
+        raise InvalidParams(f"config.agent: {cfg.factory} returned {type(agent).__name__}")
+    return agent
+
+
+class _Turn:
+    """One turn's bookkeeping: what was said and stored, what is streaming."""
+
+    def __init__(self, ctx: AsyncTurnContext, cfg: _Config) -> None:
+        self.ctx = ctx
+        self.cfg = cfg
+        self.run_: Any = None
+        self.saved = 0  # how many of the run's new messages are stored in entries
+        self.partial = ""  # the text of the reply streaming now
+        self.preempted: set[str] = set()  # tool call ids stopped by a preempt
+        self.offered: list[dict[str, Any]] = []  # the MCP tools' schemas this turn
+
+    async def _mcp(self) -> McpTools | None:
+        """The config's MCP servers, opened by Tether (kept across the worker's turns)."""
+        assert self.cfg.chat is not None
+        mcp = await _mcp_tools(self.ctx, self.cfg.chat)
+        if mcp is None:
+            return None
+        self.offered, missing = await mcp.offered()
+        if len(missing) == len(mcp.servers):  # nothing of the config works: a mistake
+            raise ModelError(_one_line("config.mcp: " + "; ".join(missing.values())))
+        for server, why in missing.items():
+            self.ctx.record_tool(why, data={"mcp_unavailable": server})
+        return mcp
+
+    async def run(self, agent: Any, model: Any) -> str | None:
+        from pydantic_ai import Agent
+        from pydantic_ai.messages import EnqueuedMessagesEvent, FunctionToolResultEvent
+
+        ctx = self.ctx
+        history = _history(await ctx.load_history(), ctx.turn)
+        mcp = await self._mcp()
+        tools = _host_tools(self, self.cfg.tools) + _mcp_as_tools(self, mcp, self.offered)
+        toolsets = [_toolset(tools)] if tools else None
+        async with agent.iter(
+            ctx.message.content,
+            message_history=history or None,
+            model=model,
+            toolsets=toolsets,
+            capabilities=[_Stops(self)],
+        ) as run:
+            self.run_ = run
+            async for node in run:
+                if Agent.is_model_request_node(node):
+                    # the boundary before each model request: a steer goes into it
+                    for steer in _steers(await ctx.checkpoint()):
+                        run.enqueue(steer["content"], priority="asap")
+                    await self._stream(node, run)
+                elif Agent.is_call_tools_node(node):
+                    self._reply(node.model_response)
+                    calls = _calls(node.model_response)
+                    async with node.stream(run.ctx) as events:
+                        async for event in events:
+                            ctx.progress()
+                            if isinstance(event, FunctionToolResultEvent):
+                                self._tool(event, calls)
+                            elif isinstance(event, EnqueuedMessagesEvent):
+                                log.debug("steer.taken", turn=ctx.turn)
+        return None  # the last reply, said already, is the turn's final text
+
+    async def _stream(self, node: Any, run: Any) -> None:
+        from pydantic_ai.messages import (
+            EnqueuedMessagesEvent,
+            PartDeltaEvent,
+            PartStartEvent,
+            TextPart,
+            TextPartDelta,
+        )
+
+        self.partial = ""
+        async with node.stream(run.ctx) as stream:
+            async for event in stream:
+                self.ctx.progress()  # every streamed event is progress for the watchdog
+                if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+                    self.partial += event.part.content
+                elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+                    self.partial += event.delta.content_delta
+                elif isinstance(event, EnqueuedMessagesEvent):
+                    log.debug("steer.taken", turn=self.ctx.turn)
+
+    def _unsaved(self) -> list[Any]:
+        if self.run_ is None:
+            return []
+        messages: list[Any] = list(self.run_.new_messages())
+        return messages[self.saved :]
+
+    def _reply(self, response: Any) -> None:
+        """A model reply arrived whole: its assistant entry, its usage."""
+        from pydantic_ai.messages import TextPart
+
+        self.partial = ""
+        usage = response.usage
+        self.ctx.add_usage(
+            {
+                "prompt_tokens": int(usage.input_tokens or 0),
+                "completion_tokens": int(usage.output_tokens or 0),
+            }
+        )
+        chunk = self._unsaved()
+        if not chunk or chunk[-1] is not response:
+            chunk.append(response)  # the run adds it to its history only after this node
+        self.saved += len(chunk)
+        text = "".join(p.content for p in response.parts if isinstance(p, TextPart))
+        data: dict[str, Any] = {_KEY: _dump(chunk)}
+        calls = _calls(response)
+        if calls:
+            data["tool_calls"] = [
+                {
+                    "id": c.tool_call_id,
+                    "type": "function",
+                    "function": {"name": c.tool_name, "arguments": c.args_as_json_str()},
+                }
+                for c in calls.values()
+            ]
+        self.ctx.say(text, data=data)
+
+    def _tool(self, event: Any, calls: dict[str, Any]) -> None:
+        result = event.part
+        call = calls.get(result.tool_call_id)
+        text = result.model_response_str() if hasattr(result, "model_response_str") else ""
+        if not text:
+            text = str(getattr(result, "content", ""))
+        data: dict[str, Any] = {
+            "tool_call_id": result.tool_call_id,
+            "name": result.tool_name,
+            "arguments": call.args_as_json_str() if call is not None else "",
+        }
+        if result.tool_call_id in self.preempted:
+            data["preempted"] = True
+        self.ctx.record_tool(text, data=data)
+
+    def cut(self) -> None:
+        """The turn was cancelled: keep the partial reply, with the run's messages so far."""
+        from pydantic_ai.messages import ModelResponse, TextPart
+
+        if not self.partial:
+            return
+        chunk = self._unsaved()
+        if not chunk or not isinstance(chunk[-1], ModelResponse):
+            # the framework keeps the interrupted reply in its messages; where it did
+            # not, what arrived is added, so the next turn sees what the model said
+            chunk.append(ModelResponse(parts=[TextPart(self.partial)]))
+        self.saved += len(chunk)
+        self.ctx.say(self.partial, data={"cut": True, _KEY: _dump(chunk)})
+        self.partial = ""
+
+
+def _calls(response: Any) -> dict[str, Any]:
+    from pydantic_ai.messages import ToolCallPart
+
+    return {p.tool_call_id: p for p in response.parts if isinstance(p, ToolCallPart)}
+
+
+def _dump(messages: list[Any]) -> list[Any]:
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+
+    dumped: list[Any] = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
+    return dumped
+
+
+def _history(entries: list[Entry], turn: str) -> list[Any]:
+    """The conversation so far: the messages stored with earlier turns' replies, every
+    tool call answered (a call its turn's stop left open gets a result saying so)."""
+    from pydantic_ai.messages import (
+        ModelMessagesTypeAdapter,
+        ModelRequest,
+        ModelResponse,
+        ToolReturnPart,
+    )
+
+    messages: list[Any] = []
+    for e in entries:
+        if e.turn != turn and e.kind == "assistant" and e.data and _KEY in e.data:
+            messages.extend(ModelMessagesTypeAdapter.validate_python(e.data[_KEY]))
+    out: list[Any] = []
+    open_calls: dict[str, str] = {}
+
+    def close(into: Any | None) -> None:
+        parts = [ToolReturnPart(name, _NO_RESULT, tool_call_id=i) for i, name in open_calls.items()]
+        open_calls.clear()
+        if not parts:
+            return
+        if into is None:
+            out.append(ModelRequest(parts=parts))
+        else:
+            into.parts = [*parts, *into.parts]
+
+    for m in messages:
+        if isinstance(m, ModelRequest):
+            for p in m.parts:
+                if isinstance(p, ToolReturnPart):
+                    open_calls.pop(p.tool_call_id, None)
+            close(m)
+            out.append(m)
+        elif isinstance(m, ModelResponse):
+            close(None)
+            open_calls.update({i: c.tool_name for i, c in _calls(m).items()})
+            out.append(m)
+    close(None)
+    return out
+
+
+def _toolset(tools: list[Any]) -> Any:
+    from pydantic_ai.toolsets import FunctionToolset
+
+    return FunctionToolset(tools)
+
+
+def _tool(function: Any, schema: dict[str, Any]) -> Any:
+    from pydantic_ai import Tool
+
+    fn = schema["function"]
+    return Tool.from_schema(
+        function,
+        name=fn["name"],
+        description=fn.get("description"),
+        json_schema=fn.get("parameters") or {"type": "object", "properties": {}},
+    )
+
+
+def _host_tools(turn: _Turn, names: list[str]) -> list[Any]:
+    """Tether's agent tools (SPEC §11) as Pydantic AI tools, with their own schemas."""
+    return [
+        _tool(_host_tool(turn, s["function"]["name"]), s)
+        for s in _host_schemas()
+        if s["function"]["name"] in names
+    ]
+
+
+def _host_tool(turn: _Turn, name: str) -> Any:
+    async def call(**arguments: Any) -> str:
+        assert turn.cfg.chat is not None
+        timer = _max_duration(turn.ctx, turn.cfg.chat, name)  # a policy's limit
+        try:
+            return _result_text(await turn.ctx.call_tool(name, json.dumps(arguments)))
+        except Preempted as exc:
+            return _preempted_text(exc)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    return call
+
+
+def _mcp_as_tools(turn: _Turn, mcp: McpTools | None, offered: list[dict[str, Any]]) -> list[Any]:
+    """The MCP servers' tools (``mcp__<server>__<tool>``), called through Tether's MCP
+    client: a preempt or cancel reaches the server, its policies apply (SPEC §15.3)."""
+    if mcp is None:
+        return []
+
+    def tool(name: str) -> Any:
+        async def call(**arguments: Any) -> str:
+            try:
+                return await _mcp_call(turn.ctx, mcp, name, json.dumps(arguments))
+            except Preempted as exc:
+                return _preempted_text(exc)
+
+        return call
+
+    return [_tool(tool(s["function"]["name"]), s) for s in offered]
+
+
+def _make_stops() -> type[Any]:
+    from pydantic_ai.capabilities import AbstractCapability
+
+    class Stops(AbstractCapability[Any]):
+        """Every tool's execution as the innermost preemptable call: a preempt stops
+        that tool alone and the model gets the honest result."""
+
+        def __init__(self, turn: _Turn) -> None:
+            self.turn = turn
+
+        async def wrap_tool_execute(
+            self, ctx: Any, *, call: Any, tool_def: Any, args: Any, handler: Any
+        ) -> Any:
+            if call.tool_name in self.turn.cfg.tools or call.tool_name.startswith("mcp__"):
+                # a Tether or MCP tool: preemptable already (``ctx.call_tool``, the MCP call)
+                result = await handler(args)
+                if isinstance(result, str) and result.startswith("preempted after "):
+                    self.turn.preempted.add(call.tool_call_id)
+                return result
+            try:
+                return await self.turn.ctx.preemptable(call.tool_name, handler(args))
+            except Preempted as exc:
+                self.turn.preempted.add(call.tool_call_id)
+                return _preempted_text(exc)
+
+    return Stops
+
+
+class _LazyStops:
+    cls: type[Any] | None = None
+
+
+def _Stops(turn: _Turn) -> Any:
+    if _LazyStops.cls is None:
+        _LazyStops.cls = _make_stops()
+    return _LazyStops.cls(turn)
