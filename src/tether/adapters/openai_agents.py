@@ -36,7 +36,6 @@ import asyncio
 import copy
 import importlib
 import json
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +58,7 @@ from tether.agents.chat import (
     _one_line,
     _preempted_text,
     _result_text,
+    openai_client,
 )
 from tether.agents.chat import _config as _chat_config
 from tether.driver.async_context import AsyncTurnContext
@@ -359,38 +359,15 @@ def _factory(spec: str) -> Callable[[dict[str, Any]], Any]:
     return found  # type: ignore[no-any-return]
 
 
-# One client per endpoint in this worker process, kept across turns on the worker's one
-# loop; keyed by what makes a client, the key included: held in memory only.
-_clients: dict[tuple[Any, ...], Any] = {}
-
-
 def _client(model: _Model) -> Any:
-    key = "unused"  # a local server needs none; the client insists on a value
-    if model.api_key_env:
-        found = os.environ.get(model.api_key_env)
-        if not found:
-            raise ModelError(
-                f"the environment variable {model.api_key_env} (api_key_env) is not set"
-            )
-        key = found
-    ident = (
-        model.base_url,
-        key,
-        model.timeout,
-        model.retries,
-        tuple(sorted(model.headers.items())),
+    # the client's own backoff: the SDK retries nothing
+    return openai_client(
+        base_url=model.base_url,
+        api_key_env=model.api_key_env,
+        timeout=model.timeout,
+        retries=model.retries,
+        headers=model.headers,
     )
-    client = _clients.get(ident)
-    if client is None:
-        client = openai.AsyncOpenAI(
-            base_url=model.base_url,
-            api_key=key,
-            timeout=model.timeout,
-            max_retries=model.retries,  # the client's own backoff: the SDK retries none
-            default_headers=model.headers or None,
-        )
-        _clients[ident] = client
-    return client
 
 
 def _model_error(exc: Exception, retries: int) -> Exception:

@@ -33,7 +33,6 @@ import asyncio
 import importlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,30 +117,13 @@ def _model_of(model: _Model) -> Any:
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    key = "unused"  # a local server needs none; the client insists on a value
-    if model.api_key_env:
-        found = os.environ.get(model.api_key_env)
-        if not found:
-            raise ModelError(
-                f"the environment variable {model.api_key_env} (api_key_env) is not set"
-            )
-        key = found
-    import openai
-
-    ident = (model.base_url, key, model.timeout, model.retries)
-    client = _clients.get(ident)
-    if client is None:
-        client = openai.AsyncOpenAI(
-            base_url=model.base_url, api_key=key, timeout=model.timeout, max_retries=model.retries
-        )
-        _clients[ident] = client
+    client = chat.openai_client(
+        base_url=model.base_url,
+        api_key_env=model.api_key_env,
+        timeout=model.timeout,
+        retries=model.retries,
+    )
     return OpenAIChatModel(model.name, provider=OpenAIProvider(openai_client=client))
-
-
-# One client per endpoint in this worker process, kept across turns on the worker's one
-# event loop (as ChatAgent's): its connections are reused, never one pool per turn left
-# open. Keyed by what makes a client, the key included: held in memory only.
-_clients: dict[tuple[Any, ...], Any] = {}
 
 
 class PydanticAIAgent:

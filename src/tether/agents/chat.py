@@ -44,7 +44,7 @@ from tether.wire.frames import Cancel, Preempt, Steer
 from tether.wire.records import Entry
 from tether.wire.text import render_frame
 
-__all__ = ["ChatAgent", "ModelError"]
+__all__ = ["ChatAgent", "ModelError", "openai_client"]
 
 log = structlog.get_logger("tether.agents.chat")
 
@@ -312,25 +312,42 @@ def _host_schemas() -> tuple[dict[str, Any], ...]:
 
 
 def _client(model: _Model) -> Any:
+    # ours: the retries are counted and logged here, so the client retries nothing
+    return openai_client(
+        base_url=model.base_url,
+        api_key_env=model.api_key_env,
+        timeout=model.timeout,
+        headers=model.headers,
+    )
+
+
+def openai_client(
+    *,
+    base_url: str | None,
+    api_key_env: str | None,
+    timeout: float,
+    retries: int = 0,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    """The worker's ``openai.AsyncOpenAI`` for an endpoint (ChatAgent's and the adapters'),
+    made once and kept; the key read from ``api_key_env`` (``ModelError`` when unset)."""
     import openai
 
     key = "unused"  # a local server needs none; the client insists on a value
-    if model.api_key_env:
-        found = os.environ.get(model.api_key_env)
+    if api_key_env:
+        found = os.environ.get(api_key_env)
         if not found:
-            raise ModelError(
-                f"the environment variable {model.api_key_env} (api_key_env) is not set"
-            )
+            raise ModelError(f"the environment variable {api_key_env} (api_key_env) is not set")
         key = found
-    ident = (model.base_url, key, model.timeout, tuple(sorted(model.headers.items())))
+    ident = (base_url, key, timeout, retries, tuple(sorted((headers or {}).items())))
     client = _clients.get(ident)
     if client is None:
         client = openai.AsyncOpenAI(
-            base_url=model.base_url,
+            base_url=base_url,
             api_key=key,
-            timeout=model.timeout,
-            max_retries=0,  # ours: the retries are counted and logged here
-            default_headers=model.headers or None,
+            timeout=timeout,
+            max_retries=retries,
+            default_headers=headers or None,
         )
         _clients[ident] = client
     return client
