@@ -398,7 +398,8 @@ def test_a2a_answers_a_body_declared_as_not_json_with_415_and_runs_nothing(
             "POST", "/a2a", json.dumps(doc).encode(), {"Content-Type": kind, "A2A-Version": "1.0"}
         )
         assert status == 415, (kind, status, body)
-        assert b"application/json" in body
+        error = json.loads(body)["error"]
+        assert error["code"] == CONTENT_TYPE and "application/json" in error["message"]
     assert tasks() == before
     # JSON with a charset parameter is JSON
     answer = raw(server, "SendMessage", {"message": text_message("charset ok")})

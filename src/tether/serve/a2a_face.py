@@ -76,6 +76,7 @@ from a2a.types.a2a_pb2 import (
 )
 from a2a.utils.constants import PROTOCOL_VERSION_1_0
 from a2a.utils.errors import (
+    JSON_RPC_ERROR_CODE_MAP,
     A2AError,
     ContentTypeNotSupportedError,
     InternalError,
@@ -809,9 +810,10 @@ class _Context(DefaultServerCallContextBuilder):
 
 
 def _json_only(route: BaseRoute) -> BaseRoute:
-    """A JSON-RPC route that answers 415 to a body whose declared type is not JSON (the
-    binding is ``application/json``): a parse error would blame the body for what the
-    header already said. A request that declares no type goes through."""
+    """A JSON-RPC route that answers 415 with ``ContentTypeNotSupportedError`` to a body
+    whose declared type is not JSON (the binding is ``application/json``): a parse error
+    would blame the body for what the header already said. A request that declares no
+    type goes through."""
     if not isinstance(route, Route) or "POST" not in (route.methods or ()):
         return route
     inner = route.endpoint
@@ -819,11 +821,12 @@ def _json_only(route: BaseRoute) -> BaseRoute:
     async def endpoint(request: Request) -> Response:
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind and kind != "application/json" and not kind.endswith("+json"):
+            # HTTP says 415; the body says it as the binding's own error, so a JSON-RPC
+            # client reads ContentTypeNotSupportedError like any other.
+            code = JSON_RPC_ERROR_CODE_MAP[ContentTypeNotSupportedError]
+            message = f"unsupported media type {kind!r}: the JSON-RPC binding is application/json"
             return JSONResponse(
-                {
-                    "error": f"unsupported media type {kind!r}: the A2A JSON-RPC binding is "
-                    "application/json"
-                },
+                {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}},
                 status_code=415,
             )
         answer: Response = await inner(request)
