@@ -240,6 +240,9 @@ def test_the_framework_agent_spawns_a_child_with_spawn_agent_and_stops_it_with_i
     rt.send(kid.id, "work", authority=User(parent=child))
     [*_, kids] = server.wait_requests(3, script="oai-family", timeout=60.0)
     server.wait_for(lambda s: s.requests_for("oai-family")[2].hanging, what="the kid's stream")
+    # the server sent it all; the kid must also have read it for its cut reply to hold it
+    # (a CI run stopped the kid with the text still in its socket: no cut entry)
+    eventually(lambda: _all_read(server), timeout=10.0, what="the kid to read what was sent")
     rt.send(child, "stop the helper", authority=me)
     assert rec.turn_ended(child, count=2, timeout=60.0)["outcome"] == "completed"
     assert rec.turn_ended(kid.id, timeout=30.0)["outcome"] == "cancelled"

@@ -247,7 +247,8 @@ deadline = time.monotonic() + 60
 while time.monotonic() < deadline:
     with urllib.request.urlopen(url + "/_tether/log") as r:
         log = json.load(r)
-    if sum(1 for q in log["requests"] if q["script"] == script) >= 2:
+    ours = [q for q in log["requests"] if q["script"] == script]
+    if len(ours) >= 2 and ours[1]["hanging"]:  # the child's stream sent all it will
         print("the child asked the model")
         sys.exit(0)
     time.sleep(0.02)
@@ -284,7 +285,10 @@ def test_the_agent_spawns_a_child_with_tethers_tools_and_stops_it(
     assert rec.turn_ended(str(kid.id), timeout=30.0)["outcome"] == "cancelled"
     child_request = server.requests_for(script)[1]
     server.wait_disconnect(child_request.id)
-    assert texts(rt, str(kid.id), "assistant") == ["kid: working..."]
+    # its cut reply: what it had read of the stream when the cancel came (the server
+    # sent it all; the child may not have read it all yet)
+    said = texts(rt, str(kid.id), "assistant")
+    assert len(said) <= 1 and all("kid: working...".startswith(t) for t in said), said
     names = [(e.data or {}).get("name") for e in entries(rt, parent, "tool")]
     assert sorted(names[:2]) == ["run_command", "spawn_agent"] and names[2] == "interrupt_agent"
     stopped = json.loads(entries(rt, parent, "tool")[2].text)
