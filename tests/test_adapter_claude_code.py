@@ -29,9 +29,10 @@ from drivers import (
     texts,
     worker_with_tool,
 )
-from test_chat_agent import _all_read
+from test_chat_agent import _all_read, _mcp
 from tether import User
 from tether.testing import ModelServer
+from tether.testing.mcp_server import read_log
 
 pytest.importorskip("claude_agent_sdk")
 
@@ -448,4 +449,68 @@ def test_a_config_mistake_or_a_key_in_the_config_fails_the_turn_with_one_line(
         ended = rec.turn_ended(child, timeout=TIMEOUT)
         assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
         assert "config" in ended["error"] and SECRET not in ended["error"]
+    assert server.requests == []
+
+
+def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_the_server(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, log = _mcp(tmp_path)
+    replies = [
+        {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "from-mcp"}}]},
+        {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
+        {"text": "The search hung; going on without it."},
+    ]
+    server.script(MODEL, replies)
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, tmp_path / "home") | {"mcp": mcp}
+    child = rt.spawn(root, AGENT, slug="claude", config=config)
+    assert isinstance(child, str)
+    me = User(parent=root)
+    rt.send(child, "search", authority=me)
+
+    def hung_call() -> dict[str, Any] | None:
+        calls = read_log(str(log))
+        return next(
+            (r for r in calls if r.get("method") == "tools/call" and r.get("tool") == "hang"),
+            None,
+        )
+
+    call = eventually(hung_call, timeout=TIMEOUT, what="the MCP server to receive the hang")
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="search is stuck")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+    cancelled = [r for r in read_log(str(log)) if r.get("method") == "notifications/cancelled"]
+    assert [r["requestId"] for r in cancelled] == [call["id"]]
+    first, second, third = server.requests_for(MODEL)
+    # the CLI offers MCP tools deferred (found through its ToolSearch): named in the request
+    offered = json.dumps(first.body)
+    assert "mcp__files__echo" in offered and "mcp__files__hang" in offered
+    assert _tool_result(second).startswith("from-mcp")  # the CLI may add a reminder
+    result = _tool_result(third)
+    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    echoed, hung = entries(rt, child, "tool")
+    assert echoed.text == "from-mcp" and echoed.data is not None
+    assert echoed.data["name"] == "mcp__files__echo"
+    assert hung.data is not None and hung.data["preempted"] is True
+    assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "preempted")]
+    assert texts(rt, child, "assistant")[-1] == "The search hung; going on without it."
+
+
+def test_an_mcp_server_named_like_tethers_own_tools_is_a_config_mistake(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    mcp, _log = _mcp(tmp_path)
+    mcp = {**mcp, "servers": {"tether": mcp["servers"]["files"]}}
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, tmp_path / "home") | {"mcp": mcp}
+    child = rt.spawn(root, AGENT, slug="claude", config=config)
+    assert isinstance(child, str)
+    rt.send(child, "go", authority=User(parent=root))
+    ended = rec.turn_ended(child, timeout=TIMEOUT)
+    assert ended["outcome"] == "failed" and "'tether' is Tether's own" in ended["error"]
     assert server.requests == []

@@ -48,7 +48,9 @@ from typing import Any
 import psutil
 import structlog
 
-from tether.agents.chat import _one_line, _preempted_text
+from tether.agents import chat
+from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
+from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS, parameters
 from tether.runtime._procs import alive, all_dead, child_pids, kill_tree
@@ -68,6 +70,7 @@ _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grac
 _RESULT_CAP = 20_000
 _SESSION_CAP = 8 * 1024 * 1024  # characters of a saved session (a frame carries 16 MiB)
 _SWEEP_PASSES = 20  # kill passes at the turn's end, until one finds nothing of ours alive
+_HOST_SERVER = "tether"  # the in-process MCP server of Tether's agent tools
 
 
 class ClaudeCodeError(TetherError):
@@ -87,6 +90,7 @@ class _Config:
     base_url: str | None = None
     api_key_env: str | None = None
     tools: list[str] = field(default_factory=list)
+    chat: chat._Config | None = None  # its mcp and tool_policy, as ChatAgent reads them
 
 
 def _config(raw: dict[str, Any]) -> _Config:
@@ -102,12 +106,16 @@ def _config(raw: dict[str, Any]) -> _Config:
         raise InvalidParams(
             f"config.model: unknown keys {sorted(set(model) - {'base_url', 'api_key_env'})}"
         )
-    if raw.get("mcp"):
-        raise InvalidParams("config.mcp: not supported by ClaudeCodeAgent yet")
     tools = [str(t) for t in raw.get("tools") or []]
     bad = [t for t in tools if t not in TOOLS]
     if bad:
         raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
+    # MCP servers and tool policies as ChatAgent reads them (SPEC §15.3): one reading
+    tools_cfg = chat._config(
+        {"tools": tools, "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
+    )
+    if _HOST_SERVER in ((tools_cfg.mcp or {}).get("servers") or {}):
+        raise InvalidParams(f"config.mcp: the server name {_HOST_SERVER!r} is Tether's own")
     try:
         cfg = _Config(
             model=claude.get("model"),
@@ -119,6 +127,7 @@ def _config(raw: dict[str, Any]) -> _Config:
             base_url=model.get("base_url"),
             api_key_env=model.get("api_key_env"),
             tools=tools,
+            chat=tools_cfg,
         )
     except (TypeError, ValueError) as exc:
         raise InvalidParams(f"config: {exc}") from None
@@ -180,6 +189,7 @@ class _Turn:
         self.written: list[Steer] = []  # steers written to the CLI, not delivered yet
         self.before: set[int] = set()  # the worker's children before the CLI started
         self.said = ""  # the last reply text said this turn
+        self.mcp_preempted: set[str] = set()  # preempted texts MCP calls gave the CLI
 
     # ---- steers --------------------------------------------------------------------
 
@@ -294,6 +304,8 @@ class _Turn:
         else:
             text = "" if content is None else str(content)
         told = self.preempted.pop(block.tool_use_id, None)
+        if told is None and text in self.mcp_preempted:
+            told = text
         if told is not None:
             data["preempted"] = True
             text = told
@@ -464,8 +476,12 @@ async def _start(
     allowed = list(cfg.allowed_tools)
     mcp: dict[str, Any] = {}
     if cfg.tools:
-        mcp["tether"] = _host_tools(ctx, cfg.tools)
-        allowed += [f"mcp__tether__{t}" for t in cfg.tools]
+        mcp[_HOST_SERVER] = _host_tools(ctx, cfg.tools)
+        allowed += [f"mcp__{_HOST_SERVER}__{t}" for t in cfg.tools]
+    told: set[str] = set()  # the preempted texts the MCP calls gave: their entries say so
+    servers, names = await _mcp_servers(ctx, cfg, told)  # opened before the CLI: not its
+    mcp.update(servers)
+    allowed += names
     options = ClaudeAgentOptions(
         model=cfg.model,
         system_prompt=cfg.system_prompt,
@@ -484,6 +500,7 @@ async def _start(
     )
     client = ClaudeSDKClient(options)
     turn = _Turn(ctx, client, session)
+    turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
     try:
@@ -712,3 +729,60 @@ def _host_tools(ctx: AsyncTurnContext, names: list[str]) -> Any:
             )
         )
     return create_sdk_mcp_server("tether", tools=tools)
+
+
+# ---- the config's MCP servers, opened by Tether, offered through the SDK ----------------
+
+
+async def _mcp_servers(
+    ctx: AsyncTurnContext, cfg: _Config, told: set[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """One in-process SDK server per configured MCP server that answered, whose tools
+    call through Tether's MCP client (SPEC §15.3): the CLI names them
+    ``mcp__<server>__<tool>`` as ChatAgent does, a preempt or cancel reaches the server,
+    the policies apply. A server that will not start is left out, the model told in one
+    line; a config none of whose servers start fails the turn."""
+    from claude_agent_sdk import SdkMcpTool, create_sdk_mcp_server
+
+    if cfg.chat is None:
+        return {}, []
+    try:
+        tools = await _mcp_tools(ctx, cfg.chat)
+    except TetherError as exc:
+        raise ClaudeCodeError(exc.message) from None
+    if tools is None:
+        return {}, []
+    offered, missing = await tools.offered()
+    if len(missing) == len(tools.servers):
+        raise ClaudeCodeError(_one_line("config.mcp: " + "; ".join(missing.values())))
+    for server, why in missing.items():
+        ctx.record_tool(why, data={"mcp_unavailable": server})
+    by_server: dict[str, list[Any]] = {}
+    names: list[str] = []
+    for spec in offered:
+        fn = spec["function"]
+        full = str(fn["name"])
+        server, _, tool = full[len("mcp__") :].partition("__")
+        by_server.setdefault(server, []).append(
+            SdkMcpTool(
+                name=tool,
+                description=str(fn.get("description") or ""),
+                input_schema=fn.get("parameters") or {"type": "object", "properties": {}},
+                handler=_mcp_handler(ctx, tools, full, told),
+            )
+        )
+        names.append(full)
+    servers = {s: create_sdk_mcp_server(s, tools=t) for s, t in by_server.items()}
+    return servers, names
+
+
+def _mcp_handler(ctx: AsyncTurnContext, tools: McpTools, name: str, told: set[str]) -> Any:
+    async def call(args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            text = await _mcp_call(ctx, tools, name, json.dumps(args))
+        except Preempted as exc:
+            text = _preempted_text(exc)
+            told.add(text)
+        return {"content": [{"type": "text", "text": text}]}
+
+    return call
