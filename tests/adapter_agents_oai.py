@@ -35,3 +35,10 @@ def prober(config: dict[str, Any]) -> Agent[Any]:
         return f"{target} is fine"
 
     return Agent(name="prober", instructions="You are a test agent.", tools=[slow_probe])
+
+
+def triage(config: dict[str, Any]) -> Agent[Any]:
+    """An agent that hands off to ``prober`` (its tool hangs until stopped)."""
+    return Agent(
+        name="triage", instructions="Hand probes to the prober.", handoffs=[prober(config)]
+    )

@@ -216,6 +216,36 @@ def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_resu
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
 
 
+def test_after_a_handoff_the_new_agent_is_watched_its_tool_preempted_and_its_reply_recorded(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    probe = tmp_path / "probe-started"
+    replies = [
+        {"tool_calls": [{"name": "transfer_to_prober", "arguments": {}}]},
+        {"tool_calls": [{"name": "slow_probe", "arguments": {"target": "db"}}]},
+        {"text": "The probe took too long; moving on."},
+    ]
+    extra = {"agent": "adapter_agents_oai:triage", "probe_file": str(probe)}
+    _root, child, me = _agent(rt, server, "oai-handoff", replies, **extra)
+    rt.send(child, "probe the db", authority=me)
+    eventually(probe.exists, timeout=60.0, what="the prober's tool to start")
+    turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
+    assert turn is not None
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
+    assert [(t.name, t.fate) for t in report.tools] == [("slow_probe", "preempted")]
+    [_, second, third] = server.requests_for("oai-handoff")
+    assert "slow_probe" in [t["function"]["name"] for t in second.body["tools"]]
+    result = third.body["messages"][-1]
+    assert result["role"] == "tool" and result["content"].startswith("preempted after ")
+    # the handed-off agent's replies are entries, as the first agent's are
+    assert texts(rt, child, "assistant")[-1] == "The probe took too long; moving on."
+    probe_entry = entries(rt, child, "tool")[-1]
+    assert probe_entry.data is not None and probe_entry.data["preempted"] is True
+    assert rt.turns(child)[-1].usage
+
+
 def test_the_framework_agent_spawns_a_child_with_spawn_agent_and_stops_it_with_interrupt_agent(
     rt: tether.Runtime, server: ModelServer
 ) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import importlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -129,7 +130,23 @@ class _Run:
 
     async def prepare(self, agent: Any, *, model: bool) -> Any:
         """The factory's agent with this session's model, usage asked for in streams,
-        every function tool preemptable and recorded, and Tether's tools added."""
+        every function tool preemptable and recorded, and Tether's tools added; every
+        agent it can hand off to watched the same way (its own tools only)."""
+        seen: dict[int, Any] = {}
+        top = await self._watched(agent, model=model, seen=seen)
+        extra = [self._host_tool(s["function"]) for s in _host_schemas()]
+        extra = [t for t in extra if t is not None]
+        extra.extend(await self._mcp_tools())
+        top.tools = [*top.tools, *extra]
+        return top
+
+    async def _watched(self, agent: Any, *, model: bool, seen: dict[int, Any]) -> Any:
+        """One agent, watched: its model observed, its function tools preemptable and
+        recorded, and its handoffs' agents too (a handoff target runs the same loop, so
+        a stop must reach it). ``seen`` ends a cycle of agents handing off to each other."""
+        done = seen.get(id(agent))
+        if done is not None:
+            return done
         if model:
             inner: Any = OpenAIChatCompletionsModel(
                 model=self.cfg.model.name, openai_client=_client(self.cfg.model)
@@ -142,10 +159,23 @@ class _Run:
         if settings.include_usage is None:  # the SDK asks a non-OpenAI endpoint for none
             settings = settings.resolve(ModelSettings(include_usage=True))
         tools = [self._own(t) for t in agent.tools]
-        tools.extend(self._host_tool(s["function"]) for s in _host_schemas())
-        tools = [t for t in tools if t is not None]
-        tools.extend(await self._mcp_tools())
-        return agent.clone(model=_Observed(inner, self), model_settings=settings, tools=tools)
+        clone = agent.clone(model=_Observed(inner, self), model_settings=settings, tools=tools)
+        seen[id(agent)] = clone
+        clone.handoffs = [await self._handoff(h, model=model, seen=seen) for h in agent.handoffs]
+        return clone
+
+    async def _handoff(self, target: Any, *, model: bool, seen: dict[int, Any]) -> Any:
+        if isinstance(target, agents.Agent):
+            return await self._watched(target, model=model, seen=seen)
+        if not isinstance(target, agents.Handoff):
+            return target
+        invoke = target.on_invoke_handoff
+
+        async def watched(tc: Any, arguments: str) -> Any:
+            # a custom handoff makes its agent when it is taken: watched then
+            return await self._watched(await invoke(tc, arguments), model=model, seen=seen)
+
+        return dataclasses.replace(target, on_invoke_handoff=watched)
 
     # ---- steers: the SDK's model-input filter, before every model request -----------
 
