@@ -8,6 +8,7 @@ network. Each test has a server of its own (the CLI names its script by its mode
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from drivers import (
     texts,
     worker_with_tool,
 )
-from test_chat_agent import _all_read, _mcp
+from test_chat_agent import _all_read, _mcp, _port
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -316,13 +317,30 @@ def _tool(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"name": f"mcp__tether__{name}", "arguments": arguments}
 
 
+# Exit 0 once the third request hangs with all its words sent and every connection to
+# the server has read what arrived (an empty receive queue in /proc/net/tcp).
+_CHILD_HAS_READ = """
+import json, sys, urllib.request
+log = json.load(urllib.request.urlopen("{log}", timeout=5))
+third = [r for r in log["requests"] if r["id"] == "req_3"]
+if not third or not third[0]["hanging"]:
+    sys.exit(1)
+rows = [line.split() for line in open("/proc/net/tcp").readlines()[1:]]
+port = ":%04X" % {port}
+sys.exit(any(r[2].endswith(port) and r[3] == "01" and int(r[4].split(":")[1], 16) for r in rows))
+"""
+
+
 def test_claude_code_with_tethers_tools_spawns_a_child_and_stops_it(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    # The parent's Bash waits until the child's model request has arrived (the third),
-    # so the scripted replies go to each in a known order.
-    wait = f"until curl -sf {server.root}/_tether/log | grep -q req_3; do sleep 0.05; done"
+    # The parent's Bash waits until the child's model request (the third) has been sent
+    # its words and the child's CLI has read them, so the scripted replies go to each in
+    # a known order and the stop cuts a reply the child has.
+    ready = tmp_path / "child_has_read.py"
+    ready.write_text(_CHILD_HAS_READ.format(log=f"{server.root}/_tether/log", port=_port(server)))
+    wait = f"until {sys.executable} {ready}; do sleep 0.05; done"
     replies = [
         {"tool_calls": [_tool("spawn_agent", {"slug": "kid", "prompt": "work hard"})]},
         {"tool_calls": [_bash(f"{wait}; echo child-running")]},
