@@ -106,14 +106,11 @@ def _config(raw: dict[str, Any]) -> _Config:
         raise InvalidParams(
             f"config.model: unknown keys {sorted(set(model) - {'base_url', 'api_key_env'})}"
         )
-    tools = [str(t) for t in raw.get("tools") or []]
-    bad = [t for t in tools if t not in TOOLS]
-    if bad:
-        raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
-    # MCP servers and tool policies as ChatAgent reads them (SPEC §15.3): one reading
+    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (SPEC §15.3)
     tools_cfg = chat._config(
-        {"tools": tools, "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
+        {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
     )
+    tools = tools_cfg.tools
     if _HOST_SERVER in ((tools_cfg.mcp or {}).get("servers") or {}):
         raise InvalidParams(f"config.mcp: the server name {_HOST_SERVER!r} is Tether's own")
     try:

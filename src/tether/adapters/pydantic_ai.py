@@ -56,7 +56,6 @@ from tether.agents.chat import (
 )
 from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
-from tether.driver.tools import TOOLS
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.records import Entry
 
@@ -102,14 +101,11 @@ def _config(raw: dict[str, Any]) -> _Config:
             model = _Model(**given)
         except TypeError as exc:
             raise InvalidParams(f"config.model: {exc}") from None
-    tools = [str(t) for t in raw.get("tools") or []]
-    bad = [t for t in tools if t not in TOOLS]
-    if bad:
-        raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
-    # MCP servers and tool policies as ChatAgent reads them (SPEC §15.3): one reading
+    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (SPEC §15.3)
     tools_cfg = chat._config(
-        {"tools": tools, "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
+        {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
     )
+    tools = tools_cfg.tools
     return _Config(factory=factory, model=model, tools=tools, chat=tools_cfg)
 
 
