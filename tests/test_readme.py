@@ -1,4 +1,5 @@
-"""Issue 26, item 12: every Python block of README.md runs as written.
+"""Issue 26, item 12: every Python block of README.md (and of the reference pages its
+sections moved to) runs as written.
 
 Each ```python block is run alone, as a script, in a fresh temporary directory, with a
 deadline; it must exit 0 and leave no process behind. A block that is not meant to run
@@ -21,7 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# The reference pages the README's sections moved to: their blocks run as the README's do.
+PAGES = [README, *(ROOT / "docs" / n for n in ("tools.md", "scaling.md", "protocols.md"))]
 _MARK = re.compile(r"<!--\s*not-a-script:\s*(.*?)\s*-->")
 _DEADLINE = 120.0  # seconds for one block: the slowest waits out a grace or two
 
@@ -51,7 +55,9 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [
+    (page, block) for page in PAGES for block in python_blocks(page.read_text(encoding="utf-8"))
+]
 
 
 def _tagged(tag: str) -> list[psutil.Process]:
@@ -66,14 +72,16 @@ def _tagged(tag: str) -> list[psutil.Process]:
 
 def test_every_not_a_script_mark_sits_on_a_python_block() -> None:
     """A mark left behind when its block moved would hide nothing, or the wrong block."""
-    marks = len(_MARK.findall(README.read_text(encoding="utf-8")))
-    assert marks == sum(b.skip is not None for b in BLOCKS)
-    assert sum(b.skip is None for b in BLOCKS) >= 5  # most of the API's blocks run
+    marks = sum(len(_MARK.findall(page.read_text(encoding="utf-8"))) for page in PAGES)
+    assert marks == sum(b.skip is not None for _, b in BLOCKS)
+    assert sum(b.skip is None for _, b in BLOCKS) >= 5  # most of the API's blocks run
 
 
 @pytest.mark.timeout(_DEADLINE + 30)
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"README.md:{b.line}" for b in BLOCKS])
-def test_a_readme_python_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("page", "block"), BLOCKS, ids=[f"{p.relative_to(ROOT)}:{b.line}" for p, b in BLOCKS]
+)
+def test_a_readme_python_block_runs_as_written(page: Path, block: Block, tmp_path: Path) -> None:
     if block.skip is not None:
         pytest.skip(f"not a script: {block.skip}")
     script = tmp_path / "block.py"
@@ -95,6 +103,7 @@ def test_a_readme_python_block_runs_as_written(block: Block, tmp_path: Path) -> 
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-    assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stderr}"
+    where = f"{page.relative_to(ROOT)}:{block.line}"
+    assert done.returncode == 0, f"{where} exited {done.returncode}:\n{done.stderr}"
     names = [f"{p.pid}:{' '.join(p.cmdline())[-60:]}" for p in alive]
-    assert names == [], f"README.md:{block.line} left processes running: {names}"
+    assert names == [], f"{where} left processes running: {names}"
