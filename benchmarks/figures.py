@@ -117,6 +117,30 @@ CASES: dict[str, Case] = {
             optional=True,
         ),
         _c("tether.agent_turn", "agent_cases:agent_turn", (3, 7), (90, 400), optional=True),
+        # Issue 27: the framework adapters' cancel, each with its extra. Claude Code starts
+        # its CLI for every turn (about 1.5 s here, outside the timed span), so it takes 8
+        # samples a repetition in --quick, the others 20 as cancel_inflight.
+        _c(
+            "tether.adapter_cancel_pydantic_ai",
+            "adapter_cases:adapter_cancel_pydantic_ai",
+            (3, 7),
+            (120, 500),
+            optional=True,
+        ),
+        _c(
+            "tether.adapter_cancel_openai_agents",
+            "adapter_cases:adapter_cancel_openai_agents",
+            (3, 7),
+            (120, 500),
+            optional=True,
+        ),
+        _c(
+            "tether.adapter_cancel_claude_code",
+            "adapter_cases:adapter_cancel_claude_code",
+            (2, 5),
+            (240, 900),
+            optional=True,
+        ),
         _c("baseline.stream", "agent_cases:stream_floor", (3, 7), (60, 300), optional=True),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
@@ -396,6 +420,48 @@ FIGURES: list[Figure] = [
         "ms",
         Target(_LE, 10),
         "baseline.openai_stream_cancel_p50_ms",
+    ),
+    # Issue 27: the same ChatAgent cancels, timed from the call to the disconnect the
+    # server records: what the adapters' figures below are compared with, like for like.
+    Figure(
+        "cancel_inflight_disconnect_p50_ms",
+        "tether.cancel_inflight",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        baseline="baseline.openai_stream_cancel_p50_ms",
+    ),
+    # Issue 27: a framework agent's turn cancelled mid-stream (the same hung reply), the
+    # call to the server's recorded disconnect; the turn ended cancelled, its partial kept.
+    Figure(
+        "adapter_cancel_p50_ms_pydantic_ai",
+        "tether.adapter_cancel_pydantic_ai",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        None,
+        "cancel_inflight_disconnect_p50_ms",
+        Target(_LE, 2),
+    ),
+    Figure(
+        "adapter_cancel_p50_ms_openai_agents",
+        "tether.adapter_cancel_openai_agents",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        None,
+        "cancel_inflight_disconnect_p50_ms",
+        Target(_LE, 2),
+    ),
+    Figure(
+        "adapter_cancel_p50_ms_claude_code",
+        "tether.adapter_cancel_claude_code",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        None,
+        "cancel_inflight_disconnect_p50_ms",
+        Target(_LE, 2),
     ),
     Figure(
         "cancel_inflight_sync_p50_ms",
