@@ -141,6 +141,13 @@ CASES: dict[str, Case] = {
             (240, 900),
             optional=True,
         ),
+        _c(
+            "baseline.claude_interrupt",
+            "adapter_cases:claude_interrupt_floor",
+            (2, 5),
+            (240, 900),
+            optional=True,
+        ),
         _c("baseline.stream", "agent_cases:stream_floor", (3, 7), (60, 300), optional=True),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
@@ -494,6 +501,15 @@ FIGURES: list[Figure] = [
     Figure("baseline.pykka_actor_kib", "baseline.pykka_actor_mem", "actor_kib", "p50", "KiB"),
     Figure("baseline.openai_stream_cancel_p50_ms", "baseline.stream", "cancel_ms", "p50", "ms"),
     Figure("baseline.openai_request_overhead_ms", "baseline.stream", "overhead_ms", "p50", "ms"),
+    # Issue 27: the SDK's own interrupt of a fresh Claude Code CLI, no Tether (context for
+    # adapter_cancel_p50_ms_claude_code, whose target is a ratio to ChatAgent's).
+    Figure(
+        "baseline.claude_interrupt_p50_ms",
+        "baseline.claude_interrupt",
+        "disconnect_ms",
+        "p50",
+        "ms",
+    ),
     # What a v1 session cost to start (one pykka actor, one thread each); spawn_per_s is
     # now paired with the SQLite commit rate, since a durable spawn is at least one commit.
     Figure(
