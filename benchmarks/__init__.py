@@ -10,6 +10,8 @@ Layout:
   peers.py         other runtimes measured in the same run (pykka, Thespian, anyio, Ray)
   _thespian_actor.py  Thespian's echo actor (importable only where thespian is installed)
   drivers.py       benchmark-only drivers that Tether workers import by name
+  adapter_cases.py the framework adapters' cancel (issue 27), and the Claude Code CLI's floor
+  adapter_agents.py  the framework agents those cases' workers build by name
 
 A case is a generator: it sets up once, then yields one dict of sample series per
 repetition, so setup cost (a Ray cluster, 10,000 sessions) is paid where the case chooses.

@@ -5,7 +5,9 @@ processes; for the cancel cases in a process of its own, so that it notices a di
 without waiting for the host's GIL. A stream is "in flight" once the server has sent what it will
 and hangs, and the agent has read all of it (its socket's receive queue, in
 /proc/net/tcp, is empty). Each cancel sample checks that the server recorded the client's
-disconnect no later than the turn's recorded end (both `time.time()`, one clock).
+disconnect no later than the turn's recorded end (both `time.time()`, one clock), and
+also yields the time from the cancel call to that disconnect (`disconnect_ms`), the
+figure the framework adapters' cancels are compared with (benchmarks/adapter_cases.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import tether
 from benchmarks._case import Cfg, Samples, Skip, ms_since, poll_until
-from benchmarks.tether_cases import WAIT, Events, _on, _pool_steady, _quiet_parent
+from benchmarks.tether_cases import WAIT, Events, _last_seq, _on, _pool_steady, _quiet_parent
 from tether.testing import ModelServer
 
 CHAT = "tether.agents:ChatAgent"
@@ -60,6 +62,18 @@ def _in_flight(server: ModelServer, script: str, count: int) -> str:
     return request.id
 
 
+def _check_cut(rt: tether.Runtime, child: str, after: int) -> None:
+    """The cancelled turn kept its partial reply: its assistant entry (past seq `after`)
+    is a prefix of the hung reply's text, marked `cut`."""
+    said = [e for e in rt.transcript(child, after=after) if e.kind == "assistant"]
+    cut = said[-1] if said else None
+    text = str(HUNG[0]["text"])
+    if cut is None or not cut.text or not text.startswith(cut.text):
+        raise RuntimeError(f"the cancelled turn kept no partial reply: {cut!r}")
+    if not (cut.data or {}).get("cut"):
+        raise RuntimeError(f"the partial reply is not marked cut: {cut.data!r}")
+
+
 def _cancel_case(
     cfg: Cfg,
     driver: str,
@@ -69,7 +83,10 @@ def _cancel_case(
     samples_n: int,
     deadline: float | None = None,
 ) -> Iterator[Samples]:
-    _need_openai()
+    """Cancel one session's turns mid-stream, `samples_n` per repetition. `cancel_ms`:
+    the cancel call → the turn's end event; `disconnect_ms`: the cancel call → the
+    disconnect the model server recorded (both `time.time()`, one clock). A cancel (no
+    `deadline`) must end the turn `cancelled` with its partial reply kept."""
     with (
         ModelServer(process=True, realtime=True) as server,
         tether.Runtime(workers=2, grace=grace) as rt,
@@ -81,12 +98,14 @@ def _cancel_case(
         _pool_steady(rt, 2)
         count = late = 0
         while True:
-            samples = []
+            samples: list[float] = []
+            gaps: list[float] = []
             for _ in range(samples_n):
-                mark = events.mark()
+                mark, after = events.mark(), _last_seq(rt, child)
                 rt.send(child, "go", authority=auth)
                 count += 1
                 request = _in_flight(server, script, count)
+                called = time.time()
                 t0 = time.perf_counter_ns()
                 rt.interrupt(
                     child, authority=auth, kind="cancel", reason="bench", deadline=deadline
@@ -97,16 +116,19 @@ def _cancel_case(
                     raise RuntimeError(f"the turn ended {ev.data['outcome']}, not {want}")
                 samples.append(ms_since(t0, ended))
                 gone = server.wait_disconnect(request, timeout=WAIT)
+                gaps.append((gone.time - called) * 1000)
                 end_at = rt.turns(child)[-1].ended_at
                 if end_at is None or gone.time > end_at:
                     late += 1
+                if deadline is None:
+                    _check_cut(rt, child, after)
                 _pool_steady(rt, 2)
             how = f"grace {grace:g} s" if deadline is None else f"deadline {deadline:g} s"
             cfg.note(
                 f"{how}; disconnect recorded after the turn's end in {late} of {count} samples",
                 key="order",
             )
-            yield {"cancel_ms": samples}
+            yield {"cancel_ms": samples, "disconnect_ms": gaps}
 
 
 def cancel_inflight(cfg: Cfg) -> Iterator[Samples]:
@@ -117,6 +139,7 @@ def cancel_inflight(cfg: Cfg) -> Iterator[Samples]:
     def config(server: ModelServer) -> dict[str, Any]:
         return {"model": {"base_url": server.url, "name": "inflight", "retries": 0}}
 
+    _need_openai()
     return _cancel_case(cfg, CHAT, config, "inflight", 5.0, cfg.n(20, 60))
 
 
@@ -129,6 +152,7 @@ def cancel_inflight_sync(cfg: Cfg) -> Iterator[Samples]:
     def config(server: ModelServer) -> dict[str, Any]:
         return {"base_url": server.url, "model": "inflight-sync"}
 
+    _need_openai()
     return _cancel_case(cfg, SYNC, config, "inflight-sync", 1.0, cfg.n(4, 10), deadline=1.0)
 
 

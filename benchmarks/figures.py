@@ -117,6 +117,37 @@ CASES: dict[str, Case] = {
             optional=True,
         ),
         _c("tether.agent_turn", "agent_cases:agent_turn", (3, 7), (90, 400), optional=True),
+        # Issue 27: the framework adapters' cancel, each with its extra. Claude Code starts
+        # its CLI for every turn (about 1.5 s here, outside the timed span), so it takes 8
+        # samples a repetition in --quick, the others 20 as cancel_inflight.
+        _c(
+            "tether.adapter_cancel_pydantic_ai",
+            "adapter_cases:adapter_cancel_pydantic_ai",
+            (3, 7),
+            (120, 500),
+            optional=True,
+        ),
+        _c(
+            "tether.adapter_cancel_openai_agents",
+            "adapter_cases:adapter_cancel_openai_agents",
+            (3, 7),
+            (120, 500),
+            optional=True,
+        ),
+        _c(
+            "tether.adapter_cancel_claude_code",
+            "adapter_cases:adapter_cancel_claude_code",
+            (2, 5),
+            (240, 900),
+            optional=True,
+        ),
+        _c(
+            "baseline.claude_interrupt",
+            "adapter_cases:claude_interrupt_floor",
+            (2, 5),
+            (240, 900),
+            optional=True,
+        ),
         _c("baseline.stream", "agent_cases:stream_floor", (3, 7), (60, 300), optional=True),
         _c("baseline.killpg", "baselines:killpg_floor", (3, 7), (60, 300)),
         _c("baseline.msgspec_rtt", "baselines:msgspec_rtt", (3, 7), (30, 120)),
@@ -397,6 +428,48 @@ FIGURES: list[Figure] = [
         Target(_LE, 10),
         "baseline.openai_stream_cancel_p50_ms",
     ),
+    # Issue 27: the same ChatAgent cancels, timed from the call to the disconnect the
+    # server records: what the adapters' figures below are compared with, like for like.
+    Figure(
+        "cancel_inflight_disconnect_p50_ms",
+        "tether.cancel_inflight",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        baseline="baseline.openai_stream_cancel_p50_ms",
+    ),
+    # Issue 27: a framework agent's turn cancelled mid-stream (the same hung reply), the
+    # call to the server's recorded disconnect; the turn ended cancelled, its partial kept.
+    Figure(
+        "adapter_cancel_p50_ms_pydantic_ai",
+        "tether.adapter_cancel_pydantic_ai",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        None,
+        "cancel_inflight_disconnect_p50_ms",
+        Target(_LE, 2),
+    ),
+    Figure(
+        "adapter_cancel_p50_ms_openai_agents",
+        "tether.adapter_cancel_openai_agents",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        None,
+        "cancel_inflight_disconnect_p50_ms",
+        Target(_LE, 2),
+    ),
+    Figure(
+        "adapter_cancel_p50_ms_claude_code",
+        "tether.adapter_cancel_claude_code",
+        "disconnect_ms",
+        "p50",
+        "ms",
+        None,
+        "cancel_inflight_disconnect_p50_ms",
+        Target(_LE, 2),
+    ),
     Figure(
         "cancel_inflight_sync_p50_ms",
         "tether.cancel_inflight_sync",
@@ -428,6 +501,15 @@ FIGURES: list[Figure] = [
     Figure("baseline.pykka_actor_kib", "baseline.pykka_actor_mem", "actor_kib", "p50", "KiB"),
     Figure("baseline.openai_stream_cancel_p50_ms", "baseline.stream", "cancel_ms", "p50", "ms"),
     Figure("baseline.openai_request_overhead_ms", "baseline.stream", "overhead_ms", "p50", "ms"),
+    # Issue 27: the SDK's own interrupt of a fresh Claude Code CLI, no Tether (context for
+    # adapter_cancel_p50_ms_claude_code, whose target is a ratio to ChatAgent's).
+    Figure(
+        "baseline.claude_interrupt_p50_ms",
+        "baseline.claude_interrupt",
+        "disconnect_ms",
+        "p50",
+        "ms",
+    ),
     # What a v1 session cost to start (one pykka actor, one thread each); spawn_per_s is
     # now paired with the SQLite commit rate, since a durable spawn is at least one commit.
     Figure(
