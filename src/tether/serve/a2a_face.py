@@ -449,55 +449,71 @@ class TetherA2A(RequestHandler):
         content, data = _content(message)
         if not content.strip() and data is None:
             raise InvalidParamsError(message="a message needs text or data")
-        rt, opts = self.rt, self.options
         session = message.context_id
         if message.task_id:
-            # The task must exist; its context is the message's, given or not; a task
-            # that has ended takes no more messages (a new one goes to its context).
-            known = await self._run(self._known, message.task_id)
-            if session and session != known.session:
-                raise InvalidParamsError(
-                    message=f"task {message.task_id} is in context {known.session}, not {session}"
-                )
-            session = known.session
-            snap = await self._run(self._snapshot, message.task_id, known)
-            if _state(snap) in _TERMINAL:
-                raise UnsupportedOperationError(
-                    message=f"task {message.task_id} has ended: send to its context "
-                    f"{session} without a taskId to start the next task"
-                )
+            session = await self._open_task(message.task_id, session)
         if _steer(message):
-            if not message.task_id:
-                raise InvalidParamsError(message="a steer names its task")
-            if not content.strip():
-                raise InvalidParamsError(message="a steer needs text")
-            turn = await self._run(
-                lambda: rt.interrupt(
-                    session,
-                    authority=User(parent=session),
-                    kind="steer",
-                    reason=content,
-                    turn=message.task_id,
-                ),
-                stop=True,
-            )
-            log.info("a2a.steer", session=session, task=message.task_id, bound=turn)
-            return message.task_id
-        if session:
-            try:
-                after = await self._run(last_seq, rt, session)
-            except TaskNotFoundError:
-                # A context is a session this server opened; it makes up none.
-                raise InvalidParamsError(
-                    message=f"no context {session!r} here: leave contextId out to open one"
-                ) from None
-        else:
-            session = await self._run(lambda: rt.open_session(opts.driver, config=opts.config))
-            after = 0
-            log.info("a2a.context_opened", session=session)
-        sent: str = await self._run(lambda: rt.prompt(session, content, data=data))
+            return await self._steer_task(message, session, content)
+        session, after = await self._context(session)
+        sent: str = await self._run(lambda: self.rt.prompt(session, content, data=data))
         with self._contexts_lock:
             self._contexts.add(session)
+        return await self._task_of(session, sent, after, immediate=immediate, waiter=waiter)
+
+    async def _open_task(self, task: str, session: str) -> str:
+        """The session of a task that takes messages: it must exist, its context is the
+        message's (given or not), and a task that has ended takes no more (a new one goes
+        to its context)."""
+        known: _Known = await self._run(self._known, task)
+        if session and session != known.session:
+            raise InvalidParamsError(
+                message=f"task {task} is in context {known.session}, not {session}"
+            )
+        snap = await self._run(self._snapshot, task, known)
+        if _state(snap) in _TERMINAL:
+            raise UnsupportedOperationError(
+                message=f"task {task} has ended: send to its context "
+                f"{known.session} without a taskId to start the next task"
+            )
+        return known.session
+
+    async def _steer_task(self, message: Message, session: str, content: str) -> str:
+        if not message.task_id:
+            raise InvalidParamsError(message="a steer names its task")
+        if not content.strip():
+            raise InvalidParamsError(message="a steer needs text")
+        task = message.task_id
+        turn = await self._run(
+            lambda: self.rt.interrupt(
+                session, authority=User(parent=session), kind="steer", reason=content, turn=task
+            ),
+            stop=True,
+        )
+        log.info("a2a.steer", session=session, task=task, bound=turn)
+        return task
+
+    async def _context(self, session: str) -> tuple[str, int]:
+        """The message's session and its transcript's last seq: the context given (one
+        this server opened: it makes up none), or a new root session."""
+        if not session:
+            opts = self.options
+            opened = await self._run(lambda: self.rt.open_session(opts.driver, config=opts.config))
+            log.info("a2a.context_opened", session=opened)
+            return opened, 0
+        try:
+            return session, await self._run(last_seq, self.rt, session)
+        except TaskNotFoundError:
+            raise InvalidParamsError(
+                message=f"no context {session!r} here: leave contextId out to open one"
+            ) from None
+
+    async def _task_of(
+        self, session: str, sent: str, after: int, *, immediate: bool, waiter: _Waiter | None
+    ) -> str | Message:
+        """The task the sent message became, once a turn claims it; with ``immediate``,
+        or once the caller hung up, the acknowledgement of a message queued behind a
+        running turn."""
+        rt = self.rt
         # Asked after the prompt, the session's host answers after it has queued it: a
         # turn named here that claimed another message means ours waits behind it.
         with self.changes.watch(session, waiter or _Waiter()) as w:
@@ -696,28 +712,7 @@ class TetherA2A(RequestHandler):
     def _list(
         self, params: ListTasksRequest, size: int, after: tuple[bool, int, str] | None
     ) -> ListTasksResponse:
-        with self._contexts_lock:
-            contexts = sorted(self._contexts)
-        if params.context_id:
-            contexts = [c for c in contexts if c == params.context_id]
-        since = (
-            params.status_timestamp_after.ToNanoseconds()
-            if params.HasField("status_timestamp_after")
-            else None
-        )
-        rows: list[tuple[int, str, str]] = []  # (status timestamp, task, context)
-        for session in contexts:
-            turns = self.rt.turns(session)
-            info = self.rt.status(session) if params.status else None
-            for record in turns:
-                stamp = _stamp(record)
-                if since is not None and stamp < since:
-                    continue
-                if info is not None:
-                    snap = _Snapshot(record, info, latest=record.id == turns[-1].id)
-                    if _state(snap) != params.status:
-                        continue
-                rows.append((stamp, record.id, session))
+        rows = self._listed(params)
         rows.sort(reverse=True)
         total = len(rows)
         if after is not None:  # every task carries a timestamp: only the last two count
@@ -738,6 +733,33 @@ class TetherA2A(RequestHandler):
         return ListTasksResponse(
             tasks=tasks, next_page_token=token, page_size=size, total_size=total
         )
+
+    def _listed(self, params: ListTasksRequest) -> list[tuple[int, str, str]]:
+        """Every task of the contexts this server opened that the filters keep, as
+        (status timestamp, task, context)."""
+        with self._contexts_lock:
+            contexts = sorted(self._contexts)
+        if params.context_id:
+            contexts = [c for c in contexts if c == params.context_id]
+        since = (
+            params.status_timestamp_after.ToNanoseconds()
+            if params.HasField("status_timestamp_after")
+            else None
+        )
+        rows: list[tuple[int, str, str]] = []
+        for session in contexts:
+            turns = self.rt.turns(session)
+            info = self.rt.status(session) if params.status else None
+            for record in turns:
+                stamp = _stamp(record)
+                if since is not None and stamp < since:
+                    continue
+                if info is not None:
+                    snap = _Snapshot(record, info, latest=record.id == turns[-1].id)
+                    if _state(snap) != params.status:
+                        continue
+                rows.append((stamp, record.id, session))
+        return rows
 
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext
