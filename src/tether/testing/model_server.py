@@ -481,43 +481,51 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         calls = [_tool_call(c, i, record.id) for i, c in enumerate(reply.get("tool_calls") or [])]
         model = str(record.body.get("model") or _DEFAULT)
         usage = _usage(reply, record.body, text, calls, "openai")
-        if not record.stream:
-            if reply.get("hang"):
-                self._hang(record)
-            answer: dict[str, Any] = {"role": "assistant", "content": text or None}
-            if calls:
-                answer["tool_calls"] = calls
-            payload = {
-                "id": f"chatcmpl-{record.id}",
-                "object": "chat.completion",
-                "created": int(record.time),
-                "model": model,
-                "choices": [{"index": 0, "message": answer, "finish_reason": _finish(calls)}],
-            }
-            if usage is not None:
-                payload["usage"] = usage
-            self._json(200, payload, request_id=record.id)
-            self._end(record, "done", started)
+        if record.stream:
+            self._stream_openai(record, reply, started, _Answer(model, text, calls, usage))
             return
+        if reply.get("hang"):
+            self._hang(record)
+        answer: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            answer["tool_calls"] = calls
+        payload = {
+            "id": f"chatcmpl-{record.id}",
+            "object": "chat.completion",
+            "created": int(record.time),
+            "model": model,
+            "choices": [{"index": 0, "message": answer, "finish_reason": _finish(calls)}],
+        }
+        if usage is not None:
+            payload["usage"] = usage
+        self._json(200, payload, request_id=record.id)
+        self._end(record, "done", started)
+
+    def _stream_openai(
+        self, record: Request, reply: dict[str, Any], started: float, a: _Answer
+    ) -> None:
         self._start_stream(record)
         chunk = max(1, int(reply.get("chunk", 8)))
         pace = float(reply.get("pace", 0.0))
 
-        def event(delta: dict[str, Any], finish: str | None = None) -> None:
+        def event(delta: dict[str, Any] | None, finish: str | None = None) -> None:
             self._event(
                 {
                     "id": f"chatcmpl-{record.id}",
                     "object": "chat.completion.chunk",
                     "created": int(record.time),
-                    "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    "model": a.model,
+                    "choices": []
+                    if delta is None
+                    else [{"index": 0, "delta": delta, "finish_reason": finish}],
                 }
+                | ({"usage": a.usage} if delta is None else {})
             )
 
         event({"role": "assistant", "content": ""})
-        for piece in self._paced(text, chunk, pace):
+        for piece in self._paced(a.text, chunk, pace):
             event({"content": piece})
-        for index, call in enumerate(calls):
+        for index, call in enumerate(a.calls):
             self._pause(pace)
             head = {"index": index, "id": call["id"], "type": "function"}
             head["function"] = {"name": call["function"]["name"], "arguments": ""}
@@ -526,18 +534,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 event({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         if reply.get("hang"):
             self._hang(record)
-        event({}, _finish(calls))
-        if usage is not None and (record.body.get("stream_options") or {}).get("include_usage"):
-            self._event(
-                {
-                    "id": f"chatcmpl-{record.id}",
-                    "object": "chat.completion.chunk",
-                    "created": int(record.time),
-                    "model": model,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
+        event({}, _finish(a.calls))
+        if a.usage is not None and (record.body.get("stream_options") or {}).get("include_usage"):
+            event(None)  # the usage chunk: no choices
         self._write(b"data: [DONE]\n\n")
         # The reply is whole once [DONE] is out: a client may close without reading the
         # terminating chunk (the openai client does), which is not a disconnect.
@@ -555,7 +554,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "input_tokens": 0,
             "output_tokens": 0,
         }
-        stop = "tool_use" if calls else "end_turn"
         message: dict[str, Any] = {
             "id": f"msg_{record.id}",
             "type": "message",
@@ -564,36 +562,46 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "stop_reason": None,
             "stop_sequence": None,
         }
-        if not record.stream:
-            if reply.get("hang"):
-                self._hang(record)
-            blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-            blocks += calls
-            message |= {"content": blocks, "stop_reason": stop, "usage": usage}
-            self._json(200, message, request_id=record.id)
-            self._end(record, "done", started)
+        if record.stream:
+            self._stream_anthropic(
+                record, reply, started, message, _Answer(model, text, calls, usage)
+            )
             return
+        if reply.get("hang"):
+            self._hang(record)
+        blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        blocks += calls
+        message |= {"content": blocks, "stop_reason": _stop_reason(calls), "usage": usage}
+        self._json(200, message, request_id=record.id)
+        self._end(record, "done", started)
+
+    def _stream_anthropic(
+        self,
+        record: Request,
+        reply: dict[str, Any],
+        started: float,
+        message: dict[str, Any],
+        a: _Answer,
+    ) -> None:
+        assert a.usage is not None
         self._start_stream(record)
         chunk = max(1, int(reply.get("chunk", 8)))
         pace = float(reply.get("pace", 0.0))
-        opening = {"input_tokens": usage["input_tokens"], "output_tokens": 0}
+        opening = {"input_tokens": a.usage["input_tokens"], "output_tokens": 0}
         self._named("message_start", {"message": message | {"content": [], "usage": opening}})
         index = 0
-        if text or not calls:
-            self._named(
-                "content_block_start",
-                {"index": 0, "content_block": {"type": "text", "text": ""}},
-            )
-            for piece in self._paced(text, chunk, pace):
-                self._named(
-                    "content_block_delta",
-                    {"index": 0, "delta": {"type": "text_delta", "text": piece}},
-                )
+        with_text = bool(a.text or not a.calls)  # a reply with neither is one empty block
+        if with_text:
+            start = {"index": 0, "content_block": {"type": "text", "text": ""}}
+            self._named("content_block_start", start)
+            for piece in self._paced(a.text, chunk, pace):
+                delta = {"type": "text_delta", "text": piece}
+                self._named("content_block_delta", {"index": 0, "delta": delta})
             if reply.get("hang"):
                 self._hang(record)
             self._named("content_block_stop", {"index": 0})
             index = 1
-        for offset, call in enumerate(calls):
+        for offset, call in enumerate(a.calls):
             self._pause(pace)
             head = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
             self._named("content_block_start", {"index": index + offset, "content_block": head})
@@ -601,13 +609,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 delta = {"type": "input_json_delta", "partial_json": piece}
                 self._named("content_block_delta", {"index": index + offset, "delta": delta})
             self._named("content_block_stop", {"index": index + offset})
-        if reply.get("hang") and not (text or not calls):
+        if reply.get("hang") and not with_text:
             self._hang(record)
         self._named(
             "message_delta",
             {
-                "delta": {"stop_reason": stop, "stop_sequence": None},
-                "usage": {"output_tokens": usage["output_tokens"]},
+                "delta": {"stop_reason": _stop_reason(a.calls), "stop_sequence": None},
+                "usage": {"output_tokens": a.usage["output_tokens"]},
             },
         )
         self._named("message_stop", {})
@@ -789,6 +797,20 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     tools count on the Anthropic wire, where they are fields of their own)."""
     sent = [body.get("messages", []), body.get("system") or "", body.get("tools") or []]
     return max(1, len(json.dumps(sent)) // 4)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One scripted reply as a wire sends it: its model, text, tool calls and usage."""
+
+    model: str
+    text: str
+    calls: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+def _stop_reason(calls: list[dict[str, Any]]) -> str:
+    return "tool_use" if calls else "end_turn"
 
 
 def _usage(
