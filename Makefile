@@ -11,7 +11,7 @@ RAY_STAMP := $(VENV)/.installed-ray
 TEST_WORKERS ?= 2
 XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-.PHONY: demo demo-agent test test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
+.PHONY: demo demo-agent demo-adapters test test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ demo: $(STAMP)
 # no network. A steer mid-stream, a cancel cutting a streamed reply, a preempt of a hung tool.
 demo-agent: $(STAMP)
 	$(BIN)/tether demo --agent
+
+# Agents of other frameworks (Pydantic AI, the OpenAI Agents SDK, Claude Code's bundled
+# CLI) against the same server: a steer, a cancel mid-stream, an abort of a Bash command's
+# setsid escapee that leaves no process.
+demo-adapters: $(STAMP)
+	$(BIN)/tether demo --adapters
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -644,6 +644,36 @@ class AsyncHistory:
         return json.dumps({"history": fetched, "same": fetched == blocking})
 
 
+class AsyncSteerPeeker:
+    """Says ``watching``, then looks at ``ctx.pending_steers()`` every 20 ms (for up to
+    30 s), as an adapter polls for a steer to hand its framework. With ``data["deliver"]``,
+    once a steer shows it says ``before``, reports it delivered twice (the second is a
+    no-op), says ``after`` and answers JSON with what each report returned and what was
+    left pending; without, it keeps looking, and a cancel answers ``peeked: [texts]``."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        deliver = bool((ctx.message.data or {}).get("deliver"))
+        ctx.say("watching")
+        seen: list[str] = []
+        deadline = time.monotonic() + 30.0
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+                pending = ctx.pending_steers()
+                seen = [s.text for s in pending]
+                if pending and deliver:
+                    ctx.say("before")
+                    first, again = ctx.delivered(pending), ctx.delivered(pending)
+                    ctx.say("after")
+                    report = {"first": [s.text for s in first], "again": [s.text for s in again]}
+                    return json.dumps({**report, "left": [s.text for s in ctx.pending_steers()]})
+        except asyncio.CancelledError:
+            return "peeked: " + json.dumps(seen)
+        return "no steer came"
+
+
 # ---- issue 19's escapee and cgroup leaves (test_containment, test_ray_containment) ----
 
 

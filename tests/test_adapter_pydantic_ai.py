@@ -209,7 +209,9 @@ def test_a_steer_sent_while_the_model_streams_reaches_the_next_request(
     steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
     assert second.body["messages"][-1] == {"role": "user", "content": steer}
     assert second.body["messages"][-2]["role"] == "tool"
-    assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
+    # the marker where the framework took the steer: in the request after the tool's result
+    kinds = [e.action or e.kind for e in rt.transcript(child) if e.kind != "user"]
+    assert kinds == ["assistant", "tool", "steered", "assistant"], kinds
     assert texts(rt, child, "assistant")[-1] == "Switched to the fast path."
 
 
@@ -407,3 +409,28 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     assert texts(rt, child, "assistant") == [text]
     ours = {r.id for r in server.requests_for("pyd-paused")}
     assert all(d.request not in ours for d in server.disconnects)
+
+
+def test_a_steer_sent_while_the_final_reply_streams_is_taken_by_the_framework_and_marked_then(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    # The reply has no tool call, so no model request follows it in the adapter's own
+    # loop: the steer is the framework's to take (Pydantic AI's end-of-run redirect), and
+    # its marker is written when the framework delivers it, after the reply it followed.
+    rec = Recorder(rt)
+    replies = [
+        {"text": "Here is the slow answer, word by word.", "chunk": 2, "pace": 0.05},
+        {"text": "Switched to the short answer."},
+    ]
+    root, child, me = _agent(rt, server, "pyd-steer-final", replies)
+    rt.send(child, "answer", authority=me)
+    server.wait_requests(1, script="pyd-steer-final", timeout=60.0)
+    rt.interrupt(child, authority=me, kind="steer", reason="keep it short")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+    [_, second] = server.requests_for("pyd-steer-final")
+    steer = f'<steer origin="user" by="{root}">keep it short</steer>'
+    assert second.body["messages"][-1] == {"role": "user", "content": steer}
+    assert second.body["messages"][-2]["role"] == "assistant"
+    kinds = [e.action or e.kind for e in rt.transcript(child) if e.kind != "user"]
+    assert kinds == ["assistant", "steered", "assistant"], kinds
+    assert texts(rt, child, "assistant")[-1] == "Switched to the short answer."

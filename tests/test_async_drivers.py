@@ -208,6 +208,40 @@ def test_the_watchdogs_cancel_lands_at_the_await_of_a_stalled_async_turn(
     assert texts(rt, child, "assistant")[-1].startswith("cancelled after")
 
 
+def test_peeking_at_pending_steers_neither_takes_them_nor_hides_a_stall_from_the_watchdog(
+    rt: tether.Runtime,
+) -> None:
+    # The driver looks every 20 ms: the watchdog still steers it after 0.4 s without
+    # progress, the steer stays pending (the driver sees it, no marker is written), and
+    # the next step cancels it.
+    rec = Recorder(rt)
+    stall = {"after": 0.4, "every": 0.4, "steps": ["steer", "cancel"], "nudge": "still there?"}
+    _root, child, me = _family(rt, "drivers:AsyncSteerPeeker", stall=stall)
+    rt.send(child, "watch", authority=me)
+    ended = rec.turn_ended(child, timeout=10.0)
+    assert (ended["outcome"], ended["cause"], ended["by"]) == ("cancelled", "system", "watchdog")
+    assert _actions(rt, child) == ["cancelled"]  # the steer was seen, never delivered
+    [peeked] = [t for t in texts(rt, child, "assistant") if t.startswith("peeked: ")]
+    assert [t.endswith("still there?") for t in json.loads(peeked.removeprefix("peeked: "))] == [
+        True
+    ]
+
+
+def test_a_steer_reported_delivered_gets_its_marker_where_the_driver_said_and_only_once(
+    rt: tether.Runtime,
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, "drivers:AsyncSteerPeeker")
+    rt.send(child, "watch", authority=me, data={"deliver": True})
+    wait_entry(rt, child, "assistant", "watching")
+    rt.interrupt(child, authority=me, kind="steer", reason="turn left")
+    assert rec.turn_ended(child)["outcome"] == "completed"
+    said = [e.action or e.text for e in rt.transcript(child) if e.kind != "user"]
+    assert said[:4] == ["watching", "before", "steered", "after"], said
+    report = json.loads(said[-1])
+    assert report == {"first": ["turn left"], "again": [], "left": []}
+
+
 def test_an_async_worker_keeps_one_event_loop_for_all_its_turns() -> None:
     with tether.Runtime(workers=1, grace=1.0) as rt:
         rec = Recorder(rt)

@@ -48,6 +48,7 @@ from typing import Any
 import psutil
 import structlog
 
+from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
 from tether.agents.mcp import McpTools
@@ -65,7 +66,6 @@ log = structlog.get_logger("tether.adapters.claude_code")
 # The CLI's own conversation id for a Tether session: stable, so resume finds it.
 _NAMESPACE = uuid.UUID("5b0c7e2a-8f57-4a40-9d0e-2f1d3c6a9b11")
 _SESSION_KEY = "claude_session"  # the entry data key holding the saved session
-_STEER_POLL = 0.02  # seconds between looks for a pending steer (no boundary: no progress)
 _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
 _RESULT_CAP = 20_000
 _SESSION_CAP = 8 * 1024 * 1024  # characters of a saved session (a frame carries 16 MiB)
@@ -183,7 +183,7 @@ class _Turn:
         self.bash: dict[str, _Bash] = {}
         self.preempted: dict[str, str] = {}  # tool_use_id -> the preempted text told
         self.interrupted = False  # after an interrupt, the CLI ends the cut stream itself
-        self.written: list[Steer] = []  # steers written to the CLI, not delivered yet
+        self.steers = SteerRelay(ctx)  # steers written to the CLI, not delivered yet
         self.before: set[int] = set()  # the worker's children before the CLI started
         self.said = ""  # the last reply text said this turn
         self.mcp_preempted: set[str] = set()  # preempted texts MCP calls gave the CLI
@@ -192,28 +192,17 @@ class _Turn:
 
     async def relay(self) -> None:
         """Write steers to the CLI as they arrive: a message written mid-turn reaches the
-        model's next request. Looks without a boundary (a boundary counts as progress, and
-        a poll must not hide a stall from the watchdog)."""
-        state = self.ctx._state  # the pending steers, peeked at under the turn's lock
-        while True:
-            await asyncio.sleep(_STEER_POLL)
-            with state.lock:
-                new = [] if state.cancel is not None else list(state.steers)
-            new = [f for f in new if all(f is not w for w in self.written)]
-            for frame in new:
-                self.written.append(frame)  # before the write: the turn's end waits for it
-                await self.client.query(_user_message(frame.render()))
+        model's next request. The poll is no boundary: it hides no stall from the
+        watchdog."""
+        await self.steers.run(self._write)
 
-    async def requesting(self) -> None:
+    async def _write(self, steer: Steer) -> None:
+        await self.client.query(_user_message(steer.render()))
+
+    def requesting(self) -> None:
         """The CLI is sending a model request: the steers written before it are in it, so
         they are delivered now (the host writes their ``steered`` markers)."""
-        if not self.written:
-            return
-        delivered = [f for f in await self.ctx.checkpoint() if isinstance(f, Steer)]
-        late = [f for f in delivered if all(f is not w for w in self.written)]
-        self.written = []
-        for frame in late:  # taken from the store meanwhile: in the next request
-            await self.client.query(_user_message(frame.render()))
+        self.steers.taken()
 
     # ---- the CLI's messages --------------------------------------------------------
 
@@ -516,11 +505,11 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
         await client.query(ctx.message.content)
         async for msg in client.receive_messages():
             if _kind(msg) == "SystemMessage" and (msg.data or {}).get("status") == "requesting":
-                await turn.requesting()
+                turn.requesting()
             result = turn.take(msg)
             # a steer written after the last request is answered by the CLI in a loop of
             # its own, after this result: read on to that one's result
-            if result is not None and not turn.written:
+            if result is not None and not turn.steers.offered:
                 break
     except asyncio.CancelledError:
         if ctx.cancel is None:

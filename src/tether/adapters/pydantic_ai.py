@@ -3,14 +3,18 @@
 An async driver (SPEC §15.1) that runs a ``pydantic_ai.Agent`` through ``agent.iter()``,
 streaming each model request, and keeps the ChatAgent's promises (SPEC §15.2)::
 
+    a steer arrives ─► run.enqueue(<steer …>, priority="asap")   (polled, and at each
+                                                                  model-request boundary)
     node loop of agent.iter()
-      ModelRequestNode ─ boundary: steers ─► run.enqueue(<steer …>, priority="asap")
-                       └ stream: progress per event, the partial reply kept
+      ModelRequestNode ─ stream: progress per event, the partial reply kept;
+                       └ EnqueuedMessagesEvent: the framework took the steer: its marker
       CallToolsNode    ─ the reply: one assistant entry (its messages in its data)
                        └ each tool result: one ``tool`` entry
 
-- A steer is taken at the boundary before each model request and enqueued ``asap``:
-  the framework puts it in that very request (its ``EnqueuedMessagesEvent``).
+- A steer is enqueued ``asap`` as soon as it arrives: the framework puts it in its next
+  model request, or, when the run would end, redirects it into one more request. Its
+  ``steered`` marker is written when the framework says it took it (the
+  ``EnqueuedMessagesEvent`` of the request that carries it), not when it was enqueued.
 - A cancel is ``CancelledError`` at the await in the stream: the framework's HTTP stream
   is closed, the partial reply is kept as a ``cut`` entry, with the run's messages so far.
 - A preempt stops the innermost running tool only (a capability wraps every tool's
@@ -38,6 +42,7 @@ from typing import Any
 
 import structlog
 
+from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 
 # ChatAgent's bookkeeping, one home for each piece: its error, its one-line errors, its
@@ -52,11 +57,11 @@ from tether.agents.chat import (
     _one_line,
     _preempted_text,
     _result_text,
-    _steers,
 )
 from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.wire.errors import InvalidParams, Preempted, TetherError
+from tether.wire.frames import Steer
 from tether.wire.records import Entry
 
 __all__ = ["PydanticAIAgent"]
@@ -174,6 +179,8 @@ class _Turn:
         self.partial = ""  # the text of the reply streaming now
         self.preempted: set[str] = set()  # tool call ids stopped by a preempt
         self.offered: list[dict[str, Any]] = []  # the MCP tools' schemas this turn
+        self.steers = SteerRelay(ctx)
+        self.enqueued: dict[str, Steer] = {}  # the framework's enqueue id -> its steer
 
     async def _mcp(self) -> McpTools | None:
         """The config's MCP servers, opened by Tether (kept across the worker's turns)."""
@@ -205,23 +212,48 @@ class _Turn:
             capabilities=[_Stops(self)],
         ) as run:
             self.run_ = run
-            async for node in run:
-                if Agent.is_model_request_node(node):
-                    # the boundary before each model request: a steer goes into it
-                    for steer in _steers(await ctx.checkpoint()):
-                        run.enqueue(steer["content"], priority="asap")
-                    await self._stream(node, run)
-                elif Agent.is_call_tools_node(node):
-                    self._reply(node.model_response)
-                    calls = _calls(node.model_response)
-                    async with node.stream(run.ctx) as events:
-                        async for event in events:
-                            ctx.progress()
-                            if isinstance(event, FunctionToolResultEvent):
-                                self._tool(event, calls)
-                            elif isinstance(event, EnqueuedMessagesEvent):
-                                log.debug("steer.taken", turn=ctx.turn)
+            relay = asyncio.ensure_future(self.steers.run(self._offer))
+            try:
+                async for node in run:
+                    if Agent.is_model_request_node(node):
+                        # the boundary before each model request: a steer that arrived
+                        # since the last poll goes into it too
+                        ctx.progress()
+                        for steer in self.steers.new():
+                            await self._offer(steer)
+                        await self._stream(node, run)
+                    elif Agent.is_call_tools_node(node):
+                        self._reply(node.model_response)
+                        calls = _calls(node.model_response)
+                        async with node.stream(run.ctx) as events:
+                            async for event in events:
+                                ctx.progress()
+                                if isinstance(event, FunctionToolResultEvent):
+                                    self._tool(event, calls)
+                                elif isinstance(event, EnqueuedMessagesEvent):
+                                    self._taken(event)
+            finally:
+                relay.cancel()
         return None  # the last reply, said already, is the turn's final text
+
+    async def _offer(self, steer: Steer) -> None:
+        """Enqueue a steer ``asap``: the framework delivers it into its next request (or
+        one more, if the run would end) and says so with an ``EnqueuedMessagesEvent``."""
+        from pydantic_ai.exceptions import UserError
+
+        try:
+            enqueue_id = self.run_.enqueue(steer.render(), priority="asap")
+        except UserError:  # the run has ended: the steer stays the turn's pending one
+            return
+        if enqueue_id is not None:
+            self.enqueued[enqueue_id] = steer
+
+    def _taken(self, event: Any) -> None:
+        """The framework delivered an enqueued steer into the request it sends now."""
+        steer = self.enqueued.pop(event.enqueue_id, None)
+        if steer is not None:
+            log.debug("steer.taken", turn=self.ctx.turn)
+            self.steers.taken([steer])
 
     async def _stream(self, node: Any, run: Any) -> None:
         from pydantic_ai.messages import (
@@ -241,7 +273,7 @@ class _Turn:
                 elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
                     self.partial += event.delta.content_delta
                 elif isinstance(event, EnqueuedMessagesEvent):
-                    log.debug("steer.taken", turn=self.ctx.turn)
+                    self._taken(event)
 
     def _unsaved(self) -> list[Any]:
         if self.run_ is None:

@@ -101,10 +101,23 @@ def main(argv: list[str] | None = None) -> int:
         "server: a steer, a cancel cutting a streamed reply, a preempt of a hung tool "
         "(needs the extra tether[agents])",
     )
-    if parser.parse_args(argv).agent:
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help="one agent of each hosted framework (Pydantic AI, the OpenAI Agents SDK, "
+        "Claude Code) against the same server: a steer, a cancel mid-stream, and an "
+        "abort that leaves no process of a Bash command's setsid escapee (each needs "
+        "its extra; a missing one is skipped)",
+    )
+    args = parser.parse_args(argv)
+    if args.agent:
         from tether.cli.demo_agent import main as agent_main
 
         return agent_main()
+    if args.adapters:
+        from tether.cli.demo_adapters import main as adapters_main
+
+        return adapters_main()
     console = Console()
     console.rule("[bold]Tether demo: steer, cancel and abort running subagents")
     with Runtime(workers=3, grace=2.0) as rt:

@@ -29,7 +29,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar, cast, overload
 
 import msgspec
@@ -78,12 +78,14 @@ class AsyncTurnContext(BaseContext):
     """What an async driver's ``run(ctx)`` gets: the sync context's surface, with every
     call that waits as a coroutine.
 
-    ``await ctx.checkpoint()`` delivers steers (SPEC §5); a cancel needs no boundary: it
-    arrives as ``asyncio.CancelledError`` wherever the driver awaits. Catch it (or use
-    ``finally``) to wrap up within ``grace`` and return the final text; ``ctx.cancel``
-    then says who cancelled and why. ``with ctx.shield():`` holds a cancel back until the
-    block exits (grace still bounds the turn). Host tools (``spawn_agent`` & co) await the
-    host's reply without blocking the loop.
+    ``await ctx.checkpoint()`` delivers steers (SPEC §5); a driver that hands them to a
+    framework peeks at them (``pending_steers()``) and says when the framework took them
+    (``delivered``). A cancel needs no boundary: it arrives as ``asyncio.CancelledError``
+    wherever the driver awaits. Catch it (or use ``finally``) to wrap up within ``grace``
+    and return the final text; ``ctx.cancel`` then says who cancelled and why.
+    ``with ctx.shield():`` holds a cancel back until the block exits (grace still bounds
+    the turn). Host tools (``spawn_agent`` & co) await the host's reply without blocking
+    the loop.
     """
 
     def __init__(self, worker: WorkerPort, run: RunTurn, state: _TurnState) -> None:
@@ -161,6 +163,33 @@ class AsyncTurnContext(BaseContext):
         if steers:
             self._worker.send(Delivered(turn=self.turn, steers=steers))
         return list(steers)
+
+    def pending_steers(self) -> list[Steer]:
+        """The steers waiting for this turn, in order, left where they are: for a driver
+        that hands a steer to its framework as soon as it arrives and says when the
+        framework took it (``delivered``). Not a boundary, so no progress for the stall
+        watchdog: polling it does not hide a stalled turn. Empty once a cancel is in
+        (the cancel discards them)."""
+        st = self._state
+        with st.lock:
+            return [] if st.cancel is not None else list(st.steers)
+
+    def delivered(self, steers: Iterable[Steer]) -> list[Steer]:
+        """The framework took these steers (from ``pending_steers``) just now: they stop
+        being pending and the host writes their ``steered`` markers here, in the
+        transcript's order. Returns those that were still pending (none once a cancel
+        discarded them; a steer already delivered is not delivered twice)."""
+        st = self._state
+        wanted = list(steers)
+        with st.lock:
+            if st.cancel is not None:
+                return []
+            taken = [s for s in st.steers if any(s is w for w in wanted)]
+            st.steers = [s for s in st.steers if all(s is not t for t in taken)]
+        if taken:
+            self._progress()  # the framework's request boundary
+            self._worker.send(Delivered(turn=self.turn, steers=taken))
+        return taken
 
     # ---- host calls -------------------------------------------------------------------
 
