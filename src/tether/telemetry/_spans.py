@@ -136,6 +136,15 @@ class _Span(Span):
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
             self._span.set_attribute(key, text)
 
+    def fail(self, error_type: str, description: str) -> None:
+        self._span.set_attribute("error.type", error_type)
+        self._span.set_status(Status(StatusCode.ERROR, description[:_DESCRIPTION_CAP]))
+
+    def end(self, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            _stopped(self._span, exc)
+        self._span.end()
+
 
 def _stopped(span: Any, exc: BaseException) -> None:
     """A span that an exception ended: a stop reads as a stop (SPEC §16.3)."""
@@ -159,11 +168,15 @@ def _stopped(span: Any, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, why[:_DESCRIPTION_CAP]))
 
 
+def _here() -> otel_context.Context | None:
+    # A driver's own thread has no context of its turn: its calls still join the turn.
+    return None if otel_trace.get_current_span().get_span_context().is_valid else _turn
+
+
 @contextlib.contextmanager
 def _run(name: str, kind: SpanKind, attrs: dict[str, Any]) -> Iterator[Any]:
     clean = {k: v for k, v in attrs.items() if v is not None}
-    # A driver's own thread has no context of its turn: its calls still join the turn.
-    here = None if otel_trace.get_current_span().get_span_context().is_valid else _turn
+    here = _here()
     with _tracer.start_as_current_span(
         name,
         context=here,
@@ -179,16 +192,30 @@ def _run(name: str, kind: SpanKind, attrs: dict[str, Any]) -> Iterator[Any]:
             raise
 
 
-@contextlib.contextmanager
-def chat(provider: str, model: str, attrs: dict[str, Any]) -> Iterator[Span]:
+def open_chat(provider: str, model: str, attrs: dict[str, Any]) -> Span:
+    # Never the current span (nothing is below a model request): it may end in another
+    # context than it began in (a framework's async generator).
     base = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": provider,
         "gen_ai.request.model": model,
-        **attrs,
+        **{k: v for k, v in attrs.items() if v is not None},
     }
-    with _run(f"chat {model}", SpanKind.CLIENT, base) as span:
-        yield _Span(span)
+    span = _tracer.start_span(
+        f"chat {model}", context=_here(), kind=SpanKind.CLIENT, attributes=base
+    )
+    return _Span(span)
+
+
+@contextlib.contextmanager
+def chat(provider: str, model: str, attrs: dict[str, Any]) -> Iterator[Span]:
+    span = open_chat(provider, model, attrs)
+    try:
+        yield span
+    except BaseException as exc:
+        span.end(exc)
+        raise
+    span.end()
 
 
 @contextlib.contextmanager

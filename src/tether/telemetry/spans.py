@@ -26,6 +26,7 @@ __all__ = [
     "content",
     "flush",
     "on",
+    "open_chat",
     "shutdown",
     "tool",
     "traceparent",
@@ -56,6 +57,12 @@ class Span:
     def content(self, key: str, value: Any) -> None:
         """A content attribute (prompts, replies, tool arguments and results), recorded
         only with ``telemetry={"content": True}``; ``value`` is JSON-encoded unless a str."""
+
+    def fail(self, error_type: str, description: str) -> None:
+        """A stop the span's code caught itself (a preempted result given to the model)."""
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """End a span from ``open_chat`` (``exc``: what stopped it)."""
 
 
 NOOP_SPAN = Span()
@@ -126,6 +133,16 @@ def chat(provider: str, model: str, **attrs: Any) -> contextlib.AbstractContextM
     from tether.telemetry import _spans
 
     return _spans.chat(provider, model, attrs)
+
+
+def open_chat(provider: str, model: str, **attrs: Any) -> Span:
+    """A model request's span, ended by ``.end()``: for a request seen only as events
+    (a framework's stream), where no block brackets it."""
+    if not _on:
+        return NOOP_SPAN
+    from tether.telemetry import _spans
+
+    return _spans.open_chat(provider, model, attrs)
 
 
 def tool(
