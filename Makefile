@@ -16,7 +16,7 @@ XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude,otel]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -50,7 +50,7 @@ test-walk: $(STAMP)
 	  tests/test_interrupts.py tests/test_pause.py tests/test_faults.py tests/test_containment.py
 
 $(RAY_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude,otel,ray]'
 	touch $(RAY_STAMP)
 
 # Every Ray case: the interrupt and core suites on Ray, tests/test_ray.py (one Ray

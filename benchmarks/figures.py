@@ -99,6 +99,14 @@ CASES: dict[str, Case] = {
         _c("tether.pause_resume", "tether_cases:pause_resume", (3, 7), (60, 300)),
         _c("tether.pause_cgroup", "tether_cases:pause_cgroup", (3, 7), (60, 300), optional=True),
         _c("tether.watchdog_overhead", "tether_cases:watchdog_overhead", (3, 7), (120, 600)),
+        # Issue 30: host CPU per turn with telemetry on vs off (needs tether[otel]).
+        _c(
+            "tether.telemetry_overhead",
+            "tether_cases:telemetry_overhead",
+            (3, 7),
+            (120, 600),
+            optional=True,
+        ),
         # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
         # Issue 18: the agent kit against the model server (needs tether[agents]).
@@ -369,6 +377,14 @@ FIGURES: list[Figure] = [
     Figure(
         "watchdog_overhead_pct",
         "tether.watchdog_overhead",
+        "overhead_pct",
+        "p50",
+        "%",
+        Target(_LE, 5),
+    ),
+    Figure(
+        "telemetry_overhead_pct",
+        "tether.telemetry_overhead",
         "overhead_pct",
         "p50",
         "%",

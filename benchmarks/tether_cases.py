@@ -749,6 +749,76 @@ def watchdog_overhead(cfg: Cfg) -> Iterator[Samples]:
             yield {"overhead_pct": [(1 - with_policy / base) * 100]}
 
 
+# ---------------------------------------------------------------- telemetry (issue 30)
+
+# An OTLP/HTTP sink in a process of its own (it answers 200 and drops the spans), so that
+# none of its work is counted as the host's CPU.
+_SINK = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
+    """Host CPU per trivial turn with telemetry on (spans exported over OTLP/HTTP to a
+    sink on loopback) vs off, the two runtimes measured alternately in the same process
+    (as ``watchdog_overhead``). The figure is the extra host CPU, in percent. Skipped
+    without the extra tether[otel]."""
+    import subprocess
+    import sys
+
+    try:
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError:
+        raise Skip("needs the extra tether[otel]") from None
+    n, sessions = cfg.n(600, 3000), 8
+    sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None
+        url = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-telemetry-") as d,
+            tether.Runtime(Path(d) / "plain.db", workers=2, telemetry=False) as plain,
+            tether.Runtime(Path(d) / "traced.db", workers=2, telemetry={"endpoint": url}) as traced,
+        ):
+            setups = []
+            for rt in (plain, traced):
+                roots = [rt.open_session(SCRIPTED) for _ in range(sessions)]
+                ended = _Countdown()
+                rt.subscribe(ended.on_event)
+                _pool_steady(rt, 2)
+                setups.append((rt, roots, ended))
+
+            def cpu_per_turn(
+                rt: tether.Runtime, roots: list[str], ended: _Countdown, size: int
+            ) -> float:
+                ended.arm(size)
+                cpu = time.process_time()  # every thread of this (the host) process
+                for i in range(size):
+                    rt.prompt(roots[i % sessions], "x")
+                got = ended.wait(60)
+                for root in roots:
+                    rt.wait(root, timeout=WAIT)
+                return (time.process_time() - cpu) / max(got, 1)
+
+            for setup in setups:
+                cpu_per_turn(*setup, 100)  # warm-up
+            while True:
+                base = cpu_per_turn(*setups[0], n)
+                traced_cpu = cpu_per_turn(*setups[1], n)
+                yield {"overhead_pct": [(traced_cpu / base - 1) * 100]}
+    finally:
+        sink.kill()
+        sink.wait()
+
+
 # ---------------------------------------------------------------- cgroup containment
 
 

@@ -705,14 +705,18 @@ def _imports(path: Path) -> set[str]:
 
 def test_layering_every_room_imports_only_the_rooms_below_it() -> None:
     wire = ("tether.wire",)
-    driver = ("tether.driver", *wire)  # what a driver author imports: never the engine
-    actors = ("tether.actors", *wire)
+    # the traces' room (SPEC §16.3): its hooks stand on the wire alone, and every room
+    # that makes spans may call them (the SDK itself is imported only when it is on)
+    telemetry = ("tether.telemetry", *wire)
+    driver = ("tether.driver", *telemetry)  # what a driver author imports: never the engine
+    actors = ("tether.actors", *telemetry)
     engine = ("tether.runtime", "tether.actors", *driver)
     # The front door: ``tether`` itself and ``tether.tools`` (the documented path of the
     # agent tools); the outside faces use it, the driver room and the wire types.
     front = ("tether", "tether.tools", *driver)
     layers: dict[str, tuple[str, ...]] = {
         "wire": wire,
+        "telemetry": telemetry,
         "driver": driver,
         "actors": actors,
         # the engine never reaches out to its outside faces (the server, the command)

@@ -29,6 +29,7 @@ from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
 from tether.actors.ports import AgentStore, EventSink, Executor, ParentNotice, TurnJob, TurnSink
 from tether.actors.states import AgentState, check_transition
+from tether.telemetry.hooks import NOOP, ControlSpan, Telemetry, TurnSpan
 from tether.wire.errors import InvalidParams, TetherError
 from tether.wire.frames import (
     Cancel,
@@ -102,6 +103,7 @@ class Interrupt:
     grace: float
     deadline: float | None = None
     turn: str | None = None  # the guard: act only if this is still the running turn
+    trace: str | None = None  # the caller's trace context (telemetry on)
 
 
 @dataclass(slots=True)
@@ -170,6 +172,17 @@ class _Turn:
     # first report came): the watchdog's clock runs from there, never while the turn
     # waits for a free worker.
     started: bool = False
+    # Telemetry on (SPEC §16.3): the turn's span, and the control actions' spans that
+    # have not landed yet (steers in order, the stop, preempts with what names them).
+    span: TurnSpan | None = None
+    controls: _Controls | None = None
+
+
+@dataclass(slots=True)
+class _Controls:
+    steers: deque[ControlSpan]
+    preempts: list[tuple[tuple[str, str, str], ControlSpan]]
+    stop: ControlSpan | None = None
 
 
 class Session:
@@ -310,6 +323,18 @@ class Session:
             job.progress_every = _progress_every(stall)
             job.repeat = stall.get("repeat")
         self.turn = t = _Turn(turn_id, message, job)
+        tel = host.telemetry
+        if tel.on:
+            t.span = tel.turn_started(
+                name=h.slug or h.driver.rpartition(":")[2],
+                session=h.id,
+                root=self.lineage[0] if self.lineage else h.id,
+                turn=turn_id,
+                parent=message.trace,
+                message=message.content,
+            )
+            if t.span is not None:
+                job.trace = t.span.trace
         self._started += 1
         if stall is not None:
             t.last_progress = self._host.clock.monotonic()
@@ -333,24 +358,33 @@ class Session:
         if self.disposing or self.settled or t is None or (i.turn is not None and i.turn != t.id):
             if i.kind == "steer":
                 log.info("interrupt.dropped", session=sid, kind=i.kind, why="no running turn")
+            self.control_noop(i.kind, i.origin, i.by, i.turn, i.trace)
             return None
         ex = self._host.executor
+        ctl = self._control(t, i.kind, i.origin, i.by, i.turn, i.trace)
         match i.kind:
             case "steer":
                 if t.stop is not None:
                     log.info("interrupt.dropped", session=sid, kind="steer", why="turn is stopping")
+                    self._control_ended(ctl, "no-op", t)
                     return None
                 ex.signal(t.id, SteerFrame(t.id, Steer(i.reason, i.origin, i.by)))
+                if ctl is not None:
+                    self._controls(t).steers.append(ctl)
             case "preempt":
                 ex.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
                 if t.preempts is None:
                     t.preempts = []
                 t.preempts.append((i.origin, i.by, i.reason, self._host.clock.now()))
                 del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
+                if ctl is not None:
+                    self._controls(t).preempts.append(((i.origin, i.by, i.reason), ctl))
             case "cancel":
                 if t.stop is not None:
+                    self._control_ended(ctl, "no-op", t)
                     return t.id  # one pending stop per turn: the first one stands
                 t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
+                self._stop_control(t, ctl)
                 # the signal first, the bookkeeping after
                 ex.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
                 self._marker(t, "cancelled", i.origin, i.by, i.reason)
@@ -360,8 +394,10 @@ class Session:
                     self._arm(t, deadline, "deadline")
             case "abort":
                 if t.stop is not None and t.stop.kind == "abort":
+                    self._control_ended(ctl, "no-op", t)
                     return t.id
                 t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
+                self._stop_control(t, ctl)
                 self._cancel_timer(t)
                 t.held = None
                 ex.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
@@ -400,6 +436,10 @@ class Session:
             return
         for steer in frame.steers:
             self._marker(t, "steered", steer.origin, steer.by, steer.text)
+        if frame.steers and t.controls is not None:
+            for _ in frame.steers:
+                if t.controls.steers:
+                    self._control_ended(t.controls.steers.popleft(), "landed", t)
         if not frame.cancel or t.stop is None:
             return
         if not t.delivered:
@@ -417,6 +457,8 @@ class Session:
         if t is not None and t.id == frame.turn:
             self._marker(t, "preempted", frame.origin, frame.by, frame.reason)
             self._preempt_report(t, frame)
+            if t.controls is not None:
+                self._preempt_landed(t, t.controls, (frame.origin, frame.by, frame.reason))
 
     def escalating(self, frame: Escalating) -> None:
         """The worker will never hand the cancel over now: escalate to an abort."""
@@ -473,14 +515,18 @@ class Session:
 
     # ---- pause / resume (SPEC §14.4) ---------------------------------------------------
 
-    def pause(self, origin: str, by: str, reason: str) -> str | None:
+    def pause(self, origin: str, by: str, reason: str, trace: str | None = None) -> str | None:
         """Freeze the running turn in place; its id, or None when there is none."""
         t = self.turn
         if t is None or self.disposing or self.settled:
+            self.control_noop("pause", origin, by, None, trace)
             return None
+        ctl = self._control(t, "pause", origin, by, None, trace)
         if t.paused:
+            self._control_ended(ctl, "no-op", t)
             return t.id
         if t.stop is not None and t.stop.kind == "abort":
+            self._control_ended(ctl, "no-op", t)
             return None  # already being killed
         self._host.executor.freeze(t.id)
         t.paused = True
@@ -493,12 +539,17 @@ class Session:
             t.watch = None
         self._marker(t, "paused", origin, by, reason)
         log.info("turn.paused", session=self.header.id, turn=t.id, by=by)
+        if t.span is not None:
+            self._host.telemetry.turn_event(t.span, "paused", origin, by, reason)
+        self._control_ended(ctl, "landed", t)
         return t.id
 
-    def resume(self, origin: str, by: str) -> str | None:
+    def resume(self, origin: str, by: str, trace: str | None = None) -> str | None:
         t = self.turn
         if t is None or not t.paused:
+            self.control_noop("resume", origin, by, None, trace)
             return None
+        ctl = self._control(t, "resume", origin, by, None, trace)
         self._host.executor.thaw(t.id)
         t.paused = False
         if t.held is not None:
@@ -512,6 +563,9 @@ class Session:
             self._watch(t, float(stall["after"]))
         self._marker(t, "resumed", origin, by, "")
         log.info("turn.resumed", session=self.header.id, turn=t.id, by=by)
+        if t.span is not None:
+            self._host.telemetry.turn_event(t.span, "resumed", origin, by, "")
+        self._control_ended(ctl, "landed", t)
         return t.id
 
     # ---- the stall watchdog (SPEC §14.5) ------------------------------------------------
@@ -683,7 +737,7 @@ class Session:
         escalated: bool,
         partial: str | None,
         seen: float,
-    ) -> None:
+    ) -> StopReport:
         """Complete the stop's report once the turn has ended (``seen``: when its end was
         observed): when and how the stop took effect, what it killed, what became of each
         tool call it found open."""
@@ -723,6 +777,7 @@ class Session:
             partial=partial,
         )
         self._host.store.put_stop_report(report)
+        return report
 
     def _marker(self, t: _Turn, action: str, origin: str, by: str, reason: str) -> None:
         text = marker_text(action, origin, by, reason)
@@ -787,7 +842,8 @@ class Session:
                 partial=partial,
             )
             data = {"notice": msgspec.to_builtins(told)}
-            notice = ParentNotice(h.parent, notice_text(told), data, h.id)
+            trace = t.span.parent if t.span is not None else None
+            notice = ParentNotice(h.parent, notice_text(told), data, h.id, trace)
         # the parent's notice is committed with the end, or neither is
         notice_msg = host.store.end_turn(
             t.id,
@@ -803,8 +859,9 @@ class Session:
             usage=end.usage if end is not None else None,
             notice=notice,
         )
+        landed: StopReport | None = None
         if stop is not None:
-            self._final_report(
+            landed = self._final_report(
                 t,
                 stop,
                 killed=killed,
@@ -835,6 +892,8 @@ class Session:
             log.debug("turn.ended", session=h.id, **record)
         if host.events.wants("turn.ended"):
             self._emit("turn.ended", record)
+        if t.span is not None:
+            self._turn_span_ended(t, outcome, cause, by, reason, error, final, end, landed)
         if h.parent is not None and notice_msg is not None:
             host.notify_parent(h.parent, notice_msg)
         if h.mode == "one-shot" or self.disposing:
@@ -843,6 +902,128 @@ class Session:
             if not t.wake_latch:
                 self.woken_by = None  # what starts now follows this turn (SPEC §4 rule 2)
             self.start_next()
+
+    # ---- telemetry (SPEC §16.3) ---------------------------------------------------------
+
+    def _control(
+        self,
+        t: _Turn,
+        verb: str,
+        origin: str,
+        by: str,
+        guard: str | None,
+        trace: str | None,
+    ) -> ControlSpan | None:
+        """A control action bound to ``t``: its span, linked to the turn's."""
+        tel = self._host.telemetry
+        if not tel.on:
+            return None
+        return tel.control(
+            verb=verb,
+            origin=origin,
+            by=by,
+            target=self.header.id,
+            expected_turn=guard if guard is not None else t.id,
+            turn=t.span,
+            parent=trace,
+        )
+
+    def control_noop(
+        self, verb: str, origin: str, by: str, guard: str | None, trace: str | None
+    ) -> None:
+        """A control action that found no turn to act on (an accepted no-op)."""
+        tel = self._host.telemetry
+        if tel.on:
+            span = tel.control(
+                verb=verb,
+                origin=origin,
+                by=by,
+                target=self.header.id,
+                expected_turn=guard,
+                turn=None,
+                parent=trace,
+            )
+            if span is not None:
+                tel.control_ended(span, "no-op")
+
+    def _control_ended(
+        self,
+        span: ControlSpan | None,
+        outcome: str,
+        t: _Turn,
+        latency_ms: float | None = None,
+        report: str | None = None,
+    ) -> None:
+        if span is not None:
+            self._host.telemetry.control_ended(
+                span, outcome, latency_ms=latency_ms, report=report, turn=t.id
+            )
+
+    def _controls(self, t: _Turn) -> _Controls:
+        if t.controls is None:
+            t.controls = _Controls(deque(), [])
+        return t.controls
+
+    def _stop_control(self, t: _Turn, ctl: ControlSpan | None) -> None:
+        """The turn's stop is ``ctl``'s: the steers it discards never land; a cancel an
+        abort overrides lands no more (the abort's effect is the turn's end)."""
+        if ctl is None:
+            return
+        c = self._controls(t)
+        while c.steers:
+            self._control_ended(c.steers.popleft(), "no-op", t)
+        if c.stop is not None:
+            self._control_ended(c.stop, "no-op", t)
+        c.stop = ctl
+
+    def _preempt_landed(self, t: _Turn, c: _Controls, key: tuple[str, str, str]) -> None:
+        """A preempt took effect: the first issued with its origin, by and reason (those
+        before it found no command: no-ops), as ``_preempt_report`` dates it."""
+        for n, (named, span) in enumerate(c.preempts):
+            if named == key:
+                for _, missed in c.preempts[:n]:
+                    self._control_ended(missed, "no-op", t)
+                del c.preempts[: n + 1]
+                report = t.id if t.preempt_report is not None or t.stop is not None else None
+                self._control_ended(span, "landed", t, report=report)
+                return
+
+    def _turn_span_ended(
+        self,
+        t: _Turn,
+        outcome: str,
+        cause: str | None,
+        by: str | None,
+        reason: str | None,
+        error: str | None,
+        final: str | None,
+        end: TurnEnd | None,
+        landed: StopReport | None,
+    ) -> None:
+        """The turn's span ends with its outcome; its stop's span lands with the stop
+        report's latency; what had not landed by now never will."""
+        assert t.span is not None
+        c = t.controls
+        if c is not None:
+            if c.stop is not None:
+                latency = landed.latency_ms if landed is not None else None
+                self._control_ended(c.stop, "landed", t, latency, report=t.id)
+            for span in c.steers:
+                self._control_ended(span, "no-op", t)
+            for _, span in c.preempts:
+                self._control_ended(span, "no-op", t)
+            t.controls = None
+        self._host.telemetry.turn_ended(
+            t.span,
+            outcome=outcome,
+            cause=cause,
+            by=by,
+            origin=t.stop.origin if t.stop is not None else None,
+            reason=reason,
+            error=error,
+            final=final if final is not None else t.job.last_say,
+            usage=end.usage if end is not None else None,
+        )
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -945,6 +1126,7 @@ class SessionServices:
         inbox_open: Callable[[str], bool] = lambda _parent: True,
         clock: Clock = SYSTEM_CLOCK,
         cancel_deadline: float | None = None,
+        telemetry: Telemetry = NOOP,
     ) -> None:
         self.grace = grace  # the runtime's default, for the watchdog's cancel
         # The deadline of a cancel issued without one: a driver stuck where no boundary
@@ -962,3 +1144,5 @@ class SessionServices:
         self.inbox_open = inbox_open
         # Every time the session reads: wall time for records, monotonic for clocks.
         self.clock = clock
+        # Spans of turns and control actions (SPEC §16.3); the no-op hooks when off.
+        self.telemetry = telemetry

@@ -41,7 +41,8 @@ from tether.actors.authority import Authority, Host
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
-from tether.wire.errors import InvalidParams, NotFound
+from tether.telemetry.hooks import NOOP, Telemetry
+from tether.wire.errors import InvalidParams, NotFound, TetherError
 from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd
 from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader
 
@@ -104,6 +105,7 @@ class InterruptOp:
     grace: float
     deadline: float | None = None
     turn: str | None = None
+    trace: str | None = None  # the caller's trace context (telemetry on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,7 @@ class PauseOp:
     reason: str = ""
     resume: bool = False
     turn: str | None = None  # the guard: act only if this is still the running turn
+    trace: str | None = None  # the caller's trace context (telemetry on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +330,7 @@ class SessionHost(pykka.ThreadingActor):
         timers: TimerQueue,
         grace: float,
         cancel_deadline: float | None = None,
+        telemetry: Telemetry = NOOP,
     ) -> None:
         super().__init__()
         self._dir = directory
@@ -347,6 +351,7 @@ class SessionHost(pykka.ThreadingActor):
             inbox_open=self._inbox_open,
             grace=grace,
             cancel_deadline=cancel_deadline,
+            telemetry=telemetry,
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
 
@@ -549,27 +554,49 @@ class SessionHost(pykka.ThreadingActor):
     # ---- interrupts ---------------------------------------------------------------
 
     def _interrupt(self, op: InterruptOp) -> str | None:
-        s = self._dir.authorize_interrupt(op.target, op.authority)
+        s = self._authorized(op.kind, op.target, op.authority, op.turn, op.trace)
         if s is None:
             return None
         auth = op.authority
-        i = Interrupt(op.kind, auth.origin, auth.by, op.reason, op.grace, op.deadline, op.turn)
+        i = Interrupt(
+            op.kind, auth.origin, auth.by, op.reason, op.grace, op.deadline, op.turn, op.trace
+        )
         try:
             return s.interrupt(i)
         finally:
             self._after(s)
 
+    def _authorized(
+        self, verb: str, target: str, auth: Authority | Host, turn: str | None, trace: str | None
+    ) -> Session | None:
+        """The live target an authorized control action acts on; None: an accepted no-op.
+        With telemetry on, a refused or no-op action's span is ended here (one that
+        reaches its session is the session's to end)."""
+        tel = self._services.telemetry
+        if not tel.on:
+            return self._dir.authorize_interrupt(target, auth)
+        try:
+            s = self._dir.authorize_interrupt(target, auth)
+        except TetherError:
+            _control_at_door(tel, "refused", verb, target, auth, turn, trace)
+            raise
+        if s is None:
+            _control_at_door(tel, "no-op", verb, target, auth, turn, trace)
+        return s
+
     def _pause(self, op: PauseOp) -> str | None:
-        s = self._dir.authorize_interrupt(op.session, op.authority)
+        verb = "resume" if op.resume else "pause"
+        s = self._authorized(verb, op.session, op.authority, op.turn, op.trace)
         if s is None:
             return None
         auth = op.authority
         if op.turn is not None and (s.turn is None or s.turn.id != op.turn):
+            s.control_noop(verb, auth.origin, auth.by, op.turn, op.trace)
             return None  # a stale click: that turn is over
         try:
             if op.resume:
-                return s.resume(auth.origin, auth.by)
-            return s.pause(auth.origin, auth.by, op.reason)
+                return s.resume(auth.origin, auth.by, op.trace)
+            return s.pause(auth.origin, auth.by, op.reason, op.trace)
         finally:
             self._after(s)
 
@@ -658,3 +685,26 @@ class SessionHost(pykka.ThreadingActor):
 
 def _with_dispatched(info: AgentInfo) -> AgentInfo:
     return msgspec.structs.replace(info, dispatched=True)
+
+
+def _control_at_door(
+    tel: Telemetry,
+    outcome: str,
+    verb: str,
+    target: str,
+    auth: Authority | Host,
+    turn: str | None,
+    trace: str | None,
+) -> None:
+    """The span of a control action that never reached a running turn."""
+    span = tel.control(
+        verb=verb,
+        origin=auth.origin,
+        by=auth.by,
+        target=target,
+        expected_turn=turn,
+        turn=None,
+        parent=trace,
+    )
+    if span is not None:
+        tel.control_ended(span, outcome)

@@ -26,6 +26,7 @@ from tether.wire.frames import (
     Say,
     SteerFrame,
     ToolKilled,
+    Trace,
     TurnEnd,
 )
 from tether.wire.records import Message, ProcessFate, SessionHeader, StopReport
@@ -114,6 +115,7 @@ class TurnJob:
     # and what that cgroup counted for the turn, filled before the end is reported.
     limits: dict[str, float] | None = None
     resources: dict[str, float] | None = None
+    trace: Trace | None = None  # telemetry on: the turn span the worker's spans join
 
     def hold(self, frame: HostFrame) -> None:
         """Keep ``frame`` until a worker takes this turn (it rides in the start frame).
@@ -152,6 +154,7 @@ class TurnJob:
             progress_every=self.progress_every,
             repeat=self.repeat,
             held=held,
+            trace=self.trace,
         )
         return run, rest
 
@@ -200,6 +203,7 @@ class ParentNotice:
     content: str
     data: dict[str, Any]
     sender: str
+    trace: str | None = None  # the child's turn span: the parent's next turn follows it
 
 
 class AgentStore(Protocol):
@@ -214,6 +218,7 @@ class AgentStore(Protocol):
         data: dict[str, Any] | None = None,
         kind: str = "user",
         sender: str | None = None,
+        trace: str | None = None,
     ) -> tuple[Message, Durable]: ...
     def pending(self, session: str) -> tuple[list[Message], int]: ...
     def close_message(self, message_id: str) -> None: ...

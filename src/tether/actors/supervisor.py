@@ -90,6 +90,7 @@ class Create:
     header: SessionHeader
     prompt: str | None = None
     data: dict[str, Any] | None = None
+    trace: str | None = None  # the caller's trace context, for the prompt (telemetry on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +197,9 @@ class SupervisorActor(pykka.ThreadingActor):
         ticket = self._store.create_session(h)
         inbox: list[Message] = []
         if c.prompt is not None:
-            msg, ticket = self._store.append_message(h.id, c.prompt, data=c.data, sender=h.parent)
+            msg, ticket = self._store.append_message(
+                h.id, c.prompt, data=c.data, sender=h.parent, trace=c.trace
+            )
             inbox.append(msg)
         self._catalog.add(h)
         self._adopt(h, inbox, hold=False)

@@ -55,6 +55,7 @@ from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.tools import TOOLS, parameters
 from tether.runtime._procs import alive, all_dead, child_pids, kill_tree
+from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
@@ -173,10 +174,16 @@ class _Bash:
 class _Turn:
     """The bookkeeping of one turn with the CLI."""
 
-    def __init__(self, ctx: AsyncTurnContext, client: Any, session: str) -> None:
+    def __init__(
+        self, ctx: AsyncTurnContext, client: Any, session: str, model: str | None = None
+    ) -> None:
         self.ctx = ctx
         self.client = client
         self.session = session  # the CLI's session id
+        self.model = model or "claude"  # for the model requests' spans
+        # The model request streaming now (telemetry on): its span, from the CLI's
+        # message_start to its message_stop (or the interrupt that cut it).
+        self.chat: spans.Span | None = None
         self.reply: _Reply | None = None
         self.pending: _Reply | None = None  # a finished reply with no tool call: the last?
         self.calls: dict[str, dict[str, Any]] = {}  # tool_use_id -> its call
@@ -246,6 +253,8 @@ class _Turn:
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
+        if spans.on():
+            self._chat_event(kind, event)
         if kind == "message_start":
             self._flush()
             self.reply = _Reply()
@@ -259,6 +268,29 @@ class _Turn:
                 self._flush()
             else:  # maybe the turn's last reply: said with the saved session at the end
                 self.pending, self.reply = self.reply, None
+
+    def _chat_event(self, kind: Any, event: dict[str, Any]) -> None:
+        """The CLI's model requests as ``chat`` spans (SPEC §16.3), from its stream events."""
+        if kind == "message_start":
+            self.end_chat()
+            message = event.get("message") or {}
+            self.chat = spans.open_chat("anthropic", str(message.get("model") or self.model))
+            usage = message.get("usage") or {}
+            self.chat.usage(usage.get("input_tokens"), None)
+        elif kind == "message_delta" and self.chat is not None:
+            usage = event.get("usage") or {}
+            if usage.get("output_tokens") is not None:
+                self.chat.set("gen_ai.usage.output_tokens", usage["output_tokens"])
+            stop = (event.get("delta") or {}).get("stop_reason")
+            if stop:
+                self.chat.finish([str(stop)])
+        elif kind == "message_stop":
+            self.end_chat()
+
+    def end_chat(self, exc: BaseException | None = None) -> None:
+        if self.chat is not None:
+            self.chat.end(exc)
+            self.chat = None
 
     def _flush(self) -> None:
         """Write the pending and the finished replies as assistant entries."""
@@ -307,6 +339,7 @@ class _Turn:
     def finish(self, saved: dict[str, Any] | None) -> str | None:
         """The turn's end: its last reply (cut, or held back), with the saved session;
         the turn's final text when that is not the last entry's."""
+        self.end_chat()
         data: dict[str, Any] = {}
         if saved is not None:
             data[_SESSION_KEY] = saved
@@ -485,7 +518,7 @@ async def _start(
         **kwargs,
     )
     client = ClaudeSDKClient(options)
-    turn = _Turn(ctx, client, session)
+    turn = _Turn(ctx, client, session, cfg.model)
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
@@ -533,6 +566,7 @@ async def _wrap_up(client: Any, turn: _Turn) -> Any:
     """After a cancel: interrupt the CLI (it closes the model stream at once), then read
     to its result, which comes after the cut reply. The engine's grace bounds this."""
     turn.interrupted = True
+    turn.end_chat(asyncio.CancelledError())  # the request the interrupt cuts
     with contextlib.suppress(Exception):
         await client.interrupt()
     with contextlib.suppress(Exception):

@@ -63,6 +63,7 @@ from tether.agents.chat import (
 )
 from tether.agents.chat import _config as _chat_config
 from tether.driver.async_context import AsyncTurnContext
+from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
@@ -159,7 +160,9 @@ class _Run:
         if settings.include_usage is None:  # the SDK asks a non-OpenAI endpoint for none
             settings = settings.resolve(ModelSettings(include_usage=True))
         tools = [self._own(t) for t in agent.tools]
-        clone = agent.clone(model=_Observed(inner, self), model_settings=settings, tools=tools)
+        name = str(getattr(inner, "model", None) or agent.model or "default")
+        observed = _Observed(inner, self, name)
+        clone = agent.clone(model=observed, model_settings=settings, tools=tools)
         seen[id(agent)] = clone
         clone.handoffs = [await self._handoff(h, model=model, seen=seen) for h in agent.handoffs]
         return clone
@@ -331,7 +334,9 @@ class _Run:
             data: dict[str, Any] = {"tool_call_id": call_id, "name": name, "arguments": arguments}
             timer = _max_duration(self.ctx, self.cfg, name)
             try:
-                out = await run(tc, arguments)
+                with spans.tool(name, call_id=call_id or None) as span:
+                    span.content("gen_ai.tool.call.arguments", arguments)
+                    out = await run(tc, arguments)
             except Preempted as exc:
                 out = _preempted_text(exc)
                 data["preempted"] = True
@@ -350,9 +355,10 @@ class _Observed(Model):
     """The agent's model, watched: every streamed event goes through ``_Run.on_event`` in
     the SDK's task as it arrives (progress, the partial text, the reply's entry)."""
 
-    def __init__(self, inner: Any, run: _Run) -> None:
+    def __init__(self, inner: Any, run: _Run, name: str) -> None:
         self._inner = inner
         self._run = run
+        self._name = name  # the model's name, for its requests' spans
 
     async def close(self) -> None:
         await self._inner.close()
@@ -361,14 +367,37 @@ class _Observed(Model):
         return self._inner.get_retry_advice(request)
 
     async def get_response(self, *args: Any, **kwargs: Any) -> Any:
-        response = await self._inner.get_response(*args, **kwargs)
+        with spans.chat("openai", self._name) as span:
+            response = await self._inner.get_response(*args, **kwargs)
+            _answered(span, response)
         self._run._reply(response)
         return response
 
     async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        async for event in self._inner.stream_response(*args, **kwargs):
-            self._run.on_event(event)
-            yield event
+        # a span opened and ended by hand: an async generator may be closed elsewhere
+        span = spans.open_chat("openai", self._name)
+        try:
+            async for event in self._inner.stream_response(*args, **kwargs):
+                self._run.on_event(event)
+                if getattr(event, "type", "") == "response.completed":
+                    _answered(span, event.response)
+                yield event
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.end()
+
+
+def _answered(span: spans.Span, response: Any) -> None:
+    """What a model request's span records of a whole response."""
+    usage = getattr(response, "usage", None)
+    if usage is not None:
+        span.usage(usage.input_tokens, usage.output_tokens)
+    output = list(getattr(response, "output", None) or ())
+    calls = any(getattr(o, "type", "") == "function_call" for o in output)
+    span.finish(["tool_calls" if calls else "stop"])
+    if spans.content():
+        span.content("gen_ai.output.messages", [o.model_dump(mode="json") for o in output])
 
 
 def _parse(raw: dict[str, Any]) -> tuple[_Config, str]:

@@ -60,6 +60,7 @@ from tether.agents.chat import (
 )
 from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
+from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
@@ -221,7 +222,8 @@ class _Turn:
                         ctx.progress()
                         for steer in self.steers.new():
                             await self._offer(steer)
-                        await self._stream(node, run)
+                        with spans.chat("openai", _model_name(model, agent)) as span:
+                            await self._stream(node, run, span)
                     elif Agent.is_call_tools_node(node):
                         self._reply(node.model_response)
                         calls = _calls(node.model_response)
@@ -255,7 +257,7 @@ class _Turn:
             log.debug("steer.taken", turn=self.ctx.turn)
             self.steers.taken([steer])
 
-    async def _stream(self, node: Any, run: Any) -> None:
+    async def _stream(self, node: Any, run: Any, span: spans.Span) -> None:
         from pydantic_ai.messages import (
             EnqueuedMessagesEvent,
             PartDeltaEvent,
@@ -274,6 +276,12 @@ class _Turn:
                     self.partial += event.delta.content_delta
                 elif isinstance(event, EnqueuedMessagesEvent):
                     self._taken(event)
+            response = stream.response
+        usage = response.usage
+        span.usage(usage.input_tokens, usage.output_tokens)
+        finish = getattr(response, "finish_reason", None)
+        if finish:
+            span.finish([str(finish)])
 
     def _unsaved(self) -> list[Any]:
         if self.run_ is None:
@@ -340,6 +348,12 @@ class _Turn:
         self.saved += len(chunk)
         self.ctx.say(self.partial, data={"cut": True, _KEY: _dump(chunk)})
         self.partial = ""
+
+
+def _model_name(model: Any, agent: Any) -> str:
+    """The model a request goes to, for its span's name."""
+    chosen = model if model is not None else getattr(agent, "model", None)
+    return str(getattr(chosen, "model_name", None) or chosen or "default")
 
 
 def _calls(response: Any) -> dict[str, Any]:
@@ -470,16 +484,22 @@ def _make_stops() -> type[Any]:
         async def wrap_tool_execute(
             self, ctx: Any, *, call: Any, tool_def: Any, args: Any, handler: Any
         ) -> Any:
+            with spans.tool(call.tool_name, call_id=call.tool_call_id) as span:
+                return await self._execute(call, args, handler, span)
+
+        async def _execute(self, call: Any, args: Any, handler: Any, span: spans.Span) -> Any:
             if call.tool_name in self.turn.cfg.tools or call.tool_name.startswith("mcp__"):
                 # a Tether or MCP tool: preemptable already (``ctx.call_tool``, the MCP call)
                 result = await handler(args)
                 if isinstance(result, str) and result.startswith("preempted after "):
                     self.turn.preempted.add(call.tool_call_id)
+                    span.fail("preempted", result.partition("\n")[0])
                 return result
             try:
                 return await self.turn.ctx.preemptable(call.tool_name, handler(args))
             except Preempted as exc:
                 self.turn.preempted.add(call.tool_call_id)
+                span.fail("preempted", exc.reason or exc.message)
                 return _preempted_text(exc)
 
     return Stops

@@ -39,6 +39,7 @@ from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.disposal import on_disposed
 from tether.driver.tools import TOOLS, schemas
+from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Cancel, Preempt, Steer
 from tether.wire.records import Entry
@@ -117,6 +118,7 @@ class _Reply:
     text: str = ""
     calls: dict[int, dict[str, str]] = field(default_factory=dict)  # index -> id, name, args
     finish: str | None = None
+    usage: tuple[int, int] | None = None  # prompt, completion tokens, as the stream said
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [
@@ -233,10 +235,14 @@ class ChatAgent:
             reply = _Reply()
             stream: Any = None
             try:
-                stream = await client.chat.completions.create(**kwargs)
-                async for chunk in stream:
-                    ctx.progress()  # every chunk is progress for the stall watchdog
-                    _take(ctx, reply, chunk)
+                with spans.chat("openai", cfg.model.name, **_server(cfg.model)) as span:
+                    span.content("gen_ai.system_instructions", cfg.system)
+                    span.content("gen_ai.input.messages", messages)
+                    stream = await client.chat.completions.create(**kwargs)
+                    async for chunk in stream:
+                        ctx.progress()  # every chunk is progress for the stall watchdog
+                        _take(ctx, reply, chunk)
+                    _answered(span, reply)
             except asyncio.CancelledError:
                 if reply.text:
                     ctx.say(reply.text, data={"cut": True})  # what arrived is kept
@@ -271,20 +277,10 @@ class ChatAgent:
         data = {"tool_call_id": call["id"], "name": name, "arguments": arguments}
         started = time.monotonic()
         try:
-            if name in cfg.tools:
-                timer = _max_duration(ctx, cfg, name)
-                try:
-                    text = _result_text(await ctx.call_tool(name, arguments))
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-            elif mcp is not None and name.startswith("mcp__"):
-                text = await _mcp_call(ctx, mcp, name, arguments)
-            else:
-                offered = [*cfg.tools, *(["mcp__…"] if mcp is not None else [])]
-                text = json.dumps(
-                    {"error": "unknown-tool", "message": f"no tool {name!r}; tools: {offered}"}
-                )
+            with spans.tool(name, call_id=call["id"]) as span:
+                span.content("gen_ai.tool.call.arguments", arguments)
+                text = await self._run_tool(ctx, cfg, mcp, name, arguments)
+                span.content("gen_ai.tool.call.result", text)
         except Preempted as exc:
             text = _preempted_text(exc)
             data["preempted"] = True
@@ -297,6 +293,23 @@ class ChatAgent:
         text = text[:_RESULT_CAP]
         ctx.record_tool(text, data=data)
         return text
+
+    async def _run_tool(
+        self, ctx: AsyncTurnContext, cfg: _Config, mcp: Any, name: str, arguments: str
+    ) -> str:
+        if name in cfg.tools:
+            timer = _max_duration(ctx, cfg, name)
+            try:
+                return _result_text(await ctx.call_tool(name, arguments))
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        if mcp is not None and name.startswith("mcp__"):
+            return await _mcp_call(ctx, mcp, name, arguments)
+        offered = [*cfg.tools, *(["mcp__…"] if mcp is not None else [])]
+        return json.dumps(
+            {"error": "unknown-tool", "message": f"no tool {name!r}; tools: {offered}"}
+        )
 
 
 # One client per endpoint in this worker process, kept across turns on the worker's one
@@ -353,15 +366,32 @@ def openai_client(
     return client
 
 
+def _server(model: _Model) -> dict[str, Any]:
+    """``server.address`` / ``server.port`` of the model endpoint, for its spans."""
+    if not model.base_url:
+        return {}
+    from urllib.parse import urlsplit
+
+    url = urlsplit(model.base_url)
+    return {"server.address": url.hostname, "server.port": url.port}
+
+
+def _answered(span: spans.Span, reply: _Reply) -> None:
+    """What the model request's span records of its answer."""
+    if reply.usage is not None:
+        span.usage(*reply.usage)
+    if reply.finish:
+        span.finish([reply.finish])
+    span.content("gen_ai.output.messages", [reply.message()])
+
+
 def _take(ctx: AsyncTurnContext, reply: _Reply, chunk: Any) -> None:
     usage = getattr(chunk, "usage", None)
     if usage is not None:
-        ctx.add_usage(
-            {
-                "prompt_tokens": int(getattr(usage, "prompt_tokens", 0) or 0),
-                "completion_tokens": int(getattr(usage, "completion_tokens", 0) or 0),
-            }
-        )
+        prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
+        completion = int(getattr(usage, "completion_tokens", 0) or 0)
+        ctx.add_usage({"prompt_tokens": prompt, "completion_tokens": completion})
+        reply.usage = (prompt, completion)
     for choice in chunk.choices or ():
         delta = choice.delta
         if delta is not None:
@@ -573,6 +603,8 @@ async def _mcp_call(ctx: AsyncTurnContext, mcp: McpTools, name: str, arguments: 
     policy = mcp.policy(name)
     started = time.monotonic()
     stops: list[tuple[str, str]] = []  # this call's own (fate, output so far)
+    server = name.removeprefix("mcp__").partition("__")[0]
+    spans.annotate(**{"mcp.method.name": "tools/call", "tether.mcp.server": server})
     try:
         result = await ctx.preemptable(
             name,

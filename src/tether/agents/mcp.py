@@ -56,6 +56,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
 from tether.runtime import _procs
+from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, TetherError
 
 __all__ = ["McpResult", "McpTimeout", "McpTools", "McpUnavailable", "ToolPolicy"]
@@ -727,9 +728,15 @@ class McpTools:
                 on_progress()
 
         token = _CALL.set(state)
+        # The call's trace context rides in the request (SPEC §16.3): a server that
+        # traces joins the caller's trace.
+        traceparent = spans.traceparent()
+        meta = None if traceparent is None else {"traceparent": traceparent}
         try:
             inner = asyncio.create_task(
-                conn.client.call_tool(tool, arguments, progress_callback=progressed)
+                conn.client.call_tool(
+                    tool, arguments, progress_callback=progressed, meta=cast(Any, meta)
+                )
             )
         finally:
             _CALL.reset(token)

@@ -534,6 +534,7 @@ def _run_serve(serve: Any, args: argparse.Namespace) -> int:
             max_streams=args.max_streams,
             fd_reserve=args.fd_reserve,
             faces=_face_options(args),
+            otlp=args.otlp,
         )
     )
 
@@ -833,6 +834,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="file descriptors kept for the runtime's workers (fewer free: 503)",
     )
     _add_face_options(p)
+    p.add_argument(
+        "--otlp",
+        metavar="ENDPOINT",
+        default=None,
+        help="export OpenTelemetry traces over OTLP/HTTP to this base URL, e.g. "
+        "http://127.0.0.1:4318 (tether[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
+    )
     p.add_argument(
         "--cancel-deadline",
         type=float,

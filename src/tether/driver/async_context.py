@@ -38,6 +38,7 @@ import structlog
 from tether.driver._command import EXIT_POLL, check_command, drain, pidfd, read_some
 from tether.driver._turn import WorkerPort, _TurnState, end_of
 from tether.driver.context import BaseContext, CommandResult
+from tether.telemetry import spans
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -202,8 +203,13 @@ class AsyncTurnContext(BaseContext):
         return True
 
     async def _host_call(self, name: str, args: dict[str, Any]) -> Any:
-        if name != "history":
-            self._progress((name, repr(sorted(args.items()))))
+        if name == "history":
+            return await self._host_call_sent(name, args)
+        self._progress((name, repr(sorted(args.items()))))
+        with spans.tool(name, outer_only=True):
+            return await self._host_call_sent(name, args)
+
+    async def _host_call_sent(self, name: str, args: dict[str, Any]) -> Any:
         self._next_call += 1
         call = self._next_call
         st = self._state
@@ -211,7 +217,8 @@ class AsyncTurnContext(BaseContext):
         with st.lock:
             self._waiters[call] = fut
         try:
-            self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
+            tp = spans.traceparent()
+            self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args, trace=tp))
             reply = await fut
         finally:
             with st.lock:
@@ -318,6 +325,12 @@ class AsyncTurnContext(BaseContext):
         Other children of the worker (a tool server's process, a command awaited
         alongside) are not its leftovers and stay.
         """
+        with spans.tool("run_command", outer_only=True):
+            return await self._run_command(argv, timeout, cwd)
+
+    async def _run_command(
+        self, argv: list[str], timeout: float | None, cwd: str | None
+    ) -> CommandResult:
         check_command(self.permissions, argv)
         st = self._state
         st.progress.in_tool = True

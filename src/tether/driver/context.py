@@ -17,6 +17,7 @@ import msgspec
 
 from tether.driver._command import check_command, drain, wait_exit
 from tether.driver._turn import WorkerPort, _TurnState
+from tether.telemetry import spans
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -90,12 +91,18 @@ class BaseContext:
         self._worker.send(Say(turn=self.turn, kind="tool", text=text, data=data))
 
     def _host_call_blocking(self, name: str, args: dict[str, Any]) -> Any:
-        if name != "history":
-            self._progress((name, repr(sorted(args.items()))))
+        if name == "history":
+            return self._host_call_sent(name, args)
+        self._progress((name, repr(sorted(args.items()))))
+        with spans.tool(name, outer_only=True):
+            return self._host_call_sent(name, args)
+
+    def _host_call_sent(self, name: str, args: dict[str, Any]) -> Any:
         self._next_call += 1
         call = self._next_call
         st = self._state
-        self._worker.send(ToolCall(turn=self.turn, call=call, name=name, args=args))
+        frame = ToolCall(turn=self.turn, call=call, name=name, args=args, trace=spans.traceparent())
+        self._worker.send(frame)
         with st.lock:
             while call not in st.replies:
                 st.reply_ready.wait()
@@ -269,6 +276,12 @@ class TurnContext(BaseContext):
         Whatever the command leaves running when it returns is killed with it, and only
         that: commands run at once from several threads never touch each other's.
         """
+        with spans.tool("run_command", outer_only=True):
+            return self._run_command(argv, timeout, cwd)
+
+    def _run_command(
+        self, argv: list[str], timeout: float | None, cwd: str | None
+    ) -> CommandResult:
         check_command(self.permissions, argv)
         st = self._state
         st.progress.in_tool = True

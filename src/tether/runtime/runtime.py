@@ -62,6 +62,9 @@ from tether.runtime.backend import (
 from tether.runtime.claims import ClaimGate
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
+from tether.telemetry import Telemetry
+from tether.telemetry import make as make_telemetry
+from tether.telemetry import resolve as resolve_telemetry
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
 from tether.wire.frames import ToolCall, ToolReply
@@ -231,7 +234,9 @@ class _Host(WorkerHost):
 
     def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
         try:
-            result = self._rt._tool(job, frame.name, frame.args)
+            # what the call sends, spawns or stops is a child of the call's span
+            with self._rt._tel.attached(frame.trace):
+                result = self._rt._tool(job, frame.name, frame.args)
             return ToolReply(turn=frame.turn, call=frame.call, result=result)
         except TetherError as exc:
             return ToolReply(turn=frame.turn, call=frame.call, code=exc.code, message=exc.message)
@@ -262,6 +267,7 @@ class Runtime:
         ray_options: dict[str, Any] | None = None,
         containment: str | None = None,
         cancel_deadline: float | None = None,
+        telemetry: bool | dict[str, Any] | None = None,
     ) -> None:
         """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
@@ -279,7 +285,13 @@ class Runtime:
         seconds after it was issued escalates to an abort (``escalated``), so that a
         driver stuck in a blocking call cannot keep its turn for ever. Default:
         ``CANCEL_DEADLINE_GRACES`` times ``grace``, at least ``CANCEL_DEADLINE_MIN``
-        seconds; ``rt.cancel_deadline`` says which is in force."""
+        seconds; ``rt.cancel_deadline`` says which is in force.
+
+        ``telemetry`` exports OpenTelemetry traces over OTLP from the host and every
+        worker (SPEC §16.3, the extra ``tether[otel]``): ``True``, or settings
+        ``{"endpoint": "http://127.0.0.1:4318", "content": False, "service": "tether"}``;
+        None (the default): on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; ``False``:
+        off. The other ``OTEL_*`` variables are read by the SDK."""
         configure_logging()
         if subreaper:
             set_subreaper()
@@ -291,6 +303,7 @@ class Runtime:
             )
         cancel_deadline = _convert(cancel_deadline, Seconds, "cancel_deadline")
         check_backend(backend, ray_address)
+        self._tel: Telemetry = make_telemetry(resolve_telemetry(telemetry))
         if containment is None:
             containment = os.environ.get(CONTAINMENT_ENV) or "auto"
         if containment not in CONTAINMENTS:
@@ -365,6 +378,7 @@ class Runtime:
                         timers=self._timers,
                         grace=self.grace,
                         cancel_deadline=self.cancel_deadline,
+                        telemetry=self._tel,
                     )
                 )
             self._sup = SupervisorActor.start(
@@ -387,6 +401,7 @@ class Runtime:
         if cgroups is not None:
             cgroups.close()
         self._store.close()
+        self._tel.close()
 
     def __enter__(self) -> Runtime:
         return self
@@ -449,7 +464,7 @@ class Runtime:
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
         header = self._header(parent, driver, mode, slug, config, permissions, stall, limits)
-        sid = self._create(Create(header, prompt, data))
+        sid = self._create(Create(header, prompt, data, self._tel.current()))
         return OneShot(self, sid) if mode == "one-shot" else sid
 
     def send(
@@ -541,7 +556,14 @@ class Runtime:
                 target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
             )
         op = InterruptOp(
-            target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
+            target,
+            authority,
+            args.kind,
+            cap(args.reason),
+            g,
+            args.deadline,
+            args.turn,
+            self._tel.current(),
         )
         return self._interrupt(op)
 
@@ -564,6 +586,7 @@ class Runtime:
         delegate = Host(auth.origin, auth.by)
         nodes = self._dir.catalog.nodes
         turns: list[str] = []
+        trace = self._tel.current()
         # The subtree as of the mark; a spawn below it is refused until the walk ends.
         ids: list[str] = self._ask(Walk(target, "stopped", on=True))
         try:
@@ -572,7 +595,7 @@ class Runtime:
                 if node is None or node.header.mode == "one-shot":
                     continue  # a one-shot belongs to its handle's holder, not to the subtree
                 guard = turn if sid == target else None  # the guard names the target's turn
-                op = InterruptOp(sid, delegate, kind, reason, grace, deadline, guard)
+                op = InterruptOp(sid, delegate, kind, reason, grace, deadline, guard, trace)
                 bound = self._dispatcher.ask(sid, op)
                 if bound is not None:
                     turns.append(str(bound))
@@ -638,8 +661,10 @@ class Runtime:
             raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
         self._check_open()
         self._check_id(target)
+        trace = self._tel.current()
         if scope == "session":
-            bound = self._dispatcher.ask(target, PauseOp(target, auth, reason, resume, turn))
+            op = PauseOp(target, auth, reason, resume, turn, trace)
+            bound = self._dispatcher.ask(target, op)
             return [] if bound is None else [str(bound)]
         self._dir.authorize_subtree(target, auth)
         # Authorized at the top: below it, the same person or ancestor acts on each.
@@ -657,7 +682,8 @@ class Runtime:
                 if nodes[sid].header.mode == "one-shot":
                     continue
                 guard = turn if sid == target else None  # the guard names the target's turn
-                bound = self._dispatcher.ask(sid, PauseOp(sid, delegate, reason, resume, guard))
+                op = PauseOp(sid, delegate, reason, resume, guard, trace)
+                bound = self._dispatcher.ask(sid, op)
                 if bound is not None:
                     turns.append(str(bound))
         finally:
@@ -785,6 +811,7 @@ class Runtime:
         self._dispatcher.close()
         self._timers.close()
         self._store.close()
+        self._tel.close()  # after the actors: the last turns' spans have ended
 
     def _running(self) -> list[tuple[str, bool]]:
         """(session, paused) for every session with a turn claimed."""
@@ -846,7 +873,12 @@ class Runtime:
         self._check_id(target)
         self._dir.authorize_send(target, authority)
         msg, ticket = self._store.append_message(
-            target, content, data=data, sender=sender_of(authority), refusable=True
+            target,
+            content,
+            data=data,
+            sender=sender_of(authority),
+            refusable=True,
+            trace=self._tel.current(),
         )
         ticket.wait()  # StoreUnavailable: withdrawn, never committed, never told
         # A send that wakes a dormant session makes it live for every later call, though

@@ -101,7 +101,8 @@ CREATE TABLE IF NOT EXISTS messages (
     sender      TEXT,
     created_at  REAL NOT NULL,
     state       TEXT NOT NULL DEFAULT 'pending',   -- pending | claimed | closed
-    turn        TEXT
+    turn        TEXT,
+    trace       TEXT               -- the sending span's traceparent (telemetry on)
 );
 CREATE INDEX IF NOT EXISTS messages_pending ON messages (session, id) WHERE state='pending';
 CREATE TABLE IF NOT EXISTS turns (
@@ -372,6 +373,9 @@ class Store:
             self._db.execute("ALTER TABLE sessions ADD COLUMN limits BLOB")
         if "disposing" not in columns:  # a store written before round 4
             self._db.execute("ALTER TABLE sessions ADD COLUMN disposing INTEGER NOT NULL DEFAULT 0")
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(messages)")}
+        if "trace" not in columns:  # a store written before telemetry
+            self._db.execute("ALTER TABLE messages ADD COLUMN trace TEXT")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
         for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
             if column not in columns:  # a store written before v3
@@ -802,6 +806,7 @@ class Store:
         kind: str = "user",
         sender: str | None = None,
         refusable: bool = False,
+        trace: str | None = None,
     ) -> tuple[Message, Ticket]:
         """Queue a new inbox message; it is durable once the ticket is set.
 
@@ -816,11 +821,11 @@ class Store:
         with self._cond:
             key = self._next_key
             self._next_key += 1
-            params = (key, session, content, blob, kind, sender, now)
+            params = (key, session, content, blob, kind, sender, now, trace)
             self._submit_locked(
                 _Statement(
-                    "INSERT INTO messages (id, session, content, data, kind, sender, created_at)"
-                    " VALUES (?,?,?,?,?,?,?)",
+                    "INSERT INTO messages (id, session, content, data, kind, sender, created_at,"
+                    " trace) VALUES (?,?,?,?,?,?,?,?)",
                     params,
                 ),
                 ticket,
@@ -834,6 +839,7 @@ class Store:
             kind=kind,  # type: ignore[arg-type]
             sender=sender,
             created_at=now,
+            trace=trace,
         )
         return msg, ticket
 
@@ -849,7 +855,7 @@ class Store:
         self.flush()
         with self._lock, _readable():
             rows = self._db.execute(
-                "SELECT id, session, content, data, kind, sender, created_at FROM messages"
+                "SELECT id, session, content, data, kind, sender, created_at, trace FROM messages"
                 " WHERE session=? AND state='pending' AND id<=? ORDER BY id",
                 (session, horizon),
             ).fetchall()
@@ -951,15 +957,16 @@ class Store:
                     kind="notice",
                     sender=notice.sender,
                     created_at=now,
+                    trace=notice.trace,
                 )
 
             def op(db: sqlite3.Connection) -> None:
                 if msg is not None:
                     db.execute(
                         "INSERT INTO messages"
-                        " (id, session, content, data, kind, sender, created_at)"
-                        " VALUES (?,?,?,?,'notice',?,?)",
-                        (key, msg.session, msg.content, blob, msg.sender, now),
+                        " (id, session, content, data, kind, sender, created_at, trace)"
+                        " VALUES (?,?,?,?,'notice',?,?,?)",
+                        (key, msg.session, msg.content, blob, msg.sender, now, msg.trace),
                     )
                 if seq is not None:
                     db.execute(
@@ -1133,4 +1140,5 @@ def _message(r: tuple[Any, ...]) -> Message:
         kind=r[4],
         sender=r[5],
         created_at=r[6],
+        trace=r[7] if len(r) > 7 else None,
     )

@@ -49,6 +49,7 @@ from tether.driver.context import TurnContext
 from tether.driver.disposal import disposal_hooks
 from tether.runtime._log import configure_logging
 from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
+from tether.telemetry import spans
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound
 from tether.wire.frames import (
@@ -299,6 +300,10 @@ class _Worker:
                         state = self.current
                     assert state is not None and state.turn == item.turn
                     self.send(self._run(item, state))
+                    if item.trace is not None:
+                        # after the end is reported: the export never delays a turn's
+                        # end, and an abort before it loses only this turn's spans
+                        spans.flush()
 
     def _disposed(self, sessions: list[str]) -> None:
         """The disposal hooks, here on the main thread between turns: no turn runs while
@@ -323,6 +328,10 @@ class _Worker:
         return self.loop
 
     def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
+        with spans.turn(run.trace, lambda: state.cancel):
+            return self._run_driver(run, state)
+
+    def _run_driver(self, run: RunTurn, state: _TurnState) -> TurnEnd:
         try:
             cls = load_driver(run.driver)
             if inspect.iscoroutinefunction(cls.run):
@@ -365,3 +374,4 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
     reader.start()
     channel.send(Ready(pid=os.getpid()))
     worker.main_loop()
+    spans.shutdown()  # what is left of the last turn's spans, before the worker exits

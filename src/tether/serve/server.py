@@ -768,10 +768,13 @@ def serve(
     max_streams: int = DEFAULT_MAX_STREAMS,
     fd_reserve: int = DEFAULT_FD_RESERVE,
     faces: FaceOptions | None = None,
+    otlp: str | None = None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code.
 
     ``faces``: the driver and config of the roots that MCP and A2A clients open.
+    ``otlp``: export traces to this OTLP/HTTP base URL (SPEC §16.3); None leaves it to
+    the ``OTEL_*`` variables.
     """
     if token is None and not is_loopback(host):
         raise ValueError(f"binding {host} (not loopback) requires a token")
@@ -789,6 +792,7 @@ def serve(
         backend=backend,
         ray_address=ray_address,
         containment=containment,
+        telemetry=None if otlp is None else {"endpoint": otlp},
     )
     log.info("serve.containment", containment=rt.containment)
     try:

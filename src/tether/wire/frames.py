@@ -37,6 +37,7 @@ __all__ = [
     "ToolKilled",
     "ToolMark",
     "ToolReply",
+    "Trace",
     "TurnEnd",
     "WorkerFrame",
 ]
@@ -67,6 +68,17 @@ class Cancel(msgspec.Struct, frozen=True):
 # ---- host -> worker -----------------------------------------------------------------
 
 
+class Trace(msgspec.Struct, frozen=True):
+    """Telemetry for one turn (SPEC §16.3), only when it is on: the W3C ``traceparent`` of
+    the host's turn span (the worker's spans are its children) and how the worker
+    exports its own spans (``endpoint``: the OTLP base URL, None: the ``OTEL_*``
+    variables decide; ``content``: prompts, replies and tool arguments recorded)."""
+
+    parent: str
+    endpoint: str | None = None
+    content: bool = False
+
+
 class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     turn: str
     session: str
@@ -83,6 +95,7 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     # Steers and a cancel issued before a worker took the turn, in order: in force before
     # the driver's first boundary.
     held: list[SteerFrame | CancelFrame] = []
+    trace: Trace | None = None  # None: telemetry is off
 
 
 class SteerFrame(msgspec.Struct, frozen=True, tag="steer"):
@@ -167,6 +180,9 @@ class ToolCall(msgspec.Struct, frozen=True, tag="call"):
     call: int
     name: str
     args: dict[str, Any]
+    # The traceparent of the tool call's span (telemetry on): a turn the call wakes (a
+    # spawn's prompt, a send) is a child of it, in the same trace.
+    trace: str | None = None
 
 
 class Delivered(msgspec.Struct, frozen=True, tag="delivered"):

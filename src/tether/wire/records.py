@@ -76,6 +76,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["user", "notice"] = "user"
     sender: str | None = None
     created_at: float = 0.0
+    # The W3C traceparent of the span that sent it (telemetry, SPEC §16.3): the turn
+    # that claims it is that span's child, however much later it starts.
+    trace: str | None = None
 
 
 class PendingMessage(msgspec.Struct, frozen=True, kw_only=True):
