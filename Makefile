@@ -11,7 +11,7 @@ RAY_STAMP := $(VENV)/.installed-ray
 TEST_WORKERS ?= 2
 XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-.PHONY: demo demo-agent demo-adapters test test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
+.PHONY: demo demo-agent demo-adapters test test-unit test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: $(STAMP)
 # the extra tether[ray]; `make test` leaves them out (without Ray they would only skip).
 test: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster"
+
+# The tests marked `unit`: one process, no worker, no server (a process start fails the
+# test), in well under a minute: the state machines, outcomes, records, codecs, the store.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -m unit -q
 
 # The stop suites once more with the walk forced (SPEC §15.5): `make test` uses cgroup
 # containment where the machine allows it (root in CI does), this covers the fallback.

@@ -56,6 +56,32 @@ def _live_children() -> set[int]:
     return out - shared_trees() if SHARED else out
 
 
+class _Spawned(AssertionError):
+    """A unit test started a process: it belongs in another suite."""
+
+
+def _refuse(*_: Any, **__: Any) -> Any:
+    raise _Spawned("a unit test may not start a process (mark: unit)")
+
+
+@pytest.fixture(autouse=True)
+def unit_starts_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``unit`` (``make test-unit``) runs in this process alone: every way
+    to start another (fork, spawn, exec, a subprocess, a multiprocessing start) raises."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve"):
+            if hasattr(os, name):
+                mp.setattr(os, name, _refuse)
+        mp.setattr(subprocess.Popen, "__init__", _refuse)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes() -> Iterator[None]:
     """Fail the test if it leaves a child process (worker, tool, launcher) running."""

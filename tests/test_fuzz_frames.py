@@ -409,6 +409,7 @@ def test_a_frame_for_another_turn_is_logged_as_rejected(fresh: Harness) -> None:
     assert _rejections(logs, pid)
 
 
+@pytest.mark.unit
 def test_the_framing_the_fuzzers_write_is_the_codecs() -> None:
     """The Hostile driver's ``framed`` bytes are exactly what ``Channel.send_bytes``
     writes (so the fuzzers test the decoder, not a framing of their own)."""

@@ -25,6 +25,8 @@ from drivers import eventually
 from tether.wire.rpc import MAX_DEPTH, METHODS, RPC_ERROR_CODES
 from tether_server import LiveServer, settle, shared_server
 
+pytestmark = pytest.mark.unit  # starts no process: make test-unit
+
 SCRIPTED = "tether:Scripted"
 FUZZ = settings(
     max_examples=150,

@@ -83,6 +83,7 @@ def _pair(io: IOLoop) -> tuple[Conn, _Peer, _Ends]:
     return conn, _Peer(worker), ends
 
 
+@pytest.mark.unit
 def test_frames_posted_from_many_threads_arrive_whole_and_each_threads_in_order(
     loop: IOLoop,
 ) -> None:
@@ -110,6 +111,7 @@ def test_frames_posted_from_many_threads_arrive_whole_and_each_threads_in_order(
     assert seen == dict.fromkeys(range(4), per_thread - 1)
 
 
+@pytest.mark.unit
 def test_a_peer_that_stops_reading_never_blocks_a_poster_and_bounded_frames_are_capped(
     loop: IOLoop,
 ) -> None:
@@ -138,6 +140,7 @@ def test_a_peer_that_stops_reading_never_blocks_a_poster_and_bounded_frames_are_
     assert conn.post((chunk,), len(chunk), cap) is None  # room again
 
 
+@pytest.mark.unit
 def test_the_end_comes_once_after_the_last_frame_and_a_bad_frame_ends_the_stream(
     loop: IOLoop,
 ) -> None:
@@ -160,6 +163,7 @@ def test_the_end_comes_once_after_the_last_frame_and_a_bad_frame_ends_the_stream
     assert ends3.ended and "over the" in (ends3.ended[0] or "")
 
 
+@pytest.mark.unit
 def test_a_connection_closed_by_the_host_is_ended_once(loop: IOLoop) -> None:
     conn, peer, ends = _pair(loop)
     conn.post((b"hello",))

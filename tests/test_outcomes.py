@@ -15,6 +15,8 @@ import pytest
 
 from tether.actors.outcomes import StopFacts, TurnFacts, TurnOutcome, decide_outcome
 
+pytestmark = pytest.mark.unit  # starts no process: make test-unit
+
 
 def cancel(origin: str = "user", by: str = "s_parent", reason: str = "wrap up") -> StopFacts:
     return StopFacts("cancel", origin, by, reason)

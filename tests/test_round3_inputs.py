@@ -113,6 +113,7 @@ def _thread_cpu(native_id: int) -> float:
     raise AssertionError("the timer thread is gone")
 
 
+@pytest.mark.unit
 def test_the_timer_thread_survives_any_delay_and_still_fires_the_next_clock() -> None:
     """Defence in depth: whatever reaches the queue, its one thread neither dies nor
     spins, and a short clock set after the bad ones fires on time."""
@@ -252,6 +253,7 @@ BAD_CALLS: list[tuple[str, _Call]] = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("what", "call"), BAD_CALLS, ids=[w for w, _ in BAD_CALLS])
 def test_bad_python_api_input_is_invalid_params_and_nothing_is_issued_or_recorded(
     bed: tuple[tether.Runtime, str, str], what: str, call: _Call
@@ -275,6 +277,7 @@ def test_bad_python_api_input_is_invalid_params_and_nothing_is_issued_or_recorde
     [{"grace": INF}, {"grace": NAN}, {"grace": -1}, {"grace": 10**400}, {"workers": 0}],
     ids=["grace=inf", "grace=nan", "grace=-1", "grace=10**400", "workers=0"],
 )
+@pytest.mark.unit
 def test_a_runtime_with_a_bad_grace_or_worker_count_is_refused_before_it_starts(
     kwargs: dict[str, Any],
 ) -> None:
@@ -282,6 +285,7 @@ def test_a_runtime_with_a_bad_grace_or_worker_count_is_refused_before_it_starts(
         tether.Runtime(**kwargs)
 
 
+@pytest.mark.unit
 def test_the_largest_accepted_durations_are_accepted(bed: tuple[tether.Runtime, str, str]) -> None:
     """The bound is MAX_SECONDS (30 days), inclusive: the refusals above are about the
     values, not about deadlines as such."""

@@ -93,6 +93,8 @@ from tether.wire.frames import (
 )
 from tether.wire.records import Entry, Message, SessionHeader, StopReport
 
+pytestmark = pytest.mark.unit  # starts no process: make test-unit
+
 SID = "s_kid"
 PARENT = "s_lead"
 EPS = 1e-6

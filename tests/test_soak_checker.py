@@ -104,6 +104,7 @@ def _abort_of_t1(tok: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.unit
 def test_clean_history_passes() -> None:
     ledger = [_send("r", "m_1", 1.0), _send("r", "m_2", 1.1)]
     sessions = {
@@ -115,6 +116,7 @@ def test_clean_history_passes() -> None:
     assert _check(ledger, sessions) == set()
 
 
+@pytest.mark.unit
 def test_lost_and_twice_and_fifo() -> None:
     ledger = [_send("r", "m_1", 1.0), _send("r", "m_2", 1.1), _send("r", "m_3", 1.2)]
     sessions = {
@@ -127,6 +129,7 @@ def test_lost_and_twice_and_fifo() -> None:
     assert {"lost", "claimed-twice", "fifo"} <= found
 
 
+@pytest.mark.unit
 def test_parked_session_woken_without_a_send() -> None:
     stop = _abort_of_t1(tok="tok-9-end")
     ledger = [_send("r", "m_1", 1.0), _send("r", "m_2", 1.05), stop]
@@ -141,6 +144,7 @@ def test_parked_session_woken_without_a_send() -> None:
     assert "parked-woke" in _check(ledger, sessions)
 
 
+@pytest.mark.unit
 def test_stop_bound_outcome_and_refusal() -> None:
     stop = _abort_of_t1(tok="tok-2-end")
     refused = {
@@ -166,6 +170,7 @@ def test_stop_bound_outcome_and_refusal() -> None:
     assert {"stop-bound", "stop-outcome", "refusal-touched"} <= _check(ledger, sessions)
 
 
+@pytest.mark.unit
 def test_notices_and_recovery() -> None:
     sessions = {
         "r": _sess([]),
@@ -181,6 +186,7 @@ def test_notices_and_recovery() -> None:
     assert {"notice-missing", "notice-twice", "recovery"} <= found
 
 
+@pytest.mark.unit
 def test_wake_latch_and_cold_resume() -> None:
     # a stop accepted, then a waking send while it converges: the queue must resume
     stop = {
@@ -213,6 +219,7 @@ def test_wake_latch_and_cold_resume() -> None:
     assert "wake-lost" in _check(ledger, sessions)
 
 
+@pytest.mark.unit
 def test_the_hosts_order_decides_a_wake_that_the_callers_clocks_misplace() -> None:
     """Issue 16 item 18: a waking send that returned (t1 = 1.10) just before the host
     handled a crash report (recorded at 1.102) is, in the host's order, after the crash,

@@ -9,7 +9,7 @@ import pytest
 
 from tether.runtime.store import Store
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.unit]  # unit: starts no process
 
 
 def test_the_wal_stays_bounded_under_sustained_writes_and_reads(tmp_path: object) -> None:

@@ -40,6 +40,7 @@ def _results(rt: tether.Runtime, session: str) -> list[dict[str, Any]]:
     return [json.loads(e.text) for e in rt.transcript(session) if e.kind == "assistant"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("style", ["openai", "anthropic"])
 def test_schemas_are_valid_json_schema(style: str) -> None:
     tools = tether.tools.schemas(style)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from drivers import eventually
 from tether.runtime._procs import TREE_ENV, alive, reap, reap_tree
@@ -74,6 +75,7 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+@pytest.mark.unit
 def test_both_backends_run_their_turns_on_the_one_turn_table_and_ray_never_imports_the_pool() -> (
     None
 ):
