@@ -157,27 +157,35 @@ def _parse_server(name: object, conf: object) -> _Spec:
         raise InvalidParams(f"mcp server {name!r}: its config must be an object")
     if ("command" in conf) == ("url" in conf):
         raise InvalidParams(f"mcp server {name!r}: give exactly one of 'command' or 'url'")
-    if "command" in conf:
-        unknown = set(conf) - {"command", "env", "cwd", "connect_timeout"}
-        if unknown:
-            raise InvalidParams(f"mcp server {name!r}: unknown field {sorted(unknown)[0]!r}")
-        command = conf["command"]
-        if (
-            not isinstance(command, list)
-            or not command
-            or not all(isinstance(a, str) and a for a in command)
-        ):
-            raise InvalidParams(
-                f"mcp server {name!r}: 'command' must be a non-empty list of non-empty strings"
-            )
-        cwd = conf.get("cwd")
-        if cwd is not None and not isinstance(cwd, str):
-            raise InvalidParams(f"mcp server {name!r}: 'cwd' must be a string")
-        env = _str_map(name, "env", conf.get("env", {}))
-        return _Stdio(tuple(command), env, cwd, _timeout(name, conf))
-    unknown = set(conf) - {"url", "headers", "connect_timeout"}
+    return _parse_stdio(name, conf) if "command" in conf else _parse_http(name, conf)
+
+
+def _known_fields(name: str, conf: dict[str, Any], fields: set[str]) -> None:
+    unknown = set(conf) - fields
     if unknown:
         raise InvalidParams(f"mcp server {name!r}: unknown field {sorted(unknown)[0]!r}")
+
+
+def _parse_stdio(name: str, conf: dict[str, Any]) -> _Stdio:
+    _known_fields(name, conf, {"command", "env", "cwd", "connect_timeout"})
+    command = conf["command"]
+    if (
+        not isinstance(command, list)
+        or not command
+        or not all(isinstance(a, str) and a for a in command)
+    ):
+        raise InvalidParams(
+            f"mcp server {name!r}: 'command' must be a non-empty list of non-empty strings"
+        )
+    cwd = conf.get("cwd")
+    if cwd is not None and not isinstance(cwd, str):
+        raise InvalidParams(f"mcp server {name!r}: 'cwd' must be a string")
+    env = _str_map(name, "env", conf.get("env", {}))
+    return _Stdio(tuple(command), env, cwd, _timeout(name, conf))
+
+
+def _parse_http(name: str, conf: dict[str, Any]) -> _Http:
+    _known_fields(name, conf, {"url", "headers", "connect_timeout"})
     url = conf["url"]
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise InvalidParams(f"mcp server {name!r}: 'url' must be an http:// or https:// URL")
