@@ -17,6 +17,7 @@ import msgspec
 
 from tether.driver._command import check_command, drain, wait_exit
 from tether.driver._turn import WorkerPort, _TurnState
+from tether.wire.budget import cost_microusd
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -28,6 +29,7 @@ from tether.wire.frames import (
     Steer,
     ToolCall,
     ToolKilled,
+    Usage,
 )
 from tether.wire.records import AgentInfo, Entry, Message, StopReport
 
@@ -56,6 +58,9 @@ class BaseContext:
         self.message: Message = run.message
         self.config: dict[str, Any] = dict(run.config or {})
         self.permissions: dict[str, str] = dict(run.permissions or {})
+        model = self.config.get("model")
+        price = model.get("price") if isinstance(model, dict) else None
+        self._price: dict[str, Any] | None = price if isinstance(price, dict) else None
 
     @property
     def cancel_requested(self) -> bool:
@@ -73,12 +78,29 @@ class BaseContext:
         self._progress()
 
     def add_usage(self, usage: Mapping[str, int]) -> None:
-        """Add token counts (``{"prompt_tokens": 12, ...}``) to the turn's
-        ``TurnRecord.usage``; summed over the turn, stored when it ends."""
+        """Add one model response's token counts (``{"prompt_tokens": 12,
+        "completion_tokens": 30}``, and ``cost_microusd`` where a framework reports a
+        cost) to the turn's ``TurnRecord.usage``. Sent to the host at once, for the
+        tree's budget (SPEC §16.2); with ``model.price`` in the config, the tokens'
+        cost is added as ``cost_microusd``."""
+        delta = {
+            key: value
+            for key, value in usage.items()
+            if isinstance(value, int) and not isinstance(value, bool) and value
+        }
+        price = self._price
+        if price is not None and "cost_microusd" not in delta:
+            prompt, completion = delta.get("prompt_tokens", 0), delta.get("completion_tokens", 0)
+            if prompt or completion:
+                cost = cost_microusd(price, prompt, completion)
+                if cost:
+                    delta["cost_microusd"] = cost
+        if not delta:
+            return
         total = self._state.usage
-        for key, value in usage.items():
-            if isinstance(value, int) and not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
+        for key, value in delta.items():
+            total[key] = total.get(key, 0) + value
+        self._worker.send(Usage(turn=self.turn, usage=delta))
 
     def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
         """Append an assistant entry to the transcript."""

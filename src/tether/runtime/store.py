@@ -54,7 +54,9 @@ from typing import Any
 import msgspec
 import structlog
 
+from tether.actors.budget import Spent
 from tether.actors.ports import ParentNotice
+from tether.wire.budget import Budget
 from tether.wire.errors import StoreLocked, StoreUnavailable
 from tether.wire.records import (
     Entry,
@@ -90,7 +92,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     settled     INTEGER NOT NULL DEFAULT 0,
     stall       BLOB,
     limits      BLOB,
-    disposing   INTEGER NOT NULL DEFAULT 0   -- a disposal was accepted (see finish_disposals)
+    disposing   INTEGER NOT NULL DEFAULT 0,  -- a disposal was accepted (see finish_disposals)
+    budget      BLOB                         -- the session's own budget (SPEC §16.2)
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -317,7 +320,9 @@ class Store:
             self._open_db(path, durability, wal_limit)
             self._next_key = self._max("messages", "id") + 1  # the next message's key
             self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
-            self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
+            # Turns up to here are earlier hosts' (all ended once recovered): see spent_before
+            self._first_turn = self._max("turns", "seq") + 1
+            self._turn_seqs = itertools.count(self._first_turn)
         except sqlite3.Error as exc:
             self._unlock()
             raise StoreUnavailable(f"cannot open the store: {exc}") from None
@@ -372,6 +377,8 @@ class Store:
             self._db.execute("ALTER TABLE sessions ADD COLUMN limits BLOB")
         if "disposing" not in columns:  # a store written before round 4
             self._db.execute("ALTER TABLE sessions ADD COLUMN disposing INTEGER NOT NULL DEFAULT 0")
+        if "budget" not in columns:  # a store written before v4's budgets
+            self._db.execute("ALTER TABLE sessions ADD COLUMN budget BLOB")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
         for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
             if column not in columns:  # a store written before v3
@@ -736,11 +743,12 @@ class Store:
             row.created_at,
             _dump(row.stall),
             _dump(row.limits),
+            None if row.budget is None else _enc.encode(row.budget),
         )
         return self.submit(
             _Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
-                " created_at, stall, limits) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                " created_at, stall, limits, budget) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 params,
             ),
             waited=True,
@@ -750,7 +758,7 @@ class Store:
         """Every session, in creation order."""
         rows = self._read(
             "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled,"
-            " stall, limits FROM sessions ORDER BY seq"
+            " stall, limits, budget FROM sessions ORDER BY seq"
         )
         return [
             SessionHeader(
@@ -765,9 +773,50 @@ class Store:
                 settled=bool(r[8]),
                 stall=_load(r[9]),
                 limits=_load(r[10]),
+                budget=None if r[11] is None else msgspec.json.decode(r[11], type=Budget),
             )
             for r in rows
         ]
+
+    def set_budget(self, session: str, budget: Budget | None) -> Ticket:
+        """Replace a session's stored budget (``rt.set_budget``)."""
+        blob = None if budget is None else _enc.encode(budget)
+        return self.submit(
+            _Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
+        )
+
+    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
+        """The running turn's usage so far, queued with the turn's other writes (no
+        commit of its own): a host that dies mid-turn leaves what was reported, and the
+        turn closed ``crashed`` at recovery still counts it (SPEC §16.2)."""
+        with self._cond:
+            opened = self._open.get(turn)
+            if opened is None:
+                return
+            self._submit_locked(
+                _Statement("UPDATE turns SET usage=? WHERE seq=?", (_enc.encode(usage), opened[1])),
+                None,
+            )
+
+    def spent_before(self) -> dict[str, Spent]:
+        """What each session's turns of earlier hosts on this store spent: tokens, cost,
+        seconds, turns (this host's own are counted as they happen)."""
+        out: dict[str, Spent] = {}
+        first = (self._first_turn,)
+        for session, n, seconds in self._read(
+            "SELECT session, COUNT(*), SUM(COALESCE(ended_at, started_at) - started_at)"
+            " FROM turns WHERE seq < ? GROUP BY session",
+            first,
+        ):
+            out[str(session)] = Spent(turns=int(n), seconds=float(seconds or 0.0))
+        for session, blob in self._read(
+            "SELECT session, usage FROM turns WHERE seq < ? AND usage IS NOT NULL", first
+        ):
+            usage = _load(blob) or {}
+            spent = out.setdefault(str(session), Spent())
+            spent.tokens += _int(usage.get("prompt_tokens")) + _int(usage.get("completion_tokens"))
+            spent.cost += _int(usage.get("cost_microusd"))
+        return out
 
     def dispose_accepted(self, sessions: list[str]) -> Ticket:
         """A disposal of ``sessions`` (a whole subtree) is accepted: one commit, so a
@@ -1122,6 +1171,10 @@ def _readable() -> Iterator[None]:
         yield
     except sqlite3.Error as exc:
         raise StoreUnavailable(f"the store cannot be read: {exc}") from None
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _message(r: tuple[Any, ...]) -> Message:
