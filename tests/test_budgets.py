@@ -7,6 +7,7 @@ usage with every response; the others run ``drivers:Spender``, which reports usa
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -408,3 +409,27 @@ def test_hundreds_of_usage_reports_at_once_never_pass_the_bound_nor_stop_a_turn_
     finally:
         sys.setswitchinterval(old)
         store.close()
+
+
+def test_the_model_tool_budget_tells_an_agent_what_its_tree_has_left(server: ModelServer) -> None:
+    server.script(
+        "ask-budget",
+        [
+            {
+                "tool_calls": [{"name": "budget", "arguments": {}}],
+                "usage": {"prompt_tokens": 90, "completion_tokens": 10},
+            },
+            {"text": "noted", "usage": {"prompt_tokens": 1, "completion_tokens": 1}},
+        ],
+    )
+    with tether.Runtime(workers=2) as rt:
+        cfg = {**_chat(server, "ask-budget"), "tools": ["budget"]}
+        root = rt.open_session(SPENDER, budget={"tokens": 5_000})
+        child = str(rt.spawn(root, CHAT, config=cfg, budget={"tokens": 2_000}, prompt="how much?"))
+        rt.wait(child, until="idle", timeout=30)
+        second = server.requests_for("ask-budget")[-1]
+        (result,) = [m for m in second.body["messages"] if m.get("role") == "tool"]
+        told = json.loads(result["content"])["budget"]
+        assert told["state"] == "ok"
+        assert told["left"] == {"tokens": 1_900}  # the tightest: the child's own
+        assert told["spent"]["tokens"] == 100

@@ -215,6 +215,7 @@ class TurnContext(BaseContext):
         prompt: str | None = None,
         data: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
+        budget: dict[str, Any] | None = None,
     ) -> str:
         """Spawn a child running this session's own driver and config (the host chooses
         what loads code); ``permissions`` can only narrow this session's own."""
@@ -224,6 +225,7 @@ class TurnContext(BaseContext):
             "prompt": prompt,
             "data": data,
             "permissions": permissions,
+            "budget": budget,
         }
         return str(self._host_call("spawn_agent", args))
 
@@ -265,6 +267,12 @@ class TurnContext(BaseContext):
             return [str(t) for t in self._host_call("interrupt_agent", args)]
         turn = self._host_call("interrupt_agent", args)
         return None if turn is None else str(turn)
+
+    def budget(self) -> dict[str, Any]:
+        """What this session's tree may still spend (SPEC §16.2): ``left`` (the least
+        each budget on it or above has left, per limit), ``spent``, ``state``."""
+        result: dict[str, Any] = self._host_call("budget", {})
+        return result
 
     def stop_report(self, turn: str) -> StopReport | None:
         """What a stop did to ``turn`` (a turn of this session or of one below it), or

@@ -19,11 +19,13 @@ from typing import Annotated, Any, Literal, Protocol, overload
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from tether.wire.budget import Budget
 from tether.wire.errors import Preempted, TetherError
 from tether.wire.vocab import MAX_SECONDS
 
 __all__ = [
     "TOOLS",
+    "BudgetArgs",
     "InterruptAgentArgs",
     "ListAgentsArgs",
     "PauseAgentArgs",
@@ -59,7 +61,10 @@ class ToolHost(Protocol):
         mode: str = ...,
         prompt: str | None = ...,
         data: dict[str, Any] | None = ...,
+        budget: dict[str, Any] | None = ...,
     ) -> str: ...
+
+    def budget(self) -> dict[str, Any]: ...
 
     def send_message(
         self, to: str, text: str, *, data: dict[str, Any] | None = ..., wake: bool = ...
@@ -133,6 +138,22 @@ class SpawnAgentArgs(_Args):
         ]
         | UnsetType
     ) = UNSET
+    budget: (
+        Annotated[
+            Budget,
+            Meta(
+                description="The child's own budget (tokens, cost_usd, turn_seconds, turns): "
+                "it must fit in what your tree has left."
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
+
+
+class BudgetArgs(_Args):
+    """What your own tree (you and every agent below you) may still spend: the least each
+    budget on it or above it has left per limit (tokens, cost_usd, turn_seconds, turns),
+    what it has spent, and its state (ok, soft, exhausted)."""
 
 
 class SendMessageArgs(_Args):
@@ -246,8 +267,9 @@ def _given(value: Any) -> Any:
 
 
 def _spawn(host: Any, a: SpawnAgentArgs) -> Any:
+    extra = {} if a.budget is UNSET else {"budget": msgspec.to_builtins(a.budget)}
     return host.spawn_agent(
-        slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data)
+        slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data), **extra
     )
 
 
@@ -312,6 +334,7 @@ _CALLS: dict[str, tuple[type[_Args], _Invoke, _Shape]] = {
     "resume_agent": (ResumeAgentArgs, _resume, lambda ts: {"accepted": True, "turns": list(ts)}),
     "stop_report": (StopReportArgs, _stop_report, _shape_report),
     "run_command": (RunCommandArgs, _run, _shape_run),
+    "budget": (BudgetArgs, lambda host, a: host.budget(), lambda left: {"budget": left}),
 }
 
 _Impl = Callable[[ToolHost, Any], dict[str, Any]]
