@@ -188,6 +188,22 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
     return None if blob is None else _dec.decode(blob)
 
 
+class _UsageFlush:
+    """The running turns' usage writes since the last commit, taken when the batch runs
+    (kept for a retry of the same batch)."""
+
+    __slots__ = ("_rows", "_store")
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._rows: list[tuple[bytes, int]] | None = None
+
+    def __call__(self, db: sqlite3.Connection) -> object:
+        if self._rows is None:
+            self._rows = self._store._usage_rows()
+        return db.executemany("UPDATE turns SET usage=? WHERE seq=?", self._rows)
+
+
 class Ticket:
     """One write (or a few written together): done once committed, or once refused.
 
@@ -346,6 +362,8 @@ class Store:
         self._wal_checked = 0.0
         self._unchecked = 0
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
+        self._usage: dict[int, bytes] = {}  # row -> a running turn's usage (turn_usage)
+        self._usage_queued = False
         self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
         self._writer.start()
         self._stop_checkpoints = threading.Event()
@@ -786,17 +804,29 @@ class Store:
         )
 
     def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """The running turn's usage so far, queued with the turn's other writes (no
-        commit of its own): a host that dies mid-turn leaves what was reported, and the
-        turn closed ``crashed`` at recovery still counts it (SPEC §16.2)."""
+        """The running turn's usage so far, written with the next commit of the store (a
+        crashed turn's reported usage then counts at recovery, SPEC §16.2). Reports
+        between two commits share one write per turn, and one its end has overtaken
+        costs none."""
+        blob = _enc.encode(usage)
         with self._cond:
             opened = self._open.get(turn)
             if opened is None:
                 return
-            self._submit_locked(
-                _Statement("UPDATE turns SET usage=? WHERE seq=?", (_enc.encode(usage), opened[1])),
-                None,
-            )
+            self._usage[opened[1]] = blob
+            if not self._usage_queued:
+                self._usage_queued = True
+                # rides with the next commit, whatever it is (a turn's every entry and its
+                # end make one): no commit of its own
+                self._submit_locked(_UsageFlush(self), None, waited=True)
+
+    def _usage_rows(self) -> list[tuple[bytes, int]]:
+        """Take the running turns' usage writes queued so far (``_UsageFlush``)."""
+        with self._cond:
+            rows = [(blob, row) for row, blob in self._usage.items()]
+            self._usage.clear()
+            self._usage_queued = False
+        return rows
 
     def spent_before(self) -> dict[str, Spent]:
         """What each session's turns of earlier hosts on this store spent: tokens, cost,
@@ -986,6 +1016,7 @@ class Store:
             if opened is None:
                 return None
             session, row = opened
+            self._usage.pop(row, None)  # the end writes the turn's usage itself
             seq = next(self._entry_seqs) if final is not None else None
             msg: Message | None = None
             if notice is not None:
