@@ -383,9 +383,10 @@ class Runtime:
                 directory=self._dir,
                 dispatcher=self._dispatcher,
             )
-            # the budgets in force before the roots' hosts can start anything
-            self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
             self._sup.ask(Recover(catalog))
+            # The budgets, over the catalog just loaded: in force before this returns,
+            # so before any waking send can start a turn (every root is parked).
+            self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
         except BaseException:
             self._shutdown()
             raise

@@ -804,10 +804,9 @@ class Store:
         )
 
     def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """The running turn's usage so far, written with the next commit of the store (a
-        crashed turn's reported usage then counts at recovery, SPEC §16.2). Reports
-        between two commits share one write per turn, and one its end has overtaken
-        costs none."""
+        """The running turn's usage so far, written with the store's next batch (a crashed
+        turn's reported usage then counts at recovery, SPEC §16.2). Reports between two
+        batches share one write per turn, and one its end has overtaken costs none."""
         blob = _enc.encode(usage)
         with self._cond:
             opened = self._open.get(turn)
@@ -816,9 +815,9 @@ class Store:
             self._usage[opened[1]] = blob
             if not self._usage_queued:
                 self._usage_queued = True
-                # rides with the next commit, whatever it is (a turn's every entry and its
-                # end make one): no commit of its own
-                self._submit_locked(_UsageFlush(self), None, waited=True)
+                # one write for every report until the writer takes it, in its next
+                # batch (lingering, so it rides with the turn's other writes)
+                self._submit_locked(_UsageFlush(self), None)
 
     def _usage_rows(self) -> list[tuple[bytes, int]]:
         """Take the running turns' usage writes queued so far (``_UsageFlush``)."""
