@@ -19,7 +19,6 @@ from typing import Annotated, Any, Literal, Protocol, overload
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from tether.wire.budget import Budget
 from tether.wire.errors import Preempted, TetherError
 from tether.wire.vocab import MAX_SECONDS
 
@@ -138,12 +137,14 @@ class SpawnAgentArgs(_Args):
         ]
         | UnsetType
     ) = UNSET
+    # A plain object (the host checks it as tether.Budget): a nested schema would need a
+    # $ref, which some models' function calling cannot follow.
     budget: (
         Annotated[
-            Budget,
+            dict[str, Any],
             Meta(
-                description="The child's own budget (tokens, cost_usd, turn_seconds, turns): "
-                "it must fit in what your tree has left."
+                description='The child\'s own budget, e.g. {"tokens": 50000, "cost_usd": 1.0,'
+                ' "turn_seconds": 600, "turns": 20}: it must fit in what your tree has left.'
             ),
         ]
         | UnsetType
@@ -267,7 +268,7 @@ def _given(value: Any) -> Any:
 
 
 def _spawn(host: Any, a: SpawnAgentArgs) -> Any:
-    extra = {} if a.budget is UNSET else {"budget": msgspec.to_builtins(a.budget)}
+    extra = {} if a.budget is UNSET else {"budget": a.budget}
     return host.spawn_agent(
         slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data), **extra
     )
