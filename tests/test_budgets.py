@@ -24,7 +24,7 @@ import pytest
 import tether
 from drivers import SCRIPTED, entries, eventually, steps
 from tether import User
-from tether.actors.budget import Governor
+from tether.actors.budget import STATE, Governor
 from tether.runtime.store import Store
 from tether.testing import ModelServer
 from tether.wire.budget import Budget
@@ -191,6 +191,10 @@ def test_a_cost_limit_acts_with_the_model_price(server: ModelServer) -> None:
 def test_an_exhausted_tree_parks_sends_refuses_spawns_and_runs_again_after_set_budget(
     rt: tether.Runtime,
 ) -> None:
+    states: list[tuple[str, str]] = []
+    rt.subscribe(
+        lambda ev: states.append((ev.session, ev.data["state"])) if ev.name == "budget" else None
+    )
     root = rt.open_session(SPENDER, budget={"tokens": 500, "on_soft": "none"})
     owner = User(root)
     rt.prompt(root, "spend", data={"tokens": 100, "steps": 20})
@@ -208,6 +212,7 @@ def test_an_exhausted_tree_parks_sends_refuses_spawns_and_runs_again_after_set_b
         rt.set_budget(root, {"tokens": 10_000}, authority=User("someone-else"))
     rt.set_budget(root, {"tokens": 10_000}, authority=owner)
     assert rt.budget(root).state == "ok"
+    assert states == [(root, "soft"), (root, "exhausted"), (root, "ok")]  # the console's bar
     assert rt.status(root).state == "parked"  # raised, but parked until a waking send
     rt.prompt(root, "third", data={"tokens": 1, "steps": 1})
     eventually(lambda: len(rt.turns(root)) == 4 or None, timeout=15, what="three turns")
@@ -370,6 +375,8 @@ def _race(store: Store, attempt: int) -> None:
     lock = threading.Lock()
 
     def act(step: tuple[str, str, str, str]) -> None:
+        if step[2] == STATE:
+            return  # the tree's state, for observers
         with lock:
             stopped[step[1]] = stopped.get(step[1], 0) + 1
             crossings.add(step[3].split(" spent in ")[0])

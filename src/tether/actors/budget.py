@@ -32,7 +32,7 @@ from tether.actors.ports import Durable
 from tether.wire.budget import Budget, BudgetStatus, limit_text, spent_text
 from tether.wire.errors import BudgetExhausted, InvalidParams
 
-__all__ = ["Governor", "Spent", "SpentStore"]
+__all__ = ["STATE", "Governor", "Spent", "SpentStore", "Step"]
 
 log = structlog.get_logger("tether.budget")
 
@@ -87,8 +87,10 @@ class _Tree:
     hard: set[str] = field(default_factory=set)  # limits reached: the tree is exhausted
 
 
-# (session, turn, kind, text): one step for the session's host to take on that turn.
+# (session, turn, kind, text): one step for the session's host to take on that turn;
+# kind STATE (no turn): the session's budget state changed to ``text`` (an event).
 Step = tuple[str, str, str, str]
+STATE = "state"
 
 
 class Governor:
@@ -266,6 +268,9 @@ class Governor:
                         if value < budget.soft * limits[key]:
                             tree.soft.discard(key)
                 steps += self._check_locked(session, now)
+            mine = self._trees.get(session)
+            state = "ok" if mine is None else self._state_locked(session, mine, now)
+            steps.append((session, "", STATE, state))
             if self._timed:
                 self._reschedule_locked()
             ticket = self._store.set_budget(session, budget)  # queued in this order
@@ -437,19 +442,23 @@ class Governor:
                 tree.soft.add(key)
                 soft.append((key, limit))
         stops = [h for h in hard if h[0] != "turns"]  # turns: no running turn is stopped
+        changed: list[Step] = []
         if hard:
             key, value, limit = hard[0]
             log.warning("budget.exhausted", session=b, limit=key, spent=value, of=limit)
+            changed = [(b, "", STATE, "exhausted")]
+        elif soft:
+            log.info("budget.soft", session=b, limit=soft[0][0])
+            changed = [(b, "", STATE, "exhausted" if tree.hard else "soft")]
         if stops:
             key, value, limit = stops[0]
             where = spent_text(key, value, limit)
-            return self._targets(b, budget.on_hard, where, stop=True)
+            return changed + self._targets(b, budget.on_hard, where, stop=True)
         if soft and budget.on_soft != "none" and not hard:
             key, limit = soft[0]
-            log.info("budget.soft", session=b, limit=key)
             text = f"{round(budget.soft * 100)}% of {limit_text(key, limit)}"
-            return self._targets(b, budget.on_soft, text, stop=False)
-        return []
+            return changed + self._targets(b, budget.on_soft, text, stop=False)
+        return changed
 
     def _targets(self, b: str, kind: str, what: str, *, stop: bool) -> list[Step]:
         """One step per running turn of ``b``'s tree (a stop: those not stopped yet)."""
