@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from tether import Scripted
+from tether import Cancel, Scripted, Steer
 
 if TYPE_CHECKING:
     from tether import TurnContext
@@ -78,3 +78,39 @@ class SyncStreamer:
                 text += chunk.choices[0].delta.content
         ctx.checkpoint()
         return text
+
+
+CROSSED = "budget: crossed "
+
+
+class BudgetCrosser:
+    """A boundary every 1 ms until stopped. At a steer it reports ``data["tokens"]`` tokens
+    (``ctx.add_usage``, once) and says the moment just before it sent that report."""
+
+    def run(self, ctx: TurnContext) -> str | None:
+        tokens = int((ctx.message.data or {}).get("tokens", 0))
+        while True:
+            for frame in ctx.checkpoint():
+                if isinstance(frame, Cancel):
+                    return "stopped"
+                if isinstance(frame, Steer) and tokens:
+                    stamp = time.perf_counter_ns()
+                    ctx.add_usage({"prompt_tokens": tokens})
+                    ctx.say(f"{CROSSED}{stamp}")
+                    tokens = 0
+            time.sleep(0.001)
+
+
+class Responder:
+    """``data["responses"]`` model-like replies: a boundary, the reply's assistant entry and
+    (with ``data["usage"]``) the usage report a model reply brings, as ChatAgent does."""
+
+    def run(self, ctx: TurnContext) -> str | None:
+        data = ctx.message.data or {}
+        usage = bool(data.get("usage"))
+        for i in range(int(data.get("responses", 1))):
+            ctx.checkpoint()
+            if usage:
+                ctx.add_usage({"prompt_tokens": 120, "completion_tokens": 30})
+            ctx.say(f"reply {i}")
+        return "ok"

@@ -107,6 +107,10 @@ CASES: dict[str, Case] = {
             (120, 600),
             optional=True,
         ),
+        # Issue 29: budgets. A crossing report → a 10-session tree stopped; and the host
+        # CPU that usage reports cost.
+        _c("tether.budget_stop", "tether_cases:budget_stop", (2, 5), (180, 600)),
+        _c("tether.usage_overhead", "tether_cases:usage_overhead", (3, 7), (120, 600)),
         # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
         # Issue 18: the agent kit against the model server (needs tether[agents]).
@@ -385,6 +389,27 @@ FIGURES: list[Figure] = [
     Figure(
         "telemetry_overhead_pct",
         "tether.telemetry_overhead",
+        "overhead_pct",
+        "p50",
+        "%",
+        Target(_LE, 5),
+    ),
+    # Issue 29: the usage report that crosses a tree's budget (stamped in its worker) →
+    # every running turn of a 10-session tree recorded stopped (a boundary every 1 ms);
+    # read next to one turn's boundary stop.
+    Figure(
+        "budget_stop_p50_ms",
+        "tether.budget_stop",
+        "stop_ms",
+        "p50",
+        "ms",
+        baseline="boundary_stop_p50_ms",
+    ),
+    # Host CPU per turn with a usage report after each of its 3 steps (under a budget)
+    # vs none, same run, alternately.
+    Figure(
+        "usage_frame_overhead_pct",
+        "tether.usage_overhead",
         "overhead_pct",
         "p50",
         "%",

@@ -987,3 +987,93 @@ def subtree_abort_100(cfg: Cfg) -> Iterator[Samples]:
                     raise RuntimeError(f"turns not recorded aborted: {bad[:3]}")
                 samples.append(ms_since(t0, last))
             yield {"abort_ms": samples}
+
+
+# ---------------------------------------------------------------- budgets (issue 29)
+
+CROSSER = "benchmarks.drivers:BudgetCrosser"
+RESPONDER = "benchmarks.drivers:Responder"
+
+
+def budget_stop(cfg: Cfg) -> Iterator[Samples]:
+    """A 10-session tree (a root and nine children) under one token budget, every turn
+    running (a boundary every 1 ms): one turn reports the usage that crosses the limit
+    (stamped in its worker just before) → every turn of the tree recorded stopped (the
+    last `turn.ended`, on_hard cancel). A fresh tree each sample."""
+    size = 10
+    with tether.Runtime(workers=size, grace=2.0) as rt:
+        events = Events(rt, {"turn.ended"})
+        _pool_steady(rt, size)
+        while True:
+            samples = []
+            for _ in range(cfg.n(10, 30)):
+                root = rt.open_session(CROSSER, budget={"tokens": 1000, "on_soft": "none"})
+                kids = [str(rt.spawn(root, CROSSER)) for _ in range(size - 1)]
+                tree = [root, *kids]
+                mark = events.mark()
+                rt.prompt(root, "cross", data={"tokens": 1000})
+                for kid in kids:
+                    rt.send(kid, "run", authority=tether.User(root))
+                poll_until(
+                    lambda tree=tree: all(rt.status(s).dispatched for s in tree) or None,
+                    WAIT,
+                    "every turn of the tree running",
+                )
+                rt.interrupt(root, authority=tether.User(root), kind="steer", reason="cross")
+                last = 0
+                for sid in tree:
+                    ns, _ = events.wait(mark, _on(sid, "turn.ended"))
+                    last = max(last, ns)
+                crossed = _said(rt, root, drivers.CROSSED, 0)
+                if crossed is None:
+                    raise RuntimeError("the crossing report was never stamped")
+                samples.append((last - crossed) / 1e6)
+                for sid in tree:
+                    rt.wait(sid, until=("parked", "idle"), timeout=WAIT)
+            yield {"stop_ms": samples}
+
+
+def usage_overhead(cfg: Cfg) -> Iterator[Samples]:
+    """Host CPU per turn (as `turns`: file store, 2 workers, 8 roots, process CPU of
+    this process only) for turns of 3 model-like replies (a boundary and an assistant
+    entry each) with a usage report per reply, under a budget, vs the same turns
+    reporting none: two runtimes measured alternately in the same process. The figure is
+    the relative extra CPU, in percent."""
+    n, sessions = cfg.n(1500, 6000), 8
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-usage-") as d,
+        tether.Runtime(Path(d) / "plain.db", workers=2) as plain,
+        tether.Runtime(Path(d) / "usage.db", workers=2) as counted,
+    ):
+        setups = []
+        for rt, usage in ((plain, False), (counted, True)):
+            budget = {"tokens": 10**15} if usage else None
+            roots = [rt.open_session(RESPONDER, budget=budget) for _ in range(sessions)]
+            ended = _Countdown()
+            rt.subscribe(ended.on_event)
+            _pool_steady(rt, 2)
+            setups.append((rt, roots, ended, {"responses": 3, "usage": usage}))
+
+        def cpu(
+            rt: tether.Runtime,
+            roots: list[str],
+            ended: _Countdown,
+            data: dict[str, Any],
+            size: int,
+        ) -> float:
+            ended.arm(size)
+            c0 = time.process_time()
+            for i in range(size):
+                rt.prompt(roots[i % sessions], "x", data=data)
+            got = ended.wait(60)
+            c1 = time.process_time()
+            for root in roots:
+                rt.wait(root, timeout=WAIT)
+            return (c1 - c0) / max(got, 1) * 1e6
+
+        for setup in setups:
+            cpu(*setup, 200)  # warm-up
+        while True:
+            base = cpu(*setups[0], n)
+            with_usage = cpu(*setups[1], n)
+            yield {"overhead_pct": [(with_usage / base - 1) * 100], "usage_cpu_us": [with_usage]}

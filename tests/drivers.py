@@ -180,6 +180,28 @@ class Obedient:
         return _try_command(ctx, "Obedient")
 
 
+class Spender:
+    """Reports ``data["tokens"]`` prompt tokens (``ctx.add_usage``) per step, a boundary
+    before each, ``data["every"]`` seconds apart, for ``data["steps"]`` steps (for ever
+    without). A steer it is given becomes an assistant entry; a cancel ends the turn."""
+
+    def run(self, ctx: Any) -> str:
+        if ctx.message.kind == "notice":
+            return "noted"  # a child's turn ended: nothing to spend
+        data = ctx.message.data or {}
+        limit = data.get("steps")
+        n = 0
+        while limit is None or n < limit:
+            for frame in ctx.checkpoint():
+                if isinstance(frame, tether.Cancel):
+                    return f"cancelled after {n} steps"
+                ctx.say(frame.render())
+            ctx.add_usage({"prompt_tokens": int(data.get("tokens", 100))})
+            n += 1
+            time.sleep(float(data.get("every", 0.01)))
+        return f"spent {n} steps"
+
+
 def _try_command(ctx: Any, name: str) -> str:
     try:
         ctx.run_command(["touch", (ctx.message.data or {})["path"]])

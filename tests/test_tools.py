@@ -21,6 +21,7 @@ NAMES = [
     "resume_agent",
     "stop_report",
     "run_command",
+    "budget",
 ]
 
 

@@ -23,7 +23,9 @@ from tether import tools
 from tether.actors.authority import Ancestor, User
 from tether.driver import AsyncScripted, AsyncTurnContext, CommandResult, Scripted, TurnContext
 from tether.runtime.runtime import OneShot, Runtime
+from tether.wire.budget import Budget, BudgetStatus
 from tether.wire.errors import (
+    BudgetExhausted,
     DriverNotFound,
     InvalidParams,
     NotFound,
@@ -56,6 +58,9 @@ __all__ = [
     "Ancestor",
     "AsyncScripted",
     "AsyncTurnContext",
+    "Budget",
+    "BudgetExhausted",
+    "BudgetStatus",
     "Cancel",
     "ChildTurnEnded",
     "CommandResult",

@@ -25,6 +25,7 @@ import msgspec
 import structlog
 
 from tether.actors._ids import new_id
+from tether.actors.budget import Governor
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
 from tether.actors.ports import AgentStore, EventSink, Executor, ParentNotice, TurnJob, TurnSink
@@ -300,11 +301,19 @@ class Session:
             return
         assert self.inbox is not None
         message = self.inbox.popleft()
-        if not self.inbox:
-            self.inbox = None
         h = self.header
         host = self._host
         turn_id = new_id("t_", host.clock.now())
+        gov = host.budget
+        if gov is not None and not gov.start(h.id, self.lineage, turn_id):
+            # A budget of the tree is spent (or its turns are all used): the message
+            # stays, parked, until the budget is raised and a waking send comes.
+            self.inbox.appendleft(message)
+            self.hold = True
+            log.info("turn.held_by_budget", session=h.id, message=message.id)
+            return
+        if not self.inbox:
+            self.inbox = None
         woken_by, self.woken_by = self.woken_by, None
         claim = host.store.start_turn(turn_id, message, woken_by)
         job = TurnJob(
@@ -512,6 +521,33 @@ class Session:
             t.timer.cancel()
         t.timer = t.clock = None
         t.gen += 1
+
+    # ---- budgets (SPEC §16.2) ------------------------------------------------------------
+
+    def budget_step(self, turn: str, kind: str, text: str) -> None:
+        """The governor's step for ``turn``: a steer, a pause, a cancel or an abort of
+        origin ``budget``, bound to that turn (a no-op once it is over). A stop the turn
+        already has stands (SPEC §5: one pending stop per turn)."""
+        t = self.turn
+        if t is None or t.id != turn:
+            return
+        try:
+            if kind == "pause":
+                if t.paused or self.pause("budget", "budget", text) is None:
+                    return
+                # A pause that stands for a stop (``on_hard: pause``) says so as a stop
+                # would (SPEC §15.6); a cancel or abort later replaces it.
+                now = self._host.clock.now()
+                report = self._report(
+                    t, "pause", "budget", "budget", text, now, effective_at=now, latency_ms=0.0
+                )
+                self._host.store.put_stop_report(report)
+            else:
+                self.interrupt(
+                    Interrupt(kind, "budget", "budget", text, self._host.grace, None, turn)
+                )
+        except TetherError as exc:  # a steer refused (too much held): the stop is not
+            log.warning("budget.step_refused", session=self.header.id, turn=turn, error=exc.message)
 
     # ---- pause / resume (SPEC §14.4) ---------------------------------------------------
 
@@ -828,6 +864,10 @@ class Session:
             self._marker(t, "escalated", "system", "system", "no boundary before the deadline")
         final = end.final if end is not None else None
         partial = final if final is not None else t.job.last_say
+        # What the worker reported as it went (a killed turn sends no end): the record's
+        # usage, so a tree's spent always equals the sum of its turns' records.
+        reported = host.budget.ended(t.id) if host.budget is not None else None
+        usage = end.usage if end is not None and end.usage is not None else reported
         self.turn = None
         if outcome != "completed":
             self.hold = not t.wake_latch  # park the inbox unless a waking send latched
@@ -856,7 +896,7 @@ class Session:
             error=error,
             final=final,
             resources=t.job.resources,
-            usage=end.usage if end is not None else None,
+            usage=usage,
             notice=notice,
         )
         landed: StopReport | None = None
@@ -1127,7 +1167,11 @@ class SessionServices:
         clock: Clock = SYSTEM_CLOCK,
         cancel_deadline: float | None = None,
         telemetry: Telemetry = NOOP,
+        budget: Governor | None = None,
     ) -> None:
+        # The governor of every tree's budget (SPEC §16.2); None: no budgets (tests of
+        # the machine alone).
+        self.budget = budget
         self.grace = grace  # the runtime's default, for the watchdog's cancel
         # The deadline of a cancel issued without one: a driver stuck where no boundary
         # comes (a blocking call) would otherwise keep its turn for ever.

@@ -38,16 +38,18 @@ from tether.actors.agent import (
     make_info,
 )
 from tether.actors.authority import Authority, Host
+from tether.actors.budget import Governor
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor
 from tether.actors.states import AgentState
 from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
-from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd
+from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd, Usage
 from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader
 
 __all__ = [
     "Adopt",
+    "BudgetStep",
     "Dispatcher",
     "DisposeOp",
     "Enqueued",
@@ -119,6 +121,18 @@ class PauseOp:
     resume: bool = False
     turn: str | None = None  # the guard: act only if this is still the running turn
     trace: str | None = None  # the caller's trace context (telemetry on)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStep:
+    """Told by the governor (``actors.budget``): a budget's step (``steer``, ``pause``,
+    ``cancel``, ``abort``) for ``turn`` of ``session``, origin ``budget``; a no-op if that
+    turn is over."""
+
+    session: str
+    turn: str
+    kind: str
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,13 +242,20 @@ def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
 
 
 class _Sink:
-    """The executor's view of one turn: every report becomes a message to its host."""
+    """The executor's view of one turn: every report becomes a message to its host,
+    except usage, which goes straight to the governor (its one home, with a lock), so a
+    budget's stop is issued by the report's own thread."""
 
-    __slots__ = ("_ref", "_session")
+    __slots__ = ("_gov", "_ref", "_session")
 
-    def __init__(self, ref: pykka.ActorRef[Any], session: str) -> None:
+    def __init__(self, ref: pykka.ActorRef[Any], session: str, gov: Governor | None) -> None:
         self._ref = ref
         self._session = session
+        self._gov = gov
+
+    def usage(self, frame: Usage) -> None:
+        if self._gov is not None:
+            self._gov.usage(self._session, frame.turn, frame.usage)
 
     def said(self, frame: Say) -> None:
         _tell(self._ref, _Frame(self._session, frame))
@@ -331,6 +352,7 @@ class SessionHost(pykka.ThreadingActor):
         grace: float,
         cancel_deadline: float | None = None,
         telemetry: Telemetry = NOOP,
+        governor: Governor | None = None,
     ) -> None:
         super().__init__()
         self._dir = directory
@@ -345,13 +367,14 @@ class SessionHost(pykka.ThreadingActor):
             store=self._store,
             executor=self._executor,
             events=self._events,
-            sink=lambda sid: _Sink(ref, sid),
+            sink=lambda sid: _Sink(ref, sid, governor),
             arm=self._arm,
             notify_parent=lambda parent, msg: self._dispatcher.tell(parent, _Notice(parent, msg)),
             inbox_open=self._inbox_open,
             grace=grace,
             cancel_deadline=cancel_deadline,
             telemetry=telemetry,
+            budget=governor,
         )
         dispatcher.services.append(self._services)  # hosts start in routing order
 
@@ -430,6 +453,8 @@ class SessionHost(pykka.ThreadingActor):
                 self._on(sid, lambda s: s.ended(turn, end, error))
             case _Timer(session=sid, turn=turn, which=which, gen=gen):
                 self._on(sid, lambda s: s.timer(turn, which, gen))
+            case BudgetStep(session=sid, turn=turn, kind=kind, text=text):
+                self._on(sid, lambda s: s.budget_step(turn, kind, text))
             case DisposeOp():
                 self._dispose(message)
 

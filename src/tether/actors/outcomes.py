@@ -69,8 +69,9 @@ def decide_outcome(facts: TurnFacts) -> TurnOutcome:
         outcome: Literal["cancelled", "aborted"] = (
             "aborted" if stop.kind == "abort" or escalated else "cancelled"
         )
-        # The watchdog's stops are the system's (SPEC §14.5); its `by` says watchdog.
-        cause = "system" if stop.origin == "watchdog" else stop.origin
+        # The watchdog's and the budget's stops are the system's (SPEC §14.5, §16.2);
+        # their `by` says which.
+        cause = "system" if stop.origin in ("watchdog", "budget") else stop.origin
         # Killed on purpose: the stop says why, the executor's error would not.
         error = None if died else facts.error
         return TurnOutcome(outcome, cause, stop.by, stop.reason, forced, escalated, error)

@@ -28,6 +28,7 @@ from tether.wire.frames import (
     ToolKilled,
     Trace,
     TurnEnd,
+    Usage,
 )
 from tether.wire.records import Message, ProcessFate, SessionHeader, StopReport
 
@@ -75,6 +76,9 @@ class TurnSink(Protocol):
     def tool_killed(self, frame: ToolKilled) -> None: ...
     def progress(self, frame: Progress) -> None: ...
     def escalating(self, frame: Escalating) -> None: ...
+    def usage(self, frame: Usage) -> None:
+        """One response's usage, as it was reported (the budgets', SPEC §16.2)."""
+
     def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
         """``end`` is None when the worker died (killed, or crashed: ``error`` says)."""
 

@@ -103,10 +103,9 @@ def _config(raw: dict[str, Any]) -> _Config:
     known = {"model", "system_prompt", "allowed_tools", "cwd", "max_turns", "env"}
     if set(claude) - known:
         raise InvalidParams(f"config.claude: unknown keys {sorted(set(claude) - known)}")
-    if set(model) - {"base_url", "api_key_env"}:
-        raise InvalidParams(
-            f"config.model: unknown keys {sorted(set(model) - {'base_url', 'api_key_env'})}"
-        )
+    unknown = set(model) - {"base_url", "api_key_env", "price"}  # price: see add_usage
+    if unknown:
+        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
     # Tether's tools, MCP servers and tool policies as ChatAgent reads them (SPEC §15.3)
     tools_cfg = chat._config(
         {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
@@ -238,18 +237,21 @@ class _Turn:
 
     def _usage(self, result: Any) -> None:
         usage = result.usage or {}
+        delta: dict[str, int] = {}
         if usage:
             prompt = sum(
                 int(usage.get(k) or 0)
                 for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
             )
-            self.ctx.add_usage(
-                {"prompt_tokens": prompt, "completion_tokens": int(usage.get("output_tokens") or 0)}
-            )
+            delta["prompt_tokens"] = prompt
+            delta["completion_tokens"] = int(usage.get("output_tokens") or 0)
         cost = result.total_cost_usd
         if isinstance(cost, (int, float)) and cost > 0:
-            # TurnRecord.usage holds ints: the cost in millionths of a dollar
-            self.ctx.add_usage({"cost_microusd": round(float(cost) * 1_000_000)})
+            # TurnRecord.usage holds ints: the cost in millionths of a dollar. Reported
+            # with the tokens, it stands for them: model.price is not applied on top.
+            delta["cost_microusd"] = round(float(cost) * 1_000_000)
+        if delta:
+            self.ctx.add_usage(delta)
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")

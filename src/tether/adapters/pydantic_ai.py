@@ -80,6 +80,7 @@ class _Model:
     api_key_env: str | None = None
     timeout: float = 600.0
     retries: int = 3
+    price: dict[str, float] | None = None  # the budget's (SPEC §16.2): see add_usage
 
 
 @dataclass

@@ -72,6 +72,9 @@ class _Model:
     retries: int = 3
     backoff: float = 0.5  # seconds before the first retry, doubling (capped at 30)
     headers: dict[str, str] = field(default_factory=dict)
+    # {"input_per_mtok", "output_per_mtok"}: dollars per million tokens; the turn's
+    # context prices each response's usage with it, for the tree's budget (SPEC §16.2).
+    price: dict[str, float] | None = None
 
 
 @dataclass

@@ -17,7 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+import msgspec
+
 from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
+from tether.wire.budget import LIMITS, check_budget, limit_text, parse_budget, spent_text
 from tether.wire.errors import TetherError
 from tether.wire.vocab import MAX_SECONDS
 
@@ -170,7 +173,41 @@ def _stall(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {} if args.stall is None else {"stall": args.stall}
     if getattr(args, "limits", None) is not None:
         out["limits"] = args.limits
+    if getattr(args, "budget", None) is not None:
+        out["budget"] = args.budget
     return out
+
+
+def _budget_arg(text: str) -> dict[str, Any]:
+    """``--budget tokens=200000,cost_usd=5,turn_seconds=600,turns=50,soft=0.8,
+    on_soft=steer,on_hard=cancel`` (SPEC §16.2); the server checks it again."""
+    try:
+        return check_budget_dict(text)
+    except TetherError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def check_budget_dict(text: str) -> dict[str, Any]:
+    """The budget ``text`` names, checked, as the dict RPC takes."""
+    budget = check_budget(parse_budget(text))
+    assert budget is not None
+    out: dict[str, Any] = msgspec.to_builtins(budget)
+    return out
+
+
+def budget_lines(status: dict[str, Any]) -> Iterator[str]:
+    """A tree's budget (``subagent.budget``) as a person reads it."""
+    decided = status.get("decided_by")
+    head = f"budget of {status['session']}: {status['state']}"
+    yield head + (f" (decided by {decided})" if decided else "")
+    limits, remaining = status.get("limits") or {}, status.get("remaining") or {}
+    for key in LIMITS:
+        spent = status["spent"].get(key, 0)
+        if key in limits:
+            left = limit_text(key, remaining.get(key, 0))
+            yield f"  {key:<13} {spent_text(key, spent, limits[key])}  ({left} left)"
+        else:
+            yield f"  {key:<13} {limit_text(key, spent)} spent"
 
 
 def _limits_arg(text: str) -> dict[str, float]:
@@ -302,6 +339,16 @@ def _when(ts: float | None) -> str:
         return "-"
     stamp = datetime.fromtimestamp(ts, tz=UTC)
     return stamp.strftime("%Y-%m-%d %H:%M:%S.") + f"{stamp.microsecond // 1000:03d} UTC"
+
+
+def _budget(args: argparse.Namespace, client: Client) -> int:
+    if args.set is not None:
+        budget = None if args.set in ("none", "") else check_budget_dict(args.set)
+        params = {"address": _address(args, client), "budget": budget}
+        client.call("subagent.setBudget", params)
+    status = client.call("subagent.budget", {"session": args.id})["budget"]
+    _out(args, {"budget": status}, "\n".join(budget_lines(status)))
+    return 0
 
 
 def report_lines(r: dict[str, Any]) -> Iterator[str]:
@@ -588,6 +635,15 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
         "(a child without its own inherits its parent's; unenforceable here: an error)",
     )
 
+    p.add_argument(
+        "--budget",
+        type=_budget_arg,
+        metavar="SPEC",
+        help="the tree's budget: tokens=N,cost_usd=X,turn_seconds=S,turns=K[,soft=0.8]"
+        "[,on_soft=steer|pause|none][,on_hard=cancel|abort|pause] (a child's must fit in "
+        "what its ancestors' have left)",
+    )
+
 
 def _add_face_options(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("MCP and A2A clients (the extra tether[agents])")
@@ -734,6 +790,20 @@ def build_parser() -> argparse.ArgumentParser:
         _report,
     )
     p.add_argument("turn", help="turn id (t_…)")
+
+    p = command(
+        "budget",
+        "show a tree's budget: spent, limits, what is left (with --set, change it first)",
+        "tether budget s_01H… --set tokens=500000,cost_usd=10",
+        _budget,
+    )
+    p.add_argument("id", help="session id")
+    p.add_argument(
+        "--set",
+        metavar="SPEC",
+        help="its new budget (as --budget; 'none' removes it), with its parent's authority",
+    )
+    p.add_argument("--parent", help="its parent id (looked up when left out)")
 
     p = command(
         "inbox",

@@ -249,6 +249,7 @@ class AsyncTurnContext(BaseContext):
         prompt: str | None = None,
         data: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
+        budget: dict[str, Any] | None = None,
     ) -> str:
         """Spawn a child running this session's own driver and config."""
         args = {
@@ -257,8 +258,15 @@ class AsyncTurnContext(BaseContext):
             "prompt": prompt,
             "data": data,
             "permissions": permissions,
+            "budget": budget,
         }
         return str(await self._host_call("spawn_agent", args))
+
+    async def budget(self) -> dict[str, Any]:
+        """What this session's tree may still spend (SPEC §16.2): ``left`` (the least
+        each budget on it or above has left, per limit), ``spent``, ``state``."""
+        result: dict[str, Any] = await self._host_call("budget", {})
+        return result
 
     async def send_message(
         self, to: str, text: str, *, data: dict[str, Any] | None = None, wake: bool = True

@@ -18,6 +18,7 @@ import msgspec
 from tether.driver._command import check_command, drain, wait_exit
 from tether.driver._turn import WorkerPort, _TurnState
 from tether.telemetry import spans
+from tether.wire.budget import cost_microusd
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -29,6 +30,7 @@ from tether.wire.frames import (
     Steer,
     ToolCall,
     ToolKilled,
+    Usage,
 )
 from tether.wire.records import AgentInfo, Entry, Message, StopReport
 
@@ -57,6 +59,9 @@ class BaseContext:
         self.message: Message = run.message
         self.config: dict[str, Any] = dict(run.config or {})
         self.permissions: dict[str, str] = dict(run.permissions or {})
+        model = self.config.get("model")
+        price = model.get("price") if isinstance(model, dict) else None
+        self._price: dict[str, Any] | None = price if isinstance(price, dict) else None
 
     @property
     def cancel_requested(self) -> bool:
@@ -74,12 +79,29 @@ class BaseContext:
         self._progress()
 
     def add_usage(self, usage: Mapping[str, int]) -> None:
-        """Add token counts (``{"prompt_tokens": 12, ...}``) to the turn's
-        ``TurnRecord.usage``; summed over the turn, stored when it ends."""
+        """Add one model response's token counts (``{"prompt_tokens": 12,
+        "completion_tokens": 30}``, and ``cost_microusd`` where a framework reports a
+        cost) to the turn's ``TurnRecord.usage``. Sent to the host at once, for the
+        tree's budget (SPEC §16.2); with ``model.price`` in the config, the tokens'
+        cost is added as ``cost_microusd``."""
+        delta = {
+            key: value
+            for key, value in usage.items()
+            if isinstance(value, int) and not isinstance(value, bool) and value
+        }
+        price = self._price
+        if price is not None and "cost_microusd" not in delta:
+            prompt, completion = delta.get("prompt_tokens", 0), delta.get("completion_tokens", 0)
+            if prompt or completion:
+                cost = cost_microusd(price, prompt, completion)
+                if cost:
+                    delta["cost_microusd"] = cost
+        if not delta:
+            return
         total = self._state.usage
-        for key, value in usage.items():
-            if isinstance(value, int) and not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
+        for key, value in delta.items():
+            total[key] = total.get(key, 0) + value
+        self._worker.send(Usage(turn=self.turn, usage=delta))
 
     def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
         """Append an assistant entry to the transcript."""
@@ -200,6 +222,7 @@ class TurnContext(BaseContext):
         prompt: str | None = None,
         data: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
+        budget: dict[str, Any] | None = None,
     ) -> str:
         """Spawn a child running this session's own driver and config (the host chooses
         what loads code); ``permissions`` can only narrow this session's own."""
@@ -209,6 +232,7 @@ class TurnContext(BaseContext):
             "prompt": prompt,
             "data": data,
             "permissions": permissions,
+            "budget": budget,
         }
         return str(self._host_call("spawn_agent", args))
 
@@ -250,6 +274,12 @@ class TurnContext(BaseContext):
             return [str(t) for t in self._host_call("interrupt_agent", args)]
         turn = self._host_call("interrupt_agent", args)
         return None if turn is None else str(turn)
+
+    def budget(self) -> dict[str, Any]:
+        """What this session's tree may still spend (SPEC §16.2): ``left`` (the least
+        each budget on it or above has left, per limit), ``spent``, ``state``."""
+        result: dict[str, Any] = self._host_call("budget", {})
+        return result
 
     def stop_report(self, turn: str) -> StopReport | None:
         """What a stop did to ``turn`` (a turn of this session or of one below it), or

@@ -246,6 +246,7 @@ _TOOL_OPS: dict[str, _ToolOp] = {
             mode=st.get("mode", "continuable"),
             prompt=_spawn_prompt(st),
             data=st.get("data"),
+            budget=st.get("budget"),
         ),
         lambda st, child: f"spawned {child}",
     ),

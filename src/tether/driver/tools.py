@@ -24,6 +24,7 @@ from tether.wire.vocab import MAX_SECONDS
 
 __all__ = [
     "TOOLS",
+    "BudgetArgs",
     "InterruptAgentArgs",
     "ListAgentsArgs",
     "PauseAgentArgs",
@@ -59,7 +60,10 @@ class ToolHost(Protocol):
         mode: str = ...,
         prompt: str | None = ...,
         data: dict[str, Any] | None = ...,
+        budget: dict[str, Any] | None = ...,
     ) -> str: ...
+
+    def budget(self) -> dict[str, Any]: ...
 
     def send_message(
         self, to: str, text: str, *, data: dict[str, Any] | None = ..., wake: bool = ...
@@ -133,6 +137,24 @@ class SpawnAgentArgs(_Args):
         ]
         | UnsetType
     ) = UNSET
+    # A plain object (the host checks it as tether.Budget): a nested schema would need a
+    # $ref, which some models' function calling cannot follow.
+    budget: (
+        Annotated[
+            dict[str, Any],
+            Meta(
+                description='The child\'s own budget, e.g. {"tokens": 50000, "cost_usd": 1.0,'
+                ' "turn_seconds": 600, "turns": 20}: it must fit in what your tree has left.'
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
+
+
+class BudgetArgs(_Args):
+    """What your own tree (you and every agent below you) may still spend: the least each
+    budget on it or above it has left per limit (tokens, cost_usd, turn_seconds, turns),
+    what it has spent, and its state (ok, soft, exhausted)."""
 
 
 class SendMessageArgs(_Args):
@@ -246,8 +268,9 @@ def _given(value: Any) -> Any:
 
 
 def _spawn(host: Any, a: SpawnAgentArgs) -> Any:
+    extra = {} if a.budget is UNSET else {"budget": a.budget}
     return host.spawn_agent(
-        slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data)
+        slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data), **extra
     )
 
 
@@ -312,6 +335,7 @@ _CALLS: dict[str, tuple[type[_Args], _Invoke, _Shape]] = {
     "resume_agent": (ResumeAgentArgs, _resume, lambda ts: {"accepted": True, "turns": list(ts)}),
     "stop_report": (StopReportArgs, _stop_report, _shape_report),
     "run_command": (RunCommandArgs, _run, _shape_run),
+    "budget": (BudgetArgs, lambda host, a: host.budget(), lambda left: {"budget": left}),
 }
 
 _Impl = Callable[[ToolHost, Any], dict[str, Any]]

@@ -27,8 +27,10 @@ import structlog
 from tether.actors._ids import new_id
 from tether.actors._timers import TimerQueue
 from tether.actors.authority import Ancestor, Authority, Host, User, sender_of
+from tether.actors.budget import STATE, Governor, Step
 from tether.actors.directory import Directory
 from tether.actors.host import (
+    BudgetStep,
     Dispatcher,
     Enqueued,
     InterruptOp,
@@ -65,6 +67,7 @@ from tether.runtime.worker import set_subreaper
 from tether.telemetry import Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
+from tether.wire.budget import Budget, BudgetStatus, check_budget, check_price
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
 from tether.wire.frames import ToolCall, ToolReply
@@ -366,6 +369,12 @@ class Runtime:
             self.containment = str(getattr(self._pool, "containment", "walk"))
         # A turn reaches a worker only once its claim is durable (see runtime.claims).
         executor: Executor = ClaimGate(self._pool, self._store)
+        self._gov = Governor(
+            store=self._store,
+            act=self._budget_step,
+            subtree=self._below,
+            arm=self._timers.after,
+        )
         try:
             for _ in range(_HOSTS):
                 self._dispatcher.refs.append(
@@ -379,6 +388,7 @@ class Runtime:
                         grace=self.grace,
                         cancel_deadline=self.cancel_deadline,
                         telemetry=self._tel,
+                        governor=self._gov,
                     )
                 )
             self._sup = SupervisorActor.start(
@@ -388,6 +398,9 @@ class Runtime:
                 dispatcher=self._dispatcher,
             )
             self._sup.ask(Recover(catalog))
+            # The budgets, over the catalog just loaded: in force before this returns,
+            # so before any waking send can start a turn (every root is parked).
+            self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
         except BaseException:
             self._shutdown()
             raise
@@ -420,14 +433,18 @@ class Runtime:
         permissions: Mapping[str, str] | None = None,
         stall: dict[str, Any] | StallPolicy | None = None,
         limits: dict[str, float] | None = None,
+        budget: dict[str, Any] | Budget | None = None,
     ) -> str:
         """Open a root session; its owner prompts it with ``prompt``.
 
         ``stall``: the stall watchdog's policy (see ``check_stall``). ``limits``: each
         turn's ``memory_mb``, ``pids`` and ``cpu`` (cores), enforced by the turn's cgroup
-        (SPEC §15.5); one the kernel cannot enforce here is InvalidParams.
+        (SPEC §15.5); one the kernel cannot enforce here is InvalidParams. ``budget``:
+        the tree's budget (SPEC §16.2, ``tether.Budget`` or its dict), see ``set_budget``.
         """
-        header = self._header(None, driver, "continuable", slug, config, permissions, stall, limits)
+        header = self._header(
+            None, driver, "continuable", slug, config, permissions, stall, limits, budget
+        )
         return self._create(Create(header))
 
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
@@ -448,12 +465,15 @@ class Runtime:
         permissions: Mapping[str, str] | None = None,
         stall: dict[str, Any] | StallPolicy | None = None,
         limits: dict[str, float] | None = None,
+        budget: dict[str, Any] | Budget | None = None,
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
         Its permissions are ``parent``'s narrowed by ``permissions`` (SPEC §6); without
         its own ``stall`` policy it inherits its parent's (SPEC §14.5), and likewise its
-        ``limits`` (SPEC §15.5).
+        ``limits`` (SPEC §15.5). Its own ``budget`` (SPEC §16.2) must fit in what every
+        budgeted ancestor has left (InvalidParams); under a tree whose budget is spent
+        the spawn is refused with ``BudgetExhausted``.
         """
         if mode not in _MODES:
             raise InvalidParams(f"mode must be one of {_MODES}, not {mode!r}")
@@ -463,7 +483,9 @@ class Runtime:
             self._check_message(prompt, data)
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
-        header = self._header(parent, driver, mode, slug, config, permissions, stall, limits)
+        header = self._header(
+            parent, driver, mode, slug, config, permissions, stall, limits, budget
+        )
         sid = self._create(Create(header, prompt, data, self._tel.current()))
         return OneShot(self, sid) if mode == "one-shot" else sid
 
@@ -616,6 +638,51 @@ class Runtime:
             raise InvalidParams("turn must be a turn id")
         self._check_open()
         return self._store.stop_report(turn)
+
+    def budget(self, target: str) -> BudgetStatus:
+        """The budget of ``target``'s tree (SPEC §16.2): what the target and every session
+        below it spent (``spent``: ``tokens``, ``cost_usd``, ``turn_seconds`` with running
+        turns, ``turns`` started), its own ``limits`` and ``remaining``, and ``state``
+        (``ok``, ``soft``, ``exhausted``: the tightest of its own budget and its
+        ancestors'), with ``decided_by`` the session whose budget sets that state."""
+        self._check_open()
+        self._known(target)
+        return self._gov.status(target, self._dir.catalog.lineage(target))
+
+    def set_budget(
+        self, target: str, budget: dict[str, Any] | Budget | None, *, authority: Authority
+    ) -> None:
+        """Set, change or (``None``) remove ``target``'s own budget, with the authority of
+        an interrupt (SPEC §6); durable before this returns. It must fit in what each
+        budgeted ancestor has left (InvalidParams). A limit lowered to what the tree has
+        spent acts at once (``on_hard``); one raised lifts the exhaustion, and parked work
+        runs again on the next waking send (SPEC §4)."""
+        self._check_authority(authority)
+        checked = check_budget(budget)
+        self._check_open()
+        self._check_id(target)
+        self._dir.authorize_subtree(target, authority, what="set the budget of")
+        self._store.check_writable()
+        lineage = self._dir.catalog.lineage(target)
+        self._gov.set_budget(target, lineage, checked).wait()
+        log.info("budget.set", session=target, budget=None if checked is None else checked.limits())
+
+    def _budget_step(self, step: Step) -> None:
+        """The governor's step, to the host of the session it is for; a state change is
+        an event (``budget``, data ``{"state"}``) for observers (the console's bar)."""
+        session, _, kind, text = step
+        if kind == STATE:
+            if self._events.wants("budget") and session in self._dir.catalog.nodes:
+                lineage = self._dir.catalog.lineage(session)
+                self._events.emit("budget", session, lineage, {"state": text})
+            return
+        self._dispatcher.tell(session, BudgetStep(*step))
+
+    def _below(self, session: str) -> list[str]:
+        """Every session below ``session`` (none for one not in the catalog yet)."""
+        if session not in self._dir.catalog.nodes:
+            return []
+        return self._dir.catalog.preorder(session)
 
     def pause(
         self,
@@ -855,7 +922,19 @@ class Runtime:
 
     def _create(self, create: Create) -> str:
         self._store.check_writable()  # refused before anything changes while it is down
-        sid, ticket = self._ask(create)
+        h = create.header
+        lineage: tuple[str, ...] = ()
+        if h.parent is not None:
+            self._known(h.parent)
+            lineage = (*self._dir.catalog.lineage(h.parent), h.parent)
+        # BudgetExhausted, or a budget that does not fit: refused before anything is
+        # recorded; one that fits is in force before the child's first turn can start.
+        self._gov.admit(h.id, lineage, h.budget)
+        try:
+            sid, ticket = self._ask(create)
+        except BaseException:
+            self._gov.forget(h.id)
+            raise
         ticket.wait()
         return str(sid)
 
@@ -928,8 +1007,10 @@ class Runtime:
         permissions: Mapping[str, str] | None,
         stall: dict[str, Any] | StallPolicy | None = None,
         limits: dict[str, float] | None = None,
+        budget: object = None,
     ) -> SessionHeader:
         checked_limits = None if limits is None else self._check_limits(limits)
+        checked_budget = check_budget(budget)
         if not isinstance(driver, str) or not driver:
             raise InvalidParams("driver must be an import string 'package.module:Class'")
         _check_text("driver", driver)
@@ -945,6 +1026,9 @@ class Runtime:
             perms = _convert(permissions, dict[str, Permission], "permissions")
             self._check_data(perms, "permissions")  # its keys' text
         self._check_data(config, "config")
+        model = (config or {}).get("model")
+        if isinstance(model, dict) and model.get("price") is not None:
+            check_price(model["price"])
         policy = None if stall is None else check_stall(stall)
         self._pool.probe(driver)
         return SessionHeader(
@@ -958,6 +1042,7 @@ class Runtime:
             created_at=time.time(),
             stall=policy,
             limits=checked_limits,
+            budget=checked_budget,
         )
 
     def _check_limits(self, limits: object) -> dict[str, float]:
@@ -1073,8 +1158,20 @@ class Runtime:
                     slug=args.get("slug"),
                     config=job.config,
                     permissions=args.get("permissions"),
+                    budget=args.get("budget"),
                 )
                 return result.id if isinstance(result, OneShot) else result
+            case "budget":
+                # What the caller's own tree may still spend: the least that each budget
+                # on it or above it has left, and the state they put it in.
+                status = self.budget(caller)
+                left = self._gov.left(caller, self._dir.catalog.lineage(caller))
+                return {
+                    "state": status.state,
+                    "decided_by": status.decided_by,
+                    "spent": status.spent,
+                    "left": left,
+                }
             case "send_message":
                 auth = gate("send")
                 target = str(self._ask(Resolve(caller, str(args.get("to", "")))))

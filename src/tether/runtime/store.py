@@ -54,7 +54,9 @@ from typing import Any
 import msgspec
 import structlog
 
+from tether.actors.budget import Spent
 from tether.actors.ports import ParentNotice
+from tether.wire.budget import Budget
 from tether.wire.errors import StoreLocked, StoreUnavailable
 from tether.wire.records import (
     Entry,
@@ -90,7 +92,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     settled     INTEGER NOT NULL DEFAULT 0,
     stall       BLOB,
     limits      BLOB,
-    disposing   INTEGER NOT NULL DEFAULT 0   -- a disposal was accepted (see finish_disposals)
+    disposing   INTEGER NOT NULL DEFAULT 0,  -- a disposal was accepted (see finish_disposals)
+    budget      BLOB                         -- the session's own budget (SPEC §16.2)
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -184,6 +187,22 @@ def _dump(value: dict[str, Any] | None) -> bytes | None:
 
 def _load(blob: bytes | None) -> dict[str, Any] | None:
     return None if blob is None else _dec.decode(blob)
+
+
+class _UsageFlush:
+    """The running turns' usage writes since the last commit, taken when the batch runs
+    (kept for a retry of the same batch)."""
+
+    __slots__ = ("_rows", "_store")
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._rows: list[tuple[bytes, int]] | None = None
+
+    def __call__(self, db: sqlite3.Connection) -> object:
+        if self._rows is None:
+            self._rows = self._store._usage_rows()
+        return db.executemany("UPDATE turns SET usage=? WHERE seq=?", self._rows)
 
 
 class Ticket:
@@ -318,7 +337,9 @@ class Store:
             self._open_db(path, durability, wal_limit)
             self._next_key = self._max("messages", "id") + 1  # the next message's key
             self._entry_seqs = itertools.count(self._max("entries", "seq") + 1)
-            self._turn_seqs = itertools.count(self._max("turns", "seq") + 1)
+            # Turns up to here are earlier hosts' (all ended once recovered): see spent_before
+            self._first_turn = self._max("turns", "seq") + 1
+            self._turn_seqs = itertools.count(self._first_turn)
         except sqlite3.Error as exc:
             self._unlock()
             raise StoreUnavailable(f"cannot open the store: {exc}") from None
@@ -342,6 +363,8 @@ class Store:
         self._wal_checked = 0.0
         self._unchecked = 0
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
+        self._usage: dict[int, bytes] = {}  # row -> a running turn's usage (turn_usage)
+        self._usage_queued = False
         self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
         self._writer.start()
         self._stop_checkpoints = threading.Event()
@@ -373,6 +396,8 @@ class Store:
             self._db.execute("ALTER TABLE sessions ADD COLUMN limits BLOB")
         if "disposing" not in columns:  # a store written before round 4
             self._db.execute("ALTER TABLE sessions ADD COLUMN disposing INTEGER NOT NULL DEFAULT 0")
+        if "budget" not in columns:  # a store written before v4's budgets
+            self._db.execute("ALTER TABLE sessions ADD COLUMN budget BLOB")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(messages)")}
         if "trace" not in columns:  # a store written before telemetry
             self._db.execute("ALTER TABLE messages ADD COLUMN trace TEXT")
@@ -740,11 +765,12 @@ class Store:
             row.created_at,
             _dump(row.stall),
             _dump(row.limits),
+            None if row.budget is None else _enc.encode(row.budget),
         )
         return self.submit(
             _Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
-                " created_at, stall, limits) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                " created_at, stall, limits, budget) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 params,
             ),
             waited=True,
@@ -754,7 +780,7 @@ class Store:
         """Every session, in creation order."""
         rows = self._read(
             "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled,"
-            " stall, limits FROM sessions ORDER BY seq"
+            " stall, limits, budget FROM sessions ORDER BY seq"
         )
         return [
             SessionHeader(
@@ -769,9 +795,61 @@ class Store:
                 settled=bool(r[8]),
                 stall=_load(r[9]),
                 limits=_load(r[10]),
+                budget=None if r[11] is None else msgspec.json.decode(r[11], type=Budget),
             )
             for r in rows
         ]
+
+    def set_budget(self, session: str, budget: Budget | None) -> Ticket:
+        """Replace a session's stored budget (``rt.set_budget``)."""
+        blob = None if budget is None else _enc.encode(budget)
+        return self.submit(
+            _Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
+        )
+
+    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
+        """The running turn's usage so far, written with the store's next batch (a crashed
+        turn's reported usage then counts at recovery, SPEC §16.2). Reports between two
+        batches share one write per turn, and one its end has overtaken costs none."""
+        blob = _enc.encode(usage)
+        with self._cond:
+            opened = self._open.get(turn)
+            if opened is None:
+                return
+            self._usage[opened[1]] = blob
+            if not self._usage_queued:
+                self._usage_queued = True
+                # one write for every report until the writer takes it, in its next
+                # batch (lingering, so it rides with the turn's other writes)
+                self._submit_locked(_UsageFlush(self), None)
+
+    def _usage_rows(self) -> list[tuple[bytes, int]]:
+        """Take the running turns' usage writes queued so far (``_UsageFlush``)."""
+        with self._cond:
+            rows = [(blob, row) for row, blob in self._usage.items()]
+            self._usage.clear()
+            self._usage_queued = False
+        return rows
+
+    def spent_before(self) -> dict[str, Spent]:
+        """What each session's turns of earlier hosts on this store spent: tokens, cost,
+        seconds, turns (this host's own are counted as they happen)."""
+        out: dict[str, Spent] = {}
+        first = (self._first_turn,)
+        for session, n, seconds in self._read(
+            "SELECT session, COUNT(*), SUM(COALESCE(ended_at, started_at) - started_at)"
+            " FROM turns WHERE seq < ? GROUP BY session",
+            first,
+        ):
+            out[str(session)] = Spent(turns=int(n), seconds=float(seconds or 0.0))
+        for session, blob in self._read(
+            "SELECT session, usage FROM turns WHERE seq < ? AND usage IS NOT NULL", first
+        ):
+            usage = _load(blob) or {}
+            spent = out.setdefault(str(session), Spent())
+            spent.tokens += _int(usage.get("prompt_tokens")) + _int(usage.get("completion_tokens"))
+            spent.cost += _int(usage.get("cost_microusd"))
+        return out
 
     def dispose_accepted(self, sessions: list[str]) -> Ticket:
         """A disposal of ``sessions`` (a whole subtree) is accepted: one commit, so a
@@ -943,6 +1021,7 @@ class Store:
             if opened is None:
                 return None
             session, row = opened
+            self._usage.pop(row, None)  # the end writes the turn's usage itself
             seq = next(self._entry_seqs) if final is not None else None
             msg: Message | None = None
             if notice is not None:
@@ -1129,6 +1208,10 @@ def _readable() -> Iterator[None]:
         yield
     except sqlite3.Error as exc:
         raise StoreUnavailable(f"the store cannot be read: {exc}") from None
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _message(r: tuple[Any, ...]) -> Message:

@@ -69,6 +69,8 @@ from tether.wire.rpc import (
     RPC_ERROR_CODES,
     Accepted,
     AgentList,
+    BudgetParams,
+    BudgetResult,
     DisposeParams,
     ErrorData,
     ErrorObject,
@@ -87,6 +89,7 @@ from tether.wire.rpc import (
     ResumeParams,
     SendParams,
     SessionResult,
+    SetBudgetParams,
     SpawnParams,
     StatusParams,
     StopReportParams,
@@ -147,6 +150,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             permissions=p.permissions,
             stall=p.stall,
             limits=p.limits,
+            budget=p.budget,
         )
         return SessionResult(sid)
 
@@ -169,6 +173,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             permissions=p.permissions,
             stall=p.stall,
             limits=p.limits,
+            budget=p.budget,
         )
         return SessionResult(child if isinstance(child, str) else child.id)
 
@@ -241,6 +246,14 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def stop_report(p: StopReportParams) -> StopReportResult:
         return StopReportResult(rt.stop_report(p.turn))
 
+    def budget(p: BudgetParams) -> BudgetResult:
+        return BudgetResult(rt.budget(p.session))
+
+    def set_budget(p: SetBudgetParams) -> Accepted:
+        a = p.address
+        rt.set_budget(a.session, p.budget, authority=User(parent=a.parent))
+        return Accepted()
+
     def dispose(p: DisposeParams) -> Accepted:
         # Accepted once the supervisor has checked the authority and marked the subtree
         # disposing; the sessions' hosts carry the disposal on by themselves (cancel,
@@ -265,6 +278,8 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         "subagent.inbox": inbox,
         "subagent.dispose": dispose,
         "subagent.stopReport": stop_report,
+        "subagent.budget": budget,
+        "subagent.setBudget": set_budget,
     }
 
 

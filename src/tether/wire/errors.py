@@ -7,6 +7,7 @@ changes once published; the message is for people.
 from __future__ import annotations
 
 __all__ = [
+    "BudgetExhausted",
     "DriverNotFound",
     "FrameError",
     "InvalidParams",
@@ -60,6 +61,12 @@ class InvalidParams(TetherError):
     """Bad input: unknown kind, oversized content, empty steer, closed inbox, ..."""
 
     code = "invalid-params"
+
+
+class BudgetExhausted(TetherError):
+    """A budget of the tree (SPEC §16.2) is spent: no spawn below it until it is raised."""
+
+    code = "budget-exhausted"
 
 
 class TurnFailed(TetherError):
@@ -124,6 +131,7 @@ _BY_CODE: dict[str, type[TetherError]] = {
         NotFound,
         DriverNotFound,
         InvalidParams,
+        BudgetExhausted,
         TurnFailed,
         FrameError,
         Preempted,

@@ -39,6 +39,7 @@ __all__ = [
     "ToolReply",
     "Trace",
     "TurnEnd",
+    "Usage",
     "WorkerFrame",
 ]
 
@@ -257,6 +258,16 @@ class Progress(msgspec.Struct, frozen=True, tag="progress"):
     tools: list[ToolMark] = []
 
 
+class Usage(msgspec.Struct, frozen=True, tag="usage"):
+    """What one model response cost (``ctx.add_usage``), sent as it is reported so the
+    host's budgets (SPEC §16.2) see it at once: a delta, e.g. ``{"prompt_tokens": 12,
+    "completion_tokens": 30, "cost_microusd": 240}``. The turn's sum still comes in its
+    ``TurnEnd``."""
+
+    turn: str
+    usage: dict[str, int]
+
+
 class Escalating(msgspec.Struct, frozen=True, tag="escalating"):
     """Answer to ``Escalate``: the cancel was not delivered and now never will be."""
 
@@ -269,5 +280,14 @@ class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
 
 
 WorkerFrame = (
-    Ready | Say | ToolCall | Delivered | ToolKilled | TurnEnd | Progress | Escalating | ProbeReply
+    Ready
+    | Say
+    | ToolCall
+    | Delivered
+    | ToolKilled
+    | TurnEnd
+    | Progress
+    | Usage
+    | Escalating
+    | ProbeReply
 )

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from tether.wire.budget import Budget
+
 __all__ = [
     "STATES",
     "AgentInfo",
@@ -179,6 +181,9 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     # Per-turn limits enforced by the turn's cgroup (SPEC §15.5), or None:
     # {"memory_mb", "pids", "cpu"}; a child without its own inherits its parent's.
     limits: dict[str, float] | None = None
+    # The budget of this session and its subtree (SPEC §16.2), as it was set at creation
+    # (``set_budget`` changes the stored one; the runtime's governor holds the live one).
+    budget: Budget | None = None
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

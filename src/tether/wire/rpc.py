@@ -12,6 +12,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from tether.wire.budget import Budget, BudgetStatus
 from tether.wire.records import AgentInfo, Entry, PendingMessage, StopReport, TurnRecord
 from tether.wire.vocab import (
     INT64_MAX,
@@ -38,6 +39,8 @@ __all__ = [
     "Accepted",
     "Address",
     "AgentList",
+    "BudgetParams",
+    "BudgetResult",
     "DisposeParams",
     "ErrorData",
     "ErrorObject",
@@ -58,6 +61,7 @@ __all__ = [
     "ResumeParams",
     "SendParams",
     "SessionResult",
+    "SetBudgetParams",
     "SpawnParams",
     "StatusParams",
     "StopReportParams",
@@ -82,6 +86,7 @@ RPC_ERROR_CODES: Final = (
     "subagent-unauthorized",
     "parent-offline",
     "not-found",
+    "budget-exhausted",
     "invalid-params",
     "store-unavailable",
     "internal",
@@ -129,6 +134,7 @@ class OpenParams(_Params):
     # each turn's {"memory_mb", "pids", "cpu"}, enforced by its cgroup (SPEC §15.5); one
     # the kernel cannot enforce there is invalid-params and opens nothing
     limits: JsonObject | None = None
+    budget: Budget | None = None  # the tree's budget (SPEC §16.2)
 
 
 class PromptParams(_Params):
@@ -154,6 +160,8 @@ class SpawnParams(_Params):
     permissions: dict[str, Permission] | None = None
     stall: StallPolicy | None = None  # without one, the child inherits its parent's
     limits: JsonObject | None = None  # likewise
+    # its own budget, which must fit in what its ancestors' have left (SPEC §16.2)
+    budget: Budget | None = None
 
 
 class SendParams(_Params):
@@ -227,6 +235,24 @@ class DisposeParams(_Params):
 
 class StopReportParams(_Params):
     turn: TurnId
+
+
+class BudgetParams(_Params):
+    session: SessionId
+
+
+class BudgetResult(msgspec.Struct, frozen=True):
+    """``subagent.budget``: the session's tree against its budget (SPEC §16.2)."""
+
+    budget: BudgetStatus
+
+
+class SetBudgetParams(_Params):
+    """``subagent.setBudget``: the authority of an interrupt; ``budget`` null removes the
+    session's own budget."""
+
+    address: Address
+    budget: Budget | None
 
 
 class StopReportResult(msgspec.Struct, frozen=True):
@@ -353,4 +379,6 @@ METHODS: Final[dict[str, type[_Params]]] = {
     "subagent.inbox": InboxParams,
     "subagent.dispose": DisposeParams,
     "subagent.stopReport": StopReportParams,
+    "subagent.budget": BudgetParams,
+    "subagent.setBudget": SetBudgetParams,
 }

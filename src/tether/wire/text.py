@@ -46,8 +46,8 @@ def marker_text(action: str, origin: str, by: str, reason: str) -> str:
     sign = _SIGNS.get(action, "⊘")
     if verb is None:
         head = f"{sign} {action.capitalize()}"
-    elif origin == "watchdog":
-        head = f"{sign} {verb} by watchdog"
+    elif origin in ("watchdog", "budget"):  # the system's own: its origin says who
+        head = f"{sign} {verb} by {origin}"
     else:
         head = f"{sign} {verb} by {origin} ({escape(by)})"
     return f"{head}: {escape(reason)}" if reason else head

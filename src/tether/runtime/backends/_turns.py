@@ -57,6 +57,7 @@ from tether.wire.frames import (
     ToolKilled,
     ToolReply,
     TurnEnd,
+    Usage,
     WorkerFrame,
 )
 
@@ -352,7 +353,15 @@ class Turns(Generic[W]):
         match frame:
             case TurnEnd():
                 return self._end(w, frame)
-            case Say() | ToolCall() | Delivered() | Progress() | Escalating() | ToolKilled():
+            case (
+                Say()
+                | ToolCall()
+                | Delivered()
+                | Progress()
+                | Usage()
+                | Escalating()
+                | ToolKilled()
+            ):
                 job = self._job_of(w, frame.turn)
             case _:
                 return False
@@ -367,6 +376,8 @@ class Turns(Generic[W]):
                 job.sink.delivered(frame)
             case Progress():
                 job.sink.progress(frame)
+            case Usage():
+                job.sink.usage(frame)
             case Escalating():
                 job.sink.escalating(frame)
             case ToolKilled():

@@ -1,0 +1,521 @@
+"""The governor (SPEC §16.2): one home for every tree's budget and spent counters.
+
+Sessions live on several host actors and their workers' usage arrives on the backends'
+threads, but a budget covers a whole subtree: so the counters of every tree sit here,
+behind one lock, and every change that can cross a threshold (a usage report, a turn's
+start, a clock tick for turn seconds, a new budget) is decided inside it. A crossing is
+then seen exactly once, by the one report that made it, and the stops it calls for are
+issued by that report's thread as soon as the lock is let go: no actor hop between the
+report and the stop.
+
+What a session spent (``own``) is kept for every session: its own turns' tokens,
+micro-dollars, ended seconds and turns started. A budgeted session also keeps its
+subtree's sum (``_Tree.spent``), moved with every delta that reaches it, so a report
+costs one dict walk over its lineage, not a walk of the tree. A running turn's seconds
+are added when read (``turn_seconds`` counts running turns).
+
+A stop is told to the session's host (``act``), bound to the turn that was running when
+the crossing was decided; a turn is stopped by its budget at most once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
+from tether.actors.ports import Durable
+from tether.wire.budget import Budget, BudgetStatus, limit_text, spent_text
+from tether.wire.errors import BudgetExhausted, InvalidParams
+
+__all__ = ["STATE", "Governor", "Spent", "SpentStore", "Step"]
+
+log = structlog.get_logger("tether.budget")
+
+_SEVERITY = {"ok": 0, "soft": 1, "exhausted": 2}
+
+
+@dataclass(slots=True)
+class Spent:
+    """What a session (or a tree) spent: tokens, micro-dollars, ended turns' seconds,
+    turns started."""
+
+    tokens: int = 0
+    cost: int = 0
+    seconds: float = 0.0
+    turns: int = 0
+
+    def add(self, other: Spent) -> None:
+        self.tokens += other.tokens
+        self.cost += other.cost
+        self.seconds += other.seconds
+        self.turns += other.turns
+
+
+class SpentStore(Protocol):
+    """What the governor needs from the store."""
+
+    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
+        """Queue the running turn's usage so far (a crashed turn's counts, SPEC §16.2)."""
+
+    def set_budget(self, session: str, budget: Budget | None) -> Durable:
+        """Replace the stored budget; durable once the returned ticket is done."""
+
+    def spent_before(self) -> dict[str, Spent]:
+        """What each session's turns of earlier hosts on this store spent."""
+
+
+@dataclass(slots=True)
+class _Run:
+    session: str
+    lineage: tuple[str, ...]
+    started: float  # the clock's monotonic time
+    usage: dict[str, int] = field(default_factory=dict)
+    stopped: bool = False  # a budget's hard step reached it: never twice
+    paused: bool = False  # a budget's soft pause reached it
+
+
+@dataclass(slots=True)
+class _Tree:
+    budget: Budget
+    spent: Spent
+    soft: set[str] = field(default_factory=set)  # limits past the soft threshold
+    hard: set[str] = field(default_factory=set)  # limits reached: the tree is exhausted
+
+
+# (session, turn, kind, text): one step for the session's host to take on that turn;
+# kind STATE (no turn): the session's budget state changed to ``text`` (an event).
+Step = tuple[str, str, str, str]
+STATE = "state"
+
+
+class Governor:
+    def __init__(
+        self,
+        *,
+        store: SpentStore,
+        act: Callable[[Step], None],
+        subtree: Callable[[str], list[str]],
+        arm: Callable[[float, Callable[[], None]], Timer] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._store = store
+        self._act = act
+        self._subtree = subtree  # ids below a session, from the catalog
+        self._arm = arm
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._own: dict[str, Spent] = {}
+        self._trees: dict[str, _Tree] = {}
+        self._runs: dict[str, _Run] = {}
+        self._based = False  # the earlier hosts' spending is loaded (``_base_locked``)
+        self._timer: Timer | None = None
+        self._timed = 0  # budgets with a turn_seconds limit: only then is a clock kept
+
+    # ---- the hot paths: a turn starts, reports usage, ends ----------------------------
+
+    def start(self, session: str, lineage: tuple[str, ...], turn: str) -> bool:
+        """May ``turn`` of ``session`` start? False while a budget of its tree is
+        exhausted or its ``turns`` limit is reached (the message stays parked). A turn
+        allowed is counted at once, under the lock, so no two starts pass one limit."""
+        steps: list[Step] = []
+        allowed = True
+        with self._lock:
+            chain = self._chain(session, lineage)
+            now = self._clock.monotonic()
+            for b in chain:
+                steps += self._check_locked(b, now)
+            if any(self._trees[b].hard for b in chain):
+                allowed = False
+            else:
+                self._runs[turn] = _Run(session, lineage, now)
+                self._own_of(session).turns += 1
+                for b in chain:
+                    self._trees[b].spent.turns += 1
+                    steps += self._check_locked(b, now)
+                if self._timed:
+                    self._reschedule_locked()
+        self._issue(steps)
+        return allowed
+
+    def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
+        """One response's usage (a worker's ``Usage`` frame), on the backend's thread."""
+        tokens = int(delta.get("prompt_tokens", 0)) + int(delta.get("completion_tokens", 0))
+        cost = int(delta.get("cost_microusd", 0))
+        steps: list[Step] = []
+        with self._lock:
+            run = self._runs.get(turn)
+            if run is None or run.session != session:
+                return  # not a turn this host runs (it ended): nothing to count
+            for key, value in delta.items():
+                run.usage[key] = run.usage.get(key, 0) + value
+            total = dict(run.usage)
+            own = self._own_of(session)
+            own.tokens += tokens
+            own.cost += cost
+            chain = self._chain(session, run.lineage)
+            if chain:
+                now = self._clock.monotonic()
+                for b in chain:
+                    spent = self._trees[b].spent
+                    spent.tokens += tokens
+                    spent.cost += cost
+                    steps += self._check_locked(b, now)
+        self._store.turn_usage(turn, total)
+        self._issue(steps)
+
+    def ended(self, turn: str) -> dict[str, int] | None:
+        """``turn`` ended: its seconds count as ended; returns the usage it reported."""
+        with self._lock:
+            run = self._runs.pop(turn, None)
+            if run is None:
+                return None
+            seconds = max(self._clock.monotonic() - run.started, 0.0)
+            self._own_of(run.session).seconds += seconds
+            for b in self._chain(run.session, run.lineage):
+                self._trees[b].spent.seconds += seconds
+            if self._timed:
+                self._reschedule_locked()
+        return run.usage or None
+
+    # ---- budgets: set, changed, read --------------------------------------------------
+
+    def admit(self, session: str, lineage: tuple[str, ...], budget: Budget | None) -> None:
+        """A session is about to be created below ``lineage`` (its ancestors, root
+        first): refused with BudgetExhausted when a budget above is exhausted, and with
+        InvalidParams when its own ``budget`` does not fit in what an ancestor's has left.
+        Its budget, if any, is in force from here on."""
+        steps: list[Step] = []
+        refused: Exception | None = None
+        with self._lock:
+            chain = [b for b in lineage if b in self._trees]
+            if not chain and budget is None:
+                return
+            self._base_locked()
+            now = self._clock.monotonic()
+            for b in chain:
+                steps += self._check_locked(b, now)
+                tree = self._trees[b]
+                if tree.hard and refused is None:
+                    key = sorted(tree.hard)[0]
+                    value = self._value_locked(b, tree, key, now)
+                    refused = BudgetExhausted(
+                        f"the budget of {b} is spent "
+                        f"({spent_text(key, value, tree.budget.limits()[key])}): "
+                        "no spawn below it until it is raised"
+                    )
+            if refused is None and budget is not None:
+                try:
+                    self._fits_locked(budget, chain, now)
+                except InvalidParams as exc:
+                    refused = exc
+                else:
+                    self._put_locked(session, budget)
+        self._issue(steps)
+        if refused is not None:
+            raise refused
+
+    def forget(self, session: str) -> None:
+        """A session ``admit`` let through was not created after all."""
+        with self._lock:
+            self._drop_locked(session)
+
+    def restore(self, budgets: Iterable[tuple[str, Budget]]) -> None:
+        """The budgets of a store's sessions, at a host's start (no step is taken: no
+        turn runs yet)."""
+        with self._lock:
+            items = list(budgets)
+            if not items:
+                return
+            self._base_locked()
+            now = self._clock.monotonic()
+            for session, budget in items:
+                self._put_locked(session, budget)
+                tree = self._trees[session]
+                self._check_locked(session, now)
+                tree.soft |= tree.hard
+
+    def set_budget(self, session: str, lineage: tuple[str, ...], budget: Budget | None) -> Durable:
+        """Replace (or, with None, remove) ``session``'s own budget. It must fit in what
+        each budgeted ancestor has left (InvalidParams). A limit now reached is acted on
+        as a crossing; one raised lifts the exhaustion, and parked work runs again on a
+        waking send."""
+        steps: list[Step] = []
+        with self._lock:
+            self._base_locked()
+            now = self._clock.monotonic()
+            if budget is None:
+                self._drop_locked(session)
+            else:
+                chain = [b for b in lineage if b in self._trees]
+                self._fits_locked(budget, chain, now)
+                had = session in self._trees
+                self._put_locked(session, budget)
+                tree = self._trees[session]
+                if had:  # what was crossed and still is stays crossed
+                    limits = budget.limits()
+                    tree.soft = {k for k in tree.soft if k in limits}
+                    tree.hard = {k for k in tree.hard if k in limits}
+                    for key in list(tree.hard):
+                        if self._value_locked(session, tree, key, now) < limits[key]:
+                            tree.hard.discard(key)
+                    for key in list(tree.soft):
+                        value = self._value_locked(session, tree, key, now)
+                        if value < budget.soft * limits[key]:
+                            tree.soft.discard(key)
+                steps += self._check_locked(session, now)
+            mine = self._trees.get(session)
+            state = "ok" if mine is None else self._state_locked(session, mine, now)
+            steps.append((session, "", STATE, state))
+            if self._timed:
+                self._reschedule_locked()
+            ticket = self._store.set_budget(session, budget)  # queued in this order
+        self._issue(steps)
+        return ticket
+
+    def status(self, session: str, lineage: tuple[str, ...]) -> BudgetStatus:
+        """What ``session``'s subtree spent, against its own budget, and the tightest
+        state of its own and its ancestors' budgets."""
+        with self._lock:
+            self._base_locked()
+            now = self._clock.monotonic()
+            tree = self._trees.get(session)
+            if tree is not None:
+                spent = self._spent_dict(session, tree.spent, now)
+            else:
+                total = Spent()
+                ids = [session, *self._subtree(session)]
+                for sid in ids:
+                    own = self._own.get(sid)
+                    if own is not None:
+                        total.add(own)
+                spent = self._spent_dict(session, total, now, set(ids))
+            limits = tree.budget.limits() if tree is not None else {}
+            remaining = {k: max(limit - spent[k], 0.0) for k, limit in limits.items()}
+            state, decided = "ok", None
+            for b in (session, *reversed(lineage)):
+                t = self._trees.get(b)
+                if t is None:
+                    continue
+                s = self._state_locked(b, t, now)
+                if _SEVERITY[s] > _SEVERITY[state]:
+                    state, decided = s, b
+            return BudgetStatus(
+                session=session,
+                limits=dict(limits),
+                spent=spent,
+                remaining=remaining,
+                state=state,  # type: ignore[arg-type]
+                decided_by=decided,
+                budget=tree.budget if tree is not None else None,
+            )
+
+    def left(self, session: str, lineage: tuple[str, ...]) -> dict[str, float]:
+        """The least each budget above and on ``session`` has left, per limit: what its
+        tree may still spend (the model tool ``budget``)."""
+        with self._lock:
+            now = self._clock.monotonic()
+            out: dict[str, float] = {}
+            for b in self._chain(session, lineage):
+                tree = self._trees[b]
+                for key, limit in tree.budget.limits().items():
+                    left = max(limit - self._value_locked(b, tree, key, now), 0.0)
+                    out[key] = min(out.get(key, left), left)
+            return out
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _chain(self, session: str, lineage: tuple[str, ...]) -> list[str]:
+        trees = self._trees
+        if not trees:
+            return []
+        return [b for b in (*lineage, session) if b in trees]
+
+    def _own_of(self, session: str) -> Spent:
+        own = self._own.get(session)
+        if own is None:
+            own = self._own[session] = Spent()
+        return own
+
+    def _base_locked(self) -> None:
+        """Add what earlier hosts' turns spent (read once, when a budget first needs it:
+        a store with no budget never pays for the read)."""
+        if self._based:
+            return
+        self._based = True
+        for session, spent in self._store.spent_before().items():
+            self._own_of(session).add(spent)
+
+    def _put_locked(self, session: str, budget: Budget) -> None:
+        old = self._trees.get(session)
+        timed = old is not None and old.budget.turn_seconds is not None
+        if old is not None:
+            old.budget = budget
+        else:
+            total = Spent()
+            for sid in (session, *self._subtree(session)):
+                own = self._own.get(sid)
+                if own is not None:
+                    total.add(own)
+            self._trees[session] = _Tree(budget, total)
+        self._timed += (budget.turn_seconds is not None) - timed
+
+    def _drop_locked(self, session: str) -> None:
+        tree = self._trees.pop(session, None)
+        if tree is not None and tree.budget.turn_seconds is not None:
+            self._timed -= 1
+
+    def _fits_locked(self, budget: Budget, chain: list[str], now: float) -> None:
+        """Carving: each limit of ``budget`` fits in what every budgeted ancestor with
+        that limit has left (what the tree spent counts; siblings' budgets do not)."""
+        for b in chain:
+            tree = self._trees[b]
+            theirs = tree.budget.limits()
+            for key, value in budget.limits().items():
+                if key not in theirs:
+                    continue
+                left = max(theirs[key] - self._value_locked(b, tree, key, now), 0.0)
+                if value > left:
+                    raise InvalidParams(
+                        f"budget.{key} {limit_text(key, value)} does not fit in what the "
+                        f"budget of {b} has left ({limit_text(key, left)})"
+                    )
+
+    def _running_seconds(self, inside: Callable[[_Run], bool], now: float) -> float:
+        return sum(max(now - r.started, 0.0) for r in self._runs.values() if inside(r))
+
+    def _in_tree(self, b: str) -> Callable[[_Run], bool]:
+        return lambda r: r.session == b or b in r.lineage
+
+    def _value_locked(self, b: str, tree: _Tree, key: str, now: float) -> float:
+        spent = tree.spent
+        match key:
+            case "tokens":
+                return float(spent.tokens)
+            case "cost_usd":
+                return spent.cost / 1_000_000
+            case "turns":
+                return float(spent.turns)
+            case _:
+                return spent.seconds + self._running_seconds(self._in_tree(b), now)
+
+    def _spent_dict(
+        self, b: str, spent: Spent, now: float, ids: set[str] | None = None
+    ) -> dict[str, float]:
+        inside = self._in_tree(b) if ids is None else (lambda r: r.session in ids)
+        return {
+            "tokens": spent.tokens,
+            "cost_usd": spent.cost / 1_000_000,
+            "turn_seconds": spent.seconds + self._running_seconds(inside, now),
+            "turns": spent.turns,
+        }
+
+    def _state_locked(self, b: str, tree: _Tree, now: float) -> str:
+        state = "ok"
+        for key, limit in tree.budget.limits().items():
+            value = self._value_locked(b, tree, key, now)
+            if value >= limit:
+                return "exhausted"
+            if value >= tree.budget.soft * limit:
+                state = "soft"
+        return state
+
+    def _check_locked(self, b: str, now: float) -> list[Step]:
+        """Note the thresholds ``b``'s tree has newly crossed; the steps they call for."""
+        tree = self._trees[b]
+        budget = tree.budget
+        hard: list[tuple[str, float, float]] = []
+        soft: list[tuple[str, float]] = []
+        for key, limit in budget.limits().items():
+            if key in tree.hard:
+                continue
+            value = self._value_locked(b, tree, key, now)
+            if value >= limit:
+                tree.hard.add(key)
+                tree.soft.add(key)
+                hard.append((key, value, limit))
+            elif key not in tree.soft and value >= budget.soft * limit:
+                tree.soft.add(key)
+                soft.append((key, limit))
+        stops = [h for h in hard if h[0] != "turns"]  # turns: no running turn is stopped
+        changed: list[Step] = []
+        if hard:
+            key, value, limit = hard[0]
+            log.warning("budget.exhausted", session=b, limit=key, spent=value, of=limit)
+            changed = [(b, "", STATE, "exhausted")]
+        elif soft:
+            log.info("budget.soft", session=b, limit=soft[0][0])
+            changed = [(b, "", STATE, "exhausted" if tree.hard else "soft")]
+        if stops:
+            key, value, limit = stops[0]
+            where = spent_text(key, value, limit)
+            return changed + self._targets(b, budget.on_hard, where, stop=True)
+        if soft and budget.on_soft != "none" and not hard:
+            key, limit = soft[0]
+            text = f"{round(budget.soft * 100)}% of {limit_text(key, limit)}"
+            return changed + self._targets(b, budget.on_soft, text, stop=False)
+        return changed
+
+    def _targets(self, b: str, kind: str, what: str, *, stop: bool) -> list[Step]:
+        """One step per running turn of ``b``'s tree (a stop: those not stopped yet)."""
+        steps: list[Step] = []
+        for turn, r in self._runs.items():
+            if r.session != b and b not in r.lineage:
+                continue
+            if r.stopped or (kind == "pause" and r.paused):
+                continue
+            if stop:
+                r.stopped = True
+            elif kind == "pause":
+                r.paused = True
+            where = "this tree" if r.session == b else f"the tree of {b}"
+            text = f"{what} spent in {where}" + ("" if stop else "; wrap up")
+            steps.append((r.session, turn, kind, text))
+        return steps
+
+    def _issue(self, steps: list[Step]) -> None:
+        for step in steps:
+            try:
+                self._act(step)
+            except Exception:  # one host gone (closing) must not spare the others
+                log.exception("budget.step_failed", session=step[0], turn=step[1])
+
+    def _reschedule_locked(self) -> None:
+        """Arm the one clock for the next turn-seconds threshold of any tree."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._timed or self._arm is None:
+            return
+        now = self._clock.monotonic()
+        due: float | None = None
+        for b, tree in self._trees.items():
+            limit = tree.budget.turn_seconds
+            if limit is None or "turn_seconds" in tree.hard:
+                continue
+            inside = self._in_tree(b)
+            n = sum(1 for r in self._runs.values() if inside(r))
+            if not n:
+                continue
+            value = self._value_locked(b, tree, "turn_seconds", now)
+            mark = limit if "turn_seconds" in tree.soft else tree.budget.soft * limit
+            wait = max((mark - value) / n, 0.0)
+            due = wait if due is None else min(due, wait)
+        if due is not None:
+            self._timer = self._arm(due + 0.001, self._tick)
+
+    def _tick(self) -> None:
+        """The turn-seconds clock (on the timer thread): check every timed tree."""
+        steps: list[Step] = []
+        with self._lock:
+            self._timer = None
+            now = self._clock.monotonic()
+            for b, tree in list(self._trees.items()):
+                if tree.budget.turn_seconds is not None:
+                    steps += self._check_locked(b, now)
+            self._reschedule_locked()
+        self._issue(steps)
