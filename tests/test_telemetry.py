@@ -294,6 +294,33 @@ def test_a_preempt_ends_the_cut_tool_call_as_preempted_and_the_turn_goes_on(
     assert control.attrs["tether.control.report"] == turn
 
 
+def test_a_budget_stop_ends_the_turn_as_budget_and_its_control_span_says_budget(
+    traced: tether.Runtime, receiver: Receiver, server: ModelServer
+) -> None:
+    rt = traced
+    rec = Recorder(rt)
+    call = {"name": "run_command", "arguments": {"argv": ["true"]}}
+    spend = {"prompt_tokens": 900, "completion_tokens": 100}
+    replies = [{"tool_calls": [call], "usage": spend}, {"text": "more " * 40, "hang": True}]
+    server.script("traced-budget", replies)
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, "traced-budget", ["run_command"])
+    agent = rt.spawn(root, CHAT, slug="agent", config=config, budget={"tokens": 500})
+    assert isinstance(agent, str)
+    rt.send(agent, "spend", authority=User(parent=root))
+    ended = rec.turn_ended(agent, timeout=30.0)
+    assert ended["outcome"] == "cancelled" and ended["by"] == "budget"
+    [turn] = rt.turns(agent)
+    span = _turn_span(receiver, turn.id)
+    assert span.error and span.attrs["error.type"] == "budget"
+    assert "of 500 tokens spent" in span.description
+    control = _control(receiver, "cancel", agent)
+    assert _linked(control, span)
+    assert control.attrs["tether.control.origin"] == "budget"
+    assert control.attrs["tether.control.by"] == "budget"
+    assert control.attrs["tether.control.outcome"] == "landed"
+
+
 def test_pause_and_resume_are_events_on_the_turn_and_a_refused_stop_is_a_refused_control(
     traced: tether.Runtime, receiver: Receiver
 ) -> None:
