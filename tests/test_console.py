@@ -718,6 +718,11 @@ def test_a_budget_bar_shows_spent_of_the_limit_amber_past_soft_and_red_once_exha
     expect(item(page, "unbudgeted")).to_be_visible()
     expect(item(page, "unbudgeted").get_by_role("meter")).to_have_count(0)
     expect(page.locator(".facts").get_by_role("meter")).to_have_count(0)
+    # ... until one is set there (its `budget` event has the console read it).
+    server.call(
+        "subagent.setBudget", {"address": {"session": free, "parent": free}, "budget": {"turns": 5}}
+    )
+    expect(budget_bar(page, "unbudgeted")).to_have_text("0 of 5 turns")
 
 
 def test_every_marker_glyph_is_drawn_by_the_default_font() -> None:
