@@ -33,7 +33,9 @@ def _address(session: str, parent: str) -> dict[str, str]:
 
 
 def _scene(server: LiveServer) -> dict[str, str]:
-    root = server.call("session.open", {"driver": "tether:Scripted", "slug": "lead"})["session"]
+    # A budget on the lead: every row shows its bar (a tree of Scripted turns counts turns).
+    opened = {"driver": "tether:Scripted", "slug": "lead", "budget": {"turns": 20}}
+    root = server.call("session.open", opened)["session"]
     hang = {"op": "hang"}
     ids = {
         "root": root,

@@ -47,6 +47,9 @@ HANG = {"steps": [{"op": "hang"}]}
 HOSTILE = "<img src=x onerror=alert(1)>"
 TOKEN = "console-test-token"
 WAIT_MS = 15_000
+TESTS = str(Path(__file__).parent)
+SPENDER = "drivers:Spender"  # reports data["tokens"] with ctx.add_usage per step
+AMBER, RED = "rgb(217, 119, 6)", "rgb(180, 35, 24)"  # console.css --soft and --stopped
 
 
 def _browser_path() -> str | None:
@@ -110,7 +113,11 @@ def _server_args(kind: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def shared_loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("loopback"), *_server_args("loopback")) as live:
+    # The test drivers (drivers:Spender) import in its workers too.
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    with shared_server(
+        tmp_path_factory.mktemp("loopback"), *_server_args("loopback"), env={"PYTHONPATH": path}
+    ) as live:
         yield live
 
 
@@ -650,6 +657,72 @@ def test_a_turn_no_worker_has_taken_reads_waiting_for_a_worker_in_the_tree(
             "subagent.interrupt", {"address": address(second, root), "kind": "abort", "reason": "x"}
         )
         server.wait_state(second, "parked")
+
+
+# ---- budgets (issue 29) -------------------------------------------------------------------
+
+
+def budget_bar(page: Page, name: str) -> Any:
+    return item(page, name).locator(":scope > .row").get_by_role("meter", name="Budget")
+
+
+def test_a_budget_bar_shows_spent_of_the_limit_amber_past_soft_and_red_once_exhausted(
+    loopback: LiveServer, page: Page
+) -> None:
+    server = loopback
+    budget = {"tokens": 2000, "soft": 0.5, "on_soft": "none"}
+    root = server.call("session.open", {"driver": SPENDER, "slug": "frugal", "budget": budget})[
+        "session"
+    ]
+    kid = server.call("subagent.spawn", {"parent": root, "driver": SPENDER, "slug": "helper"})[
+        "session"
+    ]
+    free = open_root(server, "unbudgeted")
+    console(page, server, root)
+    bar, kid_bar = budget_bar(page, "frugal"), budget_bar(page, "helper")
+    expect(bar).to_have_text("0 of 2,000 tokens")
+    expect(bar).to_have_attribute("aria-valuemax", "2000")
+    # A session with no budget of its own shows the budget it is governed by.
+    expect(kid_bar).to_have_text("0 of 2,000 tokens (frugal's tree)")
+    expect(bar).to_have_attribute("data-level", "ok")
+
+    # The child spends 1,200 tokens: the tree is past its soft threshold (50%).
+    spend = {"tokens": 400, "steps": 3, "every": 0.01}
+    server.call("subagent.send", {"address": address(kid, root), "content": "s", "data": spend})
+    expect(bar).to_have_text("1,200 of 2,000 tokens · soft")
+    expect(bar).to_have_attribute("aria-valuenow", "1200")
+    expect(bar.locator(".budget-fill")).to_have_css("background-color", AMBER)
+    expect(kid_bar).to_have_text("1,200 of 2,000 tokens (frugal's tree) · soft")
+    select(page, "helper")  # the session view has the same bar
+    facts = page.locator(".facts").get_by_role("meter", name="Budget")
+    expect(facts).to_have_text("1,200 of 2,000 tokens (frugal's tree) · soft")
+
+    # Spending on until the limit: the budget cancels the turn, and the tree is exhausted.
+    server.call(
+        "subagent.send",
+        {"address": address(kid, root), "content": "s", "data": {"tokens": 400, "every": 0.05}},
+    )
+    expect(bar).to_have_text(re.compile(r"^2,[0-9]00 of 2,000 tokens · exhausted$"))
+    expect(bar.locator(".budget-fill")).to_have_css("background-color", RED)
+    expect(bar).to_have_attribute("aria-valuenow", "2000")  # held at its maximum
+    expect(kid_bar).to_contain_text("· exhausted")
+    expect(item(page, "helper")).to_contain_text("⊘ Cancelled by budget")
+    expect(facts).to_contain_text("· exhausted")
+    status = server.call("subagent.budget", {"session": root})["budget"]
+    assert status["state"] == "exhausted" and status["decided_by"] == root
+
+    # A tree with no budget has no bar.
+    select(page, "frugal")
+    page.get_by_label("or id").fill(free)
+    page.get_by_role("button", name="Open", exact=True).click()
+    expect(item(page, "unbudgeted")).to_be_visible()
+    expect(item(page, "unbudgeted").get_by_role("meter")).to_have_count(0)
+    expect(page.locator(".facts").get_by_role("meter")).to_have_count(0)
+    # ... until one is set there (its `budget` event has the console read it).
+    server.call(
+        "subagent.setBudget", {"address": {"session": free, "parent": free}, "budget": {"turns": 5}}
+    )
+    expect(budget_bar(page, "unbudgeted")).to_have_text("0 of 5 turns")
 
 
 def test_every_marker_glyph_is_drawn_by_the_default_font() -> None:

@@ -226,6 +226,9 @@ def test_an_mcp_client_is_refused_agents_it_did_not_open(server: LiveServer) -> 
                 ("read_transcript", {"agent": child}),
                 ("spawn_agent", {"parent": root}),
                 ("list_agents", {"agent": root}),
+                ("read_budget", {"agent": child}),
+                ("set_budget", {"agent": root, "budget": {"turns": 9}}),
+                ("set_budget", {"agent": child, "remove": True}),
             ]:
                 refused = await call(bob, tool, **args)
                 assert refused["error"] == "subagent-unauthorized", (tool, refused)
@@ -572,5 +575,53 @@ def test_a_waited_message_queued_behind_a_running_turn_says_so_in_its_progress(
     async def _running(mcp: ClientSession) -> str | None:
         info = (await ok(mcp, "list_agents"))["agents"][0]
         return info["turn"] if info["state"] == "running" else None
+
+    anyio.run(body)
+
+
+def test_an_mcp_client_opens_reads_raises_and_removes_a_budget(server: LiveServer) -> None:
+    async def body() -> None:
+        async with http_session(server) as mcp:
+            tools = {t.name: t for t in (await mcp.list_tools()).tools}
+            assert {"read_budget", "set_budget"} <= set(tools)
+            assert "budget" in tools["spawn_agent"].input_schema["properties"]
+            once = {"turns": 1, "on_soft": "none"}
+            opened = await ok(mcp, "spawn_agent", prompt="one", budget=once, wait=True)
+            root = opened["agent"]
+            assert opened["outcome"] == "completed"
+            status = (await ok(mcp, "read_budget", agent=root))["budget"]
+            assert (status["state"], status["decided_by"]) == ("exhausted", root)
+            assert status["limits"] == {"turns": 1} and status["spent"]["turns"] == 1
+            refused = await call(mcp, "spawn_agent", parent=root, prompt="x")
+            assert refused["error"] == "budget-exhausted", refused
+            # An exhausted tree takes the message and parks it: no turn starts.
+            await ok(mcp, "send_message", to=root, text="two")
+            (info,) = (await ok(mcp, "list_agents"))["agents"]
+            assert (info["state"], info["pending"]) == ("parked", 1)
+
+            for wrong in ({}, {"budget": {"turns": 3}, "remove": True}, {"budget": {"turns": 0}}):
+                bad = await call(mcp, "set_budget", agent=root, **wrong)
+                assert bad["error"] == "invalid-params", (wrong, bad)
+            assert await ok(mcp, "set_budget", agent=root, budget={"turns": 3}) == {
+                "accepted": True
+            }
+            status = (await ok(mcp, "read_budget", agent=root))["budget"]
+            assert status["state"] == "ok" and status["remaining"] == {"turns": 2}
+            too_big = await call(mcp, "spawn_agent", parent=root, budget={"turns": 5})
+            assert too_big["error"] == "invalid-params" and "fit" in too_big["message"]
+            child = (await ok(mcp, "spawn_agent", parent=root, budget={"turns": 1}))["agent"]
+            assert (await ok(mcp, "read_budget", agent=child))["budget"]["limits"] == {"turns": 1}
+
+            # The waking send: the parked message runs first, then this one.
+            sent = await ok(mcp, "send_message", to=root, text="three", wait=True, timeout=20)
+            assert sent["outcome"] == "completed" and sent["text"] == "ok: three"
+            users = [e["text"] for e in await entries(mcp, root) if e["kind"] == "user"]
+            assert users == ["one", "two", "three"]
+            status = (await ok(mcp, "read_budget", agent=root))["budget"]
+            assert status["spent"]["turns"] == 3 and status["state"] == "exhausted"
+
+            assert await ok(mcp, "set_budget", agent=root, remove=True) == {"accepted": True}
+            status = (await ok(mcp, "read_budget", agent=root))["budget"]
+            assert (status["state"], status["budget"], status["limits"]) == ("ok", None, {})
 
     anyio.run(body)

@@ -84,6 +84,15 @@ _Wait = Annotated[
 _Timeout = Annotated[
     float, Meta(gt=0, le=86400, description="Seconds to wait at most (default 600).")
 ]
+_BudgetObject = Annotated[
+    dict[str, Any],
+    Meta(
+        description='A budget for the agent and every agent below it, e.g. {"tokens": 200000, '
+        '"cost_usd": 2.0, "turn_seconds": 600, "turns": 40, "soft": 0.8, "on_soft": "steer", '
+        '"on_hard": "cancel"} (any of the four limits, at least one). Below a budgeted '
+        "agent it must fit in what that tree has left."
+    ),
+]
 
 
 class SpawnArgs(SpawnAgentArgs):
@@ -95,6 +104,9 @@ class SpawnArgs(SpawnAgentArgs):
     parent: (
         Annotated[str, Meta(min_length=1, description="The agent to spawn it under.")] | UnsetType
     ) = UNSET
+    # The budget of the agent and its subtree (SPEC §16.2): a plain object, as in
+    # tether.tools, checked as tether.Budget by the runtime.
+    budget: _BudgetObject | UnsetType = UNSET
     wait: _Wait = False
     timeout: _Timeout = 600.0
 
@@ -191,6 +203,27 @@ class WaitAgentArgs(_Args):
     timeout: _Timeout = 600.0
 
 
+class ReadBudgetArgs(_Args):
+    """What an agent you own (or one below it) and its subtree have spent against budgets:
+    limits and remaining (its own budget's), spent (tokens, cost_usd, turn_seconds, turns
+    over its subtree), state (ok, soft, exhausted: the tightest of its own budget and its
+    ancestors') and decided_by (the agent whose budget sets that state)."""
+
+    agent: _AgentId
+
+
+class SetBudgetArgs(_Args):
+    """Set, raise or lower the budget of an agent you own (or one below it) and its
+    subtree, or remove it (remove: true). An exhausted tree runs again only once its limit
+    is raised and a waking message is sent (its parked messages run first)."""
+
+    agent: _AgentId
+    budget: _BudgetObject | UnsetType = UNSET
+    remove: Annotated[
+        bool, Meta(description="Remove the agent's own budget instead (default false).")
+    ] = False
+
+
 TOOLS: dict[str, tuple[type[msgspec.Struct], str]] = {
     "spawn_agent": (SpawnArgs, "_spawn"),
     "send_message": (SendArgs, "_send"),
@@ -201,6 +234,8 @@ TOOLS: dict[str, tuple[type[msgspec.Struct], str]] = {
     "read_transcript": (ReadTranscriptArgs, "_transcript"),
     "stop_report": (StopReportArgs, "_stop_report"),
     "wait_agent": (WaitAgentArgs, "_wait_agent"),
+    "read_budget": (ReadBudgetArgs, "_read_budget"),
+    "set_budget": (SetBudgetArgs, "_set_budget"),
 }
 _STOPS: Final = frozenset({"interrupt_agent", "pause_agent", "resume_agent"})
 
@@ -407,11 +442,12 @@ class McpFace:
     async def _spawn(self, call: _Call, a: SpawnArgs) -> dict[str, Any]:
         rt, opts = self.rt, self.options
         prompt, data, slug = _given(a.prompt), _given(a.data), _given(a.slug)
+        budget = _given(a.budget)
         if a.parent is UNSET:
             if a.mode != "continuable":
                 raise InvalidParams("a root agent is continuable; give parent for a one-shot")
             agent: str = await self._run(
-                lambda: rt.open_session(opts.driver, config=opts.config, slug=slug)
+                lambda: rt.open_session(opts.driver, config=opts.config, slug=slug, budget=budget)
             )
             call.held.add(agent)
             self._parents[agent] = None
@@ -431,6 +467,7 @@ class McpFace:
                     data=data,
                     slug=slug,
                     config=opts.config,
+                    budget=budget,
                 )
             )
             agent = child.id if isinstance(child, OneShot) else str(child)
@@ -533,6 +570,21 @@ class McpFace:
                 last_note = now
                 await self._progress(call, started, a.timeout, info.state)
             await anyio.sleep(_POLL)
+
+    async def _read_budget(self, call: _Call, a: ReadBudgetArgs) -> dict[str, Any]:
+        await self._user(call, a.agent)
+        status = await self._run(self.rt.budget, a.agent)
+        return {"budget": msgspec.to_builtins(status)}
+
+    async def _set_budget(self, call: _Call, a: SetBudgetArgs) -> dict[str, Any]:
+        if (a.budget is UNSET) == (not a.remove):
+            raise InvalidParams("set_budget takes a budget, or remove: true (not both)")
+        user = await self._user(call, a.agent)
+        budget = _given(a.budget)
+        # On the stop lane, as interrupts: raising a spent tree's limit never waits
+        # behind other calls.
+        await self._run(lambda: self.rt.set_budget(a.agent, budget, authority=user), stop=True)
+        return {"accepted": True}
 
 
 # ---- transports ----------------------------------------------------------------------------

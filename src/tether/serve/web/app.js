@@ -5,6 +5,7 @@
 //   state.js    what the console knows (sessions by id, the root, the selection)
 //   tree.js     the tree (role="tree")
 //   view.js     the session view: facts, transcript, turns, inbox
+//   budget.js   budget bars: the tightest limit over each session, read with subagent.budget
 //   composer.js Send, Stop and its menu, the reason dialog
 //   events.js   server-sent events read with fetch (so the token goes in a header)
 //   rpc.js      JSON-RPC calls and the token in sessionStorage
@@ -12,6 +13,7 @@
 
 import { $, h, setText } from "./dom.js";
 import { EventStream } from "./events.js";
+import { initBudgets, scheduleBudgets, spending } from "./budget.js";
 import { call, getToken, onUnauthorized, probe, setToken } from "./rpc.js";
 import { applySnapshot, forgetEventState, session, STATE_FIELDS, store } from "./state.js";
 import { initComposer, resetComposer, updateComposer } from "./composer.js";
@@ -19,6 +21,10 @@ import { initTree, markSelected, renderTree, updateRow } from "./tree.js";
 import { closeView, loadMore, openView, refresh, renderFacts, viewing } from "./view.js";
 
 const RESYNC_MS = 10000; // a spawn with no prompt emits no event: re-list now and then
+const SPENDING_MS = 2000; // usage has no event: budgets are read this often while a turn runs
+// Events after which a tree may have spent (a turn ended or started, a budget's marker),
+// or a budget's state changed (`budget`: a crossing, a budget set).
+const BUDGET_EVENTS = new Set(["turn.started", "turn.ended", "marker", "budget"]);
 
 const stream = new EventStream({ onEvent, onStatus, onGap });
 let treeTimer = null;
@@ -28,6 +34,10 @@ let viewTimer = null;
 
 async function start() {
   initTree(selectSession);
+  initBudgets((ids) => {
+    for (const id of ids) updateRow(id);
+    renderFacts();
+  });
   initComposer(() => scheduleView());
   $("more").addEventListener("click", () => loadMore().catch(showError));
   $("root-picker").addEventListener("change", (ev) => {
@@ -49,8 +59,14 @@ async function start() {
   onUnauthorized(() => askToken(getToken() ? "The server refused that token." : null));
   window.addEventListener("hashchange", fromHash);
   setInterval(() => {
-    if (store.root && !document.hidden) scheduleTree();
+    if (store.root && !document.hidden) {
+      scheduleTree();
+      scheduleBudgets({ all: true });
+    }
   }, RESYNC_MS);
+  setInterval(() => {
+    if (!document.hidden && spending()) scheduleBudgets();
+  }, SPENDING_MS);
   await connect();
 }
 
@@ -184,6 +200,7 @@ async function loadTree() {
   if (store.roots.has(root)) store.roots.get(root).slug = info.slug;
   for (const agent of list.agents) applySnapshot(agent);
   store.order = list.agents.map((a) => a.id);
+  scheduleBudgets(); // sessions new to the console, and those with a budget
   renderPicker();
   renderTree();
   updateComposer();
@@ -239,6 +256,8 @@ function onEvent(ev) {
     if (info.turn !== turn) info.dispatched = undefined; // unknown until re-listed
   } else if (ev.event === "marker") {
     info.marker = ev.data.entry;
+  } else if (ev.event === "budget" && !(info.budget && info.budget.budget)) {
+    info.budget = undefined; // a budget set where none was: read it with the others
   }
   if (root === store.root) {
     const inTree = ev.session === root || store.order.includes(ev.session);
@@ -246,6 +265,7 @@ function onEvent(ev) {
     const unsure = info.state === "running" && info.dispatched !== true;
     if (!known || !inTree || unsure || (ev.event === "entry" && ev.data.entry.kind === "tool")) scheduleTree();
     updateRow(ev.session);
+    if (BUDGET_EVENTS.has(ev.event)) scheduleBudgets();
   }
   if (ev.session === store.selected) {
     renderFacts();
@@ -262,6 +282,7 @@ function onEvent(ev) {
 function onGap() {
   forgetEventState();
   scheduleTree();
+  scheduleBudgets({ all: true });
   scheduleView();
 }
 

@@ -1,12 +1,13 @@
 // The session tree (role="tree"): one treeitem per session, named by its slug (or id),
-// with its state, pending count, a stopping badge and its last marker.
+// with its state, pending count, a stopping badge, its budget bar and its last marker.
 // Rows are kept by id and updated in place, so a live update never steals focus.
 
 import { $, h, setText } from "./dom.js";
+import { barElement, renderBar } from "./budget.js";
 import { label, store } from "./state.js";
 import { markerText } from "./view.js";
 
-const rows = new Map(); // id -> {li, name, state, pending, badge, marker, group}
+const rows = new Map(); // id -> {li, name, state, pending, badge, budget, marker, group}
 let onSelect = () => {};
 
 export function initTree(select) {
@@ -21,15 +22,16 @@ function row(id) {
   const state = h("span", { class: "state" });
   const pending = h("span", { class: "pending" });
   const badge = h("span", { class: "badge", hidden: true });
+  const budget = barElement();
   const marker = h("span", { class: "marker-line" });
   const describe = `row-${id}`;
-  const line = h("div", { class: "row", id: describe }, name, state, badge, pending, marker);
+  const line = h("div", { class: "row", id: describe }, name, state, badge, pending, budget, marker);
   const li = h("li", { role: "treeitem", "data-id": id, tabindex: "-1", "aria-describedby": describe }, line);
   line.addEventListener("click", (ev) => {
     ev.stopPropagation();
     onSelect(id);
   });
-  r = { li, name, state, pending, badge, marker, group: null };
+  r = { li, name, state, pending, badge, budget, marker, group: null };
   rows.set(id, r);
   return r;
 }
@@ -88,6 +90,7 @@ export function updateRow(id) {
   const badge = info.stopping ? `stopping: ${info.stopping}` : "";
   setText(r.badge, badge);
   r.badge.hidden = !badge;
+  renderBar(r.budget, id);
   setText(r.marker, info.marker ? markerText(info.marker, { short: true }) : "");
   r.marker.title = info.marker ? markerText(info.marker) : "";
 }

@@ -1,6 +1,7 @@
 // The session view: facts (State, pending, turn), the transcript (paged, following
 // live), the turns and the pending inbox. Everything shown is text, never HTML.
 
+import { barElement, renderBar } from "./budget.js";
 import { $, fill, h, setText } from "./dom.js";
 import { call } from "./rpc.js";
 import { applySnapshot, label, store } from "./state.js";
@@ -33,6 +34,7 @@ export function markerText(entry, { short = false } = {}) {
 }
 
 let view = null; // {id, lastSeq, more, busy, again}
+let budgetBar = null; // the view's budget bar, made on first use
 
 export function openView(id) {
   view = { id, lastSeq: 0, more: false, busy: null, again: false };
@@ -74,6 +76,8 @@ export function renderFacts() {
   setText($("mode"), info.mode);
   setText($("session-id"), info.id);
   setText($("parent"), info.parent || "— (a root)");
+  if (!budgetBar) $("budget-slot").append((budgetBar = barElement()));
+  $("budget-fact").hidden = !renderBar(budgetBar, info.id);
 }
 
 /**
