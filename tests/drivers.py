@@ -26,6 +26,10 @@ import tether
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable, v2_mount
 from tether.runtime._procs import exiting
 
+# re-exported: tests import them from here
+from tether.testing.escapee import escapee as escapee
+from tether.testing.escapee import escapee_procs as escapee_procs
+
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
 SCRIPTED_BY_KIND = {"sync": SCRIPTED, "async": ASYNC_SCRIPTED}
@@ -697,25 +701,6 @@ class AsyncSteerPeeker:
 
 
 # ---- issue 19's escapee and cgroup leaves (test_containment, test_ray_containment) ----
-
-
-def escapee(token: str, then: str = "sleep 60") -> str:
-    """Issue 19's repro: a double-forked, env-cleared, renamed ``setsid`` loop that ignores
-    SIGTERM; the tool itself then runs ``then`` (keeps the turn in its tool)."""
-    inner = 'trap \\"\\" TERM; while :; do sleep 0.05; done'
-    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{inner}\"' ) & ) & {then}"
-
-
-def escapee_procs(token: str) -> list[psutil.Process]:
-    """Live processes whose argv[0] is ``token``, and their descendants."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            cmd = p.info["cmdline"] or []
-            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-                out.extend(p.children(recursive=True))
-    return out
 
 
 def leaf_of(pid: int) -> str:

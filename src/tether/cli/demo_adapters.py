@@ -25,11 +25,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 from rich.console import Console
 from rich.text import Text
 
 from tether import Runtime, User
+from tether.cli._wait import wait
+from tether.testing.escapee import escapee as escapee_command
+from tether.testing.escapee import escapee_procs
 from tether.testing.model_server import ModelServer, Request
 
 __all__ = ["main"]
@@ -98,40 +100,13 @@ def _replies(fw: _Framework, name: str, escapee: str) -> list[dict[str, Any]]:
         {"text": _LONG, "chunk": 6, "pace": 0.02, "hang": True},
     ]
     if fw.factory is None:
-        bash = {"command": _escapee(escapee, "sleep 60; echo never"), "description": "build"}
+        bash = {"command": escapee_command(escapee, "sleep 60; echo never"), "description": "build"}
         replies.append({"tool_calls": [{"name": "Bash", "arguments": bash}]})
     return replies
 
 
-def _escapee(token: str, then: str) -> str:
-    """A command that leaves a process behind the way a careless build script does: a
-    double fork, ``setsid``, its environment cleared, renamed ``token``, deaf to SIGTERM;
-    the command itself then runs ``then``."""
-    inner = 'trap \\"\\" TERM; while :; do sleep 0.05; done'
-    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{inner}\"' ) & ) & {then}"
-
-
-def _escapees(token: str) -> list[psutil.Process]:
-    """Live processes named ``token`` (argv[0]), and their descendants."""
-    out: list[psutil.Process] = []
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            cmd = p.info["cmdline"] or []
-            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-                out.extend(p.children(recursive=True))
-    return out
-
-
-def _wait(what: str, done: Callable[[], Any], timeout: float = _TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = done()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"demo step timed out: {what}")
-        time.sleep(0.02)
+def _wait(what: str, done: Callable[[], Any]) -> Any:
+    return wait(what, done, _TIMEOUT)
 
 
 @contextlib.contextmanager
@@ -269,7 +244,7 @@ def _framework(
 def _abort(rt: Runtime, sid: str, me: User, token: str, say: Callable[..., None]) -> None:
     """Claude Code's Bash command leaves an escapee; an abort leaves nothing."""
     rt.send(sid, "Run the build.", authority=me)
-    escaped = _wait("the escapee", lambda: _escapees(token))
+    escaped = _wait("the escapee", lambda: escapee_procs(token))
     runaway = escaped[0].pid
     say(f"→ its Bash command left an escapee behind: {token}, pid {runaway}", "bold")
     say("  (double-forked, setsid, its environment cleared, SIGTERM ignored)")
@@ -277,7 +252,7 @@ def _abort(rt: Runtime, sid: str, me: User, token: str, say: Callable[..., None]
     _wait("the aborted turn", lambda: len([t for t in rt.turns(sid) if t.outcome]) >= 3)
     [record] = [t for t in rt.turns(sid) if t.id == turn]
     report = _wait("the abort's stop report", lambda: rt.stop_report(str(turn)))
-    left = _escapees(token)
+    left = escapee_procs(token)
     say(f"→ turn {record.outcome}; the stop report's processes:", "bold")
     for p in report.processes:
         say(

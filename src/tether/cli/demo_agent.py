@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tether import Runtime, User
+from tether.cli._wait import wait as _wait
 from tether.testing.mcp_server import LOG_ENV, read_log
 from tether.testing.model_server import ModelServer
 
@@ -59,17 +60,6 @@ _SCRIPTS: dict[str, list[dict[str, Any]]] = {
         {"text": "The tracker search hung; I'll answer from the CI log alone."},
     ],
 }
-
-
-def _wait(what: str, done: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = done()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"demo step timed out: {what}")
-        time.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:

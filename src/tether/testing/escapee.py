@@ -1,0 +1,30 @@
+"""A process that hides from a stop the way a careless build script does, and a way to
+find it: for tests and demos of containment (SPEC §15.5)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import psutil
+
+__all__ = ["escapee", "escapee_procs"]
+
+
+def escapee(token: str, then: str = "sleep 60") -> str:
+    """A shell command that leaves a process behind: a double fork, ``setsid``, its
+    environment cleared, renamed ``token`` (its argv[0]), deaf to SIGTERM, looping; the
+    command itself then runs ``then`` (which keeps its tool call running)."""
+    inner = 'trap \\"\\" TERM; while :; do sleep 0.05; done'
+    return f"( ( exec env -i setsid bash -c 'exec -a {token} bash -c \"{inner}\"' ) & ) & {then}"
+
+
+def escapee_procs(token: str) -> list[psutil.Process]:
+    """Live processes whose argv[0] is ``token``, and their descendants."""
+    out: list[psutil.Process] = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.info["cmdline"] or []
+            if cmd and cmd[0] == token and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+                out.extend(p.children(recursive=True))
+    return out
