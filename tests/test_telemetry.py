@@ -147,7 +147,7 @@ def test_a_chat_agent_turn_with_a_tool_call_is_one_trace_with_its_spawned_childs
     assert top.attrs["gen_ai.conversation.id"] == root
     assert top.attrs["tether.outcome"] == "completed"
     assert not top.error
-    assert top.resource["tether.process"] == "host"
+    assert top.resource["tether.process"] == "worker"  # the worker makes a turn's span
     assert below.attrs["gen_ai.agent.name"] == "helper"
     assert below.attrs["gen_ai.conversation.id"] == root
 
