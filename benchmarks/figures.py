@@ -111,6 +111,14 @@ CASES: dict[str, Case] = {
         # CPU that usage reports cost.
         _c("tether.budget_stop", "tether_cases:budget_stop", (2, 5), (180, 600)),
         _c("tether.usage_overhead", "tether_cases:usage_overhead", (3, 7), (120, 600)),
+        # Issue 30: the abort with telemetry off and on, alternately, same run.
+        _c(
+            "tether.telemetry_abort",
+            "tether_cases:telemetry_abort",
+            (3, 5),
+            (120, 600),
+            optional=True,
+        ),
         # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
         # Issue 18: the agent kit against the model server (needs tether[agents]).
@@ -414,6 +422,26 @@ FIGURES: list[Figure] = [
         "p50",
         "%",
         Target(_LE, 5),
+    ),
+    # Issue 30: a traced worker is aborted as fast as an untraced one (same run).
+    Figure("telemetry_abort_off_p50_ms", "tether.telemetry_abort", "abort_ms", "p50", "ms"),
+    Figure("telemetry_abort_off_p99_ms", "tether.telemetry_abort", "abort_ms", "p99", "ms"),
+    Figure(
+        "telemetry_abort_on_p50_ms",
+        "tether.telemetry_abort",
+        "abort_traced_ms",
+        "p50",
+        "ms",
+        baseline="telemetry_abort_off_p50_ms",
+        ratio_target=Target(_LE, 1.25),
+    ),
+    Figure(
+        "telemetry_abort_on_p99_ms",
+        "tether.telemetry_abort",
+        "abort_traced_ms",
+        "p99",
+        "ms",
+        baseline="telemetry_abort_off_p99_ms",
     ),
     # Issue 12, backend="ray": no targets of their own; read them next to the local rows
     # and next to peer.ray_cancel_force_p50_ms (Ray's own stop, which leaves escapees).

@@ -770,7 +770,11 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
     """Host CPU per trivial turn with telemetry on (spans exported over OTLP/HTTP to a
     sink on loopback) vs off, the two runtimes measured alternately in the same process
     (as ``watchdog_overhead``). The figure is the extra host CPU, in percent. Skipped
-    without the extra tether[otel]."""
+    without the extra tether[otel].
+
+    Each sample is one round of short batches in the order off, on, on, off, so that a
+    drift in the machine's load (other processes on these 2 cores) hits both sides
+    alike; a repetition is several rounds, and the figure their pooled median."""
     import subprocess
     import sys
 
@@ -778,7 +782,7 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
         import opentelemetry.sdk  # noqa: F401
     except ImportError:
         raise Skip("needs the extra tether[otel]") from None
-    n, sessions = cfg.n(600, 3000), 8
+    n, rounds, sessions = cfg.n(150, 300), cfg.n(6, 10), 8
     sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     try:
         assert sink.stdout is not None
@@ -811,9 +815,65 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
             for setup in setups:
                 cpu_per_turn(*setup, 100)  # warm-up
             while True:
-                base = cpu_per_turn(*setups[0], n)
-                traced_cpu = cpu_per_turn(*setups[1], n)
-                yield {"overhead_pct": [(traced_cpu / base - 1) * 100]}
+                pct = []
+                for _ in range(rounds):
+                    base = cpu_per_turn(*setups[0], n)
+                    traced_cpu = cpu_per_turn(*setups[1], n) + cpu_per_turn(*setups[1], n)
+                    base += cpu_per_turn(*setups[0], n)
+                    pct.append((traced_cpu / base - 1) * 100)
+                yield {"overhead_pct": pct}
+    finally:
+        sink.kill()
+        sink.wait()
+
+
+def telemetry_abort(cfg: Cfg) -> Iterator[Samples]:
+    """`abort_ms` of `abort` with telemetry off and on (spans exported to the sink), the
+    two runtimes taking turns, abort for abort, in the same process: a traced worker is
+    killed as fast (no export stands in the abort's way; the host then makes the turn's
+    span). Skipped without the extra tether[otel]."""
+    import subprocess
+    import sys
+
+    try:
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError:
+        raise Skip("needs the extra tether[otel]") from None
+    sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None
+        url = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
+        with (
+            tether.Runtime(workers=2, containment="walk", telemetry=False) as plain,
+            tether.Runtime(workers=2, containment="walk", telemetry={"endpoint": url}) as traced,
+        ):
+            setups = []
+            for rt in (plain, traced):
+                child, auth = _quiet_child(rt, SCRIPTED)
+                setups.append((rt, child, auth, Events(rt, {"turn.ended"})))
+                _pool_steady(rt, 2)
+
+            def one(rt: tether.Runtime, child: str, auth: tether.User, events: Events) -> float:
+                tag = _procs.wedge_tag()
+                rt.send(child, "wedge", data=wedge(tag), authority=auth)
+                tree = _procs.find_tree(tag, WAIT)
+                mark = events.mark()
+                with _procs.DeathWatch(tree.pids(with_starter=True)) as watch:
+                    t0 = time.perf_counter_ns()
+                    rt.interrupt(child, authority=auth, kind="abort", reason="bench")
+                    dead = watch.wait(WAIT)
+                    ended, ev = events.wait(mark, _on(child, "turn.ended"))
+                if ev.data["outcome"] != "aborted":
+                    raise RuntimeError(f"the wedged turn ended {ev.data['outcome']}, not aborted")
+                _pool_steady(rt, 2)
+                return ms_since(t0, max(dead, ended))
+
+            while True:
+                off, on = [], []
+                for _ in range(cfg.n(15, 40)):
+                    off.append(one(*setups[0]))
+                    on.append(one(*setups[1]))
+                yield {"abort_ms": off, "abort_traced_ms": on}
     finally:
         sink.kill()
         sink.wait()

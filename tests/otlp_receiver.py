@@ -113,6 +113,44 @@ class Receiver:
         with self.cond:
             return {s.span_id: s for s in self.spans}
 
+    def turn(self, turn: str) -> Span:
+        """The ``invoke_agent`` span of ``turn``, once it arrives."""
+        found: Span = self.wait(
+            lambda spans: next(
+                (
+                    s
+                    for s in spans
+                    if s.name.startswith("invoke_agent") and s.attrs.get("tether.turn.id") == turn
+                ),
+                None,
+            ),
+            what=f"the span of turn {turn}",
+        )
+        return found
+
+    def chats_under(self, turn: str, model: str, count: int) -> tuple[Span, list[Span]]:
+        """The span of ``turn`` and its ``count`` (at least) ``chat {model}`` children, once
+        they arrive: each with the request's model and its usage (an adapter's spans)."""
+        top = self.turn(turn)
+        name = f"chat {model}"
+        chats: list[Span] = self.wait(
+            lambda spans: (
+                found
+                if len(found := [s for s in spans if s.name == name and s.parent == top.span_id])
+                >= count
+                else None
+            ),
+            what=f"{count} {name} spans under turn {turn}",
+        )
+        for chat in chats:
+            assert chat.trace_id == top.trace_id
+            assert chat.attrs["gen_ai.operation.name"] == "chat"
+            assert chat.attrs["gen_ai.request.model"] == model
+            assert chat.attrs["gen_ai.usage.input_tokens"] > 0
+            assert chat.attrs["gen_ai.usage.output_tokens"] > 0
+            assert chat.resource["tether.process"] == "worker"
+        return top, chats
+
     def ancestors(self, span: Span) -> list[Span]:
         """``span``'s parent, its parent's, … as far as they were received."""
         ids = self.by_id()

@@ -538,3 +538,24 @@ def test_an_mcp_server_named_like_tethers_own_tools_is_a_config_mistake(
     ended = rec.turn_ended(child, timeout=TIMEOUT)
     assert ended["outcome"] == "failed" and "'tether' is Tether's own" in ended["error"]
     assert server.requests == []
+
+
+def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_model_and_usage(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    from otlp_receiver import OtlpReceiver
+
+    replies = [
+        {"text": "Let me look.", "tool_calls": [_bash("echo hello-from-bash")]},
+        {"text": "Bash said hello-from-bash."},
+    ]
+    with OtlpReceiver() as receiver:
+        with tether.Runtime(workers=1, grace=2.0, telemetry={"endpoint": receiver.url}) as rt:
+            rec = Recorder(rt)
+            _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+            rt.send(child, "what does bash say?", authority=me)
+            ended = rec.turn_ended(child, timeout=TIMEOUT)
+            assert ended["outcome"] == "completed", ended.get("error")
+        top, chats = receiver.chats_under(ended["turn"], MODEL, 2)
+    assert top.attrs["gen_ai.agent.id"] == child and not top.error
+    assert all(c.attrs["gen_ai.provider.name"] == "anthropic" for c in chats)

@@ -394,3 +394,28 @@ def test_abort_mid_stream_kills_the_turn_and_the_server_sees_the_disconnect(
     rt.interrupt(child, authority=me, kind="abort", reason="kill it")
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "aborted"
     server.wait_disconnect(request.id)
+
+
+def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_model_and_usage(
+    server: ModelServer,
+) -> None:
+    from otlp_receiver import OtlpReceiver
+
+    script = "oai-traced"
+    replies = [
+        {
+            "text": "Let me look.",
+            "tool_calls": [{"name": "lookup", "arguments": {"topic": "owls"}}],
+        },
+        {"text": "Owls: notes on owls."},
+    ]
+    with OtlpReceiver() as receiver:
+        with tether.Runtime(workers=1, grace=1.0, telemetry={"endpoint": receiver.url}) as rt:
+            rec = Recorder(rt)
+            _root, child, me = _agent(rt, server, script, replies)
+            rt.send(child, "tell me about owls", authority=me)
+            ended = rec.turn_ended(child, timeout=60.0)
+            assert ended["outcome"] == "completed", ended.get("error")
+        top, chats = receiver.chats_under(ended["turn"], script, 2)
+    assert top.attrs["gen_ai.agent.id"] == child and not top.error
+    assert all(c.attrs["gen_ai.provider.name"] == "openai" for c in chats)

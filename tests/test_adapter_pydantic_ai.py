@@ -434,3 +434,25 @@ def test_a_steer_sent_while_the_final_reply_streams_is_taken_by_the_framework_an
     kinds = [e.action or e.kind for e in rt.transcript(child) if e.kind != "user"]
     assert kinds == ["assistant", "steered", "assistant"], kinds
     assert texts(rt, child, "assistant")[-1] == "Switched to the short answer."
+
+
+def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_model_and_usage(
+    server: ModelServer,
+) -> None:
+    from otlp_receiver import OtlpReceiver
+
+    script = "pyd-traced"
+    replies = [
+        {"text": "Let me look.", "tool_calls": [{"name": "lookup", "arguments": {"key": "k1"}}]},
+        {"text": "The value is value-of-k1."},
+    ]
+    with OtlpReceiver() as receiver:
+        with tether.Runtime(workers=1, grace=1.0, telemetry={"endpoint": receiver.url}) as rt:
+            rec = Recorder(rt)
+            _root, child, me = _agent(rt, server, script, replies)
+            rt.send(child, "what is k1?", authority=me)
+            ended = rec.turn_ended(child, timeout=60.0)
+            assert ended["outcome"] == "completed", ended.get("error")
+        top, chats = receiver.chats_under(ended["turn"], script, 2)
+    assert top.attrs["gen_ai.agent.id"] == child and not top.error
+    assert all(c.attrs["gen_ai.provider.name"] == "openai" for c in chats)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,7 +148,7 @@ def test_a_chat_agent_turn_with_a_tool_call_is_one_trace_with_its_spawned_childs
     assert top.attrs["gen_ai.conversation.id"] == root
     assert top.attrs["tether.outcome"] == "completed"
     assert not top.error
-    assert top.resource["tether.process"] == "host"
+    assert top.resource["tether.process"] == "worker"  # the worker makes a turn's span
     assert below.attrs["gen_ai.agent.name"] == "helper"
     assert below.attrs["gen_ai.conversation.id"] == root
 
@@ -258,6 +259,51 @@ def test_an_abort_ends_the_turn_as_aborted_and_its_control_span_lands_with_the_k
     report = rt.stop_report(turn)
     assert report is not None and report.latency_ms is not None
     assert control.attrs["tether.control.latency_ms"] == report.latency_ms
+
+
+# test_interrupts holds an abort to this without telemetry (its tree dead, the turn ended)
+ABORT_BOUND = 2.0
+
+
+def test_an_abort_sigkills_the_worker_without_waiting_for_an_export_and_the_host_sends_the_turn_span(  # noqa: E501
+    receiver: Receiver, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's batch processor exports its finished spans every 0.1 s while the turn
+    # is wedged in its command (the SDK's own variable, inherited by the workers).
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    wedge = {"argv": ["sh", "-c", "echo started; sleep 30"]}
+    replies = [{"tool_calls": [{"name": "run_command", "arguments": wedge, "id": "call_wedge"}]}]
+    with tether.Runtime(workers=2, grace=1.0, telemetry={"endpoint": receiver.url}) as rt:
+        rec = Recorder(rt)
+        _root, agent, me = _agent(rt, server, "traced-abort", replies, ["run_command"])
+        rt.send(agent, "wedge", authority=me)
+        worker = worker_with_tool(rt, "sleep")
+        chat = receiver.wait(
+            lambda spans: next((s for s in spans if s.name == "chat traced-abort"), None),
+            what="the wedged turn's exported chat span",
+        )
+        start = time.monotonic()
+        turn = rt.interrupt(agent, authority=me, kind="abort", reason="kill it")
+        ended = rec.turn_ended(agent, timeout=ABORT_BOUND)
+        elapsed = time.monotonic() - start
+        assert turn is not None
+        report = rt.stop_report(turn)
+    assert ended["outcome"] == "aborted"
+    assert elapsed < ABORT_BOUND, "the abort waited for the worker's export"
+    assert report is not None and report.latency_ms is not None
+    assert report.latency_ms < ABORT_BOUND * 1000
+    if report.via is not None:  # the worker itself was SIGKILLed, not asked to go
+        [fate] = [p for p in report.processes if p.pid == worker.pid]
+        assert (fate.signal, fate.fate) == ("SIGKILL", "dead")
+    # The worker never ended the turn's span: the host made it, with the worker's ids.
+    span = receiver.turn(turn)
+    assert span.resource["tether.process"] == "host"
+    assert span.name == "invoke_agent agent"
+    assert span.error and span.attrs["error.type"] == "aborted"
+    assert span.description == "kill it" and span.attrs["tether.outcome"] == "aborted"
+    assert (chat.trace_id, chat.parent) == (span.trace_id, span.span_id)
+    assert chat.resource["tether.process"] == "worker" and not chat.error
+    assert len([s for s in receiver.spans if s.span_id == span.span_id]) == 1
 
 
 def test_a_preempt_ends_the_cut_tool_call_as_preempted_and_the_turn_goes_on(

@@ -576,7 +576,7 @@ class Session:
         self._marker(t, "paused", origin, by, reason)
         log.info("turn.paused", session=self.header.id, turn=t.id, by=by)
         if t.span is not None:
-            self._host.telemetry.turn_event(t.span, "paused", origin, by, reason)
+            self._turn_event(t, "paused", origin, by, reason)
         self._control_ended(ctl, "landed", t)
         return t.id
 
@@ -600,7 +600,7 @@ class Session:
         self._marker(t, "resumed", origin, by, "")
         log.info("turn.resumed", session=self.header.id, turn=t.id, by=by)
         if t.span is not None:
-            self._host.telemetry.turn_event(t.span, "resumed", origin, by, "")
+            self._turn_event(t, "resumed", origin, by, "")
         self._control_ended(ctl, "landed", t)
         return t.id
 
@@ -999,6 +999,13 @@ class Session:
                 span, outcome, latency_ms=latency_ms, report=report, turn=t.id
             )
 
+    def _turn_event(self, t: _Turn, name: str, origin: str, by: str, reason: str) -> None:
+        """A pause or a resume on the turn's span, which its worker makes: sent to it."""
+        assert t.span is not None
+        frame = self._host.telemetry.turn_event(t.span, name, origin, by, reason)
+        if frame is not None:
+            self._host.executor.signal(t.id, frame)
+
     def _controls(self, t: _Turn) -> _Controls:
         if t.controls is None:
             t.controls = _Controls(deque(), [])
@@ -1055,6 +1062,7 @@ class Session:
             t.controls = None
         self._host.telemetry.turn_ended(
             t.span,
+            reported=end is not None,
             outcome=outcome,
             cause=cause,
             by=by,

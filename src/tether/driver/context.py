@@ -106,6 +106,8 @@ class BaseContext:
     def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
         """Append an assistant entry to the transcript."""
         self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
+        if spans.content():  # the turn span's reply, when the driver returns none
+            spans.said(text)
         self._progress()
 
     def record_tool(self, text: str, *, data: dict[str, Any] | None = None) -> None:

@@ -43,6 +43,7 @@ from typing import Any, NoReturn
 import msgspec
 import structlog
 
+from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
 from tether.driver._command import COMMAND_ENV
 from tether.driver._turn import _TurnState, end_of
 from tether.driver.context import TurnContext
@@ -64,6 +65,7 @@ from tether.wire.frames import (
     Ready,
     RunTurn,
     Shutdown,
+    SpanEvent,
     SteerFrame,
     ToolReply,
     TurnEnd,
@@ -272,6 +274,8 @@ class _Worker:
                             if st.on_reply is None or not st.on_reply(frame):
                                 st.replies[call] = frame
                                 st.reply_ready.notify_all()
+                case SpanEvent():
+                    spans.event(frame)
                 case Shutdown():
                     break
         with self.lock:
@@ -299,10 +303,13 @@ class _Worker:
                     with self.lock:
                         state = self.current
                     assert state is not None and state.turn == item.turn
-                    self.send(self._run(item, state))
+                    end = self._run(item, state)
+                    self.send(end)
                     if item.trace is not None:
-                        # after the end is reported: the export never delays a turn's
-                        # end, and an abort before it loses only this turn's spans
+                        # after the end is reported: the span's work and the export
+                        # never delay a turn's end, and an abort before it loses only
+                        # this turn's spans (the host then makes the turn's own)
+                        _end_turn_span(end, state)
                         spans.flush()
 
     def _disposed(self, sessions: list[str]) -> None:
@@ -328,7 +335,7 @@ class _Worker:
         return self.loop
 
     def _run(self, run: RunTurn, state: _TurnState) -> TurnEnd:
-        with spans.turn(run.trace, lambda: state.cancel):
+        with spans.turn(run, lambda: state.cancel):
             return self._run_driver(run, state)
 
     def _run_driver(self, run: RunTurn, state: _TurnState) -> TurnEnd:
@@ -343,6 +350,25 @@ class _Worker:
         except Exception as exc:  # a driver's failure ends its turn, never the worker
             return end_of(run, state, error=exc)
         return end_of(run, state, final=final)
+
+
+def _end_turn_span(end: TurnEnd, state: _TurnState) -> None:
+    """The turn's span ends with the outcome as the host decides it from what this worker
+    saw: its end, and the cancel that reached it. (A stop that reached the host only as
+    the turn ended on its own, which the worker never saw, is not on it.)"""
+    cancel = state.cancel
+    stop = None if cancel is None else StopFacts("cancel", cancel.origin, cancel.by, cancel.reason)
+    o = decide_outcome(TurnFacts(stop=stop, end=end.outcome, error=end.error))
+    spans.turn_ended(
+        outcome=o.outcome,
+        cause=o.cause,
+        by=o.by,
+        origin=None if cancel is None else cancel.origin,
+        reason=o.reason,
+        error=o.error,
+        final=end.final,
+        usage=end.usage,
+    )
 
 
 def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> None:

@@ -8,14 +8,17 @@ imported lazily by the modules that need it:
     settings    what turns telemetry on, and how the spans are exported
     hooks       the host's hooks (no-ops when off): turn spans, control spans
     _provider   the SDK's tracer provider, OTLP exporter and batch processor, per process
-    _host       the host's hooks over the SDK: ``invoke_agent``, ``tether.control``
-    spans       the worker's spans: ``chat`` and ``execute_tool``, under its turn span
+    _host       the host's hooks over the SDK: ``tether.control``, a killed turn's span
+    _turn       the turn's span (``invoke_agent``), as either of its makers makes it
+    spans       the worker's spans: ``invoke_agent``, ``chat`` and ``execute_tool``
 
-Who makes which span: the host makes the turn span (``invoke_agent``), since it knows the
-outcome, the stop and its cause, pauses and resumes, even when the worker was killed; the
-control spans (``tether.control``) too, since it decides whether a stop landed. A worker
-makes the spans of what only it sees, model requests and tool calls, as children of the
-turn span whose traceparent rides in ``RunTurn``; it exports them itself.
+Who makes which span: the worker makes the turn's span (``invoke_agent``) and the spans
+of what only it sees, model requests and tool calls, below it, and exports them itself;
+the host only picks the turn span's ids at dispatch (they ride in ``RunTurn.trace``), so
+a turn costs the host no SDK work. When the worker cannot end the span (an abort, a
+crash, a kill after grace), the host makes it, with the same ids, once the tree is dead.
+Pauses and resumes reach the worker's span as events in ``SpanEvent`` frames. The
+control spans (``tether.control``) are the host's: it decides whether a stop landed.
 """
 
 from tether.telemetry.hooks import NOOP, ControlSpan, Telemetry, TurnSpan, error_type

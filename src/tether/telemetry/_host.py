@@ -4,20 +4,21 @@ spans (``tether.control``) of SPEC §16.3. Imported only with telemetry on."""
 from __future__ import annotations
 
 import contextlib
-import json
+import random
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tether.telemetry._provider import SCOPE, make_provider
-from tether.telemetry.hooks import ControlSpan, Telemetry, TurnSpan, error_type
+from tether.telemetry._provider import SCOPE, PresetIds, make_provider
+from tether.telemetry._turn import end_turn_span, start_turn_span
+from tether.telemetry.hooks import ControlSpan, Telemetry, TurnSpan
 from tether.telemetry.settings import Settings
-from tether.wire.frames import Trace
+from tether.wire.frames import SpanEvent, Trace
 
 __all__ = ["OtelTelemetry", "context_of", "traceparent_of"]
 
@@ -40,11 +41,22 @@ def traceparent_of(ctx: otel_context.Context | None = None) -> str | None:
 
 
 class _TurnSpan(TurnSpan):
-    __slots__ = ("span",)
+    """What the host keeps of a turn's span, which the worker makes: the ids it sent
+    (in ``trace``), and the pauses and resumes, in case it has to make it itself."""
 
-    def __init__(self, trace: Trace, span: Any) -> None:
+    __slots__ = ("events", "message", "session", "turn")
+
+    def __init__(self, trace: Trace, session: str, turn: str, message: str) -> None:
         super().__init__(trace)
-        self.span = span
+        self.session = session
+        self.turn = turn
+        self.message = message
+        self.events: list[tuple[str, dict[str, str], int]] | None = None
+
+    def context(self) -> otel_context.Context:
+        ctx = context_of(self.trace.parent)
+        assert ctx is not None
+        return ctx
 
 
 class _ControlSpan(ControlSpan):
@@ -55,11 +67,6 @@ class _ControlSpan(ControlSpan):
         self.issued = time.monotonic()
 
 
-def _messages(role: str, text: str) -> str:
-    """A message as the GenAI conventions record content (``gen_ai.*.messages``)."""
-    return json.dumps([{"role": role, "parts": [{"type": "text", "content": text}]}])
-
-
 class OtelTelemetry(Telemetry):
     on = True
 
@@ -67,6 +74,7 @@ class OtelTelemetry(Telemetry):
         self.settings = settings
         self.content = settings.content
         self._provider = make_provider(settings, "host")
+        self._ids: PresetIds = self._provider.id_generator
         self._tracer = self._provider.get_tracer(SCOPE)
 
     # ---- turns ------------------------------------------------------------------------
@@ -81,31 +89,29 @@ class OtelTelemetry(Telemetry):
         parent: str | None,
         message: str,
     ) -> TurnSpan | None:
-        attrs: dict[str, Any] = {
-            "gen_ai.operation.name": "invoke_agent",
-            "gen_ai.agent.name": name,
-            "gen_ai.agent.id": session,
-            "gen_ai.conversation.id": root,
-            "tether.turn.id": turn,
-        }
-        if self.content:
-            attrs["gen_ai.input.messages"] = _messages("user", message)
-        span = self._tracer.start_span(
-            f"invoke_agent {name}",
-            context=context_of(parent),
-            kind=SpanKind.INTERNAL,
-            attributes=attrs,
+        # The worker makes the span: here only its ids are picked (the trace's from the
+        # waking context), a few string operations, no SDK call on a turn's path.
+        if parent is not None:
+            trace_hex, flags = parent[3:35], parent[53:55]
+        else:
+            trace_hex, flags = f"{random.getrandbits(128) or 1:032x}", "01"
+        here = f"00-{trace_hex}-{random.getrandbits(64) or 1:016x}-{flags}"
+        trace = Trace(
+            parent=here,
+            endpoint=self.settings.endpoint,
+            content=self.content,
+            up=parent,
+            name=name,
+            root=root,
+            start=time.time_ns(),
         )
-        here = traceparent_of(set_span_in_context(span))
-        if here is None:  # not sampled by the SDK's sampler: nothing below it either
-            return None
-        trace = Trace(parent=here, endpoint=self.settings.endpoint, content=self.content)
-        return _TurnSpan(trace, span)
+        return _TurnSpan(trace, session, turn, message)
 
     def turn_ended(
         self,
         span: TurnSpan,
         *,
+        reported: bool,
         outcome: str,
         cause: str | None,
         by: str | None,
@@ -115,31 +121,45 @@ class OtelTelemetry(Telemetry):
         final: str | None,
         usage: dict[str, int] | None,
     ) -> None:
+        if reported:
+            return  # the worker ended it, with what it saw, once it had reported the end
+        # No end came (an abort, a crash, a kill after grace): the tree is dead, so the
+        # span is the host's to make, with the ids the worker had.
         assert isinstance(span, _TurnSpan)
-        s = span.span
-        s.set_attribute("tether.outcome", outcome)
-        if cause is not None:
-            s.set_attribute("tether.cause", cause)
-        if by is not None:
-            s.set_attribute("tether.by", by)
-        if usage:
-            if "prompt_tokens" in usage:
-                s.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
-            if "completion_tokens" in usage:
-                s.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
-        if self.content and final:
-            s.set_attribute("gen_ai.output.messages", _messages("assistant", final))
-        if outcome != "completed":
-            s.set_attribute("error.type", error_type(outcome, origin))
-            s.set_status(Status(StatusCode.ERROR, reason or error or outcome))
-        s.end()
+        s = start_turn_span(
+            self._tracer,
+            self._ids,
+            span.trace,
+            session=span.session,
+            turn=span.turn,
+            message=span.message,
+            events=span.events,
+        )
+        end_turn_span(
+            s,
+            content=self.content,
+            outcome=outcome,
+            cause=cause,
+            by=by,
+            origin=origin,
+            reason=reason,
+            error=error,
+            final=final,
+            usage=usage,
+        )
 
-    def turn_event(self, span: TurnSpan, name: str, origin: str, by: str, reason: str) -> None:
+    def turn_event(
+        self, span: TurnSpan, name: str, origin: str, by: str, reason: str
+    ) -> SpanEvent | None:
         assert isinstance(span, _TurnSpan)
         attrs = {"tether.control.origin": origin, "tether.control.by": by}
         if reason:
             attrs["tether.control.reason"] = reason
-        span.span.add_event(name, attributes=attrs)
+        at = time.time_ns()
+        if span.events is None:
+            span.events = []
+        span.events.append((name, attrs, at))
+        return SpanEvent(turn=span.turn, name=name, time=at, attrs=attrs)
 
     # ---- control actions --------------------------------------------------------------
 
@@ -165,9 +185,10 @@ class OtelTelemetry(Telemetry):
         links = []
         ctx = context_of(parent)
         if isinstance(turn, _TurnSpan):
-            links.append(Link(turn.span.get_span_context()))
+            here = turn.context()
+            links.append(Link(get_current_span(here).get_span_context()))
             if ctx is None:  # no caller's context: it shows inside the turn it acts on
-                ctx = set_span_in_context(turn.span)
+                ctx = here
         span = self._tracer.start_span(
             f"tether.control {verb}",
             context=ctx,

@@ -9,12 +9,16 @@ turns telemetry on). The protocol is HTTP/protobuf unless ``OTEL_EXPORTER_OTLP_P
 from __future__ import annotations
 
 import os
+import random
+import threading
 from typing import Any
+
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from tether.telemetry.settings import Settings
 from tether.wire.errors import InvalidParams
 
-__all__ = ["SCOPE", "make_provider"]
+__all__ = ["SCOPE", "PresetIds", "make_provider"]
 
 SCOPE = "tether"  # the instrumentation scope of every span Tether makes
 _TRACES = "/v1/traces"
@@ -30,9 +34,36 @@ def make_provider(settings: Settings, role: str) -> Any:
     attrs: dict[str, Any] = {"tether.process": role, "process.pid": os.getpid()}
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attrs[SERVICE_NAME] = settings.service
-    provider = TracerProvider(resource=Resource.create(attrs))
+    provider = TracerProvider(resource=Resource.create(attrs), id_generator=PresetIds())
     provider.add_span_processor(BatchSpanProcessor(_exporter(settings)))
     return provider
+
+
+class PresetIds(IdGenerator):
+    """The SDK's id generator: random ids
+    except for the one span ``preset`` names next on this thread: a turn's span, whose
+    ids the host picked at dispatch, so the worker's span and the host's (when the
+    worker could not end it) are the same span, and its children's parent id is right."""
+
+    def __init__(self) -> None:
+        self._next = threading.local()
+
+    def preset(self, trace_id: int, span_id: int) -> None:
+        self._next.ids = (trace_id, span_id)
+
+    def generate_trace_id(self) -> int:  # asked first, and only for a trace's root
+        ids: tuple[int, int] | None = getattr(self._next, "ids", None)
+        return ids[0] if ids is not None else random.getrandbits(128) or 1
+
+    def generate_span_id(self) -> int:
+        ids: tuple[int, int] | None = getattr(self._next, "ids", None)
+        if ids is None:
+            return random.getrandbits(64) or 1
+        self._next.ids = None
+        return ids[1]
+
+    def is_trace_id_random(self) -> bool:
+        return True
 
 
 def _exporter(settings: Settings) -> Any:

@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,26 +15,44 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from tether.telemetry._host import context_of, traceparent_of
+from tether.telemetry._host import traceparent_of
 from tether.telemetry._provider import SCOPE, make_provider
+from tether.telemetry._turn import end_turn_span, start_turn_span
 from tether.telemetry.hooks import error_type
 from tether.telemetry.settings import Settings
 from tether.telemetry.spans import Span
 from tether.wire.errors import Preempted, TetherError
-from tether.wire.frames import Cancel, Trace
+from tether.wire.frames import Cancel, RunTurn, SpanEvent, Trace
 
-__all__ = ["annotate", "begin", "chat", "end", "flush", "shutdown", "tool", "traceparent"]
+__all__ = [
+    "annotate",
+    "begin",
+    "chat",
+    "end",
+    "event",
+    "flush",
+    "said",
+    "shutdown",
+    "tool",
+    "traceparent",
+    "turn_ended",
+]
 
 # The SDK's force_flush blocks for the whole export, retries included (seconds, with a
-# receiver that is down), whatever timeout it is given: it runs on a thread of its own,
-# and a turn's end waits for it this long at most, the worker's exit a little longer.
-_FLUSH_WAIT = 0.25
+# receiver that is down), whatever timeout it is given: it runs on a thread of its own.
+# A turn's end only asks for it, never waits; the worker's exit waits this long at most.
+# Exports are at least _FLUSH_GAP apart: the ends of quick turns share one, so a worker
+# running trivial turns back to back is not an HTTP request per turn (a lone turn's
+# spans still go at once).
+_FLUSH_WAIT = 0.0
+_FLUSH_GAP = 0.1
 _EXIT_WAIT = 2.0
 _DESCRIPTION_CAP = 300
 
 _provider: Any = None
 _key: tuple[str | None, bool] | None = None
 _tracer: Any = None
+_ids: Any = None
 _content = False
 
 
@@ -43,11 +62,21 @@ def _no_stop() -> Cancel | None:
 
 _stop: Callable[[], Cancel | None] = _no_stop
 _turn: otel_context.Context | None = None  # the turn span's context, for other threads
+# The turn's span (``invoke_agent``), which this worker makes with the host's ids; its
+# turn id, and when the driver returned (the span ends there, once the end is sent).
+_turn_span: Any = None
+_turn_id: str | None = None
+_returned: int | None = None
+_said: str | None = None  # the turn's latest assistant text (content on)
+# Events the reader thread got before the main thread started their turn's span (a
+# pause before the worker took the turn: its frame follows RunTurn).
+_early: list[SpanEvent] = []
+_events_lock = threading.Lock()
 
 
 def _setup(trace: Trace) -> None:
     """This worker's provider, made on its first traced turn (never inherited)."""
-    global _provider, _key, _tracer
+    global _provider, _key, _tracer, _ids
     key = (trace.endpoint, trace.content)
     if _provider is not None and _key == key:
         return
@@ -56,43 +85,110 @@ def _setup(trace: Trace) -> None:
     _provider = make_provider(Settings(endpoint=trace.endpoint, content=trace.content), "worker")
     _key = key
     _tracer = _provider.get_tracer(SCOPE)
+    _ids = _provider.id_generator
 
 
-def begin(trace: Trace, stop: Callable[[], Cancel | None]) -> object:
-    global _content, _stop, _turn
+def begin(run: RunTurn, trace: Trace, stop: Callable[[], Cancel | None]) -> object:
+    global _content, _stop, _turn, _turn_span, _turn_id, _returned, _said
     _setup(trace)
     _content, _stop = trace.content, stop
-    _turn = context_of(trace.parent)
-    assert _turn is not None
+    span = start_turn_span(
+        _tracer, _ids, trace, session=run.session, turn=run.turn, message=run.message.content
+    )
+    with _events_lock:
+        _turn_span, _turn_id, _returned, _said = span, run.turn, None, None
+        early = [e for e in _early if e.turn == run.turn]
+        _early.clear()
+    for e in early:
+        span.add_event(e.name, attributes=e.attrs, timestamp=e.time)
+    _turn = otel_trace.set_span_in_context(span)
     return otel_context.attach(_turn)
 
 
 def end(token: object) -> None:
+    global _returned
+    _returned = time.time_ns()
     otel_context.detach(token)  # type: ignore[arg-type]
 
 
+def turn_ended(
+    *,
+    outcome: str,
+    cause: str | None,
+    by: str | None,
+    origin: str | None,
+    reason: str | None,
+    error: str | None,
+    final: str | None,
+    usage: dict[str, int] | None,
+) -> None:
+    global _turn_span, _turn_id
+    with _events_lock:
+        span, _turn_span, _turn_id = _turn_span, None, None
+    if span is None:
+        return
+    end_turn_span(
+        span,
+        content=_content,
+        outcome=outcome,
+        cause=cause,
+        by=by,
+        origin=origin,
+        reason=reason,
+        error=error,
+        final=final if final is not None else _said,
+        usage=usage,
+        end=_returned,
+    )
+
+
+def said(text: str) -> None:
+    global _said
+    _said = text
+
+
+def event(frame: SpanEvent) -> None:
+    # The reader thread: the span may not have started yet, or have ended just now (a
+    # pause as the turn ended: that one is lost).
+    with _events_lock:
+        span = _turn_span if _turn_id == frame.turn else None
+        if span is None:
+            _early.append(frame)
+            return
+    span.add_event(frame.name, attributes=frame.attrs, timestamp=frame.time)
+
+
 class _Flusher:
-    """One thread that exports on request; the requester waits a bounded time."""
+    """One thread that exports on request; a requester waits a bounded time, if at all.
+    Requests made while an export runs, or within ``_FLUSH_GAP`` of one, share the next."""
 
     def __init__(self) -> None:
-        self.asked = threading.Event()
-        self.done = threading.Event()
+        self.cond = threading.Condition()
+        self.asked = 0  # requests so far
+        self.done = 0  # requests that a finished export covers
         self.thread = threading.Thread(target=self._loop, name="tether-otel-flush", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while True:
-            self.asked.wait()
-            self.asked.clear()
+            with self.cond:
+                self.cond.wait_for(lambda: self.asked > self.done)
+                upto = self.asked
             provider = _provider
             if provider is not None:
                 provider.force_flush()
-            self.done.set()
+            with self.cond:
+                self.done = upto
+                self.cond.notify_all()
+            time.sleep(_FLUSH_GAP)
 
     def flush(self, wait: float) -> None:
-        self.done.clear()
-        self.asked.set()
-        self.done.wait(wait)
+        with self.cond:
+            self.asked += 1
+            mine = self.asked
+            self.cond.notify_all()
+            if wait > 0:
+                self.cond.wait_for(lambda: self.done >= mine, wait)
 
 
 _flusher: _Flusher | None = None
@@ -108,8 +204,8 @@ def flush(wait: float = _FLUSH_WAIT) -> None:
 
 
 def shutdown() -> None:
-    # Every turn's spans were flushed at its end: what is left is at most the last
-    # export still in flight. The SDK's own threads are daemons: they go with us.
+    # Every turn's end asked for an export: what is left is at most the last one's
+    # spans, still waiting out the gap or in flight. The SDK's threads are daemons.
     flush(_EXIT_WAIT)
 
 

@@ -3,7 +3,8 @@
 The session state machine (``actors.agent``) holds a ``Telemetry`` from its services and
 calls it at a turn's start and end, at a pause and a resume, and for each control
 action; the runtime asks it for the caller's trace context. Off, every hook returns at
-once and ``on`` is False, so the engine can skip even building their arguments.
+once and ``on`` is False, so the engine can skip even building their arguments. On, a
+turn costs the host only the choice of its span's ids: the worker makes the span.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from tether.wire.frames import Trace
+from tether.wire.frames import SpanEvent, Trace
 
 __all__ = ["NOOP", "ControlSpan", "Telemetry", "TurnSpan", "error_type"]
 
@@ -78,6 +79,7 @@ class Telemetry:
         self,
         span: TurnSpan,
         *,
+        reported: bool,
         outcome: str,
         cause: str | None,
         by: str | None,
@@ -87,10 +89,15 @@ class Telemetry:
         final: str | None,
         usage: dict[str, int] | None,
     ) -> None:
-        """The turn ended: ERROR with ``error.type`` unless ``completed``."""
+        """The turn ended. ``reported``: its worker reported the end, and ends the span
+        itself; else (killed, crashed) the host makes it: ERROR with ``error.type``."""
 
-    def turn_event(self, span: TurnSpan, name: str, origin: str, by: str, reason: str) -> None:
-        """A pause or a resume, as an event on the turn's span."""
+    def turn_event(
+        self, span: TurnSpan, name: str, origin: str, by: str, reason: str
+    ) -> SpanEvent | None:
+        """A pause or a resume, as an event on the turn's span: the frame that takes it
+        to the worker, which owns the span."""
+        return None
 
     def control(
         self,

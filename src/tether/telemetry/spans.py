@@ -1,5 +1,6 @@
-"""The worker's spans (SPEC §16.3): ``chat {model}`` per model request and
-``execute_tool {tool}`` per tool call, children of the turn's span.
+"""The worker's spans (SPEC §16.3): ``invoke_agent {name}`` per turn, with the ids the
+host picked, and below it ``chat {model}`` per model request and ``execute_tool {tool}``
+per tool call.
 
 Off (the turn's ``RunTurn.trace`` is None), every call here returns a shared no-op and
 nothing of ``opentelemetry`` is imported. On, ``_spans`` does the work: the worker's own
@@ -17,20 +18,23 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tether.wire.frames import Cancel, Trace
+from tether.wire.frames import Cancel, RunTurn, SpanEvent
 
 __all__ = [
     "Span",
     "annotate",
     "chat",
     "content",
+    "event",
     "flush",
     "on",
     "open_chat",
+    "said",
     "shutdown",
     "tool",
     "traceparent",
     "turn",
+    "turn_ended",
 ]
 
 _on = False
@@ -84,24 +88,70 @@ def content() -> bool:
 
 
 @contextlib.contextmanager
-def turn(trace: Trace | None, stop: Callable[[], Cancel | None]) -> Iterator[None]:
-    """The worker runs a turn: with ``trace``, its spans are children of the host's turn
-    span (the worker flushes them once it has reported the turn's end). ``stop`` says
-    the turn's cancel, if one reached it (a span it cut says so)."""
+def turn(run: RunTurn, stop: Callable[[], Cancel | None]) -> Iterator[None]:
+    """The worker runs a turn: with ``run.trace``, it starts the turn's span with the ids
+    the host picked, and the turn's other spans are its children; ``turn_ended`` ends it
+    once the end is reported (then the worker flushes them). ``stop`` says the turn's
+    cancel, if one reached it (a span it cut says so)."""
     global _on, _content
+    trace = run.trace
     if trace is None:
         _on = False
         yield
         return
     from tether.telemetry import _spans
 
-    token = _spans.begin(trace, stop)
+    token = _spans.begin(run, trace, stop)
     _on, _content = True, trace.content
     try:
         yield
     finally:
         _on = False
         _spans.end(token)
+
+
+def turn_ended(
+    *,
+    outcome: str,
+    cause: str | None,
+    by: str | None,
+    origin: str | None,
+    reason: str | None,
+    error: str | None,
+    final: str | None,
+    usage: dict[str, int] | None,
+) -> None:
+    """End the turn's span with the outcome the worker saw (after it sent ``TurnEnd``:
+    the span's work never delays the end). A no-op unless the turn was traced."""
+    if _spans_loaded():
+        from tether.telemetry import _spans
+
+        _spans.turn_ended(
+            outcome=outcome,
+            cause=cause,
+            by=by,
+            origin=origin,
+            reason=reason,
+            error=error,
+            final=final,
+            usage=usage,
+        )
+
+
+def said(text: str) -> None:
+    """The turn's latest assistant text (content on): its span's reply, unless the
+    driver returns one."""
+    from tether.telemetry import _spans
+
+    _spans.said(text)
+
+
+def event(frame: SpanEvent) -> None:
+    """An event the host sent for the turn's span (a pause, a resume): sent only with
+    telemetry on, maybe before this worker's first traced turn began."""
+    from tether.telemetry import _spans
+
+    _spans.event(frame)
 
 
 def flush() -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "RunTurn",
     "Say",
     "Shutdown",
+    "SpanEvent",
     "Steer",
     "SteerFrame",
     "ToolCall",
@@ -70,14 +71,21 @@ class Cancel(msgspec.Struct, frozen=True):
 
 
 class Trace(msgspec.Struct, frozen=True):
-    """Telemetry for one turn (SPEC §16.3), only when it is on: the W3C ``traceparent`` of
-    the host's turn span (the worker's spans are its children) and how the worker
-    exports its own spans (``endpoint``: the OTLP base URL, None: the ``OTEL_*``
-    variables decide; ``content``: prompts, replies and tool arguments recorded)."""
+    """Telemetry for one turn (SPEC §16.3), only when it is on. The worker makes the
+    turn's span (``invoke_agent``) with the ids the host picked: ``parent`` is that span's
+    W3C ``traceparent`` (the worker's other spans are its children), ``up`` the one it is
+    a child of (None: a new trace's root), ``name``, ``root`` and ``start`` (ns since the
+    epoch, when the host claimed the turn) what the host knows of it at dispatch. How the
+    worker exports (``endpoint``: the OTLP base URL, None: the ``OTEL_*`` variables
+    decide; ``content``: prompts, replies and tool arguments recorded)."""
 
     parent: str
     endpoint: str | None = None
     content: bool = False
+    up: str | None = None
+    name: str = ""
+    root: str = ""
+    start: int = 0
 
 
 class RunTurn(msgspec.Struct, frozen=True, tag="run"):
@@ -133,6 +141,16 @@ class Escalate(msgspec.Struct, frozen=True, tag="escalate"):
     turn: str
 
 
+class SpanEvent(msgspec.Struct, frozen=True, tag="span_event"):
+    """Telemetry on: an event on the turn's span, which its worker owns (a pause or a
+    resume, seen by the host at ``time``, ns since the epoch)."""
+
+    turn: str
+    name: str
+    time: int
+    attrs: dict[str, str]
+
+
 class Probe(msgspec.Struct, frozen=True, tag="probe"):
     driver: str
 
@@ -156,6 +174,7 @@ HostFrame = (
     | Preempt
     | ToolReply
     | Escalate
+    | SpanEvent
     | Probe
     | Disposed
     | Shutdown
