@@ -4,7 +4,7 @@ Every stop benchmark wedges the same tree, `sh -c "sleep T & sleep T; wait"`, wh
 a per-sample tag (a sleep length unique to this process and sample) so the tree of one
 sample is never confused with the zombies of the previous one. Death is observed through
 pidfds: one blocking `poll` that wakes when the last process has exited (a zombie counts
-as dead, as in SPEC §2), so the measuring thread holds no GIL while it waits and adds no
+as dead, as in semantics §2), so the measuring thread holds no GIL while it waits and adds no
 polling granularity.
 """
 

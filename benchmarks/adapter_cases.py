@@ -1,4 +1,4 @@
-"""The framework adapters' cancel (issue 27, SPEC §16.1), measured as ChatAgent's is.
+"""The framework adapters' cancel (issue 27, semantics §16.1), measured as ChatAgent's is.
 
 Each case runs one adapter agent (Pydantic AI, the OpenAI Agents SDK, Claude Code) with
 the same hung reply as `cancel_inflight` and cancels its turns mid-stream through

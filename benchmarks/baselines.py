@@ -153,7 +153,7 @@ def mp_pool(cfg: Cfg) -> Iterator[Samples]:
 
 
 # The journal settings a durable store uses: WAL, and synchronous=NORMAL, which survives a
-# process crash (SPEC §4 rule 6 asks for no loss on a host crash) without an fsync per
+# process crash (semantics §4 rule 6 asks for no loss on a host crash) without an fsync per
 # commit. If Tether's store settles on other pragmas, this floor should follow them.
 SQLITE_PRAGMAS = ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=NORMAL")
 

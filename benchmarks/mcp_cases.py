@@ -1,4 +1,4 @@
-"""The MCP client's stop (SPEC §15.3): how soon a cancelled call reaches the server.
+"""The MCP client's stop (semantics §15.3): how soon a cancelled call reaches the server.
 
 `cancel_ms`: the awaiting task is cancelled (wall clock read just before) → the stdio
 server has received ``notifications/cancelled`` for that request (its own log's wall

@@ -119,7 +119,7 @@ def _quiet_parent(rt: tether.Runtime) -> tuple[str, tether.User]:
     Every turn end sends the parent a ChildTurnEnded notice, which wakes an idle parent
     into a turn of its own: that turn would share the workers and the host with the next
     sample (in `respawn`, it would even take the freed worker first). A parked parent is
-    never woken by notices (SPEC §5), so the parent here is parked once, by a cancel.
+    never woken by notices (semantics §5), so the parent here is parked once, by a cancel.
     """
     root = rt.open_session(SCRIPTED)
     parent = str(rt.spawn(root, SCRIPTED))

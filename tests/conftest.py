@@ -215,7 +215,7 @@ def rt(backend: str) -> Iterator[tether.Runtime]:
 @pytest.fixture(params=sorted(SCRIPTED_BY_KIND, reverse=True))
 def driver_kind(request: pytest.FixtureRequest) -> str:
     """``sync`` or ``async``: which kind of driver the test's scripted sessions run (a
-    test that takes ``scripted`` runs once with each: SPEC §11, §15.1)."""
+    test that takes ``scripted`` runs once with each: semantics §11, §15.1)."""
     return str(request.param)
 
 
@@ -235,7 +235,7 @@ def db_path(tmp_path: os.PathLike[str]) -> str:
 
 @pytest.fixture(params=["cgroup", "walk"])
 def containment(request: pytest.FixtureRequest) -> str:
-    """Each containment path (SPEC §15.5); the cgroup one skips, with why, where none is."""
+    """Each containment path (semantics §15.5); the cgroup one skips, with why, where none is."""
     name: str = request.param
     missing = cgroup_probe()[0]
     if name == "cgroup" and missing is not None:

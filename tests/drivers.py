@@ -544,7 +544,7 @@ class Hostile:
         return "survived"
 
 
-# ---- async drivers (tests/test_async_drivers.py, SPEC §15.1) -----------------------------
+# ---- async drivers (tests/test_async_drivers.py, semantics §15.1) -----------------------------
 
 
 class AsyncWrapUp:

@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP trace receiver on loopback, for the telemetry tests (SPEC §16.3).
+"""A real OTLP/HTTP trace receiver on loopback, for the telemetry tests (semantics §16.3).
 
 It takes ``POST /v1/traces`` as the SDK's exporter sends it (protobuf, gzip or not),
 decodes each ``ExportTraceServiceRequest`` with the official protobuf definitions

@@ -1,4 +1,4 @@
-"""``tether.adapters.claude_code:ClaudeCodeAgent`` (SPEC §16.1) with the real Claude Code CLI.
+"""``tether.adapters.claude_code:ClaudeCodeAgent`` (semantics §16.1) with the real Claude Code CLI.
 
 The CLI (bundled with ``claude-agent-sdk``) runs as a child of a worker and talks the
 Anthropic Messages wire to ``tether.testing.ModelServer`` on loopback: no key, no

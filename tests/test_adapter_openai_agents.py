@@ -1,4 +1,4 @@
-"""``tether.adapters.openai_agents:OpenAIAgentsAgent`` (SPEC §16.1) with the real OpenAI
+"""``tether.adapters.openai_agents:OpenAIAgentsAgent`` (semantics §16.1) with the real OpenAI
 Agents SDK and its real client, against the model server over HTTP.
 
 The model server runs in a process of its own on loopback; the SDK's agent (built by a

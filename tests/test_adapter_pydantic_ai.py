@@ -1,4 +1,4 @@
-"""``tether.adapters.pydantic_ai:PydanticAIAgent`` (SPEC §16.1) with the real framework.
+"""``tether.adapters.pydantic_ai:PydanticAIAgent`` (semantics §16.1) with the real framework.
 
 A real ``pydantic_ai.Agent`` (its factory in tests/adapter_agents.py) runs in a worker
 process and talks to the model server (``tether.testing.ModelServer``, a process of its

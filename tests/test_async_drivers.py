@@ -1,4 +1,4 @@
-"""Async drivers (SPEC §15.1): a cancel at whatever the driver awaits, shields, preempts
+"""Async drivers (semantics §15.1): a cancel at whatever the driver awaits, shields, preempts
 of the innermost tool await, run_command on the loop, one loop per worker.
 
 The interrupt, pause and watchdog suites run on both kinds as well (the ``scripted``

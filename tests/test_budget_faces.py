@@ -1,4 +1,4 @@
-"""Budgets from outside (SPEC §16.2): RPC ``budget`` params, ``subagent.budget`` and
+"""Budgets from outside (semantics §16.2): RPC ``budget`` params, ``subagent.budget`` and
 ``subagent.setBudget``, ``tether budget`` and ``--budget``, and the agent tools
 (``spawn_agent``'s ``budget``, the model tool ``budget``)."""
 

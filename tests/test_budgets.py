@@ -1,4 +1,4 @@
-"""Budgets (SPEC §16.2): a governor for every tree, with real workers.
+"""Budgets (semantics §16.2): a governor for every tree, with real workers.
 
 The model tests run ``tether.agents:ChatAgent`` against the model server, which reports
 usage with every response; the others run ``drivers:Spender``, which reports usage with
@@ -149,7 +149,7 @@ def test_the_soft_step_reaches_the_next_model_request_as_a_steer_of_origin_budge
                     "tool_calls": [{"name": "run_command", "arguments": {"argv": ["true"]}}],
                     "usage": {"prompt_tokens": 900, "completion_tokens": 100},
                     # paced, so a loaded host's reports keep up with the requests: a stop
-                    # that overtook the steer would discard it (SPEC §5)
+                    # that overtook the steer would discard it (semantics §5)
                     "delay": 0.1,
                 }
             ],

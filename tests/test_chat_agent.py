@@ -1,4 +1,4 @@
-"""``tether.agents:ChatAgent`` (SPEC §15.2) against the real model server over HTTP.
+"""``tether.agents:ChatAgent`` (semantics §15.2) against the real model server over HTTP.
 
 The model server (``tether.testing.model_server``) runs in a process of its own on
 loopback; the agent runs in a worker process and talks to it with the official
@@ -442,7 +442,7 @@ def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
     assert "demo finished" in out
 
 
-# ---- MCP tools (tether.agents.mcp, SPEC §15.3) ------------------------------------------
+# ---- MCP tools (tether.agents.mcp, semantics §15.3) ------------------------------------------
 
 
 def _mcp(tmp_path: Path) -> tuple[dict[str, Any], Path]:

@@ -394,7 +394,7 @@ def test_watch_labels_a_turn_waiting_for_a_worker() -> None:
     assert "waiting for a worker" not in lines[2]  # no field: not said
 
 
-# ---- pause, resume and --stall (SPEC §14.4, §14.5) ----------------------------------------
+# ---- pause, resume and --stall (semantics §14.4, §14.5) ----------------------------------------
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Containment (SPEC §15.5, issue 19): a turn's processes die with its stop, whatever
+"""Containment (semantics §15.5, issue 19): a turn's processes die with its stop, whatever
 they did to their ancestry, session, environment or name.
 
 Each test that applies to both paths runs on ``containment`` = ``cgroup`` (a leaf per

@@ -383,7 +383,7 @@ def test_corrupt_frame_from_a_worker_is_an_error_not_a_crash(rt: tether.Runtime)
     rejected = [e for e in logs if e["event"] == "frame.rejected"]
     assert rejected, "the corrupt frame was not reported"
     assert rejected[0]["log_level"] == "error"
-    # Any frame that fails to decode marks its worker faulty (SPEC §14.3): the turn ends
+    # Any frame that fails to decode marks its worker faulty (semantics §14.3): the turn ends
     # crashed, the worker is replaced, and the host and the other turns go on.
     assert ended["outcome"] == "crashed"
     assert "survived garbage" not in texts(rt, bad, "assistant")
@@ -705,7 +705,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_layering_every_room_imports_only_the_rooms_below_it() -> None:
     wire = ("tether.wire",)
-    # the traces' room (SPEC §16.3): its hooks stand on the wire alone, and every room
+    # the traces' room (semantics §16.3): its hooks stand on the wire alone, and every room
     # that makes spans may call them (the SDK itself is imported only when it is on)
     telemetry = ("tether.telemetry", *wire)
     driver = ("tether.driver", *telemetry)  # what a driver author imports: never the engine

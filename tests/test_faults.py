@@ -1,4 +1,4 @@
-"""Issue 8, faults in the pool and the worker (SPEC §14.3): none of them wedges the host.
+"""Issue 8, faults in the pool and the worker (semantics §14.3): none of them wedges the host.
 
 Each test is named after the behaviour it proves and failed on the code before its fix.
 Faults are real: descriptor and address-space limits set with ``setrlimit``/``prlimit``,

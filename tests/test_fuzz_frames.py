@@ -1,4 +1,4 @@
-"""Fuzzing the worker -> host frame decoder (issue 10, item 3; SPEC §10, §14.3).
+"""Fuzzing the worker -> host frame decoder (issue 10, item 3; semantics §10, §14.3).
 
 A worker runs driver code, so its end of the channel is a peer the host must not
 trust. ``drivers:Hostile`` writes what Hypothesis generates straight onto its own
@@ -156,7 +156,7 @@ class Harness:
             pid = int(said.text.split()[1])
             if data.get("then") == "hang" and data.get("how") in ("raw", "truncated"):
                 # The stream may be out of step now: whatever it does with the rest, an
-                # abort must still stop the turn at once (SPEC §14.3).
+                # abort must still stop the turn at once (semantics §14.3).
                 rt.interrupt(bad, authority=self.me, kind="abort", reason="fuzz")
             turn = self.ended(bad)
         self.check_host_serves()
@@ -232,7 +232,7 @@ def test_a_well_framed_hostile_payload_never_crashes_or_wedges_the_host(
         if verdict == "frame:Ready":  # a repeated handshake: see its regression test below
             return
         sid, turn, pid, logs = harness.hostile({"how": "framed", "hex": payload.hex()})
-        # SPEC §14.3: an undecodable frame marks the worker faulty (crashed, replaced);
+        # semantics §14.3: an undecodable frame marks the worker faulty (crashed, replaced);
         # a decodable one that names nothing of this turn is dropped and the turn goes on.
         assert turn.outcome in ("completed", "crashed"), turn
         if turn.outcome == "crashed":
@@ -377,7 +377,7 @@ def test_a_deeply_nested_frame_is_rejected_and_the_turn_still_ends(fresh: Harnes
     with structlog.testing.capture_logs() as logs:
         rt.send(bad, "go", authority=fresh.me, data={"how": "framed", "hex": payload.hex()})
         turn = fresh.ended(bad, timeout=10.0)
-    assert turn.outcome == "crashed", turn  # the worker is faulty (SPEC §14.3)
+    assert turn.outcome == "crashed", turn  # the worker is faulty (semantics §14.3)
     assert any(e["event"] == "frame.rejected" for e in logs)
     fresh.check_host_serves()
 

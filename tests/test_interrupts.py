@@ -226,7 +226,7 @@ def test_deadline_escalates_a_cancel_stuck_in_a_tool_to_an_abort(
     rt.interrupt(child, authority=me, kind="cancel", reason="wrap up", deadline=0.3)
     ended = rec.turn_ended(child, timeout=5.0)
     if scripted == ASYNC_SCRIPTED:
-        # SPEC §15.1: an async turn is never stuck at a tool's await: the cancel lands
+        # semantics §15.1: an async turn is never stuck at a tool's await: the cancel lands
         # there at once, the tool is killed, and the deadline has nothing to escalate
         # (tests/test_async_drivers.py escalates an async turn that blocks its loop).
         assert (ended["outcome"], ended["escalated"], ended["forced"]) == (

@@ -1,4 +1,4 @@
-"""The MCP client of the agent kit (SPEC §15.3) against a real MCP server built with the
+"""The MCP client of the agent kit (semantics §15.3) against a real MCP server built with the
 official SDK (tether.testing.mcp_server), over stdio and Streamable HTTP.
 
 The server logs every request and notification it receives (and each handler's end) to

@@ -193,7 +193,7 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
             page = await ok(mcp, "read_transcript", agent=child, limit=1)
             assert len(page["entries"]) == 1 and page["more"] is True
 
-            # The stop report of that turn (SPEC §15.6).
+            # The stop report of that turn (semantics §15.6).
             report = (await ok(mcp, "stop_report", turn=turn))["report"]
             assert (report["turn"], report["session"], report["kind"]) == (turn, child, "cancel")
             assert report["origin"] == "user" and report["reason"] == "enough"

@@ -6,7 +6,7 @@ not, with right and wrong authorities), every interrupt kind from every kind of 
 (``User`` with the right or a wrong parent, ``Ancestor`` of a live ancestor, a
 sibling, the target itself, a stale ref), the ``turn=`` guard, pause/resume (one
 session or a subtree), release, dispose, a one-shot's ``kill`` — and after every step
-compares the runtime with what ``Model`` predicts from SPEC §4–§6, §14.2 and §14.4 and
+compares the runtime with what ``Model`` predicts from semantics §4–§6, §14.2 and §14.4 and
 docs/DECISIONS.md:
 
 * every session's state, pending count, running turn and ``stopping``;
@@ -141,13 +141,13 @@ _VERB = {
 
 
 def marker_text(action: str, origin: str, by: str, reason: str) -> str:
-    """SPEC §5/§14.4, written out independently of ``tether.wire.text``."""
+    """semantics §5/§14.4, written out independently of ``tether.wire.text``."""
     head = f"{_VERB[action]} by {origin} ({html.escape(by, quote=True)})"
     return f"{head}: {html.escape(reason, quote=True)}" if reason else head
 
 
 class Model:
-    """SPEC §4–§6, §14.2, §14.4 for Scripted hang/short turns, as plain bookkeeping."""
+    """semantics §4–§6, §14.2, §14.4 for Scripted hang/short turns, as plain bookkeeping."""
 
     def __init__(self) -> None:
         self.sessions: dict[str, MSession] = {}

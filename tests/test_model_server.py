@@ -1,4 +1,4 @@
-"""The model server of SPEC §15.4, driven by the official ``openai`` client over HTTP."""
+"""The model server of semantics §15.4, driven by the official ``openai`` client over HTTP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model server's Anthropic Messages wire (SPEC §16.1), driven by the official
+"""The model server's Anthropic Messages wire (semantics §16.1), driven by the official
 ``anthropic`` client over HTTP: the wire the Claude Code CLI speaks."""
 
 from __future__ import annotations

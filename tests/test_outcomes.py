@@ -1,4 +1,4 @@
-"""How a turn ends, row by row: SPEC §5's table (and §14.2, §14.4, §14.5) as the facts a
+"""How a turn ends, row by row: semantics §5's table (and §14.2, §14.4, §14.5) as the facts a
 session gathers when a turn has ended and what ``decide_outcome`` makes of them.
 
 Where the spec is vague the runtime's behaviour is the reference (the end-to-end suites

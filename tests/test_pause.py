@@ -1,4 +1,4 @@
-"""Pause and resume (SPEC §14.4) and the stall watchdog (SPEC §14.5), with real workers.
+"""Pause and resume (semantics §14.4) and the stall watchdog (semantics §14.5), with real workers.
 
 Frozen means SIGSTOPped (the walk) or in a frozen cgroup (cgroup containment): every
 check of "paused" looks at the processes' own state (``drivers.frozen``), and every

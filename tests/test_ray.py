@@ -1,4 +1,4 @@
-"""Issue 12, the Ray backend: what only Ray can get wrong (SPEC §14.6).
+"""Issue 12, the Ray backend: what only Ray can get wrong (semantics §14.6).
 
 The interrupt and core suites run on Ray too (``BACKENDS`` in those modules); these are
 the Ray-specific promises: an abort reports only a dead tree, escapees included; a frozen

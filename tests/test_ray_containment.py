@@ -1,4 +1,4 @@
-"""Issue 19 on the Ray backend: each slot's turn in a cgroup leaf of its node (SPEC §15.5).
+"""Issue 19 on the Ray backend: each slot's turn in a cgroup leaf of its node (semantics §15.5).
 
 Under ``containment="cgroup"`` a slot makes a group of its own on its node and runs each
 turn child in a leaf ``w-<token>`` of it; the node's reaper kills with ``cgroup.kill``

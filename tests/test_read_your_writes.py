@@ -1,4 +1,4 @@
-"""Read-your-writes across sessions (SPEC §15.8): a call that returned is seen by every
+"""Read-your-writes across sessions (semantics §15.8): a call that returned is seen by every
 later call, whichever sessions they touch.
 
 Each case is a race between a session's host and the caller's next call, so each is

@@ -443,7 +443,7 @@ def test_sigterm_drains_running_turns_and_leaves_no_process(tmp_path: Path) -> N
         assert turns[-1]["outcome"] in ("cancelled", "aborted"), turns
 
 
-# ---- pause, resume and the stall policy (SPEC §14.4, §14.5) ----------------------------
+# ---- pause, resume and the stall policy (semantics §14.4, §14.5) ----------------------------
 
 
 def _tool_tree(server: LiveServer) -> list[psutil.Process]:

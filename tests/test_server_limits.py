@@ -122,7 +122,7 @@ def _abort_converges_and_a_new_turn_runs(server: LiveServer, root: str, child: s
         "subagent.interrupt", {"address": _address(child, root), "kind": "abort", "reason": "x"}
     )
     assert answer["accepted"] is True and answer["turn"] is not None
-    server.wait_state(child, "parked", timeout=20.0)  # a stopped turn parks (SPEC §4)
+    server.wait_state(child, "parked", timeout=20.0)  # a stopped turn parks (semantics §4)
     server.call("subagent.send", {"address": _address(child, root), "content": "again"})
 
     def second_turn_done() -> bool:

@@ -11,7 +11,7 @@ Protocols (``actors.ports``): the executor holds frames for a turn no worker has
 a frozen worker reads nothing, a kill ends the turn only when it lands; the clock and the
 timers move only when the test says so (``ManualClock``, ``ManualTimers``).
 
-After every step it checks what SPEC §4, §5, §14.2, §14.4 and §14.5 promise:
+After every step it checks what semantics §4, §5, §14.2, §14.4 and §14.5 promise:
 
 * nothing accepted is lost: every accepted message is queued (in key order) or claimed
   by exactly one turn, a turn claims the oldest, and a session with no turn and
@@ -531,7 +531,7 @@ class SessionMachine(RuleBasedStateMachine):
         """Unpaused seconds the turn has run (on the session's monotonic clock)."""
         return log.active
 
-    # -- sends (SPEC §4) -----------------------------------------------------------------
+    # -- sends (semantics §4) -----------------------------------------------------------------
 
     @precondition(lambda self: self.open)
     @rule(how=SENDS)
@@ -559,7 +559,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     def enqueue(self, msg: Message, wake: str) -> None:
         """A send told to the host; a waking one accepted while a stop converges sets
-        the turn's wake latch (SPEC §4 rule 5)."""
+        the turn's wake latch (semantics §4 rule 5)."""
         log = self.turn_log()
         t = self.session.turn
         if wake == "yes" and log is not None and t is not None and t.stop is not None:
@@ -738,7 +738,7 @@ class SessionMachine(RuleBasedStateMachine):
                     log.delivered_active = self.active(log)
                 self.host(s.from_worker, item)
 
-    # -- interrupts (SPEC §5, §14.2) -------------------------------------------------------
+    # -- interrupts (semantics §5, §14.2) -------------------------------------------------------
 
     @rule(kind=KINDS, args=INTERRUPTS)
     def an_interrupt(self, kind: str, args: tuple[Any, ...]) -> None:
@@ -1081,7 +1081,7 @@ def test_a_dispose_never_postpones_the_deadline_of_a_cancel_it_finds() -> None:
     """A cancel with a 1 s deadline, then a dispose with a 5 s grace: the turn is still
     escalated 1 s after the cancel. Before the fix the dispose re-armed the deadline
     from its own arrival with its own grace, so the abort came 5 s later than the
-    caller's deadline (SPEC §5; failed every time; found by the machine)."""
+    caller's deadline (semantics §5; failed every time; found by the machine)."""
     m = machine(loaded=1)
     m.a_worker_takes_the_turn()
     m.interrupt("cancel", ("user", "alice"), "now", 2.0, 1.0, "running")
@@ -1099,7 +1099,7 @@ def test_a_dispose_never_postpones_the_deadline_of_a_cancel_it_finds() -> None:
 
 
 def test_a_waking_send_during_a_stop_resumes_the_queue_when_the_turn_ends() -> None:
-    """SPEC §4 rule 5, on the session alone: the latch the machine checks."""
+    """semantics §4 rule 5, on the session alone: the latch the machine checks."""
     m = machine(loaded=1)
     m.a_worker_takes_the_turn()
     m.interrupt("cancel", ("user", "alice"), "stop", 1.0, None, "running")

@@ -1,8 +1,8 @@
 """Runtime bugs the soak found, each kept as a minimal reproduction.
 
 1. A paused turn's processes survive a host SIGKILL, frozen, forever. Pause SIGSTOPs
-   the worker's group and escapees (SPEC §14.4); when the host dies, the worker is to
-   sweep its descendants when its host channel closes (SPEC §14.3), but a stopped worker
+   the worker's group and escapees (semantics §14.4); when the host dies, the worker is to
+   sweep its descendants when its host channel closes (semantics §14.3), but a stopped worker
    runs nothing: it and its tools stay in state T, orphaned, holding every descriptor
    they inherited from the host (the soak hung reading the dead host's stdout). Expected:
    gone within a few seconds of the host's death, like an unpaused turn's.

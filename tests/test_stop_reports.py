@@ -1,4 +1,4 @@
-"""Issue 19, items 4 and 5: a durable report of what each stop did (SPEC §15.6), and
+"""Issue 19, items 4 and 5: a durable report of what each stop did (semantics §15.6), and
 subtree stops (a cancel or an abort of every running turn below a session).
 
 Real worker processes and tool subprocesses throughout; every wait is on state or

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (SPEC §16.3) against a real OTLP/HTTP receiver on loopback.
+"""OpenTelemetry traces (semantics §16.3) against a real OTLP/HTTP receiver on loopback.
 
 The spans are exported by the real SDK from the host and from the workers, and decoded
 by the receiver (``otlp_receiver``) with the official protobuf definitions. Agents are

@@ -1,22 +1,8 @@
 """Tether: an actor-model runtime for agents that spawn subagents.
 
-Layering (imports only ever point down; ``src/tether/CONVENTIONS.md`` has the rules):
-
-    tether.serve, tether.cli   the outside faces: the HTTP server and the command
-        |
-        v
-    tether.runtime   processes and the outside world: the Runtime facade, worker pool,
-        |            worker turn loop, SQLite store, backends
-        v
-    tether.actors    pykka actors: the supervisor (catalog, spawn, dispose, discovery) and
-        |            a few session hosts, each serving many sessions' state machines
-        |            (inbox, state, turn, interrupts) one message at a time; they reach
-        |            the pool and the store only through the Protocols in actors.ports
-        |
-        |   tether.driver   what a driver author imports: the turn contexts, the scripted
-        |       |           drivers, the agent tools; the worker (runtime) imports it,
-        v       v           it imports only wire
-    tether.wire      msgspec Structs and codecs; depends on nothing of ours
+Imports only ever point down: wire <- actors <- runtime <- serve, cli; driver sits on wire.
+The rules are in ``src/tether/CONVENTIONS.md``; which module holds what: docs/design.md,
+section 1.
 """
 
 from tether import tools

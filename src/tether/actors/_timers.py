@@ -1,4 +1,4 @@
-"""One timer queue for every session's grace and deadline clocks (SPEC §14.1).
+"""One timer queue for every session's grace and deadline clocks (semantics §14.1).
 
 A heap and one thread, instead of a ``threading.Timer`` thread per clock. A callback runs
 on the timer thread and must only hand a message to an actor (it must not block).

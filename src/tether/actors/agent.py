@@ -159,7 +159,7 @@ class _Turn:
     stepped_at: float = 0.0
     step: int = 0
     in_tool: bool = False
-    # For the stop report (SPEC §15.6): the tool calls open now (number -> name, call),
+    # For the stop report (semantics §15.6): the tool calls open now (number -> name, call),
     # those the stop found open, when and how the cancel reached the driver, and the
     # preempts issued and not yet seen to land (origin, by, reason, accepted at).
     tools: dict[int, tuple[str, str | None]] | None = None
@@ -173,7 +173,7 @@ class _Turn:
     # first report came): the watchdog's clock runs from there, never while the turn
     # waits for a free worker.
     started: bool = False
-    # Telemetry on (SPEC §16.3): the turn's span, and the control actions' spans that
+    # Telemetry on (semantics §16.3): the turn's span, and the control actions' spans that
     # have not landed yet (steers in order, the stop, preempts with what names them).
     span: TurnSpan | None = None
     controls: _Controls | None = None
@@ -492,7 +492,7 @@ class Session:
         elif t.delivered:
             return
         elif which == "deadline" and self._host.executor.dispatched(t.id):
-            # The worker decides whether its boundary came first (SPEC §5: a boundary
+            # The worker decides whether its boundary came first (semantics §5: a boundary
             # reached before the deadline must win even if its report is in flight).
             t.escalating = True
             self._host.executor.signal(t.id, Escalate(t.id))
@@ -506,7 +506,7 @@ class Session:
         self._host.executor.kill(t.id)
 
     def _arm(self, t: _Turn, delay: float, which: TimerKind) -> None:
-        """Run the stop's clock; a paused turn holds it until resumed (SPEC §14.4)."""
+        """Run the stop's clock; a paused turn holds it until resumed (semantics §14.4)."""
         self._cancel_timer(t)
         if t.paused:
             t.held = (which, delay)
@@ -522,12 +522,12 @@ class Session:
         t.timer = t.clock = None
         t.gen += 1
 
-    # ---- budgets (SPEC §16.2) ------------------------------------------------------------
+    # ---- budgets (semantics §16.2) ------------------------------------------------------------
 
     def budget_step(self, turn: str, kind: str, text: str) -> None:
         """The governor's step for ``turn``: a steer, a pause, a cancel or an abort of
         origin ``budget``, bound to that turn (a no-op once it is over). A stop the turn
-        already has stands (SPEC §5: one pending stop per turn)."""
+        already has stands (semantics §5: one pending stop per turn)."""
         t = self.turn
         if t is None or t.id != turn:
             return
@@ -536,7 +536,7 @@ class Session:
                 if t.paused or self.pause("budget", "budget", text) is None:
                     return
                 # A pause that stands for a stop (``on_hard: pause``) says so as a stop
-                # would (SPEC §15.6); a cancel or abort later replaces it.
+                # would (semantics §15.6); a cancel or abort later replaces it.
                 now = self._host.clock.now()
                 report = self._report(
                     t, "pause", "budget", "budget", text, now, effective_at=now, latency_ms=0.0
@@ -549,7 +549,7 @@ class Session:
         except TetherError as exc:  # a steer refused (too much held): the stop is not
             log.warning("budget.step_refused", session=self.header.id, turn=turn, error=exc.message)
 
-    # ---- pause / resume (SPEC §14.4) ---------------------------------------------------
+    # ---- pause / resume (semantics §14.4) ---------------------------------------------------
 
     def pause(self, origin: str, by: str, reason: str, trace: str | None = None) -> str | None:
         """Freeze the running turn in place; its id, or None when there is none."""
@@ -604,7 +604,7 @@ class Session:
         self._control_ended(ctl, "landed", t)
         return t.id
 
-    # ---- the stall watchdog (SPEC §14.5) ------------------------------------------------
+    # ---- the stall watchdog (semantics §14.5) ------------------------------------------------
 
     def progress(self, frame: Progress) -> None:
         t = self.turn
@@ -683,7 +683,7 @@ class Session:
                 "watchdog.step_refused", session=self.header.id, turn=t.id, error=exc.message
             )
 
-    # ---- stop reports (SPEC §15.6) ------------------------------------------------------
+    # ---- stop reports (semantics §15.6) ------------------------------------------------------
 
     def _tool_marks(self, t: _Turn, marks: list[ToolMark]) -> None:
         """The worker's tool calls opening and closing: which ones a stop finds open."""
@@ -940,10 +940,10 @@ class Session:
             self.settled = True
         else:
             if not t.wake_latch:
-                self.woken_by = None  # what starts now follows this turn (SPEC §4 rule 2)
+                self.woken_by = None  # what starts now follows this turn (semantics §4 rule 2)
             self.start_next()
 
-    # ---- telemetry (SPEC §16.3) ---------------------------------------------------------
+    # ---- telemetry (semantics §16.3) ---------------------------------------------------------
 
     def _control(
         self,
@@ -1084,7 +1084,7 @@ class Session:
             self.disposing = True
             self.settled = True
             return
-        if t.paused:  # a frozen turn reaches no boundary: dispose aborts it (SPEC §14.4)
+        if t.paused:  # a frozen turn reaches no boundary: dispose aborts it (semantics §14.4)
             self.interrupt(Interrupt("abort", origin, by, "disposed", grace))
         elif t.stop is None:
             self.interrupt(Interrupt("cancel", origin, by, "disposed", grace, grace))
@@ -1177,7 +1177,7 @@ class SessionServices:
         telemetry: Telemetry = NOOP,
         budget: Governor | None = None,
     ) -> None:
-        # The governor of every tree's budget (SPEC §16.2); None: no budgets (tests of
+        # The governor of every tree's budget (semantics §16.2); None: no budgets (tests of
         # the machine alone).
         self.budget = budget
         self.grace = grace  # the runtime's default, for the watchdog's cancel
@@ -1196,5 +1196,5 @@ class SessionServices:
         self.inbox_open = inbox_open
         # Every time the session reads: wall time for records, monotonic for clocks.
         self.clock = clock
-        # Spans of turns and control actions (SPEC §16.3); the no-op hooks when off.
+        # Spans of turns and control actions (semantics §16.3); the no-op hooks when off.
         self.telemetry = telemetry

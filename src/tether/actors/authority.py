@@ -1,4 +1,4 @@
-"""Who may do what to whom (SPEC §6).
+"""Who may do what to whom (semantics §6).
 
 Two kinds of caller: a person presenting a session's durable parent address (``User``),
 or a live agent presenting its activation (``Ancestor``). The checks read only the

@@ -1,4 +1,4 @@
-"""The governor (SPEC §16.2): one home for every tree's budget and spent counters.
+"""The governor (semantics §16.2): one home for every tree's budget and spent counters.
 
 Sessions live on several host actors and their workers' usage arrives on the backends'
 threads, but a budget covers a whole subtree: so the counters of every tree sit here,
@@ -60,7 +60,7 @@ class SpentStore(Protocol):
     """What the governor needs from the store."""
 
     def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """Queue the running turn's usage so far (a crashed turn's counts, SPEC §16.2)."""
+        """Queue the running turn's usage so far (a crashed turn's counts, semantics §16.2)."""
 
     def set_budget(self, session: str, budget: Budget | None) -> Durable:
         """Replace the stored budget; durable once the returned ticket is done."""

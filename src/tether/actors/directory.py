@@ -7,7 +7,7 @@ actor hosting that id adds or removes it. Every value is replaced whole or is a 
 attribute write, so readers on other threads see either the old or the new value.
 
 Epochs are ``boot << 40 | n``: ``boot`` counts host starts in the store, so an
-``AgentRef`` from an earlier host process never matches a live activation (SPEC §9).
+``AgentRef`` from an earlier host process never matches a live activation (semantics §9).
 """
 
 from __future__ import annotations
@@ -115,14 +115,14 @@ def owner_address(header: SessionHeader) -> str:
 
 
 class Directory:
-    """The catalog, the registry, epochs, and the authority checks of SPEC §6."""
+    """The catalog, the registry, epochs, and the authority checks of semantics §6."""
 
     def __init__(self, boot: int) -> None:
         self.catalog = Catalog()
         self.registry: dict[str, Session] = {}
         # Dormant sessions a waking send has been accepted for, not yet materialized by
         # their host (a count per id: several such sends may be on their way). They are
-        # live to every later check (SPEC §15.8): the send that woke one has returned.
+        # live to every later check (semantics §15.8): the send that woke one has returned.
         self._waking: dict[str, int] = {}
         self._waking_lock = threading.Lock()
         self._boot = boot << 40
@@ -207,7 +207,7 @@ class Directory:
         return live
 
     def authorize_subtree(self, target: str, auth: Authority | Host, what: str = "pause") -> Node:
-        """Authority over ``target`` as for an interrupt (SPEC §6), checked against the
+        """Authority over ``target`` as for an interrupt (semantics §6), checked against the
         catalog so that it holds whether or not ``target`` itself is live: a subtree
         pause, resume or stop then applies to every session below it."""
         node = self.catalog.get(target)

@@ -1,4 +1,4 @@
-"""The dispatcher: a few pykka actors that host every live session (SPEC §14.1).
+"""The dispatcher: a few pykka actors that host every live session (semantics §14.1).
 
 Each session id belongs to exactly one ``SessionHost`` (chosen by hash), and every
 operation that reads or changes that session — send, interrupt, status, release,
@@ -289,7 +289,7 @@ class Dispatcher:
     def read(self, fn: Callable[[], None]) -> None:
         """Run a store read off the hosts' threads: a read may wait for SQLite (a commit
         it must see, another process's write lock), and a host that waited would hold
-        up every stop queued behind it (SPEC §2: a stop never waits behind queued work)."""
+        up every stop queued behind it (semantics §2: a stop never waits behind queued work)."""
         with self._reads_lock:
             if self._reads is None:
                 self._reads = ThreadPoolExecutor(2, thread_name_prefix="tether-read")

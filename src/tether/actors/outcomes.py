@@ -1,4 +1,4 @@
-"""How a turn ended, decided from what happened to it (SPEC §5, §14.4, §14.5).
+"""How a turn ended, decided from what happened to it (semantics §5, §14.4, §14.5).
 
 A pure function of the turn's facts, gathered by the session when the turn has ended:
 the stop that stands (the first cancel, or an abort, which overrides a pending cancel),
@@ -8,7 +8,7 @@ deadline that ran out only *requested* a kill, so ``forced`` and ``escalated`` h
 when the worker did die without an end report; a worker that got its end out first was
 neither forced nor escalated.
 
-A preempt never decides an outcome: it stops a tool and the turn goes on (SPEC §5), so
+A preempt never decides an outcome: it stops a tool and the turn goes on (semantics §5), so
 a preempted turn ends as its worker ends it.
 """
 
@@ -65,11 +65,11 @@ def decide_outcome(facts: TurnFacts) -> TurnOutcome:
     forced = facts.force_requested and died
     escalated = facts.escalate_requested and died
     if stop is not None:
-        # An escalated cancel is an abort (SPEC §5); a forced one is still cancelled.
+        # An escalated cancel is an abort (semantics §5); a forced one is still cancelled.
         outcome: Literal["cancelled", "aborted"] = (
             "aborted" if stop.kind == "abort" or escalated else "cancelled"
         )
-        # The watchdog's and the budget's stops are the system's (SPEC §14.5, §16.2);
+        # The watchdog's and the budget's stops are the system's (semantics §14.5, §16.2);
         # their `by` says which.
         cause = "system" if stop.origin in ("watchdog", "budget") else stop.origin
         # Killed on purpose: the stop says why, the executor's error would not.

@@ -77,7 +77,7 @@ class TurnSink(Protocol):
     def progress(self, frame: Progress) -> None: ...
     def escalating(self, frame: Escalating) -> None: ...
     def usage(self, frame: Usage) -> None:
-        """One response's usage, as it was reported (the budgets', SPEC §16.2)."""
+        """One response's usage, as it was reported (the budgets', semantics §16.2)."""
 
     def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
         """``end`` is None when the worker died (killed, or crashed: ``error`` says)."""
@@ -107,7 +107,7 @@ class TurnJob:
     frozen: bool = False  # paused before a worker took it: held back until thawed
     held_bytes: int = 0  # steers and preempts in ``pending``, encoded (see ``hold``)
     # Filled by the executor when it kills the turn's tree, before it reports the end
-    # (the stop report, SPEC §15.6): how the tree was killed ("cgroup" or "walk") and
+    # (the stop report, semantics §15.6): how the tree was killed ("cgroup" or "walk") and
     # every process signalled, with its fate.
     kill_via: str | None = None
     kill_procs: list[ProcessFate] = field(default_factory=list)
@@ -115,7 +115,7 @@ class TurnJob:
     # worker only once it is done, so a claim lost to a failed commit never runs work
     # that a restart would run again.
     claim: Durable | None = None
-    # The session's limits (SPEC §15.5), applied by the executor to the turn's cgroup,
+    # The session's limits (semantics §15.5), applied by the executor to the turn's cgroup,
     # and what that cgroup counted for the turn, filled before the end is reported.
     limits: dict[str, float] | None = None
     resources: dict[str, float] | None = None
@@ -263,7 +263,7 @@ class AgentStore(Protocol):
         a host kill cuts it short)."""
 
     def put_stop_report(self, report: StopReport) -> None:
-        """Queue a turn's stop report (SPEC §15.6), replacing the turn's earlier one."""
+        """Queue a turn's stop report (semantics §15.6), replacing the turn's earlier one."""
 
 
 class EventSink(Protocol):

@@ -1,4 +1,4 @@
-"""An agent's lifecycle as an explicit enum with a transition table (SPEC §3)."""
+"""An agent's lifecycle as an explicit enum with a transition table (semantics §3)."""
 
 from __future__ import annotations
 

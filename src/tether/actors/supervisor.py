@@ -191,9 +191,9 @@ class SupervisorActor(pykka.ThreadingActor):
             if permissions != h.permissions:
                 h = msgspec.structs.replace(h, permissions=permissions)
             if h.stall is None and parent.header.stall is not None:
-                h = msgspec.structs.replace(h, stall=parent.header.stall)  # SPEC §14.5
+                h = msgspec.structs.replace(h, stall=parent.header.stall)  # semantics §14.5
             if h.limits is None and parent.header.limits is not None:
-                h = msgspec.structs.replace(h, limits=parent.header.limits)  # SPEC §15.5
+                h = msgspec.structs.replace(h, limits=parent.header.limits)  # semantics §15.5
         ticket = self._store.create_session(h)
         inbox: list[Message] = []
         if c.prompt is not None:

@@ -1,4 +1,4 @@
-"""Hosted agents (SPEC §16.1): async drivers that run an agent written with another
+"""Hosted agents (semantics §16.1): async drivers that run an agent written with another
 framework inside a Tether turn, so that every stop reaches inside it.
 
 One module per framework, each needing its own extra: ``pydantic_ai``

@@ -1,4 +1,4 @@
-"""Steers handed to a framework as they arrive, marked when it takes them (SPEC §16.1).
+"""Steers handed to a framework as they arrive, marked when it takes them (semantics §16.1).
 
 For the adapters whose framework takes a message mid-run (Pydantic AI's ``enqueue``, a
 message written to the Claude Code CLI mid-turn): a steer is offered to the framework at

@@ -1,31 +1,8 @@
-"""``tether.adapters.claude_code:ClaudeCodeAgent``: Claude Code as a Tether agent (SPEC §16.1).
+"""``tether.adapters.claude_code:ClaudeCodeAgent``: Claude Code as a Tether agent.
 
-An async driver (SPEC §15.1) over ``claude-agent-sdk`` (extra ``tether[claude]``). Each
-turn starts the SDK's bundled Claude Code CLI as a child of the worker, so the CLI and
-every Bash command it runs are in the turn's process tree (and cgroup): abort kills them
-all and pause freezes them all. ::
-
-    ctx.message ─► client.query ─► CLI: model request ─► stream events ─► assistant entry
-                                        ▲     Bash ◄── tool_use ◄──────────┘
-                                        └── tool result ─► tool entry
-    ResultMessage ─► usage, cost; the session's JSONL saved in the turn's last entry
-
-- **steer**: written to the CLI while the turn runs (``client.query`` mid-turn): the CLI
-  hands it to the model in its next request. The ``steered`` marker is written when the
-  CLI says it sends that request (its ``requesting`` status); a steer written while the
-  last reply streams is answered by the CLI in a loop of its own, read to its result.
-- **cancel**: ``client.interrupt()`` (the model stream is closed at once), then the reply
-  cut so far, which the CLI sends as an assistant message, is kept (``cut: true``); the
-  engine kills the CLI's tree if it outlasts ``grace``.
-- **preempt**: the running Bash command's process tree is killed; a ``PostToolUse`` hook
-  tells the model the honest ``preempted after N s by …`` text; the turn goes on.
-- **history**: the CLI keeps a session as a JSONL file under its config dir. Each turn
-  runs with a fresh ``CLAUDE_CONFIG_DIR``; at the turn's end the file is saved in the data
-  of the turn's last assistant entry, and the next turn writes it back and resumes it
-  (``resume``), so the conversation survives a host restart.
-- at the turn's end the CLI is killed with whatever its commands left behind (an escapee
-  re-parented to the worker, which a cancel's ``interrupt()`` leaves alive), then the
-  client is closed: never ``disconnect()`` with the CLI alive (it waits ~5 s for it).
+An async driver over ``claude-agent-sdk`` (extra ``tether[claude]``); the CLI and its Bash
+commands run inside the turn's process tree. Config and behaviour:
+docs/adapters-claude_code.md; how each stop reaches the CLI: docs/design.md, section 12.3.
 """
 
 from __future__ import annotations
@@ -106,7 +83,7 @@ def _config(raw: dict[str, Any]) -> _Config:
     unknown = set(model) - {"base_url", "api_key_env", "price"}  # price: see add_usage
     if unknown:
         raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
-    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (SPEC §15.3)
+    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (semantics §15.3)
     tools_cfg = chat._config(
         {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
     )
@@ -272,7 +249,7 @@ class _Turn:
                 self.pending, self.reply = self.reply, None
 
     def _chat_event(self, kind: Any, event: dict[str, Any]) -> None:
-        """The CLI's model requests as ``chat`` spans (SPEC §16.3), from its stream events."""
+        """The CLI's model requests as ``chat`` spans (semantics §16.3), from its stream events."""
         if kind == "message_start":
             self.end_chat()
             message = event.get("message") or {}
@@ -433,7 +410,7 @@ class ClaudeCodeAgent:
     """Claude Code as an agent: ``rt.open_session("tether.adapters.claude_code:ClaudeCodeAgent",
     config={...})``.
 
-    Config (SPEC §16.1): ``claude`` {``model``, ``system_prompt``, ``allowed_tools``
+    Config (semantics §16.1): ``claude`` {``model``, ``system_prompt``, ``allowed_tools``
     (default ``["Bash"]``), ``cwd``, ``max_turns``, ``env``}, ``model`` {``base_url`` (the
     CLI's ``ANTHROPIC_BASE_URL``), ``api_key_env`` (the variable whose value becomes its
     ``ANTHROPIC_API_KEY``)}, ``tools`` (Tether's agent tools, offered as MCP tools).
@@ -760,7 +737,7 @@ async def _mcp_servers(
     ctx: AsyncTurnContext, cfg: _Config, told: set[str]
 ) -> tuple[dict[str, Any], list[str]]:
     """One in-process SDK server per configured MCP server that answered, whose tools
-    call through Tether's MCP client (SPEC §15.3): the CLI names them
+    call through Tether's MCP client (semantics §15.3): the CLI names them
     ``mcp__<server>__<tool>`` as ChatAgent does, a preempt or cancel reaches the server,
     the policies apply. A server that will not start is left out, the model told in one
     line; a config none of whose servers start fails the turn."""

@@ -1,33 +1,8 @@
 """``tether.adapters.openai_agents:OpenAIAgentsAgent``: an OpenAI Agents SDK agent as a
-Tether async driver (SPEC §16.1), extra ``tether[openai-agents]``.
+Tether async driver, extra ``tether[openai-agents]``.
 
-Config: ``{"agent": "pkg.mod:factory", "model": {...}, "tools": [...], "mcp": {...},
-"tool_policy": {...}, "max_steps": 50}``. The factory is called with the session config
-and returns an ``agents.Agent``; ``model`` (as ChatAgent's: ``base_url``, ``name``,
-``api_key_env``, ``timeout``, ``retries``, ...) replaces the agent's own model with an
-``OpenAIChatCompletionsModel`` on that endpoint; ``tools`` adds Tether's agent tools and
-``mcp`` the MCP servers Tether opens (SPEC §15.3) as the SDK's function tools.
-
-The SDK runs its loop in a task of its own (``Runner.run_streamed``), so everything this
-adapter promises happens inside that task, in order::
-
-    SDK task:  input filter ─► model stream ─► tool ─► input filter ─► model stream ─► …
-               (boundary:       (progress per   (preemptable;  (a steer taken
-                steers taken)    event; the      one tool       here is the last
-                                 reply's entry   entry)         user message)
-                                 and usage)
-
-- each model reply is one assistant entry (its SDK input items in ``data``), each tool
-  call one ``tool`` entry: the next turn's input list is rebuilt from them, so the
-  conversation survives a host restart, and a cut turn too (the SDK's immediate cancel
-  leaves the run's own items empty: what the adapter recorded is all there is);
-- a steer is taken before each model request, in ``RunConfig.call_model_input_filter``:
-  a ``<steer …>`` user message, kept at its place for the run's later requests;
-- a cancel lands as ``CancelledError`` in the driver's task, which does not reach the
-  SDK's: the adapter cancels the run (``result.cancel()``, immediate), waits for its task
-  to unwind (the stream's connection closed), and keeps the partial reply (``cut``);
-- a preempt stops only the running function tool (``ctx.preemptable``); the model gets
-  the honest ``preempted after N s by …`` result and the run goes on.
+Config and behaviour: docs/adapters-openai_agents.md; where steers, cancels and preempts
+enter the SDK's run: docs/design.md, section 12.3.
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
-"""``tether.adapters.pydantic_ai:PydanticAIAgent``: a Pydantic AI agent under Tether (SPEC §16.1).
+"""``tether.adapters.pydantic_ai:PydanticAIAgent``: a Pydantic AI agent under Tether.
 
-An async driver (SPEC §15.1) that runs a ``pydantic_ai.Agent`` through ``agent.iter()``,
-streaming each model request, and keeps the ChatAgent's promises (SPEC §15.2)::
-
-    a steer arrives ─► run.enqueue(<steer …>, priority="asap")   (polled, and at each
-                                                                  model-request boundary)
-    node loop of agent.iter()
-      ModelRequestNode ─ stream: progress per event, the partial reply kept;
-                       └ EnqueuedMessagesEvent: the framework took the steer: its marker
-      CallToolsNode    ─ the reply: one assistant entry (its messages in its data)
-                       └ each tool result: one ``tool`` entry
-
-- A steer is enqueued ``asap`` as soon as it arrives: the framework puts it in its next
-  model request, or, when the run would end, redirects it into one more request. Its
-  ``steered`` marker is written when the framework says it took it (the
-  ``EnqueuedMessagesEvent`` of the request that carries it), not when it was enqueued.
-- A cancel is ``CancelledError`` at the await in the stream: the framework's HTTP stream
-  is closed, the partial reply is kept as a ``cut`` entry, with the run's messages so far.
-- A preempt stops the innermost running tool only (a capability wraps every tool's
-  execution in ``ctx.preemptable``); the model gets ``preempted after N s by …``.
-- History: each assistant entry carries the Pydantic AI messages that led to it
-  (``ModelMessagesTypeAdapter``), so the next turn, after a host restart too, continues
-  the same conversation from Tether's store.
-
-Config: ``{"agent": "pkg.mod:factory", "model": {"base_url", "name", "api_key_env",
-"timeout", "retries"}, "tools": [...], "mcp": {...}, "tool_policy": {...}}``. The factory
-is called with the config and returns the agent; ``model`` points it at that endpoint
-(``OpenAIChatModel`` over an ``openai`` client with that ``base_url``), overriding its
-own; ``tools`` adds Tether's agent tools; ``mcp`` servers are opened by Tether's MCP
-client (SPEC §15.3) and offered as ``mcp__<server>__<tool>``, their policies applying.
+An async driver that runs a ``pydantic_ai.Agent`` through ``agent.iter()``. Config and
+behaviour: docs/adapters-pydantic_ai.md; where steers, cancels and preempts enter the
+framework's loop: docs/design.md, section 12.3.
 """
 
 from __future__ import annotations
@@ -80,7 +54,7 @@ class _Model:
     api_key_env: str | None = None
     timeout: float = 600.0
     retries: int = 3
-    price: dict[str, float] | None = None  # the budget's (SPEC §16.2): see add_usage
+    price: dict[str, float] | None = None  # the budget's (semantics §16.2): see add_usage
 
 
 @dataclass
@@ -108,7 +82,7 @@ def _config(raw: dict[str, Any]) -> _Config:
             model = _Model(**given)
         except TypeError as exc:
             raise InvalidParams(f"config.model: {exc}") from None
-    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (SPEC §15.3)
+    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (semantics §15.3)
     tools_cfg = chat._config(
         {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
     )
@@ -431,7 +405,7 @@ def _tool(function: Any, schema: dict[str, Any]) -> Any:
 
 
 def _host_tools(turn: _Turn, names: list[str]) -> list[Any]:
-    """Tether's agent tools (SPEC §11) as Pydantic AI tools, with their own schemas."""
+    """Tether's agent tools (semantics §11) as Pydantic AI tools, with their own schemas."""
     return [
         _tool(_host_tool(turn, s["function"]["name"]), s)
         for s in _host_schemas()
@@ -456,7 +430,7 @@ def _host_tool(turn: _Turn, name: str) -> Any:
 
 def _mcp_as_tools(turn: _Turn, mcp: McpTools | None, offered: list[dict[str, Any]]) -> list[Any]:
     """The MCP servers' tools (``mcp__<server>__<tool>``), called through Tether's MCP
-    client: a preempt or cancel reaches the server, its policies apply (SPEC §15.3)."""
+    client: a preempt or cancel reaches the server, its policies apply (semantics §15.3)."""
     if mcp is None:
         return []
 

@@ -1,4 +1,4 @@
-"""The agent kit (SPEC §15.1-15.3): what a model-driven agent uses inside a turn.
+"""The agent kit (semantics §15.1-15.3): what a model-driven agent uses inside a turn.
 
 ``"tether.agents:ChatAgent"`` is a model agent over any OpenAI-compatible endpoint;
 ``McpTools`` its client for MCP tool servers. This room stands on the engine's public

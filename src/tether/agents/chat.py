@@ -1,24 +1,8 @@
-"""``tether.agents:ChatAgent``: a model agent over any OpenAI-compatible endpoint (SPEC §15.2).
+"""``tether.agents:ChatAgent``: a model agent over any OpenAI-compatible endpoint.
 
-An async driver (SPEC §15.1) over the official client (``openai.AsyncOpenAI``, streaming).
-The loop of one turn::
-
-    history + message ─► boundary ─► model request (streamed) ─► assistant entry
-          ▲                                                          │ tool calls?
-          └────── boundary ◄── tool entry ◄── run the tool ◄─────────┘ (else: done)
-
-- A steer delivered at a boundary becomes a user-role ``<steer origin=… by=…>`` message
-  in the next request.
-- A cancel lands as ``CancelledError`` wherever the turn awaits: mid-stream, the response
-  is closed at once (the server sees the disconnect) and the partial reply is kept as the
-  turn's last assistant entry, so the parent's notice carries it.
-- A preempt stops only the running tool; the model gets an honest tool result:
-  ``preempted after 212 s by user (<by>): <reason>`` and the output so far.
-- HTTP 429/5xx and connection errors are retried with backoff up to ``retries``; any
-  other error ends the turn ``failed`` with a one-line error.
-- Token usage (``stream_options.include_usage``) goes to ``TurnRecord.usage``.
-- The API key is read from the environment variable the config names, at each turn: it
-  is never in the config, the store or a log line.
+An async driver over the official client (``openai.AsyncOpenAI``, streaming). Its loop and
+what each stop does to it: docs/design.md, section 12.1; its config and promises:
+docs/semantics.md section 15.2.
 """
 
 from __future__ import annotations
@@ -73,7 +57,7 @@ class _Model:
     backoff: float = 0.5  # seconds before the first retry, doubling (capped at 30)
     headers: dict[str, str] = field(default_factory=dict)
     # {"input_per_mtok", "output_per_mtok"}: dollars per million tokens; the turn's
-    # context prices each response's usage with it, for the tree's budget (SPEC §16.2).
+    # context prices each response's usage with it, for the tree's budget (semantics §16.2).
     price: dict[str, float] | None = None
 
 
@@ -143,7 +127,7 @@ class _Reply:
 class ChatAgent:
     """A model agent: ``rt.open_session("tether.agents:ChatAgent", config={...})``.
 
-    Config (SPEC §15.2): ``model`` {``base_url``, ``name``, ``api_key_env``,
+    Config (semantics §15.2): ``model`` {``base_url``, ``name``, ``api_key_env``,
     ``temperature``, ``max_tokens``, ``timeout``, ``retries``, ``backoff``, ``headers``},
     ``system``, ``tools`` (the host tools it may call: ``run_command``, ``spawn_agent``,
     ``send_message``, ``list_agents``, ``interrupt_agent``, ``pause_agent``,

@@ -1,28 +1,8 @@
-"""MCP tools for agents (SPEC §15.3): servers' tools offered as ``mcp__<server>__<tool>``,
-and every stop of a call carried to the server.
+"""MCP tools for agents: servers' tools offered as ``mcp__<server>__<tool>``, and every stop
+of a call carried to the server.
 
-One ``McpTools`` lives as long as the worker: it starts each stdio server on first use
-(as a child of this process, so the turn's abort kills it and a pause freezes it) and
-keeps it across calls and turns; an HTTP server is a Streamable HTTP connection. Each
-connection is owned by one asyncio task (the SDK's task groups must be entered and left
-by the same task); each call's request runs in a task of its own, so that a stop can
-cancel the request while the caller's task waits out the grace.
-
-Stopping a call (the awaiting task is cancelled, or a policy limit fires):
-
-1. policy ``kill`` on a stdio server: kill the server's tree at once (fate ``killed``).
-2. otherwise the request is cancelled in the SDK, which sends ``notifications/cancelled``
-   for its id on stdio and closes the request's stream over Streamable HTTP (2026-07-28;
-   a 2025 server gets the notification); then we wait up to the tool's ``grace`` for the
-   call to end. MCP servers never answer a cancelled request, so "ended" is read from the
-   server itself: it answers a probe sent after the cancel (any answer, an error included:
-   the 2026 wire has no ``ping``). A server still stuck in the call cannot answer.
-3. not ended by then: the call is abandoned (its late result is dropped by the SDK, never
-   returned) and a stdio server's tree is killed at once; the next use starts a new one.
-
-Every wait of ours has a deadline (connect, grace, kill, close); a call itself waits as
-long as its policy allows (no limit: until it ends or is stopped). The limits count the
-process's running time, so a pause of the worker is not charged to them.
+One ``McpTools`` per worker, a task per connection and per call. How a call is stopped,
+and what each wait is bounded by: docs/design.md, section 12.2.
 """
 
 from __future__ import annotations
@@ -79,7 +59,7 @@ _ERROR_CAP = 500
 
 
 class ToolPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How one tool's calls are bounded and stopped (SPEC §15.3)."""
+    """How one tool's calls are bounded and stopped (semantics §15.3)."""
 
     max_duration: float | None = None  # seconds; exceeded: stopped, McpTimeout
     idle_timeout: float | None = None  # seconds without notifications/progress: the same
@@ -736,7 +716,7 @@ class McpTools:
                 on_progress()
 
         token = _CALL.set(state)
-        # The call's trace context rides in the request (SPEC §16.3): a server that
+        # The call's trace context rides in the request (semantics §16.3): a server that
         # traces joins the caller's trace.
         traceparent = spans.traceparent()
         meta = None if traceparent is None else {"traceparent": traceparent}

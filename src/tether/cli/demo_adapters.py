@@ -1,5 +1,5 @@
 """``tether demo --adapters``: agents written with other frameworks, stopped inside their
-work (SPEC §16.1).
+work (semantics §16.1).
 
 One agent of each framework Tether hosts talks to the model server of ``tether.testing``
 (a real HTTP server on loopback replaying a script, OpenAI and Anthropic wire: no key, no

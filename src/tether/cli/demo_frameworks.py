@@ -1,4 +1,4 @@
-"""The framework agents ``tether demo --adapters`` runs (SPEC §16.1), built in the worker
+"""The framework agents ``tether demo --adapters`` runs (semantics §16.1), built in the worker
 from the session config (``"agent": "tether.cli.demo_frameworks:<factory>"``).
 
 Each gets its model from the adapter (the config's ``model``), so its own never answers;

@@ -86,7 +86,7 @@ def _stall_arg(text: str) -> dict[str, Any]:
     Seconds are positive numbers, ``steps`` joins steps with ``+``, ``repeat`` is an
     integer of at least 2. The nudge may hold commas: a piece that does not start with a
     known ``KEY=`` continues the nudge before it. The server checks the policy again
-    (SPEC §14.5); this catches what a person mistyped, as a usage error.
+    (semantics §14.5); this catches what a person mistyped, as a usage error.
     """
     pairs: list[list[str]] = []
     for piece in text.split(","):
@@ -180,7 +180,7 @@ def _stall(args: argparse.Namespace) -> dict[str, Any]:
 
 def _budget_arg(text: str) -> dict[str, Any]:
     """``--budget tokens=200000,cost_usd=5,turn_seconds=600,turns=50,soft=0.8,
-    on_soft=steer,on_hard=cancel`` (SPEC §16.2); the server checks it again."""
+    on_soft=steer,on_hard=cancel`` (semantics §16.2); the server checks it again."""
     try:
         return check_budget_dict(text)
     except TetherError as exc:
@@ -212,7 +212,7 @@ def budget_lines(status: dict[str, Any]) -> Iterator[str]:
 
 def _limits_arg(text: str) -> dict[str, float]:
     """``--limits memory_mb=512,pids=64,cpu=1.5``; the server checks them again, and
-    refuses one the kernel cannot enforce there (SPEC §15.5)."""
+    refuses one the kernel cannot enforce there (semantics §15.5)."""
     out: dict[str, float] = {}
     for piece in text.split(","):
         key, eq, value = piece.partition("=")
@@ -352,7 +352,7 @@ def _budget(args: argparse.Namespace, client: Client) -> int:
 
 
 def report_lines(r: dict[str, Any]) -> Iterator[str]:
-    """A stop report (SPEC §15.6) as a person reads it."""
+    """A stop report (semantics §15.6) as a person reads it."""
     head = f"{r['turn']} ({r['session']}): {r['kind']} by {r['origin']} ({r['by']})"
     yield head + (f": {_one_line(r['reason'], 200)}" if r.get("reason") else "")
     yield f"  requested  {_when(r.get('requested_at'))}"

@@ -22,7 +22,7 @@ __all__ = ["render_tree", "watch"]
 
 _STATE_STYLE: Final = {
     "running": "bold green",
-    "paused": "bold cyan",  # frozen in place until resumed (SPEC §14.4)
+    "paused": "bold cyan",  # frozen in place until resumed (semantics §14.4)
     "idle": "dim",
     "parked": "yellow",
     "disposing": "magenta",

@@ -90,7 +90,7 @@ class _TurnState:
         self.on_preempt: Callable[[Preempt], None] | None = None
         self.on_reply: Callable[[ToolReply], bool] | None = None
 
-    # ---- open tool calls, for the host's stop reports (SPEC §15.6) ---------------------
+    # ---- open tool calls, for the host's stop reports (semantics §15.6) ---------------------
 
     def tool_opened(self, name: str, call: str | None = None) -> int:
         """Tell the host a tool call started; its number, for ``tool_closed``.

@@ -1,24 +1,8 @@
-"""Async drivers (SPEC §15.1): ``async def run(self, ctx)`` on the worker's event loop.
+"""Async drivers: ``async def run(self, ctx)`` on the worker's event loop.
 
-::
-
-    reader thread (worker.py)                 main thread: the worker's one event loop
-    ─────────────────────────                 ─────────────────────────────────────────
-    CancelFrame ── on_cancel ── call_soon_threadsafe ──► _deliver: Delivered to the host,
-                                                          then task.cancel() (at a shield's
-                                                          exit if one is open)
-    Preempt ─┬─ a command runs: kill its tree            run_command sees SIGKILL: Preempted
-             └─ on_preempt ── call_soon_threadsafe ──►  cancel the innermost tool-call task:
-                                                          Preempted at its await
-    ToolReply ── on_reply ── call_soon_threadsafe ──►   resolve the host call's future
-    Escalate: answered by the reader, as for sync: the cancel was not handed over yet (the
-    loop is blocked), so it never will be; the deadline's abort follows.
-
-The cancel reaches the driver as ``asyncio.CancelledError`` at whatever it awaits, within
-milliseconds of reaching the worker; it is reported to the host exactly like a boundary's
-delivery (the ``Delivered`` frame), so the marker, grace and escalation rules of §5 hold
-unchanged. A preempt cancels only the innermost ``run_command``/``call_tool``/
-``preemptable`` await, which raises ``tether.Preempted`` there; the turn goes on.
+A cancel is delivered at whatever the driver awaits and reported like a boundary's
+delivery; a preempt cancels the innermost tool-call await. How the reader thread hands
+them to the loop: docs/design.md, section 10.
 """
 
 from __future__ import annotations
@@ -79,7 +63,7 @@ class AsyncTurnContext(BaseContext):
     """What an async driver's ``run(ctx)`` gets: the sync context's surface, with every
     call that waits as a coroutine.
 
-    ``await ctx.checkpoint()`` delivers steers (SPEC §5); a driver that hands them to a
+    ``await ctx.checkpoint()`` delivers steers (semantics §5); a driver that hands them to a
     framework peeks at them (``pending_steers()``) and says when the framework took them
     (``delivered``). A cancel needs no boundary: it arrives as ``asyncio.CancelledError``
     wherever the driver awaits. Catch it (or use ``finally``) to wrap up within ``grace``
@@ -263,7 +247,7 @@ class AsyncTurnContext(BaseContext):
         return str(await self._host_call("spawn_agent", args))
 
     async def budget(self) -> dict[str, Any]:
-        """What this session's tree may still spend (SPEC §16.2): ``left`` (the least
+        """What this session's tree may still spend (semantics §16.2): ``left`` (the least
         each budget on it or above has left, per limit), ``spent``, ``state``."""
         result: dict[str, Any] = await self._host_call("budget", {})
         return result
@@ -403,7 +387,7 @@ class AsyncTurnContext(BaseContext):
         may clean up) and raises ``Preempted`` here, and the host writes the marker.
         ``preempt="never"``: a preempt is a no-op (reported ``shielded``) and a cancel of
         the turn waits for the call (it runs inside ``shield()``); abort still kills.
-        The call is reported to the host as an open tool (stop reports, SPEC §15.6)
+        The call is reported to the host as an open tool (stop reports, semantics §15.6)
         unless ``track=False`` (a caller that reports it itself); ``fate``, when given,
         says how a call stopped by the turn's cancel or by its own limit really ended
         (``cancelled``, ``abandoned``, ``killed``: what only the tool's client knows)."""

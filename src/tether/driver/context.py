@@ -74,7 +74,7 @@ class BaseContext:
             self._worker.send(Progress(turn=self.turn, in_tool=meter.in_tool))
 
     def progress(self) -> None:
-        """Report progress to the stall watchdog (SPEC §14.5) without a boundary, e.g. for
+        """Report progress to the stall watchdog (semantics §14.5) without a boundary, e.g. for
         each streamed chunk of a model reply. Rate-limited: call it as often as you like."""
         self._progress()
 
@@ -82,7 +82,7 @@ class BaseContext:
         """Add one model response's token counts (``{"prompt_tokens": 12,
         "completion_tokens": 30}``, and ``cost_microusd`` where a framework reports a
         cost) to the turn's ``TurnRecord.usage``. Sent to the host at once, for the
-        tree's budget (SPEC §16.2); with ``model.price`` in the config, the tokens'
+        tree's budget (semantics §16.2); with ``model.price`` in the config, the tokens'
         cost is added as ``cost_microusd``."""
         delta = {
             key: value
@@ -278,20 +278,20 @@ class TurnContext(BaseContext):
         return None if turn is None else str(turn)
 
     def budget(self) -> dict[str, Any]:
-        """What this session's tree may still spend (SPEC §16.2): ``left`` (the least
+        """What this session's tree may still spend (semantics §16.2): ``left`` (the least
         each budget on it or above has left, per limit), ``spent``, ``state``."""
         result: dict[str, Any] = self._host_call("budget", {})
         return result
 
     def stop_report(self, turn: str) -> StopReport | None:
         """What a stop did to ``turn`` (a turn of this session or of one below it), or
-        None when no stop reached it (SPEC §15.6)."""
+        None when no stop reached it (semantics §15.6)."""
         raw = self._host_call("stop_report", {"turn": turn})
         return None if raw is None else msgspec.convert(raw, StopReport)
 
     def pause_agent(self, agent_id: str, *, scope: str = "session", reason: str = "") -> list[str]:
         """Freeze an agent below (``subtree``: and its running descendants) in place;
-        the turns frozen, ``[]`` when nothing was running (SPEC §14.4)."""
+        the turns frozen, ``[]`` when nothing was running (semantics §14.4)."""
         args = {"agent_id": agent_id, "scope": scope, "reason": reason}
         return [str(t) for t in self._host_call("pause_agent", args)]
 

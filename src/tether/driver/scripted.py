@@ -1,20 +1,8 @@
-"""The deterministic ``Scripted`` driver (SPEC §11), for tests, demos and benchmarks,
-and its async twin ``AsyncScripted`` (``"tether:AsyncScripted"``, SPEC §15.1).
+"""The deterministic ``Scripted`` driver, for tests, demos and benchmarks, and its async
+twin ``AsyncScripted`` (``"tether:AsyncScripted"``).
 
-``message.data["steps"]`` is run in order with ``ctx.checkpoint()`` before every step.
-Both run the same ops; the async one awaits where the sync one blocks, so a cancel
-reaches it at once as ``CancelledError`` (``sleep``, ``tool``, ``hang`` ...) instead of
-at the next boundary. Ops beyond SPEC §11:
-
-- ``{"op":"sleep","seconds":S}``: a call that hangs with no boundary and no progress
-  (sync: a blocking sleep; async: an awaited one, where a cancel lands at once).
-- ``{"op":"block","seconds":S,"say":T}``: a blocking sleep in both (async: a driver that
-  blocks its own event loop, which nothing but an abort or a force-break can end); with
-  ``say``, the text is said first, with no boundary between: whoever sees it knows the
-  block has begun.
-- ``{"op":"shield","steps":[...]}``: async only: the steps run inside ``ctx.shield()``
-  (the sync driver runs them as they are: a sync cancel waits for a boundary anyway).
-- ``{"op":"loop","argv":[...]}``: the same command again and again, a boundary between.
+``message.data["steps"]`` is run in order with ``ctx.checkpoint()`` before every step. The
+ops: docs/semantics.md section 11 and docs/design.md, section 12.4.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ __all__ = ["AsyncScripted", "Scripted"]
 
 
 class Scripted:
-    """Runs the steps of its message; see SPEC §11 for the ops."""
+    """Runs the steps of its message; see semantics §11 for the ops."""
 
     def __init__(self) -> None:
         self._ignore_cancel = False

@@ -440,7 +440,7 @@ async def acall_tool(
     host: Any, name: str, arguments: str | bytes | Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """``call_tool`` for an async context (``AsyncTurnContext``): the same validation and
-    results, except that a ``Preempted`` error propagates (SPEC §15.1: a preempt raises
+    results, except that a ``Preempted`` error propagates (semantics §15.1: a preempt raises
     ``tether.Preempted`` at the innermost tool await)."""
     args, failed = _validate(name, arguments)
     if args is None:

@@ -1,35 +1,6 @@
-"""cgroup v2 containment (SPEC §15.5): a leaf per worker, killed and frozen by the kernel.
-
-::
-
-    <v2 mount>/[<host's own delegated cgroup>/]tether/        shared by every host
-        s-<sha256(store path)[:16]>/                       one host's group (a file store)
-        m-<pid>-<start ticks>-<n>/                         ... or an in-memory store's
-            h<pid>-<ticks>-w-<worker token>/               one leaf per worker
-            h<pid>-<ticks>-owner/                          a file store's host's mark
-
-One leaf per *worker*, not per turn. A worker holds one turn at a time, so the leaf's
-kill is exactly that turn's kill, and its freeze that turn's pause. The worker moves
-itself into its leaf when it starts (before it says Ready, before it has a thread or a
-child), so everything it ever starts is inside: tools, their escapees, and a stdio tool
-server it keeps across its turns (SPEC §15.3), which a per-turn leaf would have to
-migrate at every dispatch. Moving a process between cgroups waits for an RCU grace
-period (~15 ms on a busy machine), which the dispatch path must not pay; here it is paid
-once, by the worker starting. The warm spare sits in its own leaf holding no turn, and
-the pool's launcher stays in the host's cgroup. Per-turn figures are deltas (``cpu.stat``) or
-read through a descriptor whose peak was reset at dispatch (``memory.peak``).
-
-Abort: freeze the leaf, list it (for the stop report), write ``cgroup.kill`` (atomic:
-forks racing it die too), and report only once ``cgroup.events`` says ``populated 0``
-(waited for by polling the file for POLLPRI, with a deadline). Pause: ``cgroup.freeze``
-1, reported once ``frozen 1``; resume: 0.
-
-Recovery: a host on the same store finds its predecessor's group by name (the hash of the
-store's path) and kills and removes every leaf in it before it starts a worker. An
-in-memory store's group is named after its process and that process's start time: any
-host removes such a group once that process is gone. A file store's group on a store
-nobody reopens is swept by any host once its host (named by the mark in it) is dead and
-its leaves are empty.
+"""cgroup v2 containment: a leaf per worker, killed and frozen by the kernel, and the
+recovery of a dead host's groups. The layout of the groups, why a leaf per worker, and
+how a kill and a pause wait for the kernel: docs/design.md, section 7.
 """
 
 from __future__ import annotations
@@ -361,7 +332,7 @@ class Leaf:
         return self._refused_forks(events) > self._refused0
 
     def usage(self) -> dict[str, float]:
-        """This turn's figures (SPEC §15.5), each only where its controller is on."""
+        """This turn's figures (semantics §15.5), each only where its controller is on."""
         self._cpu_last = now = self._cpu_usec()
         out: dict[str, float] = {"cpu_ms": round((now - self._cpu0) / 1000, 3)}
         if "pids" in self.controllers:

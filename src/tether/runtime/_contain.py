@@ -1,5 +1,5 @@
-"""The pool's containment hooks (SPEC §15.5): how a worker's tree is killed and frozen,
-and what each kill did, for the stop report (SPEC §15.6).
+"""The pool's containment hooks (semantics §15.5): how a worker's tree is killed and frozen,
+and what each kill did, for the stop report (semantics §15.6).
 
 Two paths, chosen once per runtime (``Runtime.containment``):
 

@@ -1,35 +1,6 @@
-"""The pool's launcher: a small forkserver of our own, on public APIs only (issue 17).
-
-::
-
-    host (Pool: spawner thread)                launcher (one thread)          worker
-    ───────────────────────────                ─────────────────────          ──────
-    Launcher.launch(sock, token, leaf) ──────► fork ──────────────────────►  worker_main:
-      request: JSON + the worker's socket        (the socket is the child's     joins its leaf,
-      end (SCM_RIGHTS)                            only; the launcher's copy     setsid, subreaper
-    ◄──────────────── reply: pid + the read       is closed at once)
-                      end of a status pipe
-    WorkerProcess.join() ◄──────────────────── SIGCHLD: reap every child; a
-                      exit code, then EOF         worker's code goes down its
-                                                  status pipe, an orphan's nowhere
-    close / host death: socket EOF ──────────► kill what dead workers left, exit
-
-The launcher is ``python -c "...; _launcher.main()" FD``, started with ``subprocess`` in a
-session of its own, once per pool. It preloads the runtime's modules, so a worker starts
-with a fork and no imports, and it never imports the host's ``__main__`` (an unguarded
-script would otherwise start a runtime inside every worker). It is single-threaded (a
-fork copies only the forking thread) and a child subreaper: when a worker dies without
-sweeping its tree (SIGKILL), its tools, an env-cleared ``setsid`` escapee included,
-re-parent to the launcher, where the pool's reaper finds them as launcher children that
-are no worker (``Launcher.orphans``). The launcher reaps every child, so it alone knows a
-worker's exit code; it writes it to that worker's status pipe.
-
-A launcher that dies (SIGKILL, OOM) is noticed by the next launch, which starts another
-one; the workers it had started run on (their channels are the host's), a death whose
-code nobody can report reads as ``exitcode`` None, and their orphans (no longer below
-any launcher) are found by their ``TETHER_TREE`` tag alone. Its workers get the SIGCONT
-they asked for as their parent's death signal (``worker_main``): a worker paused by the
-walk (SIGSTOP) runs on; a cgroup freeze holds.
+"""The pool's launcher: a small forkserver of our own, on public APIs only. One
+single-threaded, subreaping process per pool forks each worker and alone reaps them.
+How it starts, what it preloads and what happens when it dies: docs/design.md, section 7.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A turn that reaches its pids limit ends there (SPEC §15.5, issue 19).
+"""A turn that reaches its pids limit ends there (semantics §15.5, issue 19).
 
 The kernel enforces ``pids.max`` by refusing forks; it kills nothing. A fork bomb held at
 its limit would spin there until a deadline or a person stopped it, and a tool that

@@ -1,20 +1,7 @@
 """Process trees: find them, freeze them, kill them (shared by the pool and the worker).
 
-A kill is one or more *passes*, each FREEZE, then KILL:
-
-- freeze: SIGSTOP every process found and walk again, until a walk finds no process it
-  had not seen. A process with a pending SIGSTOP cannot complete a fork (the kernel
-  restarts a fork that races a signal), so the set found last is the whole tree, and
-  nothing in it can react to a sibling's death by starting something new.
-- kill: SIGKILL everything found, deepest first.
-
-The caller runs passes until one finds nothing left alive (a zombie counts as dead): it
-never concludes "dead" on a timeout. ``reap_pass`` is one pass over a worker's tree,
-rooted or not, the one algorithm of the pool's reaper and Ray's reaper actor;
-``reap_tree`` runs passes until the tree is dead or a deadline passes. A process that
-vanishes mid-walk is skipped and the walk goes on. Running out of descriptors
-(EMFILE/ENFILE) raises ``OSError`` so that the caller retries later; a half-done pass
-is harmless, since every pass starts over.
+A kill is passes of FREEZE then KILL until a pass finds nothing alive; it never concludes
+"dead" on a timeout. Why that order, and what is retried: docs/design.md, section 7.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ calls (the store and authority stay in the host process whatever the backend).
 Two ship: ``"local"``, the process :class:`~tether.runtime.backends.pool.Pool` (the default),
 and ``"ray"``, :class:`~tether.runtime.backends.ray.RayBackend` (the optional extra
 ``tether[ray]``, imported only when asked for). Every backend keeps the contract of
-SPEC §14.6: a turn's end is reported only once its whole process tree is dead. Both keep
+semantics §14.6: a turn's end is reported only once its whole process tree is dead. Both keep
 that contract in one place, the turn table (``backends._turns``): each drives its workers
 and leaves every turn's life, from the queue to its one report, to the table.
 """

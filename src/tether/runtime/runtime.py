@@ -1,4 +1,4 @@
-"""The public ``Runtime`` facade (SPEC §12): one embedded host.
+"""The public ``Runtime`` facade (semantics §12): one embedded host.
 
 It owns the store, the worker pool, the timer queue, the supervisor actor and the
 dispatcher's session hosts. Every call validates its input first (bad input raises a
@@ -272,26 +272,26 @@ class Runtime:
         cancel_deadline: float | None = None,
         telemetry: bool | dict[str, Any] | None = None,
     ) -> None:
-        """``backend`` is where turns run (SPEC §14.6): ``"local"`` (the process pool),
+        """``backend`` is where turns run (semantics §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
         none starts a local one; ``ray_options`` are RayBackend's settings), or a
         factory ``(workers, host) -> Backend``.
 
-        ``containment`` is how a turn's process tree is held (SPEC §15.5): ``"cgroup"``
+        ``containment`` is how a turn's process tree is held (semantics §15.5): ``"cgroup"``
         (a cgroup v2 leaf per worker: InvalidParams where none is available, with the
         reason), ``"walk"`` (the process-tree walk) or ``"auto"`` (cgroup where
         available); default: the environment variable ``TETHER_CONTAINMENT``, else auto.
         ``rt.containment`` says which is in force.
 
         ``cancel_deadline`` is the deadline of every cancel issued without one
-        (``interrupt(deadline=…)``, SPEC §5): a cancel no boundary has taken that many
+        (``interrupt(deadline=…)``, semantics §5): a cancel no boundary has taken that many
         seconds after it was issued escalates to an abort (``escalated``), so that a
         driver stuck in a blocking call cannot keep its turn for ever. Default:
         ``CANCEL_DEADLINE_GRACES`` times ``grace``, at least ``CANCEL_DEADLINE_MIN``
         seconds; ``rt.cancel_deadline`` says which is in force.
 
         ``telemetry`` exports OpenTelemetry traces over OTLP from the host and every
-        worker (SPEC §16.3, the extra ``tether[otel]``): ``True``, or settings
+        worker (semantics §16.3, the extra ``tether[otel]``): ``True``, or settings
         ``{"endpoint": "http://127.0.0.1:4318", "content": False, "service": "tether"}``;
         None (the default): on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; ``False``:
         off. The other ``OTEL_*`` variables are read by the SDK."""
@@ -439,8 +439,8 @@ class Runtime:
 
         ``stall``: the stall watchdog's policy (see ``check_stall``). ``limits``: each
         turn's ``memory_mb``, ``pids`` and ``cpu`` (cores), enforced by the turn's cgroup
-        (SPEC §15.5); one the kernel cannot enforce here is InvalidParams. ``budget``:
-        the tree's budget (SPEC §16.2, ``tether.Budget`` or its dict), see ``set_budget``.
+        (semantics §15.5); one the kernel cannot enforce here is InvalidParams. ``budget``:
+        the tree's budget (semantics §16.2, ``tether.Budget`` or its dict), see ``set_budget``.
         """
         header = self._header(
             None, driver, "continuable", slug, config, permissions, stall, limits, budget
@@ -469,9 +469,9 @@ class Runtime:
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
-        Its permissions are ``parent``'s narrowed by ``permissions`` (SPEC §6); without
-        its own ``stall`` policy it inherits its parent's (SPEC §14.5), and likewise its
-        ``limits`` (SPEC §15.5). Its own ``budget`` (SPEC §16.2) must fit in what every
+        Its permissions are ``parent``'s narrowed by ``permissions`` (semantics §6); without
+        its own ``stall`` policy it inherits its parent's (semantics §14.5), and likewise its
+        ``limits`` (semantics §15.5). Its own ``budget`` (semantics §16.2) must fit in what every
         budgeted ancestor has left (InvalidParams); under a tree whose budget is spent
         the spawn is refused with ``BudgetExhausted``.
         """
@@ -546,11 +546,11 @@ class Runtime:
         turn: str | None = None,
         scope: str = "session",
     ) -> str | list[str] | None:
-        """Authorize, issue, return at once: accepted means "signal issued" (SPEC §5).
+        """Authorize, issue, return at once: accepted means "signal issued" (semantics §5).
 
         Returns the id of the turn the signal was bound to, or None for an accepted
         no-op (no running turn, or ``turn`` given and no longer the running one). The
-        stop lands on that turn and on no other (SPEC §14.2).
+        stop lands on that turn and on no other (semantics §14.2).
 
         ``scope="subtree"`` (a ``cancel`` or an ``abort`` only) stops the running turn of
         ``target`` and of every continuable session below it, each bound to its own
@@ -631,7 +631,7 @@ class Runtime:
             self._sup.ask(Walk(target, what, on=False))
 
     def stop_report(self, turn: str) -> StopReport | None:
-        """What the stop that reached ``turn`` did (SPEC §15.6), durable; None when no
+        """What the stop that reached ``turn`` did (semantics §15.6), durable; None when no
         stop reached it. While the turn still runs, the report says what is known so
         far (``effective_at`` and ``outcome`` None)."""
         if not isinstance(turn, str):
@@ -640,7 +640,7 @@ class Runtime:
         return self._store.stop_report(turn)
 
     def budget(self, target: str) -> BudgetStatus:
-        """The budget of ``target``'s tree (SPEC §16.2): what the target and every session
+        """The budget of ``target``'s tree (semantics §16.2): what the target and every session
         below it spent (``spent``: ``tokens``, ``cost_usd``, ``turn_seconds`` with running
         turns, ``turns`` started), its own ``limits`` and ``remaining``, and ``state``
         (``ok``, ``soft``, ``exhausted``: the tightest of its own budget and its
@@ -653,10 +653,10 @@ class Runtime:
         self, target: str, budget: dict[str, Any] | Budget | None, *, authority: Authority
     ) -> None:
         """Set, change or (``None``) remove ``target``'s own budget, with the authority of
-        an interrupt (SPEC §6); durable before this returns. It must fit in what each
+        an interrupt (semantics §6); durable before this returns. It must fit in what each
         budgeted ancestor has left (InvalidParams). A limit lowered to what the tree has
         spent acts at once (``on_hard``); one raised lifts the exhaustion, and parked work
-        runs again on the next waking send (SPEC §4)."""
+        runs again on the next waking send (semantics §4)."""
         self._check_authority(authority)
         checked = check_budget(budget)
         self._check_open()
@@ -694,7 +694,7 @@ class Runtime:
         turn: str | None = None,
     ) -> list[str]:
         """Freeze the running turn of ``target`` (and, with ``scope="subtree"``, of every
-        running descendant) in place; returns the ids of the turns frozen (SPEC §14.4).
+        running descendant) in place; returns the ids of the turns frozen (semantics §14.4).
 
         While paused, sends queue, steers and cancels are held and delivered after
         ``resume``, and grace, deadline and watchdog clocks stop; an abort still kills
@@ -759,7 +759,7 @@ class Runtime:
         return turns
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:
-        """One consistent pre-order walk below ``root`` (SPEC §7), taken after the
+        """One consistent pre-order walk below ``root`` (semantics §7), taken after the
         sessions' hosts have handled everything sent to them before this call."""
         if scope not in _SCOPES:
             raise InvalidParams(f"scope must be one of {_SCOPES}, not {scope!r}")
@@ -859,7 +859,7 @@ class Runtime:
             _open.pop(id(self), None)
         self._pool.drain()
         try:
-            # A frozen turn reaches no boundary: close aborts it (SPEC §14.4).
+            # A frozen turn reaches no boundary: close aborts it (semantics §14.4).
             self._stop_all([sid for sid, paused in self._running() if paused], "abort", 0.0)
             self._stop_all(self._running(), "cancel", self.grace + 1.0)
             self._stop_all(self._running(), "abort", _ABORT_WAIT)  # a cancel stuck earlier
@@ -961,7 +961,7 @@ class Runtime:
         )
         ticket.wait()  # StoreUnavailable: withdrawn, never committed, never told
         # A send that wakes a dormant session makes it live for every later call, though
-        # its host materializes it a moment later (SPEC §15.8: a send to its child with
+        # its host materializes it a moment later (semantics §15.8: a send to its child with
         # its address must not find it offline).
         waking = wake and target not in self._dir.registry
         if waking:
@@ -1047,7 +1047,7 @@ class Runtime:
 
     def _check_limits(self, limits: object) -> dict[str, float]:
         """Valid, and enforceable here: a limit the kernel cannot enforce is refused,
-        never silently ignored (SPEC §15.5)."""
+        never silently ignored (semantics §15.5)."""
         checked = check_limits(limits)
         if not checked:
             return checked
@@ -1272,7 +1272,7 @@ def check_limits(limits: object) -> dict[str, float]:
 
 def _check_text(name: str, value: str) -> None:
     """Text that cannot be encoded (a lone surrogate) is refused before anything is
-    recorded (SPEC §14.3)."""
+    recorded (semantics §14.3)."""
     problem = text_problem(value)
     if problem is not None:
         raise InvalidParams(f"{name} {problem}")
@@ -1310,7 +1310,7 @@ _NUDGE = (
 
 
 def check_stall(stall: object) -> dict[str, Any]:
-    """The stall watchdog's policy, validated and completed (SPEC §14.5).
+    """The stall watchdog's policy, validated and completed (semantics §14.5).
 
     ``after`` (seconds, required) without progress takes the first of ``steps``
     (default steer, cancel, abort), then the next after each further ``every``

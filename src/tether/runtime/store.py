@@ -1,41 +1,7 @@
-"""The durable store: SQLite in WAL mode, with group commit.
+"""The durable store: SQLite in WAL mode, with group commit, one host per store.
 
-::
-
-    session hosts ──submit(op)──────────┐            (not waited for: turn records,
-                                        ▼             markers, notices)
-    callers ──submit(op) → ticket ──► queue ──► a committer: BEGIN; op; op; …; COMMIT
-       └── ticket.wait(): commit the queue ──┘      (the writer thread, or the caller)
-
-Writes are queued and committed together. The session hosts never wait for SQLite:
-they queue their records and go on. A caller that needs durability (a send, a spawn)
-waits on its ticket, which commits the whole queue in the caller's own thread unless a
-commit holding its write is already under way; so a lone sender pays one commit and no
-thread hop, and concurrent senders share one commit. The writer thread commits what
-nobody waits for. Committers take turns on one lock and each takes the whole queue, so
-batches commit in the order their operations were queued. Ids callers need at once
-(message ids, entry sequence numbers, turn rows) are assigned in memory, in queue
-order. Reads first commit everything queued before them, so a reader sees every write
-that happened before it asked.
-
-WAL with ``synchronous=NORMAL`` is durable against a process crash (a power cut may lose
-the last transactions). The WAL stays bounded: a background connection checkpoints it
-passively, and once it grows past ``_WAL_LIMIT`` a committer truncates it.
-
-A batch that fails to commit (the disk is full, another process holds the write lock)
-is never dropped: it stays at the head of the queue, in order, and the writer thread
-retries it with backoff. Meanwhile the store is *down*: a send is refused at once with
-``StoreUnavailable`` (its message is withdrawn, never committed later), reads raise the
-same, and everything nobody waits for (turn claims and ends, markers, entries, notices)
-waits in memory for the retry. A turn is dispatched only once its claim is durable (see
-``runtime.claims``), so claimed work never runs twice. If a batch still cannot commit
-after ``give_up`` seconds, the store has *failed*: ``store.failed`` is logged and every
-later send is refused, for the life of this host; the writer keeps retrying what is
-queued, so nothing is lost that a freed disk can still save.
-
-One host at a time: a file store is locked (``flock`` on ``<path>.lock``, which holds the
-holder's pid) for the store's life. A second host is refused with ``StoreLocked`` before
-it touches the database; the kernel drops the lock when its holder dies, however it dies.
+How writes are queued and committed, what a failed commit does, the WAL's bound and the
+store's lock: docs/design.md, section 8; recovery at start: section 9.
 """
 
 from __future__ import annotations
@@ -93,7 +59,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     stall       BLOB,
     limits      BLOB,
     disposing   INTEGER NOT NULL DEFAULT 0,  -- a disposal was accepted (see finish_disposals)
-    budget      BLOB                         -- the session's own budget (SPEC §16.2)
+    budget      BLOB                         -- the session's own budget (semantics §16.2)
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -809,7 +775,7 @@ class Store:
 
     def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
         """The running turn's usage so far, written with the store's next batch (a crashed
-        turn's reported usage then counts at recovery, SPEC §16.2). Reports between two
+        turn's reported usage then counts at recovery, semantics §16.2). Reports between two
         batches share one write per turn, and one its end has overtaken costs none."""
         blob = _enc.encode(usage)
         with self._cond:
@@ -1104,7 +1070,7 @@ class Store:
             for r in rows
         ]
 
-    # ---- stop reports (SPEC §15.6) --------------------------------------------------
+    # ---- stop reports (semantics §15.6) --------------------------------------------------
 
     def put_stop_report(self, report: StopReport) -> None:
         """Record (or replace: a report is completed once the turn has ended) a turn's

@@ -1,28 +1,7 @@
 """The worker process: a turn loop that runs one driver turn at a time.
 
-::
-
-    host (pool reader thread)                worker process (own session + group)
-    ─────────────────────────                ───────────────────────────────────────
-    RunTurn ───────────────────────────────► main thread: driver.run(ctx)
-    SteerFrame / CancelFrame / Preempt ────► reader thread: queue for the next boundary,
-                                               set cancel_requested, kill the tool tree
-    ◄──────────────────── Say / Delivered     ctx.say(), ctx.checkpoint()
-    ◄──────────────────── ToolCall            ctx.spawn_agent() & co block on ...
-    ToolReply ─────────────────────────────►   ... the reply, matched by call number
-    ◄──────────────────── ToolKilled          a preempt killed run_command's tree
-    ◄──────────────────── Progress            boundaries, says, tool calls (rate-limited,
-                                               only for a session with a stall watchdog)
-    Escalate ──────────────────────────────► reader thread: the cancel is never handed
-    ◄──────────────────── Escalating            over now (unless it already was)
-    ◄──────────────────── TurnEnd             driver returned or raised
-    Disposed ──────────────────────────────► main thread, between turns: the driver
-                                               room's disposal hooks (a kit's servers)
-
-The reader thread never runs driver code; the main thread never reads the socket. A
-frame for another turn than the current one is stale and dropped. When the channel ends
-(the host died), the reader kills every descendant, escapees included (the worker is
-their subreaper), and then its own process group.
+The reader thread never runs driver code; the main thread never reads the socket. The
+frames each way and what the worker does when its host goes: docs/design.md, section 10.
 """
 
 from __future__ import annotations
@@ -180,7 +159,7 @@ log = structlog.get_logger("tether.worker")
 
 
 def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
-    """A steer joins the pending ones; a cancel stands, and discards them (SPEC §5)."""
+    """A steer joins the pending ones; a cancel stands, and discards them (semantics §5)."""
     with st.lock:
         if st.cancel is not None:
             return
@@ -376,7 +355,7 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
     global _leaf
     if leaf is not None:
         # First, while we have no thread and no child: everything we start from now on
-        # is born inside the leaf (SPEC §15.5). A failure here is a failed start.
+        # is born inside the leaf (semantics §15.5). A failure here is a failed start.
         with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
         _leaf = leaf

@@ -1,27 +1,8 @@
-"""The A2A face (SPEC §15.7): Tether's root sessions as A2A agents, with the official
-``a2a-sdk`` server (JSON-RPC binding at ``POST /a2a``, Agent Card at
-``/.well-known/agent-card.json``).
+"""The A2A face: Tether's root sessions as A2A agents, with the official ``a2a-sdk`` server
+(JSON-RPC at ``POST /a2a``, Agent Card at ``/.well-known/agent-card.json``).
 
-::
-
-    A2A client ──SendMessage / SendStreamingMessage──► TetherA2A ─► rt.open_session / rt.prompt
-               ──GetTask / SubscribeToTask──────────►   (polls the turn and its entries)
-               ──CancelTask─────────────────────────►   rt.interrupt(cancel, turn=task id,
-                                                                     deadline=--cancel-deadline)
-
-A task is a turn (task id = turn id) and a context is a session (context id = session
-id): a message without a context opens a root session with the configured driver, a
-message to an existing context is the owner's prompt, which becomes a task once a turn
-claims it (at once, or after the turns queued before it). A message naming a working task
-with metadata ``{"tether": {"steer": true}}`` is a steer bound to that turn; without it,
-it is queued as the next message. States: a running or paused turn is ``working``; an
-ended turn is ``completed``, ``canceled`` (cancelled or aborted) or ``failed`` (failed or
-crashed), except that the last turn of a parked session with messages waiting (stopped,
-and its queue held until a new message) is ``input-required``. A task's history is its
-turn's transcript entries; its artifact ``result`` is its final (or partial) text.
-
-The caller is the owner of the root (``User(parent=<root id>)``), as on ``/rpc``: the
-server's bearer token, or loopback, is the access control.
+A task is a turn, a context a session. The mapping of messages, states and cancels:
+docs/design.md, section 13, and docs/semantics.md section 15.7.
 """
 
 from __future__ import annotations
@@ -298,7 +279,7 @@ def _state(snap: _Snapshot) -> TaskState:
     record, info = snap.record, snap.info
     if record.outcome is None:
         return TaskState.TASK_STATE_WORKING
-    # Parked with messages waiting (SPEC §3): the stop holds queued work until a person
+    # Parked with messages waiting (semantics §3): the stop holds queued work until a person
     # sends again. A stopped session with an empty inbox also reads parked; its task is
     # simply over.
     if snap.latest and info.state == "parked" and info.pending > 0:

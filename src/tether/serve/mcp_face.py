@@ -1,27 +1,7 @@
-"""The MCP face (SPEC §15.7): Tether's subagents as tools of any MCP client.
+"""The MCP face: Tether's subagents as tools of any MCP client (stdio and Streamable HTTP).
 
-::
-
-    MCP client ──stdio (tether mcp)──────────┐
-               ──Streamable HTTP (POST /mcp)──┤► mcp Server (official SDK, low level)
-                                              │    tools/list: schemas from tether.tools
-                                              │    tools/call: McpFace.call ─► Runtime
-                                              ▼    (blocking calls on threads; waits poll)
-
-The client is a person at the host: a ``User`` holding the addresses of the roots it
-opened (``spawn_agent`` without ``parent``) and of those given with ``--root``. It may act
-on those roots and on anything below them; for each call the face finds the target's
-root (its durable lineage, which never changes) and presents ``User(parent=<the
-target's durable parent>)``, so the runtime decides authority exactly as on ``/rpc``.
-Anything else is refused with ``subagent-unauthorized``. Over stdio the process is the
-client. Over HTTP each MCP session (``Mcp-Session-Id``) is one, unless it names an owner
-in the ``Tether-Owner`` header: every connection naming the same owner holds the same
-roots, so a client that reconnects keeps the agents it opened.
-
-The argument Structs extend those of ``tether.tools`` (one source for both schemas).
-A call that waits (``wait: true``, ``wait_agent``) sends progress notifications while
-it waits, and a client's ``notifications/cancelled`` ends the wait (the SDK cancels the
-handler's scope); the agent goes on: stopping it is ``interrupt_agent``.
+The client is a ``User`` holding the roots it opened; the runtime decides authority as on
+``/rpc``. Who a client is, over each transport: docs/design.md, section 13.
 """
 
 from __future__ import annotations
@@ -66,7 +46,7 @@ log = structlog.get_logger("tether.mcp")
 
 _POLL: Final = 0.05  # seconds between two looks while a call waits
 _PROGRESS_EVERY: Final = 1.0  # seconds between progress notifications while waiting
-_MAX_DEPTH: Final = 64  # the lineage walk is bounded, as the runtime's (SPEC §6)
+_MAX_DEPTH: Final = 64  # the lineage walk is bounded, as the runtime's (semantics §6)
 _STDIO: Final = "stdio"
 OWNER_HEADER: Final = "tether-owner"  # an HTTP client's owner id, kept across connections
 _MAX_OWNER: Final = 256
@@ -104,7 +84,7 @@ class SpawnArgs(SpawnAgentArgs):
     parent: (
         Annotated[str, Meta(min_length=1, description="The agent to spawn it under.")] | UnsetType
     ) = UNSET
-    # The budget of the agent and its subtree (SPEC §16.2): a plain object, as in
+    # The budget of the agent and its subtree (semantics §16.2): a plain object, as in
     # tether.tools, checked as tether.Budget by the runtime.
     budget: _BudgetObject | UnsetType = UNSET
     wait: _Wait = False

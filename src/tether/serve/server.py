@@ -1,23 +1,8 @@
-"""``tether serve``: the runtime behind JSON-RPC 2.0 (``POST /rpc``) and SSE (``GET /events``).
+"""``tether serve``: the runtime behind JSON-RPC 2.0 (``POST /rpc``) and SSE (``GET /events``),
+with the web console and the protocol faces behind the same guard.
 
-::
-
-    client ──POST /rpc──► _Limits ─► _Guard (token / loopback) ─► body cap ─► RpcDispatcher
-                                                                   │ params: msgspec Structs
-                                                                   ▼ (_Lanes: threads)
-    client ◄─GET /events── EventHub ◄─call_soon_threadsafe── rt.subscribe callback ◄─ Runtime
-
-    browser ─GET /──► the web console (static files in serve/web/); the page then uses
-                      only /rpc and /events, with the bearer token when there is one
-
-    MCP / A2A clients ─/mcp, /a2a──► the protocol faces (faces.py builds them when the
-                      extra tether[agents] is installed), behind the same guard
-
-The RPC caller is a person at the host: it acts as ``User(parent=address.parent)`` and
-the runtime alone decides authority. Runtime calls block (actor asks), so they run on
-threads, never on the event loop, and on lanes (``_Lanes``): a stop never waits behind
-other work. ``_Limits`` (outermost) caps the event streams and keeps a reserve of file
-descriptors for the runtime, so that a kill or a respawn can always open what it needs.
+The caller acts as ``User(parent=address.parent)``. The request path, the lanes that keep
+stops from waiting, and the descriptor reserve: docs/design.md, section 13.
 """
 
 from __future__ import annotations
@@ -788,7 +773,7 @@ def serve(
     """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code.
 
     ``faces``: the driver and config of the roots that MCP and A2A clients open.
-    ``otlp``: export traces to this OTLP/HTTP base URL (SPEC §16.3); None leaves it to
+    ``otlp``: export traces to this OTLP/HTTP base URL (semantics §16.3); None leaves it to
     the ``OTEL_*`` variables.
     """
     if token is None and not is_loopback(host):

@@ -1,5 +1,5 @@
 """The host's hooks over the SDK: the turn spans (``invoke_agent``) and the control
-spans (``tether.control``) of SPEC §16.3. Imported only with telemetry on."""
+spans (``tether.control``) of semantics §16.3. Imported only with telemetry on."""
 
 from __future__ import annotations
 

@@ -243,7 +243,7 @@ class _Span(Span):
 
 
 def _stopped(span: Any, exc: BaseException) -> None:
-    """A span that an exception ended: a stop reads as a stop (SPEC §16.3)."""
+    """A span that an exception ended: a stop reads as a stop (semantics §16.3)."""
     kind: str
     why: str
     if isinstance(exc, Preempted):

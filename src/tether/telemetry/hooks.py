@@ -17,7 +17,7 @@ from tether.wire.frames import SpanEvent, Trace
 __all__ = ["NOOP", "ControlSpan", "Telemetry", "TurnSpan", "error_type"]
 
 # A stop's kind or a turn's outcome, as ``error.type`` says it; any stop of origin
-# ``budget`` is ``budget`` (SPEC §16.3).
+# ``budget`` is ``budget`` (semantics §16.3).
 _ERROR_TYPES = {
     "cancel": "cancelled",
     "cancelled": "cancelled",

@@ -1,4 +1,4 @@
-"""What turns telemetry on, and how spans are exported (SPEC §16.3).
+"""What turns telemetry on, and how spans are exported (semantics §16.3).
 
 On with ``Runtime(telemetry=True)`` or a dict of settings, or when the standard
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is set and ``telemetry`` is

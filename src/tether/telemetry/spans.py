@@ -1,4 +1,4 @@
-"""The worker's spans (SPEC §16.3): ``invoke_agent {name}`` per turn, with the ids the
+"""The worker's spans (semantics §16.3): ``invoke_agent {name}`` per turn, with the ids the
 host picked, and below it ``chat {model}`` per model request and ``execute_tool {tool}``
 per tool call.
 

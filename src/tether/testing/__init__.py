@@ -1,4 +1,4 @@
-"""Real outside services for tests and demos (SPEC §15.3-15.4): an OpenAI-compatible
+"""Real outside services for tests and demos (semantics §15.3-15.4): an OpenAI-compatible
 model server that replays a script (``tether.testing.model_server``) and an MCP tool
 server built with the official SDK (``tether.testing.mcp_server``). No key, no network.
 Nothing in the engine imports this room.

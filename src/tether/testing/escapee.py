@@ -1,5 +1,5 @@
 """A process that hides from a stop the way a careless build script does, and a way to
-find it: for tests and demos of containment (SPEC §15.5)."""
+find it: for tests and demos of containment (semantics §15.5)."""
 
 from __future__ import annotations
 

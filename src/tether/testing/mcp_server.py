@@ -1,24 +1,8 @@
 """A real MCP tool server for tests and demos, built with the official SDK's server side.
 
-    python -m tether.testing.mcp_server            # stdio
-    python -m tether.testing.mcp_server --http 0   # Streamable HTTP on a free loopback
-                                                   # port; prints its URL on one line
-
-Tools: ``echo(text)``; ``hang(seconds)`` (an await, so a cancel ends it at once);
-``stubborn(seconds)`` (blocks the server's event loop: it can read no cancel, answer no
-ping, until the time is up); ``progress(steps, every)`` (sends ``notifications/progress``);
-``spawn_child()`` (starts a sleeping child and returns its pid, so a test can see the
-server's whole tree die).
-
-``--hang-handshake`` (with ``--http``): every handshake POST (``initialize``, or the
-2026 wire's ``server/discover``) is read, logged as ``event: "handshake_held"``, and never
-answered: a server stuck starting up.
-
-With ``TETHER_MCP_LOG`` set, every inbound request and notification is appended to that
-file as one JSON line (``t`` wall-clock seconds, ``event``, ``method``, ``id``; a
-``notifications/cancelled`` also carries its ``requestId``), and so is the end of every
-tool call: ``returned``, or ``handler_cancelled`` when the SDK cancelled the handler (a
-client's ``notifications/cancelled`` on stdio, a closed request stream over HTTP).
+``python -m tether.testing.mcp_server`` (stdio) or ``--http 0`` (Streamable HTTP on a free
+loopback port; prints its URL). Its tools, ``--hang-handshake`` and ``TETHER_MCP_LOG``:
+docs/design.md, section 12.4.
 """
 
 from __future__ import annotations

@@ -1,43 +1,7 @@
-"""A model server that replays a script, on two wires (SPEC §15.4, §16.1).
-
-For tests, demos and benchmarks: real HTTP on loopback, no key, no network. It speaks
-OpenAI chat completions (``POST /v1/chat/completions``, streamed as server-sent events or
-not, and ``GET /v1/models``) and Anthropic Messages (``POST /v1/messages``, streamed or
-not, and ``POST /v1/messages/count_tokens``), both from the same script, and records
-every request and every client disconnect, so that a test can prove a cancel closed the
-connection.
-
-::
-
-    with ModelServer([{"text": "Hello there", "chunk": 4, "pace": 0.01}]) as server:
-        client = openai.OpenAI(base_url=server.url, api_key="unused")
-        ...
-        server.requests[0].body["messages"]      # what the model was sent
-        server.wait_disconnect(timeout=5)         # the client closed a stream early
-
-A script is a list of replies, used in order (the last one repeats once the script is
-spent). A reply:
-
-- ``text``: the assistant text; ``tool_calls``: ``[{"name", "arguments", "id"?}]``
-  (``arguments`` a dict or a JSON string);
-- ``chunk`` (characters per streamed chunk, default 8) and ``pace`` (seconds between
-  chunks, default 0); ``delay``: seconds before the first byte;
-- ``hang``: stream the text, then hang (no end) until the client goes away;
-- ``status`` (e.g. 429, 500, 400) with ``count`` (answer so that many requests with it,
-  default 1) and ``message``: an HTTP error instead of a reply;
-- ``usage``: the usage to report (default: counted; ``null``: report none), in either
-  wire's words (``prompt_tokens``/``completion_tokens`` or ``input_tokens``/``output_tokens``).
-
-On the Anthropic wire a reply's text is one ``text`` block and each tool call one
-``tool_use`` block (its input streamed as ``input_json_delta``); ``base_url`` for an
-Anthropic client (``ANTHROPIC_BASE_URL``) is ``server.root``.
-
-Several tests can share one server: ``server.script(name, replies)`` adds a named script,
-chosen per request by the ``X-Tether-Script`` header or by the request's ``model`` name.
-Over HTTP: ``POST /_tether/script`` ``{"name", "replies"}`` and ``GET /_tether/log``.
-
-``python -m tether.testing.model_server [--port P] [--script FILE.json]`` serves until
-interrupted and prints its URL (the ``base_url`` for a client) on the first line.
+"""A model server that replays a script, on two wires (OpenAI chat completions and Anthropic
+Messages), for tests, demos and benchmarks: real HTTP on loopback, no key, no network, and
+a record of every request and disconnect. The script's format, the HTTP controls and the
+command line: docs/design.md, section 12.4.
 """
 
 from __future__ import annotations

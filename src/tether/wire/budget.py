@@ -1,4 +1,4 @@
-"""Budgets (SPEC §16.2): what a caller may set on a tree, and what it reads back.
+"""Budgets (semantics §16.2): what a caller may set on a tree, and what it reads back.
 
 A ``Budget`` caps a session *and its whole subtree*. Its four limits are optional, at
 least one is set. Money crosses the wire and sits in usage records as whole

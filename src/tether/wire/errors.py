@@ -34,7 +34,7 @@ class TetherError(Exception):
 
 
 class Unauthorized(TetherError):
-    """The caller has no authority over the target (SPEC §6). Nothing was changed."""
+    """The caller has no authority over the target (semantics §6). Nothing was changed."""
 
     code = "subagent-unauthorized"
 
@@ -64,7 +64,7 @@ class InvalidParams(TetherError):
 
 
 class BudgetExhausted(TetherError):
-    """A budget of the tree (SPEC §16.2) is spent: no spawn below it until it is raised."""
+    """A budget of the tree (semantics §16.2) is spent: no spawn below it until it is raised."""
 
     code = "budget-exhausted"
 

@@ -71,7 +71,7 @@ class Cancel(msgspec.Struct, frozen=True):
 
 
 class Trace(msgspec.Struct, frozen=True):
-    """Telemetry for one turn (SPEC §16.3), only when it is on. The worker makes the
+    """Telemetry for one turn (semantics §16.3), only when it is on. The worker makes the
     turn's span (``invoke_agent``) with the ids the host picked: ``parent`` is that span's
     W3C ``traceparent`` (the worker's other spans are its children), ``up`` the one it is
     a child of (None: a new trace's root), ``name``, ``root`` and ``start`` (ns since the
@@ -99,7 +99,7 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     # seconds; None: the session has no stall watchdog, report nothing.
     progress_every: float | None = None
     # The same tool called with the same arguments this many times in a row is a loop:
-    # it counts as no progress (SPEC §14.5).
+    # it counts as no progress (semantics §14.5).
     repeat: int | None = None
     # Steers and a cancel issued before a worker took the turn, in order: in force before
     # the driver's first boundary.
@@ -210,7 +210,7 @@ class Delivered(msgspec.Struct, frozen=True, tag="delivered"):
 
     ``via`` says where the cancel reached the driver, for its stop report: at a
     ``checkpoint()`` (``boundary``), or at whatever an async driver was awaiting
-    (``cancel-at-await``, SPEC §15.1). ``held``: it reached the driver inside a shield
+    (``cancel-at-await``, semantics §15.1). ``held``: it reached the driver inside a shield
     (a ``preempt="never"`` call), which holds it back; the grace clock starts, and a
     second ``Delivered`` (not held) says when the shield let it through.
     """
@@ -264,7 +264,7 @@ class Progress(msgspec.Struct, frozen=True, tag="progress"):
     ``in_tool``: a ``run_command`` is running now.
 
     ``tools``: tool calls that opened or closed, so that the host knows which are open
-    when a stop lands (the stop report, SPEC §15.6). Sent whether or not the session has
+    when a stop lands (the stop report, semantics §15.6). Sent whether or not the session has
     a watchdog, as they happen, in frames of their own with ``beat=False``: the watchdog
     reads only ``beat`` frames (rate-limited) as progress. (Tool calls ride on
     Progress because every backend already routes it to the session.)
@@ -279,7 +279,7 @@ class Progress(msgspec.Struct, frozen=True, tag="progress"):
 
 class Usage(msgspec.Struct, frozen=True, tag="usage"):
     """What one model response cost (``ctx.add_usage``), sent as it is reported so the
-    host's budgets (SPEC §16.2) see it at once: a delta, e.g. ``{"prompt_tokens": 12,
+    host's budgets (semantics §16.2) see it at once: a delta, e.g. ``{"prompt_tokens": 12,
     "completion_tokens": 30, "cost_microusd": 240}``. The turn's sum still comes in its
     ``TurnEnd``."""
 

@@ -78,7 +78,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["user", "notice"] = "user"
     sender: str | None = None
     created_at: float = 0.0
-    # The W3C traceparent of the span that sent it (telemetry, SPEC §16.3): the turn
+    # The W3C traceparent of the span that sent it (telemetry, semantics §16.3): the turn
     # that claims it is that span's child, however much later it starts.
     trace: str | None = None
 
@@ -138,18 +138,18 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float | None = None
     # The waking send (or notice) that started this turn on an idle, parked or held
     # session, in the host's own order; None when the turn followed its predecessor's
-    # completion (SPEC §4 rule 2). A turn after a stop always names one.
+    # completion (semantics §4 rule 2). A turn after a stop always names one.
     woken_by: str | None = None
-    # Token usage summed over the turn's model requests (SPEC §15.2), e.g.
+    # Token usage summed over the turn's model requests (semantics §15.2), e.g.
     # {"prompt_tokens": 12, "completion_tokens": 30}; None when nothing reported any.
     usage: dict[str, int] | None = None
-    # What the turn's cgroup counted (SPEC §15.5): {"cpu_ms", "processes",
+    # What the turn's cgroup counted (semantics §15.5): {"cpu_ms", "processes",
     # "memory_peak_mb"}, each only where its controller is available; None without one.
     resources: dict[str, float] | None = None
 
 
 class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A session as discovery sees it (SPEC §7). A hint, never authority."""
+    """A session as discovery sees it (semantics §7). A hint, never authority."""
 
     id: str
     slug: str | None
@@ -164,7 +164,7 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
-    """A session's durable header (SPEC §1)."""
+    """A session's durable header (semantics §1)."""
 
     id: str
     parent: str | None
@@ -175,13 +175,13 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     permissions: dict[str, Any] | None = None
     created_at: float = 0.0
     settled: bool = False
-    # The stall watchdog's policy (SPEC §14.5), or None: {"after", "every", "steps",
+    # The stall watchdog's policy (semantics §14.5), or None: {"after", "every", "steps",
     # "nudge", "repeat"}; a child without one inherits its parent's.
     stall: dict[str, Any] | None = None
-    # Per-turn limits enforced by the turn's cgroup (SPEC §15.5), or None:
+    # Per-turn limits enforced by the turn's cgroup (semantics §15.5), or None:
     # {"memory_mb", "pids", "cpu"}; a child without its own inherits its parent's.
     limits: dict[str, float] | None = None
-    # The budget of this session and its subtree (SPEC §16.2), as it was set at creation
+    # The budget of this session and its subtree (semantics §16.2), as it was set at creation
     # (``set_budget`` changes the stored one; the runtime's governor holds the live one).
     budget: Budget | None = None
 
@@ -201,7 +201,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ProcessFate(msgspec.Struct, frozen=True, kw_only=True):
-    """One process a stop signalled (SPEC §15.6): who it was and whether it died."""
+    """One process a stop signalled (semantics §15.6): who it was and whether it died."""
 
     pid: int
     started: float  # its start time (seconds since the epoch): tells it from a reused pid
@@ -211,7 +211,7 @@ class ProcessFate(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ToolFate(msgspec.Struct, frozen=True, kw_only=True):
-    """One tool call open when a stop landed, and how it ended (SPEC §15.6)."""
+    """One tool call open when a stop landed, and how it ended (semantics §15.6)."""
 
     name: str
     fate: Literal["returned", "preempted", "cancelled", "abandoned", "killed", "shielded"]
@@ -219,7 +219,7 @@ class ToolFate(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StopReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What one stop did to one turn, durable (SPEC §15.6): ``rt.stop_report(turn)``.
+    """What one stop did to one turn, durable (semantics §15.6): ``rt.stop_report(turn)``.
 
     ``requested_at`` is when the stop was accepted, ``effective_at`` when it took effect
     (the boundary that delivered it, the await it cancelled, or the moment the kill was

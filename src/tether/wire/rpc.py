@@ -1,4 +1,4 @@
-"""JSON-RPC 2.0 params, results and envelopes of ``tether serve`` (SPEC §10).
+"""JSON-RPC 2.0 params, results and envelopes of ``tether serve`` (semantics §10).
 
 Every method's params are one msgspec Struct, decoded strictly (no type coercion,
 unknown fields refused), so the schema is the validation: a one-shot address, a
@@ -123,7 +123,7 @@ class Address(_Params):
 
 
 class OpenParams(_Params):
-    """``stall``: the stall watchdog's policy (SPEC §14.5); a bad one is
+    """``stall``: the stall watchdog's policy (semantics §14.5); a bad one is
     ``invalid-params`` and opens nothing."""
 
     driver: Annotated[str, msgspec.Meta(min_length=1)]
@@ -131,10 +131,10 @@ class OpenParams(_Params):
     slug: str | None = None
     permissions: dict[str, Permission] | None = None
     stall: StallPolicy | None = None
-    # each turn's {"memory_mb", "pids", "cpu"}, enforced by its cgroup (SPEC §15.5); one
+    # each turn's {"memory_mb", "pids", "cpu"}, enforced by its cgroup (semantics §15.5); one
     # the kernel cannot enforce there is invalid-params and opens nothing
     limits: JsonObject | None = None
-    budget: Budget | None = None  # the tree's budget (SPEC §16.2)
+    budget: Budget | None = None  # the tree's budget (semantics §16.2)
 
 
 class PromptParams(_Params):
@@ -160,7 +160,7 @@ class SpawnParams(_Params):
     permissions: dict[str, Permission] | None = None
     stall: StallPolicy | None = None  # without one, the child inherits its parent's
     limits: JsonObject | None = None  # likewise
-    # its own budget, which must fit in what its ancestors' have left (SPEC §16.2)
+    # its own budget, which must fit in what its ancestors' have left (semantics §16.2)
     budget: Budget | None = None
 
 
@@ -172,10 +172,10 @@ class SendParams(_Params):
 
 
 class InterruptParams(_Params):
-    """``turn`` is a guard: act only if that turn is still the running one (SPEC §14.2).
+    """``turn`` is a guard: act only if that turn is still the running one (semantics §14.2).
 
     ``scope="subtree"`` (a cancel or an abort) stops the running turn of ``address``
-    and of every continuable session below it, each bound to its own turn (SPEC §15.6).
+    and of every continuable session below it, each bound to its own turn (semantics §15.6).
     """
 
     address: Address
@@ -189,7 +189,7 @@ class InterruptParams(_Params):
 
 class PauseParams(_Params):
     """Freeze the running turn of ``address`` (``subtree``: and of every running
-    descendant) in place (SPEC §14.4). Authority as for an interrupt."""
+    descendant) in place (semantics §14.4). Authority as for an interrupt."""
 
     address: Address
     scope: PauseScope = "session"
@@ -242,7 +242,7 @@ class BudgetParams(_Params):
 
 
 class BudgetResult(msgspec.Struct, frozen=True):
-    """``subagent.budget``: the session's tree against its budget (SPEC §16.2)."""
+    """``subagent.budget``: the session's tree against its budget (semantics §16.2)."""
 
     budget: BudgetStatus
 
@@ -256,7 +256,7 @@ class SetBudgetParams(_Params):
 
 
 class StopReportResult(msgspec.Struct, frozen=True):
-    """What the stop that reached the turn did (SPEC §15.6); None: no stop reached it."""
+    """What the stop that reached the turn did (semantics §15.6); None: no stop reached it."""
 
     report: StopReport | None = None
 
@@ -281,7 +281,7 @@ class MessageAccepted(msgspec.Struct, frozen=True):
 
 
 class InterruptResult(msgspec.Struct, frozen=True):
-    """The turn the signal was bound to; ``turn`` None is an accepted no-op (SPEC §14.2)."""
+    """The turn the signal was bound to; ``turn`` None is an accepted no-op (semantics §14.2)."""
 
     accepted: bool = True
     turn: str | None = None

@@ -59,7 +59,7 @@ DEFAULT_STEPS: Final = ("steer", "cancel", "abort")
 
 
 class StallPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """The stall watchdog's policy (SPEC §14.5). ``every`` defaults to ``after``;
+    """The stall watchdog's policy (semantics §14.5). ``every`` defaults to ``after``;
     ``grace`` (the watchdog's cancel's) to the runtime's."""
 
     after: Seconds

@@ -1,4 +1,4 @@
-"""The worker backends (SPEC §14.6) and what they share.
+"""The worker backends (semantics §14.6) and what they share.
 
 - ``_turns``: the turn table, one turn's life on any backend.
 - ``_io``: the local pool's one I/O loop over its worker sockets.

@@ -1,27 +1,7 @@
-"""One I/O loop for every worker socket of a pool (issue 17, item 2).
+"""One I/O loop for every worker socket of a pool.
 
-::
-
-    any thread (under the table's lock)        the loop thread ("tether-pool-io")
-    ───────────────────────────────────        ──────────────────────────────────────
-    Conn.post(frames) ─► nothing queued: send     select() over every worker socket
-                         now, never blocking         │
-                         (a non-blocking socket)     ├─ readable: recv, split frames,
-                      ─► what the socket could       │  on_frame(payload) for each;
-                         not take: the outbox ──────►├─ writable: flush the outbox
-                         (the loop writes it when    │  (then stop watching writes)
-                         the socket drains)          └─ EOF, or a stream that cannot be
-                                                        trusted: unregister, on_end(error)
-    Conn.close() ─► after on_end: close at once; before: the loop ends it first
-
-Rules. No caller ever waits on a worker's socket: a send that would block leaves the
-rest in the outbox, in order, and later frames queue behind it. The outbox counts the
-bytes of what the caller asked to be bounded (steers and preempts, ``HELD_BYTES``), so
-a worker that stops reading refuses more of those while its abort, which needs no
-socket, still takes effect at once. ``on_frame`` and ``on_end`` run on the loop thread
-and must not block (the pool hands a tool call, which may, to a thread of its own).
-Only the loop thread touches the selector; other threads ask it through ``_ops`` and a
-wake-up socket.
+No caller ever waits on a worker's socket: a post that would block leaves the rest in the
+outbox for the loop. The rules, and the bound on what waits: docs/design.md, section 5.
 """
 
 from __future__ import annotations

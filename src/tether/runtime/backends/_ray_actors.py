@@ -1,33 +1,8 @@
 """The Ray side of the Ray backend: a slot actor per worker, a reaper actor per node.
 
-Imported by ``backends.ray`` (in the host) and by Ray's workers (to run the actors).
-
-::
-
-    host (Ray driver)                         Slot actor (a Ray worker, its own group)
-    ─────────────────                         ─────────────────────────────────────────
-    run(turn, RunTurn, pending) ─ "turn" ──►  write RunTurn + pending to the child,
-                                              then relay every child frame back as one
-    ◄──────── streaming generator ──────────    item of the stream, up to its TurnEnd
-    send(turn, seq, frame) ───── "ctl" ─────► in seq order (held until the turn starts,
-                                              dropped after it ended)
-                                                 │ socketpair, length-prefixed msgpack
-                                                 ▼
-                                              turn child: worker_main (own session and
-                                              group, subreaper, TETHER_TREE=token)
-    Reaper actor (num_cpus=0, pinned to the node): freeze / kill / thaw a child's tree,
-    escapees included, and answer only once it is dead.
-
-Containment (SPEC §15.5): a slot asked for ``cgroup`` (or ``auto``) containment makes a
-group of its own on its node (``Cgroups.open``: a guard clears it if the slot dies) and
-puts each child in a leaf ``w-<token>`` of it; the child joins the leaf before it says
-Ready (after it started its keeper, which stays outside). The reaper's kill is then
-``cgroup.kill``, waited for until ``populated 0``, and a pause is ``cgroup.freeze``:
-neither depends on ancestry or environment. A node without a writable cgroup v2 runs
-the walk (``auto``) or refuses the slot (``cgroup``), and the slot says why.
-
-Ray runs methods of different concurrency groups of one actor in no particular order,
-which is why host→worker frames carry sequence numbers.
+Imported by ``backends.ray`` (in the host) and by Ray's workers (to run the actors). Host ->
+worker frames carry sequence numbers because Ray runs an actor's concurrency groups in no
+set order. The whole picture: docs/design.md, section 11.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
-"""Entry point of a turn's worker process under a Ray slot: worker.py's own turn loop.
+"""Entry point of a turn's worker process under a Ray slot: worker.py's own turn loop, and
+its tree's keeper.
 
-``python -m tether.runtime.backends._ray_child FD TOKEN``: FD is this end of the slot's
-socketpair. ``worker_main`` puts the process in its own session and process group (a
-Ray worker is a group leader itself, so the slot never signals its own group) and makes
-it a subreaper for its tools. Ray is not imported here.
-
-Before that, it starts the tree's *keeper*. When a Ray worker exits (its job's driver,
-our host, died, say), Ray SIGKILLs that worker's children: the turn's worker dies with
-no chance to sweep its tree, and a tool that left its session would outlive it. The
-keeper waits on a pipe that only the worker holds open; when the pipe closes (the
-worker is gone, however it died) it kills every process tagged with the tree's TOKEN,
-then exits. It is started by a double fork, before the worker becomes a subreaper, so
-that it is in no one's tree of ours: Ray's kill of the slot's children misses it, and
-so do the worker's own sweeps of what a command left behind. Its parent is the nearest
-subreaper above the slot (the host, when the host started Ray) or init. It then execs
-itself (``--keep TOKEN FD``) without the tree's tag in its environment, so that no sweep
-by that tag ever takes it: a sweeper killed between its freeze and its kill (a slot or
-a reaper that Ray kills meanwhile) would leave a tagged keeper stopped for good.
-
-Under cgroup containment (``python -m tether.runtime.backends._ray_child FD TOKEN LEAF``) the
-worker joins the leaf LEAF first thing in ``worker_main`` (the keeper, started just
-before, stays outside), and the keeper's sweep starts with ``cgroup.kill`` of the leaf,
-which takes what left the session and cleared its environment too (and is then all
-the sweep there is).
-
-``python -m tether.runtime.backends._ray_child --check DRIVER``: import the driver and exit 0, or
-print why it cannot be loaded and exit 1 (a slot busy with a turn checks drivers so).
+``python -m tether.runtime.backends._ray_child FD TOKEN [LEAF]`` runs a turn child;
+``--check DRIVER`` imports a driver and exits 0, or prints why not and exits 1. Why the
+keeper exists and how it is started: docs/design.md, section 11.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
-"""The turn table: one turn's life on any backend, the SPEC §14.6 contract in one place.
+"""The turn table: one turn's life on any backend, from submit to its one report.
 
-::
-
-                submit                 an idle worker W takes it
-      ──────────────────► QUEUED ─────────────────────────────► DISPATCHED on W
-                            │                                     │        │
-      killed before a worker│took it, the runtime closed,         │        │ W's TurnEnd
-      the turn cannot start:│reported at once (no tree)           │        │
-                            ▼                                     │        ▼
-                          DONE ◄──────────────────────────────────┼────── DONE
-                            ▲    W's tree died on its own and is  │   (reported, forgotten)
-                            │    dead (``dead``)                  │
-                            │                                     │ kill; W faulty or lost
-                            │                                     ▼
-                            └────── W's tree is dead (``dead``) ─ KILLING
-
-- A signal for a QUEUED turn is held on its job (``TurnJob.hold``, bounded) and rides
-  in its start; for a DISPATCHED one it is posted to W at once (never blocking), under
-  the table's lock, so frames reach the worker in issue order; a KILLING turn's is
-  dropped.
-- A frame from W is for the turn W runs, or it is dropped. A TurnEnd ends a DISPATCHED
-  turn; a KILLING turn's TurnEnd is ignored: its end is reported only once W's tree is
-  dead, which the backend says by calling ``dead`` (the kill's done callback).
-- Every way to DONE forgets the turn under the lock, once: each turn is reported once.
-
-A backend drives its workers: it owns them (start, spare, respawn, where they run) and
-offers each to the table as a :class:`Worker`. It shares the table's lock, so its own
-bookkeeping and the turns change together.
+States QUEUED -> DISPATCHED -> (KILLING ->) DONE, each change under the table's lock, which
+the backend shares; a killed turn is reported only once its tree is dead. The transitions
+and who calls them: docs/design.md, sections 4-6.
 """
 
 from __future__ import annotations

@@ -1,65 +1,7 @@
-"""The worker pool: start, dispatch, kill a tree, respawn.
-
-::
-
-    Runtime / agent actors        Pool (host threads)                      workers
-    ──────────────────────        ─────────────────────────────────        ───────────────
-    submit(job) ───────────────►  FIFO queue ── dispatch ─┐
-    signal(turn, frame) ───────►  held until dispatched ──┤ sent at once,
-                                                          │ never blocking ────► RunTurn/Steer/
-                                                          │ (a full socket:      Cancel/Preempt/
-    kill(turn) ────────────────►  doom: killpg(SIGSTOP) ──┘ the outbox waits)    ToolReply
-                                        │
-                                        ▼
-                                  reaper thread: walk the frozen tree, SIGSTOP
-                                    escapees, re-walk until nothing new, SIGKILL
-                                    deepest first; again later if it failed
-                                    (EMFILE); no end until the tree is dead
-                                  I/O loop thread, every worker ◄─────────  Say/ToolCall/
-      sink.delivered/ended ◄──────  socket (``backends._io``);             Delivered/TurnEnd,
-                                    a tool call, and the frames            or EOF
-                                    after it, go to a tool thread;
-                                    EOF or a bad frame: doom it
-                                  end = tree dead + stream done:
-                                    report the turn, then forget
-                                  spawner thread: keep N + 1 workers,
-                                    a failed start retried with backoff
-
-The queue, the signals held until dispatch, the worker's turn frames (tool calls answered
-there) and the one report of each turn are the turn table's (``backends._turns``), which
-the Ray backend shares; the pool drives the workers behind it (``_Worker``: start, post,
-kill, freeze, thaw), under the table's lock.
-
-``workers=N`` processes take turns and one warm spare waits, so a turn never waits for a
-process to start after an abort: a doomed worker leaves the pool at once and the spare
-takes its place. Workers are forked by the pool's launcher (``_launcher``), a
-single-threaded process with the runtime's modules preloaded (never plain fork from this
-threaded host), each in its own session and process group, each a subreaper for its tools.
-A launcher that died is replaced by the next start.
-
-Fault rules (SPEC §14.3). A worker's socket is non-blocking: a frame is sent by whoever
-posts it, and what the socket cannot take waits in the worker's outbox for the I/O loop,
-so no caller and no lock ever waits on a worker that stopped reading. Everything that
-can fail for lack of resources (a walk needs descriptors, a start needs processes) runs
-on the long-lived threads and is retried there; no worker needs a thread of its own,
-and the end of a turn never waits for a thread to start. A frame that fails to decode,
-for any reason, makes its worker faulty: its turn ends crashed and it is replaced.
-
-A tool call may block (a store write, a driver check that the I/O loop must read the
-answer to), so it never runs on the loop: the worker's *strand* (its frames, in order)
-moves to a tool thread for the call, and every frame the worker sends meanwhile, its
-end of stream included, waits behind it, as it did when each worker had a reader thread.
-
-Containment (SPEC §15.5, ``_contain``): with ``cgroups``, each worker lives in a leaf of
-its own and the reaper's kill is ``cgroup.kill``, waited for until the leaf is empty; a
-pause is ``cgroup.freeze``. Without (the walk): escapees (a tool that called ``setsid``)
-are found by walking the frozen worker, a subreaper to which orphans re-parent. A worker
-that died on its own (SIGKILL included) has no tree left to walk: its orphans re-parent
-to the launcher (a subreaper too), where the reaper finds them as launcher children that
-are no worker, and its tools carry ``TETHER_TREE=<token>`` in their environment.
-When the host dies, each worker sweeps its own tree (or kills its leaf) on its channel's
-end. Either way the job learns how its tree was killed and what died (``kill_via``,
-``kill_procs``), and what its leaf counted (``resources``), before its end is reported.
+"""The local backend: worker processes behind the turn table (start, dispatch, kill a tree,
+respawn, one warm spare), driven by long-lived threads: the I/O loop, the reaper, the
+spawner and the tool threads. The threads, the locks, and how a turn and each stop pass
+through here: docs/design.md, sections 2-7.
 """
 
 from __future__ import annotations
@@ -315,7 +257,7 @@ class Pool(TableBackend["_Worker"]):
         if size < 1:
             raise ValueError("a pool needs at least one worker")
         self.size = size
-        self.cgroups = cgroups  # None: the walk (SPEC §15.5)
+        self.cgroups = cgroups  # None: the walk (semantics §15.5)
         self.launcher = Launcher()  # started by the first worker's start
         # the turns, and the lock under which they and the workers change together
         self.turns: Turns[_Worker] = Turns(host, self._idle_locked)

@@ -1,37 +1,6 @@
-"""The Ray backend (SPEC §14.6): the same turns and the same interrupt contract, on Ray.
-
-::
-
-    host process (the Ray driver)                      a node of the cluster
-    ─────────────────────────────────────────          ───────────────────────────────
-    agents ─► RayBackend: FIFO queue, dispatch         Slot actor (max_restarts=0,
-                 │ run(turn) ─────────────────────────►  max_task_retries=0)
-                 │ one thread per turn reads the   ◄────   streaming generator: the
-                 │   turn's stream: Say, ToolCall,          worker's frames, one item
-                 │   Delivered, TurnEnd, or exit            each
-                 │ tool calls answered here, ToolReply ─►  send(turn, seq, frame):
-                 │ signal(turn) ─ seq-numbered ───────────►  in order, held until the
-                 │                                            turn starts, dropped after
-                 │                                          └ turn child: worker.py's
-                 │                                            turn loop, own session
-                 │ kill(turn) ────────────────────────►  Reaper actor (num_cpus=0,
-                 │   report `aborted` only on its answer      pinned): freeze, then kill
-                 ▼                                            the child's tree, escapees
-    store, inbox, authority: host-only                        included; answers when dead
-
-The queue, the held signals, the frames' handling and each turn's one report are the
-turn table's (``backends._turns``), shared with the local pool; this module drives the
-slots behind it (``_Slot``: start, post, kill, freeze, thaw). The reaper actor kills a
-tree with the pool's own walk (``_procs.reap_tree``).
-
-The host stays the Ray driver and opens no port: tool calls travel up the turn's own
-stream and their replies down the slot's ``send``. ``workers=N`` slots take turns and
-``spare`` warm ones wait (a new actor takes seconds to start; default one). After an
-abort, a slot whose stream ended starts a new child (its tree is dead) and becomes a
-spare; a slot that
-does not answer within ``abort_timeout`` (frozen with SIGSTOP, say) is killed by the
-reaper, then ``ray.kill``-ed, and replaced. A slot lost mid-turn ends the turn
-``crashed``; Ray never retries it (retries would run claimed work twice).
+"""The Ray backend: the same turns and the same interrupt contract, on Ray (the runtime's
+side: the slots behind the shared turn table, a thread per turn's stream, aborts through
+the node's reaper actor). How it works: docs/design.md, section 11.
 """
 
 from __future__ import annotations
@@ -263,7 +232,7 @@ class _Slot:
         self.frozen = []
 
     def breached(self) -> bool:
-        return False  # the Ray backend applies no limits (SPEC §15.5 limits are the pool's)
+        return False  # the Ray backend applies no limits (semantics §15.5 limits are the pool's)
 
     def freeze(self, turn: str) -> None:
         backend = self.backend
@@ -683,7 +652,7 @@ class RayBackend(TableBackend[_Slot]):
         """Handle one worker frame; True at the turn's end."""
         try:
             frame = self._decoder.decode(payload)
-        except Exception as exc:  # SPEC §14.3: the worker is faulty, its turn crashed
+        except Exception as exc:  # semantics §14.3: the worker is faulty, its turn crashed
             log.error("frame.rejected", pid=s.child, error=str(exc), fatal=True)
             self.turns.fail(s, job.turn, f"protocol error: {exc}")
             return True
