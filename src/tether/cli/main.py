@@ -88,6 +88,15 @@ def _stall_arg(text: str) -> dict[str, Any]:
     known ``KEY=`` continues the nudge before it. The server checks the policy again
     (semantics §14.5); this catches what a person mistyped, as a usage error.
     """
+    policy = {key: _stall_value(key, value) for key, value in _stall_pairs(text)}
+    if "after" not in policy:
+        raise argparse.ArgumentTypeError(f"after=SECONDS is required; use {_STALL_USAGE}")
+    return policy
+
+
+def _stall_pairs(text: str) -> list[list[str]]:
+    """``text``'s ``KEY=VALUE`` pieces, in order; a piece that is no known ``KEY=``
+    continues the nudge before it (a nudge may hold commas)."""
     pairs: list[list[str]] = []
     for piece in text.split(","):
         key, eq, value = piece.partition("=")
@@ -103,35 +112,32 @@ def _stall_arg(text: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(f"unknown key {key!r} (known: {known})")
         else:
             raise argparse.ArgumentTypeError(f"{piece!r} is not KEY=VALUE; use {_STALL_USAGE}")
-    policy: dict[str, Any] = {}
-    for key, value in pairs:
-        value = value if key == "nudge" else value.strip()
-        if key in ("after", "every", "grace"):
-            try:
-                policy[key] = _seconds(value)
-            except argparse.ArgumentTypeError as exc:
-                raise argparse.ArgumentTypeError(f"{key} {exc}") from None
-        elif key == "steps":
-            steps = value.split("+")
-            bad = [step for step in steps if step not in _STALL_STEPS]
-            if bad:
-                raise argparse.ArgumentTypeError(
-                    f"steps are {'+'.join(_STALL_STEPS)} joined by '+', not {'+'.join(bad)!r}"
-                )
-            policy[key] = steps
-        elif key == "repeat":
-            if not value.isdigit() or int(value) < 2:
-                raise argparse.ArgumentTypeError(
-                    f"repeat must be an integer of at least 2, not {value!r}"
-                )
-            policy[key] = int(value)
-        else:
-            if not value.strip():
-                raise argparse.ArgumentTypeError("nudge must not be empty")
-            policy[key] = value
-    if "after" not in policy:
-        raise argparse.ArgumentTypeError(f"after=SECONDS is required; use {_STALL_USAGE}")
-    return policy
+    return pairs
+
+
+def _stall_value(key: str, value: str) -> Any:
+    if key == "nudge":
+        if not value.strip():
+            raise argparse.ArgumentTypeError("nudge must not be empty")
+        return value
+    value = value.strip()
+    if key in ("after", "every", "grace"):
+        try:
+            return _seconds(value)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{key} {exc}") from None
+    if key == "steps":
+        steps = value.split("+")
+        bad = [step for step in steps if step not in _STALL_STEPS]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"steps are {'+'.join(_STALL_STEPS)} joined by '+', not {'+'.join(bad)!r}"
+            )
+        return steps
+    # repeat
+    if not value.isdigit() or int(value) < 2:
+        raise argparse.ArgumentTypeError(f"repeat must be an integer of at least 2, not {value!r}")
+    return int(value)
 
 
 def _data(args: argparse.Namespace) -> dict[str, Any] | None:
