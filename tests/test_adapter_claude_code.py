@@ -559,3 +559,32 @@ def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_mo
         top, chats = receiver.chats_under(ended["turn"], MODEL, 2)
     assert top.attrs["gen_ai.agent.id"] == child and not top.error
     assert all(c.attrs["gen_ai.provider.name"] == "anthropic" for c in chats)
+
+
+def test_each_response_counts_against_a_budget_as_it_streams_so_a_budget_stops_the_cli_mid_turn(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    spend = {"input_tokens": 900, "output_tokens": 100}
+    replies = [
+        {"tool_calls": [_bash("echo one")], "usage": spend},
+        {"text": "still going " * 20, "chunk": 4, "hang": True},  # never asked for
+    ]
+    server.script(MODEL, replies)
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, tmp_path / "home")
+    child = rt.spawn(root, AGENT, slug="claude", config=config, budget={"tokens": 500})
+    assert isinstance(child, str)
+    rt.send(child, "spend", authority=User(parent=root))
+    ended = rec.turn_ended(child, timeout=TIMEOUT)
+    # the first response's 1,000 tokens cross the limit while the turn still runs
+    assert ended["outcome"] == "cancelled" and ended["by"] == "budget", ended
+    [marker] = [m for m in entries(rt, child, "marker") if m.action == "cancelled"]
+    assert "of 500 tokens spent" in marker.text
+    usage = rt.turns(child)[0].usage
+    assert usage is not None and usage["prompt_tokens"] >= 900
+    if len(server.requests_for(MODEL)) == 1:  # stopped before the CLI asked again: the
+        # first response alone, counted once (its stream and the CLI's result agree)
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (900, 100)
+    # else the second request's prompt was spent too: in flight when the limit was crossed
+    assert rt.budget(child).spent["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]

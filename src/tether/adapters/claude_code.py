@@ -170,6 +170,8 @@ class _Turn:
         self.before: set[int] = set()  # the worker's children before the CLI started
         self.said = ""  # the last reply text said this turn
         self.mcp_preempted: set[str] = set()  # preempted texts MCP calls gave the CLI
+        self.prompt = 0  # the streaming response's prompt tokens (its message_start)
+        self.reported = [0, 0]  # prompt and completion tokens reported this turn
 
     # ---- steers --------------------------------------------------------------------
 
@@ -213,27 +215,44 @@ class _Turn:
         return None
 
     def _usage(self, result: Any) -> None:
+        """The turn's result: what its responses' stream events did not report yet (the
+        CLI's totals minus what was reported), and the cost the CLI computed, unless
+        ``model.price`` priced each response already (both would count it twice)."""
         usage = result.usage or {}
         delta: dict[str, int] = {}
         if usage:
-            prompt = sum(
-                int(usage.get(k) or 0)
-                for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
-            )
-            delta["prompt_tokens"] = prompt
-            delta["completion_tokens"] = int(usage.get("output_tokens") or 0)
+            prompt = _prompt_tokens(usage) - self.reported[0]
+            completion = int(usage.get("output_tokens") or 0) - self.reported[1]
+            if prompt > 0:
+                delta["prompt_tokens"] = prompt
+            if completion > 0:
+                delta["completion_tokens"] = completion
         cost = result.total_cost_usd
-        if isinstance(cost, (int, float)) and cost > 0:
-            # TurnRecord.usage holds ints: the cost in millionths of a dollar. Reported
-            # with the tokens, it stands for them: model.price is not applied on top.
+        priced = bool((self.ctx.config.get("model") or {}).get("price"))
+        if isinstance(cost, (int, float)) and cost > 0 and not priced:
+            # TurnRecord.usage holds ints: the cost in millionths of a dollar
             delta["cost_microusd"] = round(float(cost) * 1_000_000)
         if delta:
             self.ctx.add_usage(delta)
+
+    def _response_usage(self, kind: Any, event: dict[str, Any]) -> None:
+        """Each model response's tokens as its stream reports them (the prompt at its
+        start, the completion at its end), so that a budget acts within the turn."""
+        if kind == "message_start":
+            self.prompt = _prompt_tokens((event.get("message") or {}).get("usage") or {})
+        elif kind == "message_delta":
+            completion = int((event.get("usage") or {}).get("output_tokens") or 0)
+            if self.prompt or completion:
+                self.ctx.add_usage({"prompt_tokens": self.prompt, "completion_tokens": completion})
+                self.reported[0] += self.prompt
+                self.reported[1] += completion
+            self.prompt = 0
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
         if spans.on():
             self._chat_event(kind, event)
+        self._response_usage(kind, event)
         if kind == "message_start":
             self._flush()
             self.reply = _Reply()
@@ -785,3 +804,9 @@ def _mcp_handler(ctx: AsyncTurnContext, tools: McpTools, name: str, told: set[st
         return {"content": [{"type": "text", "text": text}]}
 
     return call
+
+
+def _prompt_tokens(usage: dict[str, Any]) -> int:
+    """A response's prompt tokens: its input, cache reads and cache writes included."""
+    keys = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    return sum(int(usage.get(k) or 0) for k in keys)
