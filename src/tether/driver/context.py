@@ -116,12 +116,14 @@ class BaseContext:
 
     def _host_call_blocking(self, name: str, args: dict[str, Any]) -> Any:
         if name == "history":
-            return self._host_call_sent(name, args)
+            return self._blocking_call(name, args)
         self._progress((name, repr(sorted(args.items()))))
         with spans.tool(name, outer_only=True):
-            return self._host_call_sent(name, args)
+            return self._blocking_call(name, args)
 
-    def _host_call_sent(self, name: str, args: dict[str, Any]) -> Any:
+    def _blocking_call(self, name: str, args: dict[str, Any]) -> Any:
+        # Never overridden: the async context's ``history`` property blocks through it
+        # too (its own ``_host_call_sent`` is a coroutine).
         self._next_call += 1
         call = self._next_call
         st = self._state
