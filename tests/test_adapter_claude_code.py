@@ -33,6 +33,7 @@ from drivers import (
 from test_chat_agent import _all_read, _mcp, _port
 from tether import User
 from tether.testing import ModelServer
+from tether.testing.escapee import escapee_loop
 from tether.testing.mcp_server import read_log
 
 pytest.importorskip("claude_agent_sdk")
@@ -276,9 +277,7 @@ def test_an_abort_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn
         rt.send(child, "run it", authority=me)
         cli = _cli(rt)
         escaped = eventually(lambda: escapee_procs(token), timeout=TIMEOUT, what="the escapee")
-        # the escapee's loop: named ``token``, and not a fork of it about to exec a sleep
-        named = {p.pid: p.ppid() for p in escaped if p.cmdline()[:1] == [token]}
-        loops = {pid for pid, parent in named.items() if parent not in named}
+        [loop] = escapee_loop(escaped, token)
         tree = [cli, *cli.children(recursive=True)]
         rt.interrupt(child, authority=me, kind="abort", reason="stop it all")
         assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "aborted"
@@ -290,7 +289,6 @@ def test_an_abort_while_bash_runs_a_setsid_escapee_leaves_no_process_of_the_turn
         assert signalled.get(cli.pid) == "dead"
         # the escapee's loop itself (its short-lived ``sleep 0.05`` children come and go:
         # one seen when it was found may have exited before the abort)
-        [loop] = [p for p in escaped if p.pid in loops]  # found live: in the report
         assert signalled.get(loop.pid) == "dead"
         assert set(signalled.values()) == {"dead"}
 

@@ -30,6 +30,7 @@ from drivers import (
     steps,
 )
 from tether import User
+from tether.testing.escapee import escapee_loop
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -109,7 +110,7 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
             )
             turn = rt.wait(child, until="running", timeout=10.0).turn
             found = eventually(lambda: escapee_procs(token), what="the escapee running")
-            [esc] = [p for p in found if p.cmdline()[:1] == [token]]
+            [esc] = escapee_loop(found, token)
             pool: Any = rt._pool  # type: ignore[attr-defined]
             launcher = _launcher(rt)
             job = eventually(lambda: pool.turns.job(turn), what="the turn in the pool")

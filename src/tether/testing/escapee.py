@@ -7,7 +7,7 @@ import contextlib
 
 import psutil
 
-__all__ = ["escapee", "escapee_procs"]
+__all__ = ["escapee", "escapee_loop", "escapee_procs"]
 
 
 def escapee(token: str, then: str = "sleep 60") -> str:
@@ -28,3 +28,15 @@ def escapee_procs(token: str) -> list[psutil.Process]:
                 out.append(p)
                 out.extend(p.children(recursive=True))
     return out
+
+
+def escapee_loop(procs: list[psutil.Process], token: str) -> list[psutil.Process]:
+    """The escapee's loop among ``procs`` (as ``escapee_procs`` found them): named
+    ``token``, and not a fork of it that has yet to exec its next ``sleep`` (such a fork
+    is named ``token`` too, for a moment)."""
+    named: dict[int, int] = {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.cmdline()[:1] == [token]:
+                named[p.pid] = p.ppid()
+    return [p for p in procs if p.pid in named and named[p.pid] not in named]
