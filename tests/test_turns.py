@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from drivers import eventually
-from tether.runtime._procs import TREE_ENV, alive, reap, reap_tree
+from tether.runtime._procs import TREE_ENV, alive, reap, reap_pass, reap_tree
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tether" / "runtime"
 
@@ -115,6 +115,27 @@ def test_reaping_a_tree_whose_root_died_finds_the_rest_by_its_tag() -> None:
         eventually(lambda: all(p.ppid() != root.pid for p in kids), what="orphans re-parented")
         assert all(alive(p) for p in kids)
         assert reap_tree(root.pid, token, 5.0)
+        assert not any(alive(p) for p in kids)
+    finally:
+        for p in kids:
+            if alive(p):
+                p.send_signal(signal.SIGKILL)
+        reap(p.pid for p in kids)
+
+
+def test_a_pass_from_a_root_that_died_meanwhile_proves_nothing() -> None:
+    """The pool picks a worker's living root, then walks it: a root that died in between
+    has handed its tree on, so an empty walk of it is no proof (it was taken for one: a
+    turn ended crashed with the escapee of its worker's own SIGKILL still running)."""
+    token = secrets.token_hex(8)
+    root, kids = _tree(token)
+    try:
+        root.kill()
+        root.wait(5.0)
+        eventually(lambda: all(p.ppid() != root.pid for p in kids), what="orphans re-parented")
+        assert not reap_pass(root.pid, group=root.pid, token=token, wait=0.0)
+        assert alive(kids[1])  # the escapee, out of the group the pass kills too
+        assert reap_tree(root.pid, token, 5.0)  # the unrooted pass finds them by their tag
         assert not any(alive(p) for p in kids)
     finally:
         for p in kids:

@@ -214,17 +214,27 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
-def exiting(pid: int) -> bool:
-    """In the kernel's exit already (``PF_EXITING``), though not a zombie yet: it runs no
-    more user code. Not dead for a walk (it has not handed its children to a reaper
-    yet), but not a survivor of a kill either: a cgroup reads ``populated 0`` once its
-    tasks are this far into their exit."""
+def _exit_state(pid: int) -> bool | None:
+    """``PF_EXITING`` of ``pid``; None when it is gone (or unreadable)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rpartition(b")")[2].split()
         return bool(int(fields[6]) & _PF_EXITING)  # field 9 of stat(5): flags
     except (OSError, IndexError, ValueError):
-        return False
+        return None
+
+
+def exiting(pid: int) -> bool:
+    """In the kernel's exit already (``PF_EXITING``), though not a zombie yet: it runs no
+    more user code. Not dead for a walk (it has not handed its children to a reaper
+    yet), but not a survivor of a kill either: a cgroup reads ``populated 0`` once its
+    tasks are this far into their exit."""
+    return _exit_state(pid) is True
+
+
+def running(pid: int) -> bool:
+    """Still there and not in its exit: its children are still its own."""
+    return _exit_state(pid) is False
 
 
 def all_dead(procs: Iterable[psutil.Process], timeout: float) -> bool:
@@ -272,9 +282,10 @@ def reap_pass(
     """One pass over a worker's tree; True when nothing of it is left alive.
 
     ``root``: the worker, alive (a subreaper, so its whole tree is below it): frozen
-    with its group ``group``, walked, killed deepest first; the tree was whole, so a pass
-    that sees it all dead within ``wait`` is the proof. None once the worker is gone:
-    its tree has dispersed, so the pass starts from ``orphans()`` (what it left with a
+    with its group ``group``, walked, killed deepest first; the tree was whole (unless
+    the root was in its exit, or gone, by the walk's end), so a pass that sees it all
+    dead within ``wait`` is the proof. None once the worker is gone: its tree has
+    dispersed, so the pass starts from ``orphans()`` (what it left with a
     subreaper of ours; None: not known now, the pass fails) and what carries ``token``,
     then walks again: only a second walk that finds nothing alive is the proof.
     ``seen`` hears every process found, before it is killed (for the stop report).
@@ -289,7 +300,14 @@ def reap_pass(
         return procs
 
     if root is not None:
-        return all_dead(one([root], False), wait)
+        procs = freeze([root], group=group)
+        # A root in its exit (or gone) by the walk's end was handing its children on,
+        # thread to thread and then to a reaper, while the walk read them: no proof.
+        whole = running(root)
+        if seen is not None:
+            seen(procs)
+        kill_found(procs, group=group)
+        return whole and all_dead(procs, wait)
     first = orphans()
     if not all_dead(one(first or [], True), wait) or first is None:
         return False

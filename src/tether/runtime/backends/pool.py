@@ -26,7 +26,7 @@ from tether.runtime import _contain
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
 from tether.runtime._launcher import Launcher
 from tether.runtime._limits import LimitWatch
-from tether.runtime._procs import alive, freeze_tree, reap, reap_pass, thaw_tree
+from tether.runtime._procs import alive, exiting, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime.backends._io import Conn, IOLoop
 from tether.runtime.backends._turns import (
     DriverChecks,
@@ -620,8 +620,15 @@ class Pool(TableBackend["_Worker"]):
             # left with the launcher (a subreaper), env-cleared escapees included, and
             # what carries its tag.
             root = w.pid if w.alive() else None
+            # A worker in its exit (killed by one of its own tools, say) is handing its
+            # children to the launcher: neither walk sees them all until it is a zombie,
+            # so this pass kills what it finds and proves nothing.
+            leaving = root is not None and exiting(root)
             orphans = self.launcher.orphans
-            if reap_pass(root, group=w.pid, token=w.token, orphans=orphans, seen=seen):
+            dead = reap_pass(
+                None if leaving else root, group=w.pid, token=w.token, orphans=orphans, seen=seen
+            )
+            if dead and not leaving:
                 return True
             log.warning("worker.kill_retry", pid=w.pid, reason="processes still alive")
         except OSError as exc:  # out of descriptors, typically: try again later
