@@ -1,8 +1,9 @@
 """Who may do what to whom (semantics §6).
 
 Two kinds of caller: a person presenting a session's durable parent address (``User``),
-or a live agent presenting its activation (``Ancestor``). The checks read only the
-supervisor's in-memory registry: no catalog walk, no store access.
+or a live agent presenting its activation (``Ancestor``). The checks read the
+``Directory`` the hosts write, whose ``authorize_subtree`` walks the catalog's lineage;
+none reads the store.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ two messages in one mailbox. The registry entry of a session is added and remove
 here, so "is it live?" and "what is it doing?" are answered by the same thread that
 changes them.
 
-A handler never blocks on a worker (the executor queues), never waits for SQLite (the
-store queues; a send's *caller* waits for durability), and never asks another actor:
-it only tells (a child's turn-end notice to the parent's host).
+A handler never asks another actor: it only tells (a child's turn-end notice to the
+parent's host). It does not wait on a worker or on SQLite (the executor and the store
+queue; a send's *caller* waits for durability) but in two places: a pause waits,
+bounded, for the tree to stop, and a waking send to a dormant session reads its queue
+(``Store.pending``) in line.
 """
 
 from __future__ import annotations

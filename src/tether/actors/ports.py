@@ -1,9 +1,10 @@
 """What the actors need from the outside world, as Protocols.
 
 ``runtime`` implements these and passes them in, so no import runs from ``actors`` up
-into ``runtime``. Every method an actor calls returns at once: the executor queues
-frames and kills without waiting on a worker, and the store queues writes for its
-writer thread (a caller that needs durability waits on the returned ``Durable``).
+into ``runtime``. The executor queues frames and kills without waiting on a worker, and
+the store queues writes for its writer thread (a caller that needs durability waits on
+the returned ``Durable``); ``Executor.freeze``/``thaw`` and ``AgentStore.pending`` are
+the exceptions, and wait on the caller's thread (docs/design.md, section 14).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class TurnJob:
     progress_every: float | None = None  # see RunTurn
     # When a worker took the turn (``time.monotonic()``, set by the executor as it
     # dispatches): the stall watchdog's clock runs from there, never while the turn
-    # waits for a free worker. None while it waits.
+    # waits for a free worker. None while it waits. The watchdog reads it against the
+    # session's clock: a runtime's hosts use the system clock, as this does; a test
+    # clock drives a session with no executor.
     started_at: float | None = None
     repeat: int | None = None
     frozen: bool = False  # paused before a worker took it: held back until thawed
@@ -164,7 +167,8 @@ class TurnJob:
 
 
 class Executor(Protocol):
-    """Runs turns in worker processes. Every method returns at once."""
+    """Runs turns in worker processes. Every method returns at once but ``freeze`` and
+    ``thaw``, which wait (bounded) until the tree is stopped or continued."""
 
     def submit(self, job: TurnJob) -> None: ...
     def signal(self, turn: str, frame: HostFrame) -> None:
@@ -178,7 +182,8 @@ class Executor(Protocol):
 
     def freeze(self, turn: str) -> None:
         """Stop ``turn`` in place (SIGSTOP its worker's group and every escapee); a turn
-        still waiting for a worker is held back until thawed."""
+        still waiting for a worker is held back until thawed. Waits on the caller's
+        thread, bounded: the walk's SIGSTOPs, a cgroup's ``frozen 1``, Ray's reaper."""
 
     def thaw(self, turn: str) -> None:
         """Undo ``freeze``: SIGCONT exactly what it stopped."""

@@ -95,8 +95,9 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     message: Message
     config: dict[str, Any] | None = None
     permissions: dict[str, str] | None = None
-    # Report progress (boundaries, says, tool calls and returns) at most this often, in
-    # seconds; None: the session has no stall watchdog, report nothing.
+    # Report progress beats (boundaries, says, tool calls and returns) at most this
+    # often, in seconds; None: the session has no stall watchdog, no beats (tool calls'
+    # open and close are sent anyway: see Progress).
     progress_every: float | None = None
     # The same tool called with the same arguments this many times in a row is a loop:
     # it counts as no progress (semantics §14.5).
