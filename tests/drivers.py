@@ -723,3 +723,17 @@ def cgroup_probe() -> tuple[str | None, frozenset[str]]:
     controllers = groups.controllers
     groups.close()
     return None, controllers
+
+
+class HostCalls:
+    """Calls its host's tools with exactly ``data["calls"]`` (``[name, args]`` pairs),
+    past the context's typed methods, as a buggy driver would; says each answer as
+    ``ok <json>`` or ``<code>: <message>``, and goes on."""
+
+    def run(self, ctx: Any) -> str | None:
+        for name, args in (ctx.message.data or {}).get("calls", []):
+            try:
+                ctx.say(f"ok {json.dumps(ctx._host_call(name, args))}")
+            except tether.TetherError as exc:
+                ctx.say(f"{exc.code}: {exc.message}")
+        return "done"

@@ -47,13 +47,13 @@ from tether.actors.supervisor import (
     DisposeReq,
     ListReq,
     Recover,
-    Resolve,
     SupervisorActor,
     Walk,
     crash_notice,
 )
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
 from tether.runtime._log import configure_logging
+from tether.runtime._tools import HostTools
 from tether.runtime.backend import (
     Backend,
     BackendFactory,
@@ -68,8 +68,7 @@ from tether.telemetry import Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
 from tether.wire.budget import Budget, BudgetStatus, check_budget, check_price
-from tether.wire.codec import MAX_FRAME
-from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed, Unauthorized
+from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed
 from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import (
     STATES,
@@ -110,12 +109,6 @@ CANCEL_DEADLINE_MIN = 1.0
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
-_HISTORY_PAGE = 500  # at most this many entries per `history` call (ctx.history pages)
-# ... and at most this many bytes (msgpack), half the frame cap: a page always fits its
-# reply frame, however long the entries. One entry alone over a quarter of it (a say of
-# millions of characters) is sent cut, with a visible mark.
-_HISTORY_BYTES = MAX_FRAME // 2
-_HISTORY_CHUNK = 16  # entries read from the store at a time while filling a page
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 _data_encoder = msgspec.msgpack.Encoder()
 
@@ -239,7 +232,7 @@ class _Host(WorkerHost):
         try:
             # what the call sends, spawns or stops is a child of the call's span
             with self._rt._tel.attached(frame.trace):
-                result = self._rt._tool(job, frame.name, frame.args)
+                result = self._rt._tools.call(job, frame.name, frame.args)
             return ToolReply(turn=frame.turn, call=frame.call, result=result)
         except TetherError as exc:
             return ToolReply(turn=frame.turn, call=frame.call, code=exc.code, message=exc.message)
@@ -369,6 +362,7 @@ class Runtime:
             self.containment = str(getattr(self._pool, "containment", "walk"))
         # A turn reaches a worker only once its claim is durable (see runtime.claims).
         executor: Executor = ClaimGate(self._pool, self._store)
+        self._tools = HostTools(self)
         self._gov = Governor(
             store=self._store,
             act=self._budget_step,
@@ -1104,137 +1098,6 @@ class Runtime:
             _check_text("User.parent", authority.parent)
             if authority.name is not None:
                 _check_text("User.name", authority.name)
-
-    # ---- tools called from a worker ---------------------------------------------------
-
-    def _history_page(self, session: str, after: int) -> dict[str, Any]:
-        """``{"entries": [...], "more": bool}``: the entries past ``after``, bounded by
-        count and by size (``_HISTORY_BYTES``), so a transcript of huge entries pages
-        instead of overflowing the reply frame (which would fail every turn that reads
-        history)."""
-        page: list[Any] = []
-        size = 0
-        while True:
-            chunk = self._store.entries(session, after=after, limit=_HISTORY_CHUNK)
-            for entry in chunk:
-                item = _history_item(entry)
-                n = len(_data_encoder.encode(item))
-                if page and (size + n > _HISTORY_BYTES or len(page) >= _HISTORY_PAGE):
-                    return {"entries": page, "more": True}
-                page.append(item)
-                size += n
-                after = entry.seq
-            if len(chunk) < _HISTORY_CHUNK:
-                return {"entries": page, "more": False}
-
-    def _tool(self, job: TurnJob, name: str, args: dict[str, Any]) -> Any:
-        caller = job.session
-        permissions = job.permissions or {}
-
-        def gate(key: str) -> Ancestor:
-            if permissions.get(key, "allow") == "deny":
-                raise Unauthorized(f"{key} is denied by this session's permissions")
-            return Ancestor(self.agent_ref(caller))
-
-        match name:
-            case "history":
-                after = args.get("after", 0)
-                if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-                    raise InvalidParams("after must be a non-negative entry sequence number")
-                return self._history_page(caller, after)
-            case "spawn_agent":
-                gate("spawn")
-                # The host sets what loads code and widens authority: a child runs its
-                # parent's driver and config, with the parent's permissions narrowed.
-                for key in ("driver", "config"):
-                    if args.get(key) is not None:
-                        raise InvalidParams(f"a tool call cannot choose the child's {key}")
-                result = self.spawn(
-                    caller,
-                    job.driver,
-                    mode=args.get("mode") or "continuable",
-                    prompt=args.get("prompt"),
-                    data=args.get("data"),
-                    slug=args.get("slug"),
-                    config=job.config,
-                    permissions=args.get("permissions"),
-                    budget=args.get("budget"),
-                )
-                return result.id if isinstance(result, OneShot) else result
-            case "budget":
-                # What the caller's own tree may still spend: the least that each budget
-                # on it or above it has left, and the state they put it in.
-                status = self.budget(caller)
-                left = self._gov.left(caller, self._dir.catalog.lineage(caller))
-                return {
-                    "state": status.state,
-                    "decided_by": status.decided_by,
-                    "spent": status.spent,
-                    "left": left,
-                }
-            case "send_message":
-                auth = gate("send")
-                target = str(self._ask(Resolve(caller, str(args.get("to", "")))))
-                return self.send(
-                    target,
-                    args.get("text", ""),
-                    authority=auth,
-                    data=args.get("data"),
-                    wake=bool(args.get("wake", True)),
-                )
-            case "list_agents":
-                gate("list")
-                return msgspec.to_builtins(
-                    self.list_agents(caller, scope=args.get("scope") or "children")
-                )
-            case "interrupt_agent":
-                auth = gate("interrupt")
-                target = str(self._ask(Resolve(caller, str(args.get("agent_id", "")))))
-                kind = args.get("kind") or "cancel"
-                reason = args.get("reason") or ""
-                if (args.get("scope") or "session") == "subtree":
-                    return self.interrupt(
-                        target, authority=auth, kind=kind, reason=reason, scope="subtree"
-                    )
-                return self.interrupt(target, authority=auth, kind=kind, reason=reason)
-            case "stop_report":
-                # A report is read only over the caller's own subtree: its own turns and
-                # those of the sessions below it.
-                report = self.stop_report(str(args.get("turn", "")))
-                if report is None:
-                    return None
-                node = self._dir.catalog.nodes.get(report.session)
-                if node is None or (
-                    report.session != caller
-                    and caller not in self._dir.catalog.lineage(report.session)
-                ):
-                    raise Unauthorized(f"turn {report.turn} is not in {caller}'s subtree")
-                return msgspec.to_builtins(report)
-            case "pause_agent" | "resume_agent":
-                # Pausing is stopping in place: the interrupt permission gates both.
-                auth = gate("interrupt")
-                target = str(self._ask(Resolve(caller, str(args.get("agent_id", "")))))
-                scope = args.get("scope") or "session"
-                if name == "resume_agent":
-                    return self.resume(target, authority=auth, scope=scope)
-                return self.pause(
-                    target, authority=auth, scope=scope, reason=args.get("reason") or ""
-                )
-        raise NotFound(f"no tool named {name!r}")
-
-
-def _history_item(entry: Entry) -> dict[str, Any]:
-    """An entry as a history page carries it: whole unless it alone would crowd a page
-    (over a quarter of ``_HISTORY_BYTES``), then with its text cut (visibly) and its data
-    left out."""
-    item: dict[str, Any] = msgspec.to_builtins(entry)
-    if len(entry.text) * 4 + len(_data_encoder.encode(entry.data)) <= _HISTORY_BYTES // 4:
-        return item  # small for sure (a character is at most 4 bytes): no need to measure
-    if len(_data_encoder.encode(item)) > _HISTORY_BYTES // 4:
-        item["text"] = cap(entry.text, _HISTORY_BYTES // 32)
-        if entry.data is not None and len(_data_encoder.encode(entry.data)) > _HISTORY_BYTES // 8:
-            item["data"] = None
-    return item
 
 
 def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None:
