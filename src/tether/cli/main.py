@@ -541,7 +541,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _face_options(args: argparse.Namespace) -> Any:
     """The driver and config of the roots MCP and A2A clients open (``--driver``,
     ``--config FILE``), and the roots MCP clients hold from the start (``--root``)."""
-    from tether.serve.faces import FaceOptions, load_config
+    from tether.serve.face_kit import FaceOptions
+    from tether.serve.faces import load_config
 
     return FaceOptions(
         driver=args.driver,

@@ -83,7 +83,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from tether import AgentInfo, Entry, Event, Runtime, TurnRecord, User
-from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_record
+from tether.serve.face_kit import FaceOptions, last_seq, turn_entries, turn_record
 from tether.wire.errors import TetherError
 
 __all__ = ["A2aHttp", "TetherA2A", "agent_card"]

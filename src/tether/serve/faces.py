@@ -2,9 +2,8 @@
 
 The faces need the extra ``tether[agents]`` (the official ``mcp`` and ``a2a-sdk``
 packages); this module imports neither, so ``tether serve`` runs without them and says
-so when ``/mcp`` or ``/a2a`` is asked for. It also holds the few runtime reads both faces
-make while they wait for a turn: they poll the store's pages (``after``/``limit``), never
-a whole transcript at once.
+so when ``/mcp`` or ``/a2a`` is asked for. What the faces take and read is in
+``face_kit``, which imports no face.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import importlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -23,39 +21,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from tether import Entry, Runtime, TurnRecord
+from tether import Runtime
+from tether.serve.face_kit import FaceOptions
 from tether.wire.errors import InvalidParams
 
-__all__ = [
-    "AGENTS_EXTRA",
-    "DEFAULT_DRIVER",
-    "Face",
-    "FaceOptions",
-    "build_faces",
-    "last_seq",
-    "load_config",
-    "missing_extra",
-    "turn_entries",
-    "turn_of_message",
-    "turn_record",
-]
+__all__ = ["AGENTS_EXTRA", "Face", "build_faces", "load_config", "missing_extra"]
 
-DEFAULT_DRIVER: Final = "tether:Scripted"
 AGENTS_EXTRA: Final = "pip install 'tether-runtime[agents]'"
-_PAGE: Final = 500
-
-
-@dataclass(frozen=True)
-class FaceOptions:
-    """The driver and config of the root sessions that MCP and A2A clients open, the
-    roots every MCP client holds from the start (``--root``), and the deadline after
-    which an A2A ``CancelTask`` that reached no boundary escalates to an abort."""
-
-    driver: str = DEFAULT_DRIVER
-    config: dict[str, Any] | None = None
-    roots: tuple[str, ...] = ()
-    cancel_deadline: float | None = 30.0
-    bearer: bool = False  # the server asks for a bearer token (the Agent Card says so)
 
 
 def load_config(path: str | Path | None) -> dict[str, Any] | None:
@@ -79,36 +51,6 @@ def missing_extra(face: str) -> str | None:
     except ImportError:
         return f"the {face.upper()} face needs the extra tether[agents]: {AGENTS_EXTRA}"
     return None
-
-
-def last_seq(rt: Runtime, session: str) -> int:
-    """The seq of the session's last transcript entry (0 for none), page by page."""
-    after = 0
-    while True:
-        page = rt.transcript(session, after=after, limit=_PAGE)
-        if not page:
-            return after
-        after = page[-1].seq
-        if len(page) < _PAGE:
-            return after
-
-
-def turn_entries(
-    rt: Runtime, session: str, turn: str, after: int, limit: int = _PAGE
-) -> tuple[list[Entry], int]:
-    """Entries of ``turn`` past seq ``after`` (one page), and the cursor to go on from."""
-    page = rt.transcript(session, after=after, limit=limit)
-    cursor = page[-1].seq if page else after
-    return [e for e in page if e.turn == turn], cursor
-
-
-def turn_of_message(rt: Runtime, session: str, message: str) -> TurnRecord | None:
-    """The turn that claimed ``message``, once one has."""
-    return next((t for t in reversed(rt.turns(session)) if t.message == message), None)
-
-
-def turn_record(rt: Runtime, session: str, turn: str) -> TurnRecord | None:
-    return next((t for t in reversed(rt.turns(session)) if t.id == turn), None)
 
 
 class Face(Protocol):

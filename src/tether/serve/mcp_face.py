@@ -37,7 +37,7 @@ from tether.driver.tools import (
     parameters,
 )
 from tether.driver.tools import StopReportArgs as ToolStopReportArgs
-from tether.serve.faces import FaceOptions, last_seq, turn_entries, turn_of_message
+from tether.serve.face_kit import FaceOptions, last_seq, turn_entries, turn_of_message
 from tether.wire.errors import InvalidParams, TetherError, Unauthorized
 
 __all__ = ["OWNER_HEADER", "TOOLS", "McpFace", "McpHttp", "run_stdio"]
