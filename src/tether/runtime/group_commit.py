@@ -1,21 +1,11 @@
-"""Group commit on one SQLite connection: writes queued by many threads, committed in
-batches, in queue order, by whichever thread gets there first.
+"""The group-commit engine: writes queued by many threads, committed in batches, in
+queue order, by one committer at a time (the writer thread or a waiting caller).
 
-The contract (docs/design.md, section 8, holds the rest):
-
-- Ops commit in submission order; a batch is everything queued (a failed backlog first),
-  one transaction (a lone ``Statement`` commits by itself).
-- Every ticket is settled exactly once: ``None`` once its op is committed, or
-  ``StoreUnavailable`` once refused; ``then`` callbacks run once, after the commit, on
-  the thread that settled it.
-- A batch that fails is rolled back and kept, first in line; the writer retries it with
-  backoff, and what is queued meanwhile commits after it. Its refusable tickets (sends)
-  are refused at once and their ops withdrawn, never committed later; the others wait
-  for the retry. While down, a flush raises and ``check_writable`` refuses; after
-  ``give_up`` seconds down the engine has *failed*: every ticket then waiting is refused
-  (the writer keeps retrying what is queued) and ``check_writable`` refuses for good.
-- ``waited``: the caller commits its own write (no wake-up of the writer thread);
-  ``urgent``: the writer commits without lingering. ``close`` commits what was accepted.
+Its contract, in short: ops commit in submission order; every ticket is settled once
+(committed, or refused with ``StoreUnavailable``), its ``then`` callbacks after the
+commit; a failed batch is rolled back and retried first in line, its sends refused at
+once and never committed, the rest refused only once the engine has failed. The whole
+of it, and the threads and locks: docs/design.md, section 8.
 """
 
 from __future__ import annotations
