@@ -190,18 +190,28 @@ def test_a_fault_that_hit_only_sends_ends_once_the_store_can_commit_again(
     assert e.rows() == ["after"]
 
 
-_FAULTS = ["an op that raises", "a unique constraint violated", "a read-only connection"]
+# "alone": the bad write is a lone statement, committed without BEGIN/COMMIT (a raising
+# op is no statement: alone or not, it runs in a transaction)
+_FAULTS = [
+    ("an op that raises", False),
+    ("a unique constraint violated", False),
+    ("a unique constraint violated", True),
+    ("a read-only connection", False),
+    ("a read-only connection", True),
+]
 
 
-@pytest.mark.parametrize("alone", [False, True], ids=["in a batch", "alone"])
-@pytest.mark.parametrize("fault", _FAULTS)
+@pytest.mark.parametrize(
+    ("fault", "alone"), _FAULTS, ids=[f"{f}{' alone' if a else ''}" for f, a in _FAULTS]
+)
 def test_a_batch_that_keeps_failing_fails_the_engine_and_refuses_every_ticket_waiting(
     make: Callable[..., Engine], fault: str, alone: bool
 ) -> None:
     """The batch is rolled back whole and retried; after ``give_up`` every ticket of it,
     and of what was queued behind it, is refused, later waits are refused, and nothing
     behind the failed batch was committed before it."""
-    e = make(give_up=0.3)
+    # give_up leaves the test most of a second to queue ``behind`` before the engine fails
+    e = make(give_up=0.6)
     e.submit(insert("x"), waited=True).wait(DEADLINE)
     bad: Op
     if fault == "an op that raises":
@@ -321,16 +331,16 @@ def test_a_waited_write_wakes_no_writer_and_commits_on_the_thread_that_waits(
 def test_an_urgent_write_is_committed_without_the_writers_linger(
     make: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the linger stretched to a second: an urgent write commits well within it,
+    """With the linger stretched to two seconds: an urgent write commits well within it,
     a plain one only after it, sharing its commit with a write queued meanwhile."""
-    monkeypatch.setattr(group_commit, "_LINGER", 1.0)
+    monkeypatch.setattr(group_commit, "_LINGER", 2.0)
     e = make()
     commits: list[str] = []
     e.db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
     urgent = e.submit(insert("urgent"), urgent=True)
     done = threading.Event()
     urgent.then(lambda error: done.set())
-    assert done.wait(0.5), "an urgent write waited for the linger"
+    assert done.wait(1.0), "an urgent write waited for the linger"
     plain = e.submit(insert("plain"))
     committed = threading.Event()
     plain.then(lambda error: committed.set())
