@@ -324,7 +324,7 @@ def test_an_abort_lands_at_once_while_a_dormant_sessions_status_waits_for_the_st
 
         unsubscribe = rt.subscribe(on_event)
         with write_locked(db_path):
-            _until(lambda: rt._store._queue, 5.0, "a write waits for the lock")
+            _until(lambda: rt._store._commits._queue, 5.0, "a write waits for the lock")
             # status() of the dormant session, put in the host's mailbox first (as
             # rt.status does), answered on a thread of its own.
             reply = _Reply()

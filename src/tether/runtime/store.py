@@ -1,4 +1,5 @@
-"""The durable store: SQLite in WAL mode, with group commit, one host per store.
+"""The durable store: the session schema's reads and writes on SQLite in WAL mode, one
+host per store; writes go through the group-commit engine (``group_commit``).
 
 How writes are queued and committed, what a failed commit does, the WAL's bound and the
 store's lock: docs/design.md, section 8; recovery at start: section 9.
@@ -12,7 +13,6 @@ import fcntl
 import itertools
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +22,14 @@ import structlog
 
 from tether.actors.budget import Spent
 from tether.actors.ports import ParentNotice
+from tether.runtime.group_commit import (
+    WAL_LIMIT,
+    GroupCommit,
+    Op,
+    Statement,
+    Ticket,
+    configure,
+)
 from tether.wire.budget import Budget
 from tether.wire.errors import StoreLocked, StoreUnavailable
 from tether.wire.records import (
@@ -34,7 +42,7 @@ from tether.wire.records import (
     message_key,
 )
 
-__all__ = ["MAX_PAGE", "Store", "Ticket"]
+__all__ = ["MAX_PAGE", "Store"]
 
 log = structlog.get_logger("tether.store")
 
@@ -115,36 +123,10 @@ CREATE TABLE IF NOT EXISTS stop_reports (
 """
 
 MAX_PAGE = 1000  # entries one read returns at most
-_CHECKPOINT_EVERY = 0.5  # seconds between background passive WAL checkpoints
-_WAL_LIMIT = 64 * 1024 * 1024  # bytes: past this the writer truncates the WAL
 _PREVIEW = 200
-_WAL_CHECK_EVERY = 0.25  # seconds between looks at the WAL's size ...
-_WAL_CHECK_OPS = 64  # ... or writes, whichever comes first
-_LINGER = 0.0005  # seconds the writer thread waits before committing what it was woken for
-_RETRY_FIRST = 0.05  # seconds before the first retry of a failed batch ...
-_RETRY_MAX = 2.0  # ... doubling up to this
-_GIVE_UP = 60.0  # seconds a batch may keep failing before the store fails for good
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
-
-
-class _Statement:
-    """A write that is one SQL statement: alone in its batch, it needs no BEGIN/COMMIT
-    (SQLite commits a lone statement by itself), which saves two round trips through
-    SQLite, and two hand-backs of the GIL, on a lone durable send."""
-
-    __slots__ = ("params", "sql")
-
-    def __init__(self, sql: str, params: tuple[Any, ...]) -> None:
-        self.sql = sql
-        self.params = params
-
-    def __call__(self, db: sqlite3.Connection) -> object:
-        return db.execute(self.sql, self.params)
-
-
-Op = Callable[[sqlite3.Connection], object]
 
 
 def _dump(value: dict[str, Any] | None) -> bytes | None:
@@ -171,86 +153,8 @@ class _UsageFlush:
         return db.executemany("UPDATE turns SET usage=? WHERE seq=?", self._rows)
 
 
-class Ticket:
-    """One write (or a few written together): done once committed, or once refused.
-
-    ``refusable``: the write is a send's message, which nothing else depends on until
-    the send returns; while the store is down it is withdrawn and its caller refused,
-    rather than kept for a retry the caller would never hear about.
-    """
-
-    __slots__ = ("_callbacks", "_done", "_store", "_waiter", "error", "refusable", "withdrawn")
-
-    def __init__(self, store: Store, *, refusable: bool = False) -> None:
-        self._store = store
-        # Done: set once, under the store's ``_tickets`` lock, after ``error``. The
-        # event is made only for a caller that must block (another thread commits its
-        # write); most callers commit their own write and never need one.
-        self._done = False
-        self._waiter: threading.Event | None = None
-        self._callbacks: list[Callable[[BaseException | None], None]] | None = None
-        self.error: BaseException | None = None
-        self.refusable = refusable
-        self.withdrawn = False
-
-    def set(self, error: BaseException | None = None) -> None:
-        with self._store._tickets:
-            if self._done:
-                return
-            self.error = error
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, None
-            waiter = self._waiter
-        if waiter is not None:
-            waiter.set()
-        for fn in callbacks or ():
-            try:
-                fn(error)
-            except Exception:  # a callback's bug must not stop the committer
-                log.exception("store.callback_failed")
-
-    def then(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Call ``fn(error)`` once the ticket is done (at once if it is), on the thread
-        that finished it; ``error`` is None once the write is committed."""
-        with self._store._tickets:
-            if not self._done:
-                if self._callbacks is None:
-                    self._callbacks = []
-                self._callbacks.append(fn)
-                return
-        fn(self.error)
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Return once the write is durable (committing it here if nobody is); raise
-        ``StoreUnavailable`` if it was refused."""
-        if not self._done:
-            self._store.commit(self)
-        if not self._done:
-            with self._store._tickets:
-                if not self._done and self._waiter is None:
-                    self._waiter = threading.Event()
-                waiter = None if self._done else self._waiter
-            if waiter is not None and not waiter.wait(timeout):
-                raise TimeoutError("the store did not commit in time")
-        if self.error is not None:
-            raise self.error
-
-
-class _Entry:
-    __slots__ = ("op", "ticket")
-
-    def __init__(self, op: Op, ticket: Ticket | None) -> None:
-        self.op = op
-        self.ticket = ticket
-
-
 def _probe(db: sqlite3.Connection) -> None:
-    """A write that changes nothing: whether the store can commit again after a fault
-    whose batch was all withdrawn sends (it touches a page, so a full disk shows)."""
+    """A write that changes nothing, on a page: the engine's ``probe``."""
     db.execute("UPDATE meta SET value = value WHERE key = 'boots'")
 
 
@@ -289,12 +193,10 @@ class Store:
         path: str | None = None,
         *,
         durability: str = "normal",
-        wal_limit: int = _WAL_LIMIT,
+        wal_limit: int = WAL_LIMIT,
         give_up: float | None = None,
     ) -> None:
         self.path = path
-        self._wal_limit = wal_limit
-        self._give_up = _GIVE_UP if give_up is None else give_up
         self._lock_fd = None if path is None else _lock(path)
         try:
             self._db = sqlite3.connect(
@@ -312,48 +214,20 @@ class Store:
         except BaseException:
             self._unlock()
             raise
-        self._lock = threading.Lock()  # the connection: one commit or one read at a time
-        self._commit_lock = threading.Lock()  # committers take turns: batches stay in order
-        self._cond = threading.Condition(threading.Lock())  # the queue
-        self._tickets = threading.Lock()  # tickets' done flags and callbacks
-        self._queue: list[_Entry] = []
-        self._backlog: list[_Entry] = []  # a failed batch, first in line for the retry
-        self._down: float | None = None  # when the current fault began (monotonic)
-        self._fault = ""  # what the last failed commit said
-        self._failed = False  # a batch failed for longer than give_up: no more sends
-        self._retry_at = 0.0
-        self._backoff = _RETRY_FIRST
-        self._stopping = False
-        self._wake_pending = False  # the writer thread was told of writes nobody waits for
-        self._urgent = False  # a turn waits for what is queued: commit without lingering
-        self._wal_checked = 0.0
-        self._unchecked = 0
+        self._commits = GroupCommit(
+            self._db, path, probe=_probe, wal_limit=wal_limit, give_up=give_up
+        )
+        self._lock = self._commits.lock  # the connection: one commit or one read at a time
+        # The queue's lock: keys, seqs and rows are numbered under it, so they follow
+        # queue order (and the usage bookkeeping below is guarded by it).
+        self._cond = self._commits.queue_lock
+        self._submit_locked = self._commits.submit_locked
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
         self._usage: dict[int, bytes] = {}  # row -> a running turn's usage (turn_usage)
         self._usage_queued = False
-        self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
-        self._writer.start()
-        self._stop_checkpoints = threading.Event()
-        self._checkpointer: threading.Thread | None = None
-        if path is not None:
-            self._checkpointer = threading.Thread(
-                target=self._checkpoint_loop, args=(path,), name="tether-checkpoint", daemon=True
-            )
-            self._checkpointer.start()
 
     def _open_db(self, path: str | None, durability: str, wal_limit: int) -> None:
-        if path is not None:
-            # Small pages: a commit appends every page it touched to the WAL, and a turn
-            # boundary touches a few pages to write a few hundred bytes.
-            self._db.execute("PRAGMA page_size=1024")
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # Checkpoints move off the committers to a connection of their own, except
-            # the truncating one that bounds the WAL (see _maybe_truncate).
-            self._db.execute("PRAGMA wal_autocheckpoint=0")
-            self._db.execute(f"PRAGMA journal_size_limit={wal_limit}")
-            self._db.execute("PRAGMA busy_timeout=5000")
-        sync = "FULL" if durability == "full" else "NORMAL"
-        self._db.execute(f"PRAGMA synchronous={sync}")
+        configure(self._db, path, durability, wal_limit)
         self._db.executescript(_SCHEMA)
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
         if "stall" not in columns:  # a store written before the stall watchdog
@@ -381,240 +255,35 @@ class Store:
         (n,) = self._db.execute(f"SELECT COALESCE(MAX({column}), 0) FROM {table}").fetchone()
         return int(n)
 
-    # ---- committing -----------------------------------------------------------------
+    # ---- committing (the engine: group_commit) ---------------------------------------
 
     @property
     def failed(self) -> bool:
         """True once a batch could not be committed for ``give_up`` seconds."""
-        return self._failed
+        return self._commits.failed
 
     def check_writable(self) -> None:
         """Raise ``StoreUnavailable`` while the store is down or has failed: a caller
         about to change something durable is refused before anything changes."""
-        if self._down is not None or self._failed:
-            raise self._unavailable()
-
-    def _unavailable(self) -> StoreUnavailable:
-        if self._failed:
-            return StoreUnavailable(f"the store has failed and takes no more work: {self._fault}")
-        return StoreUnavailable(f"the store cannot commit now: {self._fault}")
+        self._commits.check_writable()
 
     def submit(self, op: Op, *, waited: bool = False, urgent: bool = False) -> Ticket:
-        """Queue one write; the returned ticket is done once it is committed.
-
-        ``waited``: the caller will wait on the ticket (and so commit it), so the writer
-        thread need not be woken for it. ``urgent``: something waits for it (a turn's
-        dispatch), so the writer does not linger.
-        """
-        t = Ticket(self)
-        with self._cond:
-            self._submit_locked(op, t, waited, urgent)
-        return t
+        """Queue one write; the returned ticket is done once it is committed
+        (``GroupCommit.submit``)."""
+        return self._commits.submit(op, waited=waited, urgent=urgent)
 
     def _queue_op(self, op: Op) -> None:
         """Queue a write nobody waits for."""
         with self._cond:
             self._submit_locked(op, None)
 
-    def _submit_locked(
-        self, op: Op, ticket: Ticket | None, waited: bool = False, urgent: bool = False
-    ) -> None:
-        if self._stopping:
-            raise RuntimeError("the store is closed")
-        self._queue.append(_Entry(op, ticket))
-        if urgent:
-            self._urgent = True
-        if not waited and not self._wake_pending:
-            self._wake_pending = True  # one wake-up for however many writes queue meanwhile
-            self._cond.notify()
-
     def flush(self) -> None:
         """Commit everything queued so far (a reader sees every earlier write);
         ``StoreUnavailable`` if the store cannot."""
-        self.commit(None)
-
-    def commit(self, ticket: Ticket | None) -> None:
-        """Commit the queue in this thread, unless ``ticket`` is done meanwhile.
-
-        While the store is down no caller tries again (the writer thread retries, with
-        backoff): a refusable ticket is withdrawn and refused, any other waits for the
-        retry, and a flush raises ``StoreUnavailable``.
-        """
-        with self._commit_lock:
-            if ticket is not None and ticket.done:
-                return  # another committer took it while we waited for our turn
-            if self._down is not None:
-                if ticket is None:
-                    raise self._unavailable()
-                if ticket.refusable:
-                    ticket.withdrawn = True  # skipped by every later batch
-                    ticket.set(self._unavailable())
-                elif self._failed:
-                    ticket.set(self._unavailable())
-                return
-            error = self._attempt()
-        if error is not None and ticket is None:
-            raise error
-
-    def _attempt(self) -> StoreUnavailable | None:
-        """Commit the backlog and the queue as one batch (the caller holds the commit
-        lock); on failure keep it, in order, for the writer's retry."""
-        with self._cond:
-            entries = self._backlog + self._queue if self._backlog else self._queue
-            self._backlog = []
-            self._queue = []
-            self._wake_pending = False
-            self._urgent = False
-        batch = [e for e in entries if e.ticket is None or not e.ticket.withdrawn]
-        if not batch and self._down is None:
-            return None
-        ops = [e.op for e in batch] or [_probe]
-        error = self._commit(ops)
-        if error is not None:
-            return self._failed_batch(batch, error)
-        if self._down is not None:
-            log.warning(
-                "store.recovered", after=round(time.monotonic() - self._down, 3), ops=len(batch)
-            )
-            self._down = None
-            self._backoff = _RETRY_FIRST
-        for e in batch:
-            if e.ticket is not None:
-                e.ticket.set()
-        self._maybe_truncate(len(batch))
-        return None
-
-    def _failed_batch(self, batch: list[_Entry], error: BaseException) -> StoreUnavailable:
-        now = time.monotonic()
-        first = self._down is None
-        since = now if self._down is None else self._down
-        if first:
-            self._down = now
-            self._backoff = _RETRY_FIRST
-        self._fault = str(error) or type(error).__name__
-        refused = self._unavailable()
-        keep: list[_Entry] = []
-        for e in batch:
-            t = e.ticket
-            if t is not None and t.refusable:
-                t.withdrawn = True  # a send: refused now, so never committed later
-                t.set(refused)
-            else:
-                keep.append(e)
-        with self._cond:
-            self._backlog = keep  # older than anything queued meanwhile: first in line
-            self._retry_at = now + self._backoff
-            self._backoff = min(self._backoff * 2, _RETRY_MAX)
-            self._cond.notify()
-        level = log.error if first else log.warning
-        level("store.commit_failed", ops=len(batch), kept=len(keep), error=self._fault)
-        if not self._failed and now - since >= self._give_up:
-            self._fail()
-        return refused
-
-    def _fail(self) -> None:
-        self._failed = True
-        with self._cond:
-            waiting = [e.ticket for e in self._backlog + self._queue if e.ticket is not None]
-            ops = len(self._backlog) + len(self._queue)
-        log.error(
-            "store.failed",
-            error=self._fault,
-            ops=ops,
-            why=f"no commit for {self._give_up:g} s: every later send is refused",
-        )
-        refused = self._unavailable()
-        for t in waiting:
-            t.set(refused)
-
-    def _write_loop(self) -> None:
-        """Commit what nobody waits for, woken once for however many such writes queue
-        before a commit takes them; retry a failed batch when its backoff is over."""
-        while True:
-            with self._cond:
-                while not self._stopping:
-                    if self._down is not None:
-                        left = self._retry_at - time.monotonic()
-                        if left <= 0:
-                            break
-                        self._cond.wait(left)
-                    elif self._wake_pending:
-                        break
-                    else:
-                        self._cond.wait()
-                if self._stopping:
-                    return
-                linger = self._down is None and not self._urgent
-            # Linger: writes queued together (a turn's end and its notice) share a
-            # commit, and a caller about to wait commits its own write without a hop.
-            if linger:
-                time.sleep(_LINGER)
-            with self._commit_lock:
-                self._attempt()
-
-    def _commit(self, batch: list[Op]) -> BaseException | None:
-        with self._lock:
-            try:
-                if len(batch) == 1 and isinstance(batch[0], _Statement):
-                    batch[0](self._db)  # autocommit: one statement is its own transaction
-                    return None
-                self._db.execute("BEGIN")
-                for op in batch:
-                    op(self._db)
-                self._db.execute("COMMIT")
-                return None
-            except BaseException as exc:  # a failed batch is kept for a retry
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                return exc
-
-    def _maybe_truncate(self, ops: int) -> None:
-        """Look at the WAL's size every so many writes (or so often): cheap, and soon
-        enough that it never runs far past the limit."""
-        self._unchecked += ops
-        now = time.monotonic()
-        if self.path is None or (
-            self._unchecked < _WAL_CHECK_OPS and now - self._wal_checked < _WAL_CHECK_EVERY
-        ):
-            return
-        self._wal_checked = now
-        self._unchecked = 0
-        try:
-            size = os.path.getsize(self.path + "-wal")
-        except OSError:
-            return
-        if size > self._wal_limit:
-            with self._lock, contextlib.suppress(sqlite3.Error):
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                log.info("store.wal_truncated", bytes=size)
-
-    def _checkpoint_loop(self, path: str) -> None:
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        try:
-            while not self._stop_checkpoints.wait(_CHECKPOINT_EVERY):
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        finally:
-            db.close()
+        self._commits.flush()
 
     def close(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._writer.join()
-        with self._commit_lock:
-            error = self._attempt()  # the last try, down or not
-        if error is not None:
-            # Nothing more can be done in this process: say loudly what is lost.
-            log.error("store.closed_unsaved", ops=len(self._backlog), error=self._fault)
-        self._stop_checkpoints.set()
-        if self._checkpointer is not None:
-            self._checkpointer.join()
-        with self._lock:
-            if self.path is not None:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._db.close()
+        self._commits.close()
         self._unlock()
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
@@ -734,7 +403,7 @@ class Store:
             None if row.budget is None else _enc.encode(row.budget),
         )
         return self.submit(
-            _Statement(
+            Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
                 " created_at, stall, limits, budget) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 params,
@@ -770,7 +439,7 @@ class Store:
         """Replace a session's stored budget (``rt.set_budget``)."""
         blob = None if budget is None else _enc.encode(budget)
         return self.submit(
-            _Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
+            Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
         )
 
     def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
@@ -861,13 +530,13 @@ class Store:
             self.check_writable()
         now = time.time()
         blob = _dump(data)
-        ticket = Ticket(self, refusable=refusable)
+        ticket = Ticket(self._commits, refusable=refusable)
         with self._cond:
             key = self._next_key
             self._next_key += 1
             params = (key, session, content, blob, kind, sender, now, trace)
             self._submit_locked(
-                _Statement(
+                Statement(
                     "INSERT INTO messages (id, session, content, data, kind, sender, created_at,"
                     " trace) VALUES (?,?,?,?,?,?,?,?)",
                     params,
@@ -909,7 +578,7 @@ class Store:
         """A message accepted just as its inbox closed goes the way of the inbox."""
         key = message_key(message_id)
         self._queue_op(
-            _Statement("UPDATE messages SET state='closed' WHERE id=? AND state='pending'", (key,))
+            Statement("UPDATE messages SET state='closed' WHERE id=? AND state='pending'", (key,))
         )
 
     def pending_count(self, session: str) -> int:
@@ -958,7 +627,7 @@ class Store:
                     (seq, session, turn, message.kind, message.content, blob, now),
                 )
 
-            ticket = Ticket(self)
+            ticket = Ticket(self._commits)
             self._submit_locked(op, ticket, urgent=True)
         return ticket
 
@@ -1111,7 +780,7 @@ class Store:
             seq = next(self._entry_seqs)
             params = (seq, session, turn, kind, text, action, origin, by, reason, blob, now)
             self._submit_locked(
-                _Statement(
+                Statement(
                     "INSERT INTO entries (seq, session, turn, kind, text, action, origin, by,"
                     " reason, data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     params,
