@@ -494,6 +494,37 @@ print(json.dumps({{"host": host, "worker": worker}}))
         worker = json.loads(rt.transcript(root)[-1].text)
         [turn] = rt.turns(root)
         _turn_span(receiver, turn.id)
-    assert any(t.startswith("OtelBatch") for t in worker["threads"])
+    assert "tether-otel-export" in worker["threads"]  # the worker's one exporter thread
+    assert not [t for t in worker["threads"] if t.startswith("OtelBatch")]
     assert receiver.requests >= 1
     assert all(s.attrs.get("tether.turn.id") != "" for s in receiver.spans)
+
+
+def test_a_stream_of_quick_traced_turns_shares_exports_rather_than_one_request_per_turn(
+    receiver: Receiver,
+) -> None:
+    # Each turn's end asks its worker for an export; asks made while one runs, or within
+    # the gap after it, share the next. (The SDK's own flush exports until its queue is
+    # empty: under a stream of turns, request after request of a few spans each.)
+    from tether.telemetry._provider import _FLUSH_GAP
+
+    turns, sessions = 600, 8  # queued on 8 sessions: the worker takes one after another
+    with tether.Runtime(workers=1, telemetry={"endpoint": receiver.url}) as rt:
+        roots = [rt.open_session(SCRIPTED) for _ in range(sessions)]
+        rt.prompt(roots[0], "warm up")  # the worker loads the SDK and connects
+        rt.wait(roots[0], timeout=30.0)
+        [first] = rt.turns(roots[0])
+        _turn_span(receiver, first.id)
+        before, start = receiver.requests, time.monotonic()
+        for i in range(turns):
+            rt.prompt(roots[i % sessions], f"quick {i}")
+        for root in roots:
+            rt.wait(root, timeout=60.0)
+        receiver.wait(
+            lambda spans: len([s for s in spans if s.name.startswith("invoke_agent")]) > turns,
+            what=f"{turns} more turn spans",
+        )
+        elapsed = time.monotonic() - start
+        made = receiver.requests - before
+    # at most one export per gap, and the one that covers the last turn's end
+    assert made <= elapsed / _FLUSH_GAP + 2, (made, elapsed)

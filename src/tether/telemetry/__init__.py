@@ -7,7 +7,7 @@ imported lazily by the modules that need it:
 
     settings    what turns telemetry on, and how the spans are exported
     hooks       the host's hooks (no-ops when off): turn spans, control spans
-    _provider   the SDK's tracer provider, OTLP exporter and batch processor, per process
+    _provider   the SDK's tracer provider, OTLP exporter and span processor, per process
     _host       the host's hooks over the SDK: ``tether.control``, a killed turn's span
     _turn       the turn's span (``invoke_agent``), as either of its makers makes it
     spans       the worker's spans: ``invoke_agent``, ``chat`` and ``execute_tool``
