@@ -277,11 +277,13 @@ def test_an_abort_sigkills_the_worker_without_waiting_for_an_export_and_the_host
         rec = Recorder(rt)
         _root, agent, me = _agent(rt, server, "traced-abort", replies, ["run_command"])
         rt.send(agent, "wedge", authority=me)
-        worker = worker_with_tool(rt, "sleep")
+        # The chat span first (its wait is the receiver's, 20 s): a fresh worker's first
+        # traced turn loads the SDK and the agent, seconds under load; the sleep follows.
         chat = receiver.wait(
             lambda spans: next((s for s in spans if s.name == "chat traced-abort"), None),
             what="the wedged turn's exported chat span",
         )
+        worker = worker_with_tool(rt, "sleep")
         start = time.monotonic()
         turn = rt.interrupt(agent, authority=me, kind="abort", reason="kill it")
         ended = rec.turn_ended(agent, timeout=ABORT_BOUND)
