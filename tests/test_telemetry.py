@@ -453,6 +453,15 @@ def test_content_is_recorded_only_when_asked_for(receiver: Receiver, server: Mod
         assert SECRET not in json.dumps([span.attrs, span.resource, span.events])
 
 
+def _launcher_maps_protobuf(rt: tether.Runtime) -> bool:
+    """The pool's launcher has the protobuf runtime's extension mapped (the OTLP
+    exporter's encoder): what it imported, as the OS sees it."""
+    pid = rt._pool.launcher.pid  # type: ignore[attr-defined]
+    assert pid is not None
+    with open(f"/proc/{pid}/maps") as f:
+        return "_upb" in f.read()
+
+
 def test_without_telemetry_nothing_is_imported_exported_or_threaded_in_host_or_worker(
     receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -488,6 +497,7 @@ print(json.dumps({{"host": host, "worker": worker}}))
         rt.prompt(root, "hello")
         rt.wait(root, timeout=30.0)
         assert not [t for t in threading.enumerate() if t.name.startswith("OtelBatch")]
+        assert not _launcher_maps_protobuf(rt)
     # and with it left to the environment, the same turn is traced, from the endpoint
     with tether.Runtime(workers=1) as rt:
         root = rt.open_session(THREADS)
@@ -496,6 +506,11 @@ print(json.dumps({{"host": host, "worker": worker}}))
         worker = json.loads(rt.transcript(root)[-1].text)
         [turn] = rt.turns(root)
         _turn_span(receiver, turn.id)
+        # its workers' launcher loaded the SDK's exporter before forking them (they share
+        # it), and started no thread: each worker makes its own provider and thread
+        launcher = rt._pool.launcher.pid  # type: ignore[attr-defined]
+        assert _launcher_maps_protobuf(rt)
+        assert os.listdir(f"/proc/{launcher}/task") == [str(launcher)]
     assert "tether-otel-export" in worker["threads"]  # the worker's one exporter thread
     assert not [t for t in worker["threads"] if t.startswith("OtelBatch")]
     assert receiver.requests >= 1
