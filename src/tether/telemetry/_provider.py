@@ -92,6 +92,9 @@ class Exports(SpanProcessor):
         self._asked = 0  # export requests so far
         self._done = 0  # requests that a finished export covers
         self._closed = False
+        # the gap after an export waits on this, not on the condition: the asks made in
+        # the gap (a turn's end each) must not wake the thread, one switch per turn
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tether-otel-export", daemon=True)
         self._thread.start()
 
@@ -100,7 +103,7 @@ class Exports(SpanProcessor):
             if self._closed or len(self._queue) >= self._cap:
                 return
             self._queue.append(span)
-            if len(self._queue) == 1 or len(self._queue) >= self._batch:
+            if len(self._queue) == 1 or len(self._queue) == self._batch:
                 self._cond.notify_all()  # the first starts the schedule's clock
 
     def flush(self, wait: float) -> bool:
@@ -121,6 +124,7 @@ class Exports(SpanProcessor):
             self._closed = True
             self._asked += 1
             self._cond.notify_all()
+        self._closing.set()
         self._thread.join(_CLOSE_WAIT)
 
     def _due(self) -> bool:
@@ -145,9 +149,9 @@ class Exports(SpanProcessor):
             with self._cond:
                 self._done = max(self._done, upto)
                 self._cond.notify_all()
-                if closed:
-                    break
-                self._cond.wait_for(lambda: self._closed, _FLUSH_GAP)
+            if closed:
+                break
+            self._closing.wait(_FLUSH_GAP)
         self._exporter.shutdown()
 
 
