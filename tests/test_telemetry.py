@@ -277,11 +277,13 @@ def test_an_abort_sigkills_the_worker_without_waiting_for_an_export_and_the_host
         rec = Recorder(rt)
         _root, agent, me = _agent(rt, server, "traced-abort", replies, ["run_command"])
         rt.send(agent, "wedge", authority=me)
-        worker = worker_with_tool(rt, "sleep")
+        # The chat span first (its wait is the receiver's, 20 s): a fresh worker's first
+        # traced turn loads the SDK and the agent, seconds under load; the sleep follows.
         chat = receiver.wait(
             lambda spans: next((s for s in spans if s.name == "chat traced-abort"), None),
             what="the wedged turn's exported chat span",
         )
+        worker = worker_with_tool(rt, "sleep")
         start = time.monotonic()
         turn = rt.interrupt(agent, authority=me, kind="abort", reason="kill it")
         ended = rec.turn_ended(agent, timeout=ABORT_BOUND)
@@ -451,6 +453,15 @@ def test_content_is_recorded_only_when_asked_for(receiver: Receiver, server: Mod
         assert SECRET not in json.dumps([span.attrs, span.resource, span.events])
 
 
+def _launcher_maps_protobuf(rt: tether.Runtime) -> bool:
+    """The pool's launcher has the protobuf runtime's extension mapped (the OTLP
+    exporter's encoder): what it imported, as the OS sees it."""
+    pid = rt._pool.launcher.pid  # type: ignore[attr-defined]
+    assert pid is not None
+    with open(f"/proc/{pid}/maps") as f:
+        return "_upb" in f.read()
+
+
 def test_without_telemetry_nothing_is_imported_exported_or_threaded_in_host_or_worker(
     receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -486,6 +497,7 @@ print(json.dumps({{"host": host, "worker": worker}}))
         rt.prompt(root, "hello")
         rt.wait(root, timeout=30.0)
         assert not [t for t in threading.enumerate() if t.name.startswith("OtelBatch")]
+        assert not _launcher_maps_protobuf(rt)
     # and with it left to the environment, the same turn is traced, from the endpoint
     with tether.Runtime(workers=1) as rt:
         root = rt.open_session(THREADS)
@@ -494,6 +506,42 @@ print(json.dumps({{"host": host, "worker": worker}}))
         worker = json.loads(rt.transcript(root)[-1].text)
         [turn] = rt.turns(root)
         _turn_span(receiver, turn.id)
-    assert any(t.startswith("OtelBatch") for t in worker["threads"])
+        # its workers' launcher loaded the SDK's exporter before forking them (they share
+        # it), and started no thread: each worker makes its own provider and thread
+        launcher = rt._pool.launcher.pid  # type: ignore[attr-defined]
+        assert _launcher_maps_protobuf(rt)
+        assert os.listdir(f"/proc/{launcher}/task") == [str(launcher)]
+    assert "tether-otel-export" in worker["threads"]  # the worker's one exporter thread
+    assert not [t for t in worker["threads"] if t.startswith("OtelBatch")]
     assert receiver.requests >= 1
     assert all(s.attrs.get("tether.turn.id") != "" for s in receiver.spans)
+
+
+def test_a_stream_of_quick_traced_turns_shares_exports_rather_than_one_request_per_turn(
+    receiver: Receiver,
+) -> None:
+    # Each turn's end asks its worker for an export; asks made while one runs, or within
+    # the gap after it, share the next. (The SDK's own flush exports until its queue is
+    # empty: under a stream of turns, request after request of a few spans each.)
+    from tether.telemetry._provider import _FLUSH_GAP
+
+    turns, sessions = 600, 8  # queued on 8 sessions: the worker takes one after another
+    with tether.Runtime(workers=1, telemetry={"endpoint": receiver.url}) as rt:
+        roots = [rt.open_session(SCRIPTED) for _ in range(sessions)]
+        rt.prompt(roots[0], "warm up")  # the worker loads the SDK and connects
+        rt.wait(roots[0], timeout=30.0)
+        [first] = rt.turns(roots[0])
+        _turn_span(receiver, first.id)
+        before, start = receiver.requests, time.monotonic()
+        for i in range(turns):
+            rt.prompt(roots[i % sessions], f"quick {i}")
+        for root in roots:
+            rt.wait(root, timeout=60.0)
+        receiver.wait(
+            lambda spans: len([s for s in spans if s.name.startswith("invoke_agent")]) > turns,
+            what=f"{turns} more turn spans",
+        )
+        elapsed = time.monotonic() - start
+        made = receiver.requests - before
+    # at most one export per gap, and the one that covers the last turn's end
+    assert made <= elapsed / _FLUSH_GAP + 2, (made, elapsed)

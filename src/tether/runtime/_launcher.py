@@ -108,7 +108,9 @@ class Launcher:
     sends it launch requests one at a time, and knows which of its children are workers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        # modules the launcher imports before it forks a worker (telemetry's, when on)
+        self._preload = list(preload)
         self._lock = threading.Lock()  # one request at a time; guards the process
         self._proc: subprocess.Popen[bytes] | None = None
         self._ctl: socket.socket | None = None
@@ -132,7 +134,13 @@ class Launcher:
         started: WorkerProcess | None = None
         try:
             request = json.dumps(
-                {"token": token, "leaf": leaf, "path": sys.path, "cwd": os.getcwd()}
+                {
+                    "token": token,
+                    "leaf": leaf,
+                    "path": sys.path,
+                    "cwd": os.getcwd(),
+                    "preload": self._preload,
+                }
             ).encode()
             with self._lock:
                 for retry in (False, True):
@@ -291,6 +299,7 @@ class _Server:
             request = json.loads(data)
             if len(fds) != 1:
                 raise ValueError("a launch request carries exactly one socket")
+            self.preload(request.get("preload", ()))
             r, w = os.pipe2(os.O_CLOEXEC)
         except Exception as exc:
             for fd in fds:
@@ -311,6 +320,18 @@ class _Server:
         self.workers[pid] = w
         self.reply({"pid": pid}, r)
         os.close(r)
+
+    def preload(self, modules: list[str]) -> None:
+        """Import what the workers will need (once; a module that fails to import is the
+        worker's to load, or to fail on, itself). The launcher starts no thread: a
+        module imported here starts none either (telemetry's make their threads in the
+        worker, on its first traced turn)."""
+        for name in modules:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception as exc:
+                    log.warning("launcher.preload_failed", module=name, error=repr(exc))
 
     def reply(self, message: dict[str, Any], fd: int | None = None) -> None:
         with contextlib.suppress(OSError):  # the host is gone: the next read says so

@@ -59,8 +59,11 @@ class Backend(Executor, Protocol):
 BackendFactory = Callable[[int, WorkerHost], Backend]
 
 
-def _local(workers: int, host: WorkerHost, cgroups: Cgroups | None = None) -> Backend:
-    return Pool(workers, host, cgroups=cgroups)  # mypy checks here that the pool is a Backend
+def _local(
+    workers: int, host: WorkerHost, cgroups: Cgroups | None = None, preload: tuple[str, ...] = ()
+) -> Backend:
+    # mypy checks here that the pool is a Backend
+    return Pool(workers, host, cgroups=cgroups, preload=preload)
 
 
 def check_backend(backend: str | BackendFactory, ray_address: str | None) -> None:
@@ -87,15 +90,17 @@ def make_backend(
     ray_options: dict[str, Any] | None = None,
     cgroups: Cgroups | None = None,
     containment: str = "walk",
+    preload: tuple[str, ...] = (),
 ) -> Backend:
     """Build the backend named by ``backend`` (or call a factory). ``cgroups``: the
     host's cgroup group for cgroup containment (the local backend); ``containment``: the
-    mode the Ray backend's slots use on their nodes (``"auto"``, ``"cgroup"``, ``"walk"``)."""
+    mode the Ray backend's slots use on their nodes (``"auto"``, ``"cgroup"``, ``"walk"``);
+    ``preload``: modules the local workers' launcher imports before it forks them."""
     check_backend(backend, ray_address)
     if callable(backend):
         return backend(workers, host)
     if backend == "local":
-        return _local(workers, host, cgroups)
+        return _local(workers, host, cgroups, preload)
     if backend == "ray":
         # Ray is present: an error importing it is a broken install, and says so itself.
         from tether.runtime.backends.ray import RayBackend

@@ -64,7 +64,7 @@ from tether.runtime.backend import (
 from tether.runtime.claims import ClaimGate
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
-from tether.telemetry import Telemetry
+from tether.telemetry import WORKER_MODULES, Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
 from tether.wire.budget import Budget, BudgetStatus, check_budget, check_price
@@ -352,6 +352,7 @@ class Runtime:
                 ray_options=ray_options,
                 cgroups=self._cgroups,
                 containment=containment,
+                preload=WORKER_MODULES if self._tel.on else (),
             )
         except BaseException:  # workers that fail to start: release all we hold
             self._dispatcher.close()

@@ -16,7 +16,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tether.telemetry._host import traceparent_of
-from tether.telemetry._provider import SCOPE, make_provider
+from tether.telemetry._provider import SCOPE, Exports, make_worker_provider
 from tether.telemetry._turn import end_turn_span, start_turn_span
 from tether.telemetry.hooks import error_type
 from tether.telemetry.settings import Settings
@@ -38,18 +38,14 @@ __all__ = [
     "turn_ended",
 ]
 
-# The SDK's force_flush blocks for the whole export, retries included (seconds, with a
-# receiver that is down), whatever timeout it is given: it runs on a thread of its own.
-# A turn's end only asks for it, never waits; the worker's exit waits this long at most.
-# Exports are at least _FLUSH_GAP apart: the ends of quick turns share one, so a worker
-# running trivial turns back to back is not an HTTP request per turn (a lone turn's
-# spans still go at once).
+# A turn's end only asks for an export, never waits (``_provider.Exports``: requests
+# share one export within its gap); the worker's exit waits this long at most.
 _FLUSH_WAIT = 0.0
-_FLUSH_GAP = 0.1
 _EXIT_WAIT = 2.0
 _DESCRIPTION_CAP = 300
 
 _provider: Any = None
+_exports: Exports | None = None
 _key: tuple[str | None, bool] | None = None
 _tracer: Any = None
 _ids: Any = None
@@ -76,13 +72,14 @@ _events_lock = threading.Lock()
 
 def _setup(trace: Trace) -> None:
     """This worker's provider, made on its first traced turn (never inherited)."""
-    global _provider, _key, _tracer, _ids
+    global _provider, _exports, _key, _tracer, _ids
     key = (trace.endpoint, trace.content)
     if _provider is not None and _key == key:
         return
     if _provider is not None:  # another runtime's settings: a fresh exporter
         _provider.shutdown()
-    _provider = make_provider(Settings(endpoint=trace.endpoint, content=trace.content), "worker")
+    settings = Settings(endpoint=trace.endpoint, content=trace.content)
+    _provider, _exports = make_worker_provider(settings)
     _key = key
     _tracer = _provider.get_tracer(SCOPE)
     _ids = _provider.id_generator
@@ -158,54 +155,14 @@ def event(frame: SpanEvent) -> None:
     span.add_event(frame.name, attributes=frame.attrs, timestamp=frame.time)
 
 
-class _Flusher:
-    """One thread that exports on request; a requester waits a bounded time, if at all.
-    Requests made while an export runs, or within ``_FLUSH_GAP`` of one, share the next."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.asked = 0  # requests so far
-        self.done = 0  # requests that a finished export covers
-        self.thread = threading.Thread(target=self._loop, name="tether-otel-flush", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                self.cond.wait_for(lambda: self.asked > self.done)
-                upto = self.asked
-            provider = _provider
-            if provider is not None:
-                provider.force_flush()
-            with self.cond:
-                self.done = upto
-                self.cond.notify_all()
-            time.sleep(_FLUSH_GAP)
-
-    def flush(self, wait: float) -> None:
-        with self.cond:
-            self.asked += 1
-            mine = self.asked
-            self.cond.notify_all()
-            if wait > 0:
-                self.cond.wait_for(lambda: self.done >= mine, wait)
-
-
-_flusher: _Flusher | None = None
-
-
 def flush(wait: float = _FLUSH_WAIT) -> None:
-    global _flusher
-    if _provider is None:
-        return
-    if _flusher is None:
-        _flusher = _Flusher()
-    _flusher.flush(wait)
+    if _exports is not None:
+        _exports.flush(wait)
 
 
 def shutdown() -> None:
     # Every turn's end asked for an export: what is left is at most the last one's
-    # spans, still waiting out the gap or in flight. The SDK's threads are daemons.
+    # spans, still waiting out the gap or in flight. The export thread is a daemon.
     flush(_EXIT_WAIT)
 
 

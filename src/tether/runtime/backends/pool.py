@@ -253,12 +253,19 @@ class Pool(TableBackend["_Worker"]):
     with backoff), the I/O loop reads every worker.
     """
 
-    def __init__(self, size: int, host: PoolHost, *, cgroups: Cgroups | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        host: PoolHost,
+        *,
+        cgroups: Cgroups | None = None,
+        preload: tuple[str, ...] = (),
+    ) -> None:
         if size < 1:
             raise ValueError("a pool needs at least one worker")
         self.size = size
         self.cgroups = cgroups  # None: the walk (semantics §15.5)
-        self.launcher = Launcher()  # started by the first worker's start
+        self.launcher = Launcher(preload)  # started by the first worker's start
         # the turns, and the lock under which they and the workers change together
         self.turns: Turns[_Worker] = Turns(host, self._idle_locked)
         self._lock = self.turns.lock
