@@ -59,8 +59,9 @@ class Spent:
 class SpentStore(Protocol):
     """What the governor needs from the store."""
 
-    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """Queue the running turn's usage so far (a crashed turn's counts, semantics §16.2)."""
+    def turn_usage(self, turn: str, usage: dict[str, int], *, soon: bool = False) -> None:
+        """The running turn's usage so far, to be written (a crashed turn's counts,
+        semantics §16.2); ``soon``: a budget is near its limit, write it without delay."""
 
     def set_budget(self, session: str, budget: Budget | None) -> Durable:
         """Replace the stored budget; durable once the returned ticket is done."""
@@ -151,21 +152,26 @@ class Governor:
             run = self._runs.get(turn)
             if run is None or run.session != session:
                 return  # not a turn this host runs (it ended): nothing to count
-            for key, value in delta.items():
-                run.usage[key] = run.usage.get(key, 0) + value
+            # a fresh dict each report: the store holds the last one until it writes it
             total = dict(run.usage)
+            for key, value in delta.items():
+                total[key] = total.get(key, 0) + value
+            run.usage = total
             own = self._own_of(session)
             own.tokens += tokens
             own.cost += cost
+            soon = False
             chain = self._chain(session, run.lineage)
             if chain:
                 now = self._clock.monotonic()
                 for b in chain:
-                    spent = self._trees[b].spent
-                    spent.tokens += tokens
-                    spent.cost += cost
+                    tree = self._trees[b]
+                    tree.spent.tokens += tokens
+                    tree.spent.cost += cost
                     steps += self._check_locked(b, now)
-        self._store.turn_usage(turn, total)
+                    soon = soon or bool(tree.soft)
+        # near a limit, what was spent is written with the next batch, not at the end
+        self._store.turn_usage(turn, total, soon=soon)
         self._issue(steps)
 
     def ended(self, turn: str) -> dict[str, int] | None:

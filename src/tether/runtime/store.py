@@ -121,6 +121,7 @@ _PREVIEW = 200
 _WAL_CHECK_EVERY = 0.25  # seconds between looks at the WAL's size ...
 _WAL_CHECK_OPS = 64  # ... or writes, whichever comes first
 _LINGER = 0.0005  # seconds the writer thread waits before committing what it was woken for
+_USAGE_EVERY = 1.0  # seconds a running turn's reported usage may wait for its write
 _RETRY_FIRST = 0.05  # seconds before the first retry of a failed batch ...
 _RETRY_MAX = 2.0  # ... doubling up to this
 _GIVE_UP = 60.0  # seconds a batch may keep failing before the store fails for good
@@ -156,14 +157,14 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
 
 
 class _UsageFlush:
-    """The running turns' usage writes since the last commit, taken when the batch runs
-    (kept for a retry of the same batch)."""
+    """The running turns' usage writes held so far, taken (and encoded) when the batch
+    runs (kept for a retry of the same batch)."""
 
     __slots__ = ("_rows", "_store")
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._rows: list[tuple[bytes, int]] | None = None
+        self._rows: list[tuple[bytes | None, int]] | None = None
 
     def __call__(self, db: sqlite3.Connection) -> object:
         if self._rows is None:
@@ -329,8 +330,9 @@ class Store:
         self._wal_checked = 0.0
         self._unchecked = 0
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
-        self._usage: dict[int, bytes] = {}  # row -> a running turn's usage (turn_usage)
-        self._usage_queued = False
+        self._usage: dict[int, dict[str, int]] = {}  # row -> a running turn's usage so far
+        self._usage_queued = False  # a _UsageFlush is queued: it takes what is held
+        self._usage_due: float | None = None  # when held usage must be queued (monotonic)
         self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
         self._writer.start()
         self._stop_checkpoints = threading.Event()
@@ -429,8 +431,10 @@ class Store:
             self._cond.notify()
 
     def flush(self) -> None:
-        """Commit everything queued so far (a reader sees every earlier write);
-        ``StoreUnavailable`` if the store cannot."""
+        """Commit everything queued so far, running turns' usage included (a reader sees
+        every earlier write); ``StoreUnavailable`` if the store cannot."""
+        with self._cond:
+            self._queue_usage_locked()
         self.commit(None)
 
     def commit(self, ticket: Ticket | None) -> None:
@@ -540,6 +544,12 @@ class Store:
                         self._cond.wait(left)
                     elif self._wake_pending:
                         break
+                    elif self._usage_due is not None:
+                        left = self._usage_due - time.monotonic()
+                        if left <= 0:
+                            self._queue_usage_locked()  # wakes no one: this is the writer
+                            continue
+                        self._cond.wait(left)
                     else:
                         self._cond.wait()
                 if self._stopping:
@@ -599,6 +609,7 @@ class Store:
 
     def close(self) -> None:
         with self._cond:
+            self._queue_usage_locked()  # running turns' usage held so far: the last write
             self._stopping = True
             self._cond.notify()
         self._writer.join()
@@ -773,29 +784,39 @@ class Store:
             _Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
         )
 
-    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """The running turn's usage so far, written with the store's next batch (a crashed
-        turn's reported usage then counts at recovery, semantics §16.2). Reports between two
-        batches share one write per turn, and one its end has overtaken costs none."""
-        blob = _enc.encode(usage)
+    def turn_usage(self, turn: str, usage: dict[str, int], *, soon: bool = False) -> None:
+        """The running turn's usage so far (the store keeps this dict: pass a fresh one).
+        Held in memory and written with the turn's end, or ``_USAGE_EVERY`` seconds after
+        the first report held (a crashed turn's reported usage then counts at recovery,
+        semantics §16.2), or, with ``soon`` (a budget near its limit), in the store's next
+        batch. Reports between two writes share one write per turn; a short turn's cost
+        none of their own, its end writes them."""
         with self._cond:
             opened = self._open.get(turn)
             if opened is None:
                 return
-            self._usage[opened[1]] = blob
-            if not self._usage_queued:
-                self._usage_queued = True
-                # one write for every report until the writer takes it, in its next
-                # batch (lingering, so it rides with the turn's other writes)
-                self._submit_locked(_UsageFlush(self), None)
+            self._usage[opened[1]] = usage
+            if self._usage_queued:
+                return  # a queued write takes this report too
+            if soon:
+                self._queue_usage_locked()
+            elif self._usage_due is None:
+                self._usage_due = time.monotonic() + _USAGE_EVERY
+                self._cond.notify()  # the writer's wait gets a deadline (once per write)
 
-    def _usage_rows(self) -> list[tuple[bytes, int]]:
-        """Take the running turns' usage writes queued so far (``_UsageFlush``)."""
+    def _queue_usage_locked(self) -> None:
+        """Queue one write of the usage held so far, with the store's next batch."""
+        self._usage_due = None
+        if self._usage and not self._usage_queued:
+            self._usage_queued = True
+            self._submit_locked(_UsageFlush(self), None)
+
+    def _usage_rows(self) -> list[tuple[bytes | None, int]]:
+        """Take the running turns' usage held so far (``_UsageFlush``)."""
         with self._cond:
-            rows = [(blob, row) for row, blob in self._usage.items()]
-            self._usage.clear()
+            held, self._usage = self._usage, {}
             self._usage_queued = False
-        return rows
+        return [(_dump(usage), row) for row, usage in held.items()]
 
     def spent_before(self) -> dict[str, Spent]:
         """What each session's turns of earlier hosts on this store spent: tokens, cost,
