@@ -16,10 +16,15 @@ are added when read (``turn_seconds`` counts running turns).
 
 A stop is told to the session's host (``act``), bound to the turn that was running when
 the crossing was decided; a turn is stopped by its budget at most once.
+
+Most reports are far from every limit: a tree keeps the least value of tokens, cost and
+turns at which a threshold could newly cross (``_Tree.marks``), so a report below them
+all is decided in O(1), without a walk of its limits.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,6 +81,8 @@ class _Run:
     lineage: tuple[str, ...]
     started: float  # the clock's monotonic time
     usage: dict[str, int] = field(default_factory=dict)
+    chain: list[str] = field(default_factory=list)  # its budgeted lineage, as of ``gen``
+    gen: int = -1
     stopped: bool = False  # a budget's hard step reached it: never twice
     paused: bool = False  # a budget's soft pause reached it
 
@@ -86,12 +93,31 @@ class _Tree:
     spent: Spent
     soft: set[str] = field(default_factory=set)  # limits past the soft threshold
     hard: set[str] = field(default_factory=set)  # limits reached: the tree is exhausted
+    # (tokens, cost_usd, turns) below which no threshold newly crosses; None: look at
+    # every limit (not known yet, or turn_seconds, which grows with the clock)
+    marks: tuple[float, float, float] | None = None
 
 
 # (session, turn, kind, text): one step for the session's host to take on that turn;
 # kind STATE (no turn): the session's budget state changed to ``text`` (an event).
 Step = tuple[str, str, str, str]
 STATE = "state"
+
+
+def _marks(tree: _Tree, limits: dict[str, float]) -> tuple[float, float, float]:
+    """The values (tokens, cost_usd, turns) at which ``_check_locked`` would next find a
+    crossing: a limit's soft threshold until it is crossed, then the limit itself."""
+    soft = tree.budget.soft
+    out: list[float] = []
+    for key in ("tokens", "cost_usd", "turns"):
+        limit = limits.get(key)
+        if limit is None or key in tree.hard:
+            out.append(math.inf)
+        elif key in tree.soft:
+            out.append(limit)
+        else:
+            out.append(soft * limit)
+    return out[0], out[1], out[2]
 
 
 class Governor:
@@ -116,6 +142,7 @@ class Governor:
         self._based = False  # the earlier hosts' spending is loaded (``_base_locked``)
         self._timer: Timer | None = None
         self._timed = 0  # budgets with a turn_seconds limit: only then is a clock kept
+        self._gen = 0  # bumped whenever a budget comes or goes: runs' chains are stale
 
     # ---- the hot paths: a turn starts, reports usage, ends ----------------------------
 
@@ -161,10 +188,11 @@ class Governor:
             own.tokens += tokens
             own.cost += cost
             soon = False
-            chain = self._chain(session, run.lineage)
-            if chain:
+            if run.gen != self._gen:
+                run.chain, run.gen = self._chain(session, run.lineage), self._gen
+            if run.chain:
                 now = self._clock.monotonic()
-                for b in chain:
+                for b in run.chain:
                     tree = self._trees[b]
                     tree.spent.tokens += tokens
                     tree.spent.cost += cost
@@ -244,6 +272,7 @@ class Governor:
                 tree = self._trees[session]
                 self._check_locked(session, now)
                 tree.soft |= tree.hard
+                tree.marks = None
 
     def set_budget(self, session: str, lineage: tuple[str, ...], budget: Budget | None) -> Durable:
         """Replace (or, with None, remove) ``session``'s own budget. It must fit in what
@@ -273,6 +302,7 @@ class Governor:
                         value = self._value_locked(session, tree, key, now)
                         if value < budget.soft * limits[key]:
                             tree.soft.discard(key)
+                tree.marks = None
                 steps += self._check_locked(session, now)
             mine = self._trees.get(session)
             state = "ok" if mine is None else self._state_locked(session, mine, now)
@@ -361,7 +391,9 @@ class Governor:
         timed = old is not None and old.budget.turn_seconds is not None
         if old is not None:
             old.budget = budget
+            old.marks = None
         else:
+            self._gen += 1
             total = Spent()
             for sid in (session, *self._subtree(session)):
                 own = self._own.get(sid)
@@ -372,8 +404,10 @@ class Governor:
 
     def _drop_locked(self, session: str) -> None:
         tree = self._trees.pop(session, None)
-        if tree is not None and tree.budget.turn_seconds is not None:
-            self._timed -= 1
+        if tree is not None:
+            self._gen += 1
+            if tree.budget.turn_seconds is not None:
+                self._timed -= 1
 
     def _fits_locked(self, budget: Budget, chain: list[str], now: float) -> None:
         """Carving: each limit of ``budget`` fits in what every budgeted ancestor with
@@ -433,10 +467,20 @@ class Governor:
     def _check_locked(self, b: str, now: float) -> list[Step]:
         """Note the thresholds ``b``'s tree has newly crossed; the steps they call for."""
         tree = self._trees[b]
+        marks = tree.marks
+        if marks is not None:
+            spent = tree.spent
+            if (
+                float(spent.tokens) < marks[0]
+                and spent.cost / 1_000_000 < marks[1]
+                and float(spent.turns) < marks[2]
+            ):
+                return []  # below every threshold still to cross: nothing can cross
         budget = tree.budget
         hard: list[tuple[str, float, float]] = []
         soft: list[tuple[str, float]] = []
-        for key, limit in budget.limits().items():
+        limits = budget.limits()
+        for key, limit in limits.items():
             if key in tree.hard:
                 continue
             value = self._value_locked(b, tree, key, now)
@@ -447,6 +491,7 @@ class Governor:
             elif key not in tree.soft and value >= budget.soft * limit:
                 tree.soft.add(key)
                 soft.append((key, limit))
+        tree.marks = None if budget.turn_seconds is not None else _marks(tree, limits)
         stops = [h for h in hard if h[0] != "turns"]  # turns: no running turn is stopped
         changed: list[Step] = []
         if hard:
