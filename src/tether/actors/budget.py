@@ -80,6 +80,7 @@ class _Run:
     session: str
     lineage: tuple[str, ...]
     started: float  # the clock's monotonic time
+    own: Spent  # its session's (``Governor._own``)
     usage: dict[str, int] = field(default_factory=dict)
     chain: list[str] = field(default_factory=list)  # its budgeted lineage, as of ``gen``
     gen: int = -1
@@ -160,8 +161,9 @@ class Governor:
             if any(self._trees[b].hard for b in chain):
                 allowed = False
             else:
-                self._runs[turn] = _Run(session, lineage, now)
-                self._own_of(session).turns += 1
+                own = self._own_of(session)
+                self._runs[turn] = _Run(session, lineage, now, own)
+                own.turns += 1
                 for b in chain:
                     self._trees[b].spent.turns += 1
                     steps += self._check_locked(b, now)
@@ -172,35 +174,35 @@ class Governor:
 
     def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
         """One response's usage (a worker's ``Usage`` frame), on the backend's thread."""
-        tokens = int(delta.get("prompt_tokens", 0)) + int(delta.get("completion_tokens", 0))
-        cost = int(delta.get("cost_microusd", 0))
+        get = delta.get
+        tokens = int(get("prompt_tokens", 0)) + int(get("completion_tokens", 0))
+        cost = int(get("cost_microusd", 0))
         steps: list[Step] = []
+        soon = False
         with self._lock:
             run = self._runs.get(turn)
             if run is None or run.session != session:
                 return  # not a turn this host runs (it ended): nothing to count
             # a fresh dict each report: the store holds the last one until it writes it
-            total = dict(run.usage)
+            total = run.usage.copy()
             for key, value in delta.items():
                 total[key] = total.get(key, 0) + value
             run.usage = total
-            own = self._own_of(session)
+            own = run.own
             own.tokens += tokens
             own.cost += cost
-            soon = False
             if run.gen != self._gen:
                 run.chain, run.gen = self._chain(session, run.lineage), self._gen
-            if run.chain:
-                now = self._clock.monotonic()
-                for b in run.chain:
-                    tree = self._trees[b]
-                    tree.spent.tokens += tokens
-                    tree.spent.cost += cost
-                    steps += self._check_locked(b, now)
-                    soon = soon or bool(tree.soft)
+            for b in run.chain:
+                tree = self._trees[b]
+                tree.spent.tokens += tokens
+                tree.spent.cost += cost
+                steps += self._check_locked(b)
+                soon = soon or bool(tree.soft)
         # near a limit, what was spent is written with the next batch, not at the end
         self._store.turn_usage(turn, total, soon=soon)
-        self._issue(steps)
+        if steps:
+            self._issue(steps)
 
     def ended(self, turn: str) -> dict[str, int] | None:
         """``turn`` ended: its seconds count as ended; returns the usage it reported."""
@@ -209,7 +211,7 @@ class Governor:
             if run is None:
                 return None
             seconds = max(self._clock.monotonic() - run.started, 0.0)
-            self._own_of(run.session).seconds += seconds
+            run.own.seconds += seconds
             for b in self._chain(run.session, run.lineage):
                 self._trees[b].spent.seconds += seconds
             if self._timed:
@@ -464,8 +466,9 @@ class Governor:
                 state = "soft"
         return state
 
-    def _check_locked(self, b: str, now: float) -> list[Step]:
-        """Note the thresholds ``b``'s tree has newly crossed; the steps they call for."""
+    def _check_locked(self, b: str, now: float | None = None) -> list[Step]:
+        """Note the thresholds ``b``'s tree has newly crossed; the steps they call for
+        (``now``: the clock's time, read here when needed and not given)."""
         tree = self._trees[b]
         marks = tree.marks
         if marks is not None:
@@ -476,6 +479,8 @@ class Governor:
                 and float(spent.turns) < marks[2]
             ):
                 return []  # below every threshold still to cross: nothing can cross
+        if now is None:
+            now = self._clock.monotonic()
         budget = tree.budget
         hard: list[tuple[str, float, float]] = []
         soft: list[tuple[str, float]] = []
