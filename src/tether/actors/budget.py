@@ -162,7 +162,7 @@ class Governor:
                 allowed = False
             else:
                 own = self._own_of(session)
-                self._runs[turn] = _Run(session, lineage, now, own)
+                self._runs[turn] = _Run(session, lineage, now, own, chain=chain, gen=self._gen)
                 own.turns += 1
                 for b in chain:
                     self._trees[b].spent.turns += 1
@@ -212,7 +212,9 @@ class Governor:
                 return None
             seconds = max(self._clock.monotonic() - run.started, 0.0)
             run.own.seconds += seconds
-            for b in self._chain(run.session, run.lineage):
+            if run.gen != self._gen:
+                run.chain, run.gen = self._chain(run.session, run.lineage), self._gen
+            for b in run.chain:
                 self._trees[b].spent.seconds += seconds
             if self._timed:
                 self._reschedule_locked()

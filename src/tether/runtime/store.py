@@ -609,7 +609,8 @@ class Store:
 
     def close(self) -> None:
         with self._cond:
-            self._queue_usage_locked()  # running turns' usage held so far: the last write
+            if not self._stopping:
+                self._queue_usage_locked()  # running turns' usage held: the last write
             self._stopping = True
             self._cond.notify()
         self._writer.join()
@@ -793,8 +794,8 @@ class Store:
         none of their own, its end writes them."""
         with self._cond:
             opened = self._open.get(turn)
-            if opened is None:
-                return
+            if opened is None or self._stopping:
+                return  # its end overtook it (and wrote it), or the store is closed
             self._usage[opened[1]] = usage
             if self._usage_queued:
                 return  # a queued write takes this report too
