@@ -426,6 +426,56 @@ def test_hundreds_of_usage_reports_at_once_never_pass_the_bound_nor_stop_a_turn_
         store.close()
 
 
+def test_each_threshold_acts_on_the_report_that_reaches_it_however_far_below_the_rest() -> None:
+    """The governor skips the walk of a tree's limits while its spent is below every
+    threshold still to cross: the step still comes with the report that reaches it
+    (tokens, cost, turns), never one report late, and a budget changed meanwhile
+    (a lowered limit) is acted on at once."""
+    steps: list[tuple[str, str, str, str]] = []
+    store = Store()
+    gov = Governor(store=store, act=steps.append, subtree=lambda sid: [])
+    try:
+        budget = Budget(tokens=1000, cost_usd=0.001, turns=3, soft=0.5, on_hard="cancel")
+        gov.admit("s_r", (), budget)
+        assert gov.start("s_r", (), "t_1")
+
+        def taken(*delta: tuple[str, int]) -> list[tuple[str, str]]:
+            mark = len(steps)
+            gov.usage("s_r", "t_1", dict(delta))
+            return [(kind, text) for _, _, kind, text in steps[mark:]]
+
+        assert taken(("prompt_tokens", 499)) == []
+        assert taken(("completion_tokens", 1)) == [
+            (STATE, "soft"),
+            ("steer", "50% of 1,000 tokens spent in this tree; wrap up"),
+        ]
+        assert taken(("cost_microusd", 499)) == []
+        assert taken(("cost_microusd", 1))[0] == (STATE, "soft")  # cost's own soft step
+        assert taken(("prompt_tokens", 499)) == []
+        stop = taken(("prompt_tokens", 1))
+        assert stop[0] == (STATE, "exhausted") and stop[1][0] == "cancel"
+        assert stop[1][1].startswith("1,000 of 1,000 tokens")
+        assert gov.status("s_r", ()).state == "exhausted"
+        gov.ended("t_1")
+
+        # raised: ok again; the turns limit acts at the start that reaches it
+        gov.set_budget("s_r", (), Budget(tokens=10**6, cost_usd=1.0, turns=3, soft=0.5))
+        assert gov.status("s_r", ()).state == "ok"
+        mark = len(steps)
+        assert gov.start("s_r", (), "t_2")  # 2 of 3 turns: past the soft half
+        assert [(t, k) for _, t, k, _ in steps[mark:]] == [("", STATE), ("t_2", "steer")]
+        assert gov.start("s_r", (), "t_3")
+        assert not gov.start("s_r", (), "t_4")  # the third turn reached the limit
+        # lowered to what was spent: exhausted at once, the running turns stopped
+        gov.set_budget("s_r", (), Budget(tokens=10**6, turns=10, soft=0.5))
+        mark = len(steps)
+        gov.set_budget("s_r", (), Budget(tokens=1000, turns=10, soft=0.5))
+        stopped = sorted(t for _, t, kind, _ in steps[mark:] if kind == "cancel")
+        assert stopped == ["t_2", "t_3"]
+    finally:
+        store.close()
+
+
 def test_the_model_tool_budget_tells_an_agent_what_its_tree_has_left(server: ModelServer) -> None:
     server.script(
         "ask-budget",

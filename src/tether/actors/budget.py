@@ -16,10 +16,15 @@ are added when read (``turn_seconds`` counts running turns).
 
 A stop is told to the session's host (``act``), bound to the turn that was running when
 the crossing was decided; a turn is stopped by its budget at most once.
+
+Most reports are far from every limit: a tree keeps the least value of tokens, cost and
+turns at which a threshold could newly cross (``_Tree.marks``), so a report below them
+all is decided in O(1), without a walk of its limits.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -59,8 +64,9 @@ class Spent:
 class SpentStore(Protocol):
     """What the governor needs from the store."""
 
-    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """Queue the running turn's usage so far (a crashed turn's counts, semantics §16.2)."""
+    def turn_usage(self, turn: str, usage: dict[str, int], *, soon: bool = False) -> None:
+        """The running turn's usage so far, to be written (a crashed turn's counts,
+        semantics §16.2); ``soon``: a budget is near its limit, write it without delay."""
 
     def set_budget(self, session: str, budget: Budget | None) -> Durable:
         """Replace the stored budget; durable once the returned ticket is done."""
@@ -74,7 +80,10 @@ class _Run:
     session: str
     lineage: tuple[str, ...]
     started: float  # the clock's monotonic time
+    own: Spent  # its session's (``Governor._own``)
     usage: dict[str, int] = field(default_factory=dict)
+    chain: list[str] = field(default_factory=list)  # its budgeted lineage, as of ``gen``
+    gen: int = -1
     stopped: bool = False  # a budget's hard step reached it: never twice
     paused: bool = False  # a budget's soft pause reached it
 
@@ -85,12 +94,31 @@ class _Tree:
     spent: Spent
     soft: set[str] = field(default_factory=set)  # limits past the soft threshold
     hard: set[str] = field(default_factory=set)  # limits reached: the tree is exhausted
+    # (tokens, cost_usd, turns) below which no threshold newly crosses; None: look at
+    # every limit (not known yet, or turn_seconds, which grows with the clock)
+    marks: tuple[float, float, float] | None = None
 
 
 # (session, turn, kind, text): one step for the session's host to take on that turn;
 # kind STATE (no turn): the session's budget state changed to ``text`` (an event).
 Step = tuple[str, str, str, str]
 STATE = "state"
+
+
+def _marks(tree: _Tree, limits: dict[str, float]) -> tuple[float, float, float]:
+    """The values (tokens, cost_usd, turns) at which ``_check_locked`` would next find a
+    crossing: a limit's soft threshold until it is crossed, then the limit itself."""
+    soft = tree.budget.soft
+    out: list[float] = []
+    for key in ("tokens", "cost_usd", "turns"):
+        limit = limits.get(key)
+        if limit is None or key in tree.hard:
+            out.append(math.inf)
+        elif key in tree.soft:
+            out.append(limit)
+        else:
+            out.append(soft * limit)
+    return out[0], out[1], out[2]
 
 
 class Governor:
@@ -115,6 +143,7 @@ class Governor:
         self._based = False  # the earlier hosts' spending is loaded (``_base_locked``)
         self._timer: Timer | None = None
         self._timed = 0  # budgets with a turn_seconds limit: only then is a clock kept
+        self._gen = 0  # bumped whenever a budget comes or goes: runs' chains are stale
 
     # ---- the hot paths: a turn starts, reports usage, ends ----------------------------
 
@@ -132,8 +161,9 @@ class Governor:
             if any(self._trees[b].hard for b in chain):
                 allowed = False
             else:
-                self._runs[turn] = _Run(session, lineage, now)
-                self._own_of(session).turns += 1
+                own = self._own_of(session)
+                self._runs[turn] = _Run(session, lineage, now, own, chain=chain, gen=self._gen)
+                own.turns += 1
                 for b in chain:
                     self._trees[b].spent.turns += 1
                     steps += self._check_locked(b, now)
@@ -144,29 +174,35 @@ class Governor:
 
     def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
         """One response's usage (a worker's ``Usage`` frame), on the backend's thread."""
-        tokens = int(delta.get("prompt_tokens", 0)) + int(delta.get("completion_tokens", 0))
-        cost = int(delta.get("cost_microusd", 0))
+        get = delta.get
+        tokens = int(get("prompt_tokens", 0)) + int(get("completion_tokens", 0))
+        cost = int(get("cost_microusd", 0))
         steps: list[Step] = []
+        soon = False
         with self._lock:
             run = self._runs.get(turn)
             if run is None or run.session != session:
                 return  # not a turn this host runs (it ended): nothing to count
+            # a fresh dict each report: the store holds the last one until it writes it
+            total = run.usage.copy()
             for key, value in delta.items():
-                run.usage[key] = run.usage.get(key, 0) + value
-            total = dict(run.usage)
-            own = self._own_of(session)
+                total[key] = total.get(key, 0) + value
+            run.usage = total
+            own = run.own
             own.tokens += tokens
             own.cost += cost
-            chain = self._chain(session, run.lineage)
-            if chain:
-                now = self._clock.monotonic()
-                for b in chain:
-                    spent = self._trees[b].spent
-                    spent.tokens += tokens
-                    spent.cost += cost
-                    steps += self._check_locked(b, now)
-        self._store.turn_usage(turn, total)
-        self._issue(steps)
+            if run.gen != self._gen:
+                run.chain, run.gen = self._chain(session, run.lineage), self._gen
+            for b in run.chain:
+                tree = self._trees[b]
+                tree.spent.tokens += tokens
+                tree.spent.cost += cost
+                steps += self._check_locked(b)
+                soon = soon or bool(tree.soft)
+        # near a limit, what was spent is written with the next batch, not at the end
+        self._store.turn_usage(turn, total, soon=soon)
+        if steps:
+            self._issue(steps)
 
     def ended(self, turn: str) -> dict[str, int] | None:
         """``turn`` ended: its seconds count as ended; returns the usage it reported."""
@@ -175,8 +211,10 @@ class Governor:
             if run is None:
                 return None
             seconds = max(self._clock.monotonic() - run.started, 0.0)
-            self._own_of(run.session).seconds += seconds
-            for b in self._chain(run.session, run.lineage):
+            run.own.seconds += seconds
+            if run.gen != self._gen:
+                run.chain, run.gen = self._chain(run.session, run.lineage), self._gen
+            for b in run.chain:
                 self._trees[b].spent.seconds += seconds
             if self._timed:
                 self._reschedule_locked()
@@ -238,6 +276,7 @@ class Governor:
                 tree = self._trees[session]
                 self._check_locked(session, now)
                 tree.soft |= tree.hard
+                tree.marks = None
 
     def set_budget(self, session: str, lineage: tuple[str, ...], budget: Budget | None) -> Durable:
         """Replace (or, with None, remove) ``session``'s own budget. It must fit in what
@@ -267,6 +306,7 @@ class Governor:
                         value = self._value_locked(session, tree, key, now)
                         if value < budget.soft * limits[key]:
                             tree.soft.discard(key)
+                tree.marks = None
                 steps += self._check_locked(session, now)
             mine = self._trees.get(session)
             state = "ok" if mine is None else self._state_locked(session, mine, now)
@@ -355,7 +395,9 @@ class Governor:
         timed = old is not None and old.budget.turn_seconds is not None
         if old is not None:
             old.budget = budget
+            old.marks = None
         else:
+            self._gen += 1
             total = Spent()
             for sid in (session, *self._subtree(session)):
                 own = self._own.get(sid)
@@ -366,8 +408,10 @@ class Governor:
 
     def _drop_locked(self, session: str) -> None:
         tree = self._trees.pop(session, None)
-        if tree is not None and tree.budget.turn_seconds is not None:
-            self._timed -= 1
+        if tree is not None:
+            self._gen += 1
+            if tree.budget.turn_seconds is not None:
+                self._timed -= 1
 
     def _fits_locked(self, budget: Budget, chain: list[str], now: float) -> None:
         """Carving: each limit of ``budget`` fits in what every budgeted ancestor with
@@ -424,13 +468,26 @@ class Governor:
                 state = "soft"
         return state
 
-    def _check_locked(self, b: str, now: float) -> list[Step]:
-        """Note the thresholds ``b``'s tree has newly crossed; the steps they call for."""
+    def _check_locked(self, b: str, now: float | None = None) -> list[Step]:
+        """Note the thresholds ``b``'s tree has newly crossed; the steps they call for
+        (``now``: the clock's time, read here when needed and not given)."""
         tree = self._trees[b]
+        marks = tree.marks
+        if marks is not None:
+            spent = tree.spent
+            if (
+                float(spent.tokens) < marks[0]
+                and spent.cost / 1_000_000 < marks[1]
+                and float(spent.turns) < marks[2]
+            ):
+                return []  # below every threshold still to cross: nothing can cross
+        if now is None:
+            now = self._clock.monotonic()
         budget = tree.budget
         hard: list[tuple[str, float, float]] = []
         soft: list[tuple[str, float]] = []
-        for key, limit in budget.limits().items():
+        limits = budget.limits()
+        for key, limit in limits.items():
             if key in tree.hard:
                 continue
             value = self._value_locked(b, tree, key, now)
@@ -441,6 +498,7 @@ class Governor:
             elif key not in tree.soft and value >= budget.soft * limit:
                 tree.soft.add(key)
                 soft.append((key, limit))
+        tree.marks = None if budget.turn_seconds is not None else _marks(tree, limits)
         stops = [h for h in hard if h[0] != "turns"]  # turns: no running turn is stopped
         changed: list[Step] = []
         if hard:

@@ -160,8 +160,13 @@ class GroupCommit:
         probe: Op,
         wal_limit: int = WAL_LIMIT,
         give_up: float | None = None,
+        on_due: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        # Called under ``queue_lock`` on the writer thread once the time ``due_locked``
+        # set has come: the owner queues what it held back until then.
+        self._on_due = on_due
+        self._due: float | None = None
         self._path = path
         self._probe = probe
         self._wal_limit = wal_limit
@@ -242,6 +247,13 @@ class GroupCommit:
         if not waited and not self._wake_pending:
             self._wake_pending = True  # one wake-up for however many writes queue meanwhile
             self.queue_lock.notify()
+
+    def due_locked(self, when: float) -> None:
+        """Call ``on_due`` at ``when`` (monotonic) or soon after, unless an earlier time
+        is set already (under ``queue_lock``)."""
+        if self._due is None or when < self._due:
+            self._due = when
+            self.queue_lock.notify()  # the writer's wait takes the deadline
 
     def flush(self) -> None:
         """Commit everything queued so far (a reader sees every earlier write);
@@ -355,6 +367,13 @@ class GroupCommit:
                         self.queue_lock.wait(left)
                     elif self._wake_pending:
                         break
+                    elif self._due is not None and self._on_due is not None:
+                        left = self._due - time.monotonic()
+                        if left <= 0:
+                            self._due = None
+                            self._on_due()  # it queues with submit_locked: loop again
+                        else:
+                            self.queue_lock.wait(left)
                     else:
                         self.queue_lock.wait()
                 if self._stopping:

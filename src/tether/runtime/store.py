@@ -124,6 +124,7 @@ CREATE TABLE IF NOT EXISTS stop_reports (
 
 MAX_PAGE = 1000  # entries one read returns at most
 _PREVIEW = 200
+_USAGE_EVERY = 0.25  # seconds a running turn's reported usage may wait for its write
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(dict[str, Any])
@@ -138,14 +139,14 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
 
 
 class _UsageFlush:
-    """The running turns' usage writes since the last commit, taken when the batch runs
-    (kept for a retry of the same batch)."""
+    """The running turns' usage writes held so far, taken (and encoded) when the batch
+    runs (kept for a retry of the same batch)."""
 
     __slots__ = ("_rows", "_store")
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._rows: list[tuple[bytes, int]] | None = None
+        self._rows: list[tuple[bytes | None, int]] | None = None
 
     def __call__(self, db: sqlite3.Connection) -> object:
         if self._rows is None:
@@ -215,7 +216,12 @@ class Store:
             self._unlock()
             raise
         self._commits = GroupCommit(
-            self._db, path, probe=_probe, wal_limit=wal_limit, give_up=give_up
+            self._db,
+            path,
+            probe=_probe,
+            wal_limit=wal_limit,
+            give_up=give_up,
+            on_due=self._queue_usage_locked,
         )
         self._lock = self._commits.lock  # the connection: one commit or one read at a time
         # The queue's lock: keys, seqs and rows are numbered under it, so they follow
@@ -223,8 +229,10 @@ class Store:
         self._cond = self._commits.queue_lock
         self._submit_locked = self._commits.submit_locked
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
-        self._usage: dict[int, bytes] = {}  # row -> a running turn's usage (turn_usage)
-        self._usage_queued = False
+        self._usage: dict[int, dict[str, int]] = {}  # row -> a running turn's usage so far
+        self._usage_queued = False  # a _UsageFlush is queued: it takes what is held
+        self._usage_due = False  # the engine will call for the held usage's write
+        self._closing = False
 
     def _open_db(self, path: str | None, durability: str, wal_limit: int) -> None:
         configure(self._db, path, durability, wal_limit)
@@ -278,11 +286,16 @@ class Store:
             self._submit_locked(op, None)
 
     def flush(self) -> None:
-        """Commit everything queued so far (a reader sees every earlier write);
-        ``StoreUnavailable`` if the store cannot."""
+        """Commit everything queued so far, running turns' usage included (a reader sees
+        every earlier write); ``StoreUnavailable`` if the store cannot."""
+        with self._cond:
+            self._queue_usage_locked()
         self._commits.flush()
 
     def close(self) -> None:
+        with self._cond:
+            self._queue_usage_locked()  # running turns' usage held: the last write
+            self._closing = True
         self._commits.close()
         self._unlock()
 
@@ -442,29 +455,39 @@ class Store:
             Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
         )
 
-    def turn_usage(self, turn: str, usage: dict[str, int]) -> None:
-        """The running turn's usage so far, written with the store's next batch (a crashed
-        turn's reported usage then counts at recovery, semantics §16.2). Reports between two
-        batches share one write per turn, and one its end has overtaken costs none."""
-        blob = _enc.encode(usage)
+    def turn_usage(self, turn: str, usage: dict[str, int], *, soon: bool = False) -> None:
+        """The running turn's usage so far (the store keeps this dict: pass a fresh one).
+        Held in memory and written with the turn's end, or ``_USAGE_EVERY`` seconds after
+        the first report held (a crashed turn's reported usage then counts at recovery,
+        semantics §16.2), or, with ``soon`` (a budget near its limit), in the store's next
+        batch. Reports between two writes share one write per turn; a short turn's cost
+        none of their own, its end writes them."""
         with self._cond:
             opened = self._open.get(turn)
-            if opened is None:
-                return
-            self._usage[opened[1]] = blob
-            if not self._usage_queued:
-                self._usage_queued = True
-                # one write for every report until the writer takes it, in its next
-                # batch (lingering, so it rides with the turn's other writes)
-                self._submit_locked(_UsageFlush(self), None)
+            if opened is None or self._closing:
+                return  # its end overtook it (and wrote it), or the store is closed
+            self._usage[opened[1]] = usage
+            if self._usage_queued:
+                return  # a queued write takes this report too
+            if soon:
+                self._queue_usage_locked()
+            elif not self._usage_due:
+                self._usage_due = True
+                self._commits.due_locked(time.monotonic() + _USAGE_EVERY)
 
-    def _usage_rows(self) -> list[tuple[bytes, int]]:
-        """Take the running turns' usage writes queued so far (``_UsageFlush``)."""
+    def _queue_usage_locked(self) -> None:
+        """Queue one write of the usage held so far, with the store's next batch."""
+        self._usage_due = False
+        if self._usage and not self._usage_queued:
+            self._usage_queued = True
+            self._submit_locked(_UsageFlush(self), None)
+
+    def _usage_rows(self) -> list[tuple[bytes | None, int]]:
+        """Take the running turns' usage held so far (``_UsageFlush``)."""
         with self._cond:
-            rows = [(blob, row) for row, blob in self._usage.items()]
-            self._usage.clear()
+            held, self._usage = self._usage, {}
             self._usage_queued = False
-        return rows
+        return [(_dump(usage), row) for row, usage in held.items()]
 
     def spent_before(self) -> dict[str, Spent]:
         """What each session's turns of earlier hosts on this store spent: tokens, cost,
