@@ -8,6 +8,7 @@ network. Each test has a server of its own (the CLI names its script by its mode
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,6 +192,42 @@ def test_a_cancel_mid_stream_closes_the_model_stream_and_keeps_the_cut_reply(
     assert cut.data is not None and cut.data["cut"] is True
     report = rt.stop_report(turn.id)
     assert report is not None and report.partial == cut.text
+
+
+def test_a_cancel_mid_stream_closes_the_model_connection_before_the_cli_acts_on_its_interrupt(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # The CLI is stopped (SIGSTOP) before the cancel, so it cannot act on its interrupt:
+    # the server's disconnect is the adapter's own doing. Resumed, the CLI ends the turn
+    # through its interrupt, the cut reply kept, with no network error to retry.
+    with runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        text = "A long answer that the cancel cuts in the middle"
+        _root, child, me = _agent(
+            rt, server, tmp_path / "home", [{"text": text, "chunk": 4, "hang": True}]
+        )
+        rt.send(child, "tell me everything", authority=me)
+        [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
+        eventually(lambda: _all_read(server), timeout=10.0, what="the text read")
+        cli = _cli(rt)
+        cli.send_signal(signal.SIGSTOP)
+        try:
+            eventually(lambda: cli.status() == psutil.STATUS_STOPPED, what="the CLI stopped")
+            rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+            gone = server.wait_disconnect(request.id, timeout=10.0)
+            assert cli.status() == psutil.STATUS_STOPPED  # still: it closed nothing
+            assert rt.turns(child)[0].ended_at is None  # the turn waits for the CLI
+        finally:
+            cli.send_signal(signal.SIGCONT)
+        ended = rec.turn_ended(child, timeout=TIMEOUT)
+        assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+        [turn] = rt.turns(child)
+        assert turn.ended_at is not None and gone.time <= turn.ended_at
+        cut = entries(rt, child, "assistant")[-1]
+        assert cut.text and text.startswith(cut.text)
+        assert cut.data is not None and cut.data["cut"] is True
+        assert len(server.requests_for(MODEL)) == 1  # the CLI did not retry
 
 
 def _cli(rt: tether.Runtime) -> psutil.Process:

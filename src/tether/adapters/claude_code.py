@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import structlog
 
+from tether.adapters._forward import ANTHROPIC, Forwarder
 from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
@@ -151,10 +152,16 @@ class _Turn:
     """The bookkeeping of one turn with the CLI."""
 
     def __init__(
-        self, ctx: AsyncTurnContext, client: Any, session: str, model: str | None = None
+        self,
+        ctx: AsyncTurnContext,
+        client: Any,
+        session: str,
+        model: str | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.ctx = ctx
         self.client = client
+        self.forwarder = forwarder  # the CLI's model requests go through it
         self.session = session  # the CLI's session id
         self.model = model or "claude"  # for the model requests' spans
         # The model request streaming now (telemetry on): its span, from the CLI's
@@ -444,18 +451,31 @@ class ClaudeCodeAgent:
         home = tempfile.mkdtemp(prefix="tether-claude-")
         client: Any = None
         turn: _Turn | None = None
+        forwarder = Forwarder(_upstream(cfg))
         try:
-            client, turn = await _start(ctx, cfg, history, home)
+            await forwarder.start()
+            client, turn = await _start(ctx, cfg, history, home, forwarder)
             return await _converse(ctx, client, turn, home)
         finally:
             if turn is not None:
                 turn.close()
             await _stop(client, turn.before if turn is not None else None)
+            await forwarder.aclose()  # after the CLI is gone: it sees no closed connection
             shutil.rmtree(home, ignore_errors=True)
 
 
+def _upstream(cfg: _Config) -> str:
+    """Where the CLI's model requests go: where it would have sent them itself."""
+    return (
+        cfg.base_url
+        or cfg.env.get("ANTHROPIC_BASE_URL")
+        or os.environ.get("ANTHROPIC_BASE_URL")
+        or ANTHROPIC
+    )
+
+
 async def _start(
-    ctx: AsyncTurnContext, cfg: _Config, history: list[Entry], home: str
+    ctx: AsyncTurnContext, cfg: _Config, history: list[Entry], home: str, forwarder: Forwarder
 ) -> tuple[Any, _Turn]:
     from claude_agent_sdk import ClaudeAgentOptions, ClaudeSDKClient, HookMatcher
 
@@ -468,8 +488,12 @@ async def _start(
         "DISABLE_TELEMETRY": "1",
         **cfg.env,
     }
-    if cfg.base_url:
-        env["ANTHROPIC_BASE_URL"] = cfg.base_url
+    env["ANTHROPIC_BASE_URL"] = forwarder.url
+    if any(k.lower().endswith("_proxy") for k in [*os.environ, *cfg.env]):
+        # a proxy the CLI honours must not carry its requests to the forwarder
+        for name in ("NO_PROXY", "no_proxy"):
+            given = cfg.env.get(name, os.environ.get(name, ""))
+            env[name] = ",".join(p for p in (given, "127.0.0.1") if p)
     if cfg.api_key_env:
         key = os.environ.get(cfg.api_key_env)
         if not key:
@@ -516,7 +540,7 @@ async def _start(
         **kwargs,
     )
     client = ClaudeSDKClient(options)
-    turn = _Turn(ctx, client, session, cfg.model)
+    turn = _Turn(ctx, client, session, cfg.model, forwarder)
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
@@ -561,12 +585,18 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
 
 
 async def _wrap_up(client: Any, turn: _Turn) -> Any:
-    """After a cancel: interrupt the CLI (it closes the model stream at once), then read
-    to its result, which comes after the cut reply. The engine's grace bounds this."""
+    """After a cancel: interrupt the CLI and, not waiting for it to act (~2 ms for a
+    fresh CLI), close the model stream upstream (the forwarder keeps the CLI's side open
+    and silent, so the CLI ends the turn through its interrupt, not a network error);
+    then read to its result, which comes after the cut reply. The engine's grace bounds
+    this."""
     turn.interrupted = True
     turn.end_chat(asyncio.CancelledError())  # the request the interrupt cuts
+    interrupting = asyncio.ensure_future(client.interrupt())
+    if turn.forwarder is not None:
+        turn.forwarder.cut()
     with contextlib.suppress(Exception):
-        await client.interrupt()
+        await interrupting
     with contextlib.suppress(Exception):
         async with asyncio.timeout(_WRAP_UP):
             async for msg in client.receive_response():
