@@ -46,6 +46,7 @@ log = structlog.get_logger("tether.adapters.claude_code")
 _NAMESPACE = uuid.UUID("5b0c7e2a-8f57-4a40-9d0e-2f1d3c6a9b11")
 _SESSION_KEY = "claude_session"  # the entry data key holding the saved session
 _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
+_CATCH_UP = 1.0  # seconds a cut CLI gets to show what the forwarder passed on, before its interrupt
 _RESULT_CAP = 20_000
 _SESSION_CAP = 8 * 1024 * 1024  # characters of a saved session (a frame carries 16 MiB)
 _SWEEP_PASSES = 20  # kill passes at the turn's end, until one finds nothing of ours alive
@@ -179,6 +180,7 @@ class _Turn:
         self.mcp_preempted: set[str] = set()  # preempted texts MCP calls gave the CLI
         self.prompt = 0  # the streaming response's prompt tokens (its message_start)
         self.reported = [0, 0]  # prompt and completion tokens reported this turn
+        self.deltas = 0  # content deltas the CLI streamed to us this turn
 
     # ---- steers --------------------------------------------------------------------
 
@@ -264,6 +266,7 @@ class _Turn:
             self._flush()
             self.reply = _Reply()
         elif kind == "content_block_delta":
+            self.deltas += 1
             delta = event.get("delta") or {}
             if delta.get("type") == "text_delta" and self.reply is not None:
                 self.reply.text += str(delta.get("text") or "")
@@ -455,8 +458,12 @@ class ClaudeCodeAgent:
         try:
             await forwarder.start()
             client, turn = await _start(ctx, cfg, history, home, forwarder)
+            # A cancel shuts the model connection from the worker's reader thread as it
+            # arrives, not after the loop's turn (busy with the CLI's stream, it lags)
+            ctx.on_cancel_arrival(forwarder.cut)
             return await _converse(ctx, client, turn, home)
         finally:
+            ctx.on_cancel_arrival(None)
             if turn is not None:
                 turn.close()
             await _stop(client, turn.before if turn is not None else None)
@@ -585,24 +592,50 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
 
 
 async def _wrap_up(client: Any, turn: _Turn) -> Any:
-    """After a cancel: interrupt the CLI and, not waiting for it to act (~2 ms for a
-    fresh CLI), close the model stream upstream (the forwarder keeps the CLI's side open
-    and silent, so the CLI ends the turn through its interrupt, not a network error);
-    then read to its result, which comes after the cut reply. The engine's grace bounds
-    this."""
+    """After a cancel: the model stream was closed upstream as the cancel arrived (the
+    forwarder's cut, from the reader thread; again here, idempotent); the CLI is let
+    show what had arrived before it (it drops what it has not read when it acts on its
+    interrupt: the cut reply would lose it), then interrupted; then read to its result,
+    which comes after the cut reply. The engine's grace bounds this."""
     turn.interrupted = True
     turn.end_chat(asyncio.CancelledError())  # the request the interrupt cuts
-    interrupting = asyncio.ensure_future(client.interrupt())
     if turn.forwarder is not None:
         turn.forwarder.cut()
+        result = await _catch_up(client, turn, turn.forwarder)
+        if result is not None:
+            return result
     with contextlib.suppress(Exception):
-        await interrupting
+        await client.interrupt()
     with contextlib.suppress(Exception):
         async with asyncio.timeout(_WRAP_UP):
             async for msg in client.receive_response():
                 result = turn.take(msg)
                 if result is not None:
                     return result
+    return None
+
+
+async def _catch_up(client: Any, turn: _Turn, forwarder: Forwarder) -> Any:
+    """Read the CLI's messages until it has streamed us every content delta the
+    forwarder passed on to it (nothing new comes after the cut), at most ``_CATCH_UP``;
+    the result if the CLI ended meanwhile. Not waited for when a reply could not be
+    counted (compressed)."""
+    try:
+        async with asyncio.timeout(_CATCH_UP):
+            await forwarder.settled()
+            while forwarder.deltas is not None and turn.deltas < forwarder.deltas:
+                async for msg in client.receive_messages():
+                    result = turn.take(msg)
+                    if result is not None:
+                        return result
+                    if forwarder.deltas is None or turn.deltas >= forwarder.deltas:
+                        break
+                else:
+                    break  # the CLI's messages ended
+    except TimeoutError:
+        log.info(
+            "claude.catch_up_timeout", turn=turn.ctx.turn, seen=turn.deltas, sent=forwarder.deltas
+        )
     return None
 
 
