@@ -33,3 +33,34 @@ def pydantic_ai_agent(config: dict[str, Any]) -> Any:
         return f"found {query}"
 
     return agent
+
+
+class LoopHoldingClaudeCode:
+    """``ClaudeCodeAgent`` whose worker's event loop is held (blocked, as a busy loop
+    would be) from the moment the file ``<config["hold"]>.on`` appears until
+    ``<config["hold"]>.off`` does (10 s at most); it writes ``.held`` once holding. For a
+    stop that must not wait for the loop."""
+
+    async def run(self, ctx: Any) -> str | None:
+        from tether.adapters.claude_code import ClaudeCodeAgent
+
+        config = dict(ctx.config)
+        hold = Path(config.pop("hold"))
+        ctx.config = config  # the adapter refuses keys it does not know
+        holder = asyncio.ensure_future(_hold_when_asked(hold))
+        try:
+            return await ClaudeCodeAgent().run(ctx)
+        finally:
+            holder.cancel()
+
+
+async def _hold_when_asked(hold: Path) -> None:
+    import time
+
+    on, off, held = (hold.with_suffix(s) for s in (".on", ".off", ".held"))
+    while not on.exists():
+        await asyncio.sleep(0.005)
+    held.touch()
+    deadline = time.monotonic() + 10.0
+    while not off.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)  # on the loop: nothing else of the turn runs meanwhile

@@ -563,6 +563,27 @@ class AsyncWrapUp:
         return "slept a minute"
 
 
+class AsyncCancelHook:
+    """Sets a cancel-arrival hook that records the thread it ran in and releases the
+    loop, says ``ready``, then blocks its loop (10 s at most) until the hook has run;
+    the cancel is then raised at the next await."""
+
+    async def run(self, ctx: Any) -> str:
+        import asyncio
+
+        ran: list[str] = []
+        ctx.on_cancel_arrival(lambda: ran.append(threading.current_thread().name))
+        ctx.say("ready")
+        deadline = time.monotonic() + 10.0
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.005)  # the loop is blocked: nothing of the loop's runs
+        ctx.say(
+            f"hook ran in {ran[0] if ran else 'no thread'}; main is {threading.main_thread().name}"
+        )
+        await asyncio.sleep(60)
+        return "slept a minute"
+
+
 class AsyncShielded:
     """Says ``shielded`` and holds a shield for ``data["hold"]`` seconds, then says
     ``shield done`` and awaits a long sleep; on the cancel it returns ``after shield``."""

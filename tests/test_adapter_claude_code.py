@@ -8,10 +8,12 @@ network. Each test has a server of its own (the CLI names its script by its mode
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
@@ -191,6 +193,153 @@ def test_a_cancel_mid_stream_closes_the_model_stream_and_keeps_the_cut_reply(
     assert cut.data is not None and cut.data["cut"] is True
     report = rt.stop_report(turn.id)
     assert report is not None and report.partial == cut.text
+
+
+def test_a_cancel_mid_stream_closes_the_model_connection_before_the_cli_acts_on_its_interrupt(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # The CLI is stopped (SIGSTOP) before the cancel, so it cannot act on its interrupt:
+    # the server's disconnect is the adapter's own doing. Resumed, the CLI ends the turn
+    # through its interrupt, the cut reply kept, with no network error to retry.
+    with runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        text = "A long answer that the cancel cuts in the middle"
+        _root, child, me = _agent(
+            rt, server, tmp_path / "home", [{"text": text, "chunk": 4, "hang": True}]
+        )
+        rt.send(child, "tell me everything", authority=me)
+        [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
+        eventually(lambda: _all_read(server), timeout=10.0, what="the text read")
+        cli = _cli(rt)
+        cli.send_signal(signal.SIGSTOP)
+        try:
+            eventually(lambda: cli.status() == psutil.STATUS_STOPPED, what="the CLI stopped")
+            rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+            gone = server.wait_disconnect(request.id, timeout=10.0)
+            assert cli.status() == psutil.STATUS_STOPPED  # still: it closed nothing
+            assert rt.turns(child)[0].ended_at is None  # the turn waits for the CLI
+        finally:
+            cli.send_signal(signal.SIGCONT)
+        ended = rec.turn_ended(child, timeout=TIMEOUT)
+        assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+        [turn] = rt.turns(child)
+        assert turn.ended_at is not None and gone.time <= turn.ended_at
+        cut = entries(rt, child, "assistant")[-1]
+        assert cut.text and text.startswith(cut.text)
+        assert cut.data is not None and cut.data["cut"] is True
+        assert len(server.requests_for(MODEL)) == 1  # the CLI did not retry
+
+
+def test_a_cancel_closes_the_model_connection_while_the_workers_loop_is_busy(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # The worker's event loop is held (as the CLI's stream keeps a busy one) when the
+    # cancel arrives: the model connection is shut from the worker's reader thread, not
+    # after the loop's turn; the turn ends once the loop is free again.
+    hold = tmp_path / "hold"
+    with runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        text = "An answer the cancel cuts while the loop is held"
+        server.script(MODEL, [{"text": text, "chunk": 4, "hang": True}])
+        root = rt.open_session(SCRIPTED)
+        config = {**_config(server, tmp_path / "home"), "hold": str(hold)}
+        child = rt.spawn(root, "adapter_agents:LoopHoldingClaudeCode", config=config)
+        assert isinstance(child, str)
+        me = User(parent=root)
+        rt.send(child, "tell me everything", authority=me)
+        [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
+        eventually(lambda: _all_read(server), timeout=10.0, what="the text read")
+        hold.with_suffix(".on").touch()
+        eventually(hold.with_suffix(".held").exists, timeout=10.0, what="the loop held")
+        try:
+            rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+            gone = server.wait_disconnect(request.id, timeout=5.0)
+            assert not hold.with_suffix(".off").exists()  # the loop was held all along
+            assert rt.turns(child)[0].ended_at is None
+        finally:
+            hold.with_suffix(".off").touch()
+        ended = rec.turn_ended(child, timeout=TIMEOUT)
+        assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+        [turn] = rt.turns(child)
+        assert turn.ended_at is not None and gone.time <= turn.ended_at
+        cut = entries(rt, child, "assistant")[-1]
+        assert cut.text and text.startswith(cut.text)
+        assert len(server.requests_for(MODEL)) == 1
+
+
+def test_a_cancel_keeps_all_the_text_that_streamed_before_it_though_the_cli_had_not_read_it(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # The CLI is stopped before the text arrives: the forwarder has passed it all on
+    # when the cancel comes, but the CLI has read none of it. Resumed, the CLI still
+    # shows it all before its interrupt is sent, and the cut reply is the whole text.
+    with runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        text = "Every word of this streamed before the cancel"
+        _root, child, me = _agent(
+            rt, server, tmp_path / "home", [{"text": text, "chunk": 4, "pace": 0.3, "hang": True}]
+        )
+        rt.send(child, "tell me everything", authority=me)
+        cli = _cli(rt)
+        [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        cli.send_signal(signal.SIGSTOP)
+        try:
+            eventually(lambda: cli.status() == psutil.STATUS_STOPPED, what="the CLI stopped")
+            server.wait_for(
+                lambda s: s.requests_for(MODEL)[0].hanging, timeout=TIMEOUT, what="the hang"
+            )
+            eventually(lambda: _all_read(server), timeout=10.0, what="the text forwarded")
+            rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+            server.wait_disconnect(request.id, timeout=10.0)
+        finally:
+            cli.send_signal(signal.SIGCONT)
+        ended = rec.turn_ended(child, timeout=TIMEOUT)
+        assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+        cut = entries(rt, child, "assistant")[-1]
+        assert cut.text == text
+        assert cut.data is not None and cut.data["cut"] is True
+        assert len(server.requests_for(MODEL)) == 1
+
+
+def test_the_forwarder_serves_only_the_turns_cli_on_loopback_and_only_while_the_turn_runs(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # The CLI's model requests, its key among their headers, go through a listener in
+    # the worker: one on 127.0.0.1 whose base URL has a per-turn secret as its path. A
+    # request without it is refused and never reaches the model; after the turn the
+    # port is closed.
+    import httpx
+
+    with runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        _root, child, me = _agent(
+            rt, server, tmp_path / "home", [{"text": "Hello there", "chunk": 4, "hang": True}]
+        )
+        rt.send(child, "hi", authority=me)
+        cli = _cli(rt)
+        server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        base = urlsplit(cli.environ()["ANTHROPIC_BASE_URL"])
+        assert (base.scheme, base.hostname) == ("http", "127.0.0.1")
+        assert len(base.path) > 30 and SECRET not in base.path
+        worker = cli.ppid()  # the CLI is the worker's child
+        [listening] = [
+            c
+            for c in psutil.Process(worker).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == base.port
+        ]
+        assert listening.laddr.ip == "127.0.0.1"
+        origin = f"http://127.0.0.1:{base.port}"
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+        for path in ("/v1/messages", "/wrong-secret/v1/messages", base.path[:-1] + "/v1/messages"):
+            answer = httpx.post(origin + path, json=body, headers={"x-api-key": "k"}, timeout=10)
+            assert answer.status_code == 404
+        assert [r.api_key for r in server.requests] == [SECRET]  # nothing else reached it
+        rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+        assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "cancelled"
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(origin + base.path + "/v1/messages", json=body, timeout=10)
 
 
 def _cli(rt: tether.Runtime) -> psutil.Process:

@@ -93,6 +93,24 @@ def test_a_driver_that_catches_the_cancel_ends_cancelled_with_its_wrap_up_in_the
     assert notice.data["notice"]["outcome"] == "cancelled"
 
 
+def test_a_cancel_arrival_hook_runs_in_the_reader_thread_while_the_loop_is_blocked(
+    rt: tether.Runtime,
+) -> None:
+    # The driver's loop is blocked until the hook has run: a hook run on the loop would
+    # wait for the 10 s block, and the turn would end after it.
+    rec = Recorder(rt)
+    _root, child, me = _family(rt, "drivers:AsyncCancelHook")
+    rt.send(child, "work", authority=me)
+    wait_entry(rt, child, "assistant", "ready")
+    start = time.monotonic()
+    rt.interrupt(child, authority=me, kind="cancel", reason="now")
+    ended = rec.turn_ended(child, timeout=10.0)
+    assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
+    assert time.monotonic() - start < 5.0
+    said = texts(rt, child, "assistant")
+    assert said[1] == "hook ran in tether-worker-reader; main is MainThread", said
+
+
 def test_a_shield_holds_the_cancel_until_the_block_exits() -> None:
     with tether.Runtime(workers=1, grace=5.0) as rt:
         rec = Recorder(rt)

@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import structlog
 
+from tether.adapters._forward import ANTHROPIC, Forwarder
 from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
@@ -45,6 +46,7 @@ log = structlog.get_logger("tether.adapters.claude_code")
 _NAMESPACE = uuid.UUID("5b0c7e2a-8f57-4a40-9d0e-2f1d3c6a9b11")
 _SESSION_KEY = "claude_session"  # the entry data key holding the saved session
 _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
+_CATCH_UP = 1.0  # seconds a cut CLI gets to show what the forwarder passed on, before its interrupt
 _RESULT_CAP = 20_000
 _SESSION_CAP = 8 * 1024 * 1024  # characters of a saved session (a frame carries 16 MiB)
 _SWEEP_PASSES = 20  # kill passes at the turn's end, until one finds nothing of ours alive
@@ -151,10 +153,16 @@ class _Turn:
     """The bookkeeping of one turn with the CLI."""
 
     def __init__(
-        self, ctx: AsyncTurnContext, client: Any, session: str, model: str | None = None
+        self,
+        ctx: AsyncTurnContext,
+        client: Any,
+        session: str,
+        model: str | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.ctx = ctx
         self.client = client
+        self.forwarder = forwarder  # the CLI's model requests go through it
         self.session = session  # the CLI's session id
         self.model = model or "claude"  # for the model requests' spans
         # The model request streaming now (telemetry on): its span, from the CLI's
@@ -172,6 +180,7 @@ class _Turn:
         self.mcp_preempted: set[str] = set()  # preempted texts MCP calls gave the CLI
         self.prompt = 0  # the streaming response's prompt tokens (its message_start)
         self.reported = [0, 0]  # prompt and completion tokens reported this turn
+        self.deltas = 0  # content deltas the CLI streamed to us this turn
 
     # ---- steers --------------------------------------------------------------------
 
@@ -257,6 +266,7 @@ class _Turn:
             self._flush()
             self.reply = _Reply()
         elif kind == "content_block_delta":
+            self.deltas += 1
             delta = event.get("delta") or {}
             if delta.get("type") == "text_delta" and self.reply is not None:
                 self.reply.text += str(delta.get("text") or "")
@@ -444,18 +454,35 @@ class ClaudeCodeAgent:
         home = tempfile.mkdtemp(prefix="tether-claude-")
         client: Any = None
         turn: _Turn | None = None
+        forwarder = Forwarder(_upstream(cfg))
         try:
-            client, turn = await _start(ctx, cfg, history, home)
+            await forwarder.start()
+            client, turn = await _start(ctx, cfg, history, home, forwarder)
+            # A cancel shuts the model connection from the worker's reader thread as it
+            # arrives, not after the loop's turn (busy with the CLI's stream, it lags)
+            ctx.on_cancel_arrival(forwarder.cut)
             return await _converse(ctx, client, turn, home)
         finally:
+            ctx.on_cancel_arrival(None)
             if turn is not None:
                 turn.close()
             await _stop(client, turn.before if turn is not None else None)
+            await forwarder.aclose()  # after the CLI is gone: it sees no closed connection
             shutil.rmtree(home, ignore_errors=True)
 
 
+def _upstream(cfg: _Config) -> str:
+    """Where the CLI's model requests go: where it would have sent them itself."""
+    return (
+        cfg.base_url
+        or cfg.env.get("ANTHROPIC_BASE_URL")
+        or os.environ.get("ANTHROPIC_BASE_URL")
+        or ANTHROPIC
+    )
+
+
 async def _start(
-    ctx: AsyncTurnContext, cfg: _Config, history: list[Entry], home: str
+    ctx: AsyncTurnContext, cfg: _Config, history: list[Entry], home: str, forwarder: Forwarder
 ) -> tuple[Any, _Turn]:
     from claude_agent_sdk import ClaudeAgentOptions, ClaudeSDKClient, HookMatcher
 
@@ -468,8 +495,12 @@ async def _start(
         "DISABLE_TELEMETRY": "1",
         **cfg.env,
     }
-    if cfg.base_url:
-        env["ANTHROPIC_BASE_URL"] = cfg.base_url
+    env["ANTHROPIC_BASE_URL"] = forwarder.url
+    if any(k.lower().endswith("_proxy") for k in [*os.environ, *cfg.env]):
+        # a proxy the CLI honours must not carry its requests to the forwarder
+        for name in ("NO_PROXY", "no_proxy"):
+            given = cfg.env.get(name, os.environ.get(name, ""))
+            env[name] = ",".join(p for p in (given, "127.0.0.1") if p)
     if cfg.api_key_env:
         key = os.environ.get(cfg.api_key_env)
         if not key:
@@ -516,7 +547,7 @@ async def _start(
         **kwargs,
     )
     client = ClaudeSDKClient(options)
-    turn = _Turn(ctx, client, session, cfg.model)
+    turn = _Turn(ctx, client, session, cfg.model, forwarder)
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
@@ -561,10 +592,18 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
 
 
 async def _wrap_up(client: Any, turn: _Turn) -> Any:
-    """After a cancel: interrupt the CLI (it closes the model stream at once), then read
-    to its result, which comes after the cut reply. The engine's grace bounds this."""
+    """After a cancel: the model stream was closed upstream as the cancel arrived (the
+    forwarder's cut, from the reader thread; again here, idempotent); the CLI is let
+    show what had arrived before it (it drops what it has not read when it acts on its
+    interrupt: the cut reply would lose it), then interrupted; then read to its result,
+    which comes after the cut reply. The engine's grace bounds this."""
     turn.interrupted = True
     turn.end_chat(asyncio.CancelledError())  # the request the interrupt cuts
+    if turn.forwarder is not None:
+        turn.forwarder.cut()
+        result = await _catch_up(client, turn, turn.forwarder)
+        if result is not None:
+            return result
     with contextlib.suppress(Exception):
         await client.interrupt()
     with contextlib.suppress(Exception):
@@ -573,6 +612,30 @@ async def _wrap_up(client: Any, turn: _Turn) -> Any:
                 result = turn.take(msg)
                 if result is not None:
                     return result
+    return None
+
+
+async def _catch_up(client: Any, turn: _Turn, forwarder: Forwarder) -> Any:
+    """Read the CLI's messages until it has streamed us every content delta the
+    forwarder passed on to it (nothing new comes after the cut), at most ``_CATCH_UP``;
+    the result if the CLI ended meanwhile. Not waited for when a reply could not be
+    counted (compressed)."""
+    try:
+        async with asyncio.timeout(_CATCH_UP):
+            await forwarder.settled()
+            while forwarder.deltas is not None and turn.deltas < forwarder.deltas:
+                async for msg in client.receive_messages():
+                    result = turn.take(msg)
+                    if result is not None:
+                        return result
+                    if forwarder.deltas is None or turn.deltas >= forwarder.deltas:
+                        break
+                else:
+                    break  # the CLI's messages ended
+    except TimeoutError:
+        log.info(
+            "claude.catch_up_timeout", turn=turn.ctx.turn, seen=turn.deltas, sent=forwarder.deltas
+        )
     return None
 
 

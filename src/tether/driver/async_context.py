@@ -81,8 +81,28 @@ class AsyncTurnContext(BaseContext):
         self._calls: list[_Call] = []
         self._shield = 0
         self._deferred = False  # a cancel delivered inside a shield: raised at its exit
+        self._arrival: Callable[[], object] | None = None
 
     # ---- cancel delivery --------------------------------------------------------------
+
+    def on_cancel_arrival(self, hook: Callable[[], object] | None) -> None:
+        """Run ``hook`` in the worker's reader thread the moment this turn's cancel
+        arrives, before the loop (which may be busy) raises it in the driver's task: for
+        a step a stop must not wait for, such as shutting a model connection's socket.
+        It must be quick, thread-safe and touch nothing of the loop's; what it raises is
+        logged and dropped. ``None`` removes it. Not run for a cancel issued before the
+        turn started (that one is raised at the driver's first await)."""
+        self._arrival = hook
+
+    def _arrived(self) -> None:
+        """In the reader thread: the cancel's arrival hook, then its delivery on the loop."""
+        hook = self._arrival
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # a driver's hook never takes the reader thread down
+                log.exception("driver.cancel_hook_failed", turn=self.turn)
+        self._loop.call_soon_threadsafe(self._deliver)
 
     @property
     def cancel(self) -> Cancel | None:
@@ -556,14 +576,11 @@ def run_async_turn(worker: WorkerPort, run: RunTurn, state: _TurnState, cls: typ
         ctx._task = asyncio.current_task()
         driver = cls()
 
-        def on_cancel() -> None:
-            loop.call_soon_threadsafe(ctx._deliver)
-
         def on_preempt(frame: Preempt) -> None:
             loop.call_soon_threadsafe(ctx._on_preempt, frame)
 
         with state.lock:
-            state.on_cancel = on_cancel
+            state.on_cancel = ctx._arrived
             state.on_preempt = on_preempt
             state.on_reply = ctx._on_reply
             held = state.cancel is not None
