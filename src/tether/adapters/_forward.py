@@ -1,7 +1,7 @@
 """A forwarder for the model requests of a CLI that has an HTTP client of its own.
 
 Claude Code's CLI (a Node process) talks to the model itself; on a cancel it takes a
-couple of milliseconds to act on its interrupt and drop the stream, and SPEC §16.1 wants
+couple of milliseconds to act on its interrupt and drop the stream, and semantics §16.1 wants
 the stream closed at once. So the CLI's ``ANTHROPIC_BASE_URL`` points here
 (``127.0.0.1``, a free port, in the worker, with a per-turn secret as its path) and each
 request is forwarded to the real endpoint, its reply streamed back chunk by chunk as it

@@ -1,4 +1,4 @@
-// Budget bars (SPEC §16.2): on every session that has a budget or sits under one, the
+// Budget bars (semantics §16.2): on every session that has a budget or sits under one, the
 // tightest limit as spent / limit, amber at soft and red once exhausted.
 //
 // What a bar shows comes from subagent.budget of the budgeted sessions only: a session

@@ -146,7 +146,7 @@ function appendEntries(v, entries) {
   if (atBottom) pane.scrollTop = pane.scrollHeight;
 }
 
-// Markers of a stop that may have a report (SPEC §15.6): expanding one shows it.
+// Markers of a stop that may have a report (semantics §15.6): expanding one shows it.
 const STOPS = new Set(["cancelled", "aborted", "preempted", "forced", "escalated"]);
 
 function renderEntry(entry) {
