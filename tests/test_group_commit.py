@@ -369,3 +369,35 @@ def test_close_commits_every_accepted_write(make: Callable[..., Engine], tmp_pat
     assert rows == [f"w{i}" for i in range(50)] + [f"n{i}" for i in range(50)]
     with pytest.raises(RuntimeError, match="closed"):
         e.engine.submit(insert("late"))
+
+
+def test_a_deadline_calls_its_owner_on_the_writer_thread_and_what_it_queues_commits() -> None:
+    """``due_locked``/``on_due``: the store holds running turns' usage back and has the
+    writer call for it at a time; the call comes once, at that time or after, on the
+    writer thread, and the write it queues commits with nobody waiting for it."""
+    db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+    configure(db, None, "normal", WAL_LIMIT)
+    db.executescript("CREATE TABLE t (label TEXT); CREATE TABLE meta (v INTEGER);")
+    calls: list[tuple[float, str]] = []
+    engine: GroupCommit
+
+    def due() -> None:
+        calls.append((time.monotonic(), threading.current_thread().name))
+        engine.submit_locked(Statement("INSERT INTO t VALUES ('held')", ()), None)
+
+    engine = GroupCommit(db, None, probe=Statement("UPDATE meta SET v = v", ()), on_due=due)
+    try:
+        at = time.monotonic() + 0.2
+        with engine.queue_lock:
+            engine.due_locked(at)
+            engine.due_locked(at + 5.0)  # a later time does not put the call off
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            with engine.lock:
+                if db.execute("SELECT label FROM t").fetchall() == [("held",)]:
+                    break
+            assert time.monotonic() < deadline, "the held write never committed"
+            time.sleep(0.005)
+        assert len(calls) == 1 and calls[0][0] >= at and calls[0][1] == "tether-store"
+    finally:
+        engine.close()
