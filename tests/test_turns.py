@@ -9,11 +9,13 @@ Ray's reaper actor does (``_procs.reap_tree``) holds on real processes without R
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -106,21 +108,29 @@ def test_reaping_a_living_tree_kills_the_escapee_that_left_its_session() -> None
         reap(p.pid for p in kids)
 
 
-def test_reaping_a_tree_whose_root_died_finds_the_rest_by_its_tag() -> None:
-    token = secrets.token_hex(8)
+@contextlib.contextmanager
+def _dispersed(token: str) -> Iterator[tuple[subprocess.Popen[str], list[psutil.Process]]]:
+    """A tree whose root died on its own (its orphans re-parented); what is left of it is
+    killed at the end."""
     root, kids = _tree(token)
     try:
-        root.kill()  # the root dies on its own: its tree disperses
+        root.kill()
         root.wait(5.0)
         eventually(lambda: all(p.ppid() != root.pid for p in kids), what="orphans re-parented")
-        assert all(alive(p) for p in kids)
-        assert reap_tree(root.pid, token, 5.0)
-        assert not any(alive(p) for p in kids)
+        yield root, kids
     finally:
         for p in kids:
             if alive(p):
                 p.send_signal(signal.SIGKILL)
         reap(p.pid for p in kids)
+
+
+def test_reaping_a_tree_whose_root_died_finds_the_rest_by_its_tag() -> None:
+    token = secrets.token_hex(8)
+    with _dispersed(token) as (root, kids):
+        assert all(alive(p) for p in kids)
+        assert reap_tree(root.pid, token, 5.0)
+        assert not any(alive(p) for p in kids)
 
 
 def test_a_pass_from_a_root_that_died_meanwhile_proves_nothing() -> None:
@@ -128,17 +138,8 @@ def test_a_pass_from_a_root_that_died_meanwhile_proves_nothing() -> None:
     has handed its tree on, so an empty walk of it is no proof (it was taken for one: a
     turn ended crashed with the escapee of its worker's own SIGKILL still running)."""
     token = secrets.token_hex(8)
-    root, kids = _tree(token)
-    try:
-        root.kill()
-        root.wait(5.0)
-        eventually(lambda: all(p.ppid() != root.pid for p in kids), what="orphans re-parented")
+    with _dispersed(token) as (root, kids):
         assert not reap_pass(root.pid, group=root.pid, token=token, wait=0.0)
         assert alive(kids[1])  # the escapee, out of the group the pass kills too
         assert reap_tree(root.pid, token, 5.0)  # the unrooted pass finds them by their tag
         assert not any(alive(p) for p in kids)
-    finally:
-        for p in kids:
-            if alive(p):
-                p.send_signal(signal.SIGKILL)
-        reap(p.pid for p in kids)
