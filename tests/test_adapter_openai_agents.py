@@ -19,7 +19,7 @@ pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
-from test_chat_agent import _all_read, _mcp
+from test_chat_agent import CUT_TEXT, CUT_TRIES, _all_read, _mcp, cut_every_time
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -419,3 +419,13 @@ def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_mo
         top, chats = receiver.chats_under(ended["turn"], script, 2)
     assert top.attrs["gen_ai.agent.id"] == child and not top.error
     assert all(c.attrs["gen_ai.provider.name"] == "openai" for c in chats)
+
+
+@pytest.mark.timeout(240)
+def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    script = "oai-cut-loop"
+    replies = [{"text": CUT_TEXT, "chunk": 6, "hang": True}] * CUT_TRIES
+    _, child, me = _agent(rt, server, script, replies)
+    cut_every_time(rt, server, script, child, me)

@@ -392,6 +392,44 @@ def _all_read(server: ModelServer) -> bool:
     return found
 
 
+CUT_TRIES = 60
+CUT_TEXT = "a partial answer that will never end"
+
+
+def cut_every_time(
+    rt: tether.Runtime, server: ModelServer, script: str, child: str, me: User
+) -> None:
+    """Cancel ``CUT_TRIES`` turns of ``child`` (its script: ``CUT_TEXT`` in chunks, then a
+    hang) as soon as the worker has read what was sent: each keeps a partial reply, a
+    prefix of the text, marked ``cut``. Bytes the worker had read but not yet parsed
+    when the cancel came were lost with the whole partial (once in ~50-300 tries)."""
+    rec = Recorder(rt)
+    for i in range(CUT_TRIES):
+        after = max((e.seq for e in rt.transcript(child)), default=0)
+        rt.send(child, "go", authority=me)
+        server.wait_requests(i + 1, script=script, timeout=60.0)
+        server.wait_for(lambda s, i=i: s.requests_for(script)[i].hanging, what="the hang")
+        eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read the reply")
+        rt.interrupt(child, authority=me, kind="cancel", reason=f"try {i}")
+        ended = rec.turn_ended(child, count=i + 1, timeout=30.0)
+        assert ended["outcome"] == "cancelled", (i, ended)
+        said = [e for e in rt.transcript(child, after=after) if e.kind == "assistant"]
+        assert said, f"try {i}/{CUT_TRIES}: the cancelled turn kept no partial reply"
+        assert said[-1].text and CUT_TEXT.startswith(said[-1].text), (i, said[-1])
+        assert (said[-1].data or {}).get("cut") is True, (i, said[-1])
+
+
+@pytest.mark.timeout(240)
+def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    script = "cut-loop"
+    _, child, me = _agent(
+        rt, server, script, [{"text": CUT_TEXT, "chunk": 6, "hang": True}] * CUT_TRIES
+    )
+    cut_every_time(rt, server, script, child, me)
+
+
 def _talking_to(rt: tether.Runtime, server: ModelServer) -> psutil.Process | None:
     """The worker with a connection open to the model server (the agent's)."""
     port = _port(server)

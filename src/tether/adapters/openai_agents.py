@@ -37,6 +37,7 @@ from tether.agents.chat import (
     openai_client,
 )
 from tether.agents.chat import _config as _chat_config
+from tether.agents.drain import settle
 from tether.driver.async_context import AsyncTurnContext
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
@@ -79,8 +80,10 @@ class OpenAIAgentsAgent:
             async for _ in result.stream_events():
                 pass  # the entries are written in the SDK's task, as things happen
         except asyncio.CancelledError:
-            # The SDK's loop is a task of its own: stop it, and wait for it to unwind so
+            # The SDK's loop is a task of its own: let it take what the worker has read
+            # of the stream (the cut keeps it), stop it, and wait for it to unwind so
             # that the stream's connection is closed before the turn's end is reported.
+            await settle(turn.progress)
             result.cancel("immediate")
             task = result.run_loop_task
             if task is not None:
@@ -102,6 +105,7 @@ class _Run:
     ctx: AsyncTurnContext
     cfg: _Config
     partial: str = ""  # the text of the reply streaming now
+    events: int = 0  # streamed events seen: what a cancel's drain watches move
     steers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (place, msg)
 
     async def prepare(self, agent: Any, *, model: bool) -> Any:
@@ -183,6 +187,7 @@ class _Run:
 
     def on_event(self, event: Any) -> None:
         """One streamed event of a model reply (in the SDK's task, as it arrives)."""
+        self.events += 1
         self.ctx.progress()
         kind = getattr(event, "type", "")
         if kind == "response.created":
@@ -225,6 +230,9 @@ class _Run:
         if calls:
             data["tool_calls"] = calls
         self.ctx.say(text, data=data)
+
+    def progress(self) -> int:
+        return self.events
 
     def keep_partial(self) -> None:
         """A cut reply: what arrived is kept (``cut``), as ChatAgent keeps it."""

@@ -32,6 +32,7 @@ from tether.agents.chat import (
     _preempted_text,
     _result_text,
 )
+from tether.agents.drain import drained
 from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.telemetry import spans
@@ -242,16 +243,26 @@ class _Turn:
         )
 
         self.partial = ""
-        async with node.stream(run.ctx) as stream:
-            async for event in stream:
-                self.ctx.progress()  # every streamed event is progress for the watchdog
-                if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
-                    self.partial += event.part.content
-                elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
-                    self.partial += event.delta.content_delta
-                elif isinstance(event, EnqueuedMessagesEvent):
-                    self._taken(event)
-            response = stream.response
+        events = 0
+
+        async def read() -> Any:
+            nonlocal events
+            async with node.stream(run.ctx) as stream:
+                async for event in stream:
+                    events += 1
+                    self.ctx.progress()  # every streamed event is progress for the watchdog
+                    if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+                        self.partial += event.part.content
+                    elif isinstance(event, PartDeltaEvent) and isinstance(
+                        event.delta, TextPartDelta
+                    ):
+                        self.partial += event.delta.content_delta
+                    elif isinstance(event, EnqueuedMessagesEvent):
+                        self._taken(event)
+                return stream.response
+
+        # a cancel lets the stream parse what the worker had read first: the cut keeps it
+        response = await drained(read(), lambda: events)
         usage = response.usage
         span.usage(usage.input_tokens, usage.output_tokens)
         finish = getattr(response, "finish_reason", None)

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from tether.agents.drain import drained
 from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.disposal import on_disposed
@@ -106,6 +107,10 @@ class _Reply:
     calls: dict[int, dict[str, str]] = field(default_factory=dict)  # index -> id, name, args
     finish: str | None = None
     usage: tuple[int, int] | None = None  # prompt, completion tokens, as the stream said
+    chunks: int = 0  # how many the stream gave: what a cancel's drain watches move
+
+    def progress(self) -> int:
+        return self.chunks
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [
@@ -221,14 +226,21 @@ class ChatAgent:
         while True:
             reply = _Reply()
             stream: Any = None
+
+            async def read(reply: _Reply = reply) -> None:
+                nonlocal stream
+                stream = await client.chat.completions.create(**kwargs)
+                async for chunk in stream:
+                    reply.chunks += 1
+                    ctx.progress()  # every chunk is progress for the stall watchdog
+                    _take(ctx, reply, chunk)
+
             try:
                 with spans.chat("openai", cfg.model.name, **_server(cfg.model)) as span:
                     span.content("gen_ai.system_instructions", cfg.system)
                     span.content("gen_ai.input.messages", messages)
-                    stream = await client.chat.completions.create(**kwargs)
-                    async for chunk in stream:
-                        ctx.progress()  # every chunk is progress for the stall watchdog
-                        _take(ctx, reply, chunk)
+                    # a cancel lets the stream parse what the worker had read first
+                    await drained(read(), reply.progress)
                     _answered(span, reply)
             except asyncio.CancelledError:
                 if reply.text:
