@@ -19,7 +19,7 @@ pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
-from test_chat_agent import CUT_TEXT, CUT_TRIES, _all_read, _mcp, cut_every_time
+from test_chat_agent import CUT_REPLIES, _all_read, _mcp, cut_every_time
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -426,6 +426,5 @@ def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     script = "oai-cut-loop"
-    replies = [{"text": CUT_TEXT, "chunk": 6, "hang": True}] * CUT_TRIES
-    _, child, me = _agent(rt, server, script, replies)
+    _, child, me = _agent(rt, server, script, CUT_REPLIES)
     cut_every_time(rt, server, script, child, me)

@@ -394,6 +394,7 @@ def _all_read(server: ModelServer) -> bool:
 
 CUT_TRIES = 60
 CUT_TEXT = "a partial answer that will never end"
+CUT_REPLIES = [{"text": CUT_TEXT, "chunk": 6, "hang": True}] * CUT_TRIES  # for cut_every_time
 
 
 def cut_every_time(
@@ -424,9 +425,7 @@ def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     script = "cut-loop"
-    _, child, me = _agent(
-        rt, server, script, [{"text": CUT_TEXT, "chunk": 6, "hang": True}] * CUT_TRIES
-    )
+    _, child, me = _agent(rt, server, script, CUT_REPLIES)
     cut_every_time(rt, server, script, child, me)
 
 
