@@ -23,6 +23,8 @@ from typing import Any, ClassVar, TypeVar
 import psutil
 
 import tether
+from tether.actors.host import _Sink
+from tether.actors.ports import TurnOver
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable, v2_mount
 from tether.runtime._procs import exiting
 
@@ -420,6 +422,24 @@ def runtime(*args: Any, **kwargs: Any) -> Iterator[tether.Runtime]:
         yield rt
     finally:
         rt.close()
+
+
+@contextlib.contextmanager
+def turn_reports() -> Iterator[dict[str, TurnOver]]:
+    """Each turn's one report from the executor (how its tree was killed, what died), as
+    its session's host receives it: the host's sink is wrapped, the reports pass on."""
+    seen: dict[str, TurnOver] = {}
+    real = _Sink.ended
+
+    def ended(self: _Sink, over: TurnOver) -> None:
+        seen[over.turn] = over
+        real(self, over)
+
+    _Sink.ended = ended  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        _Sink.ended = real  # type: ignore[method-assign]
 
 
 def refilled(rt: tether.Runtime, size: int = 3) -> None:

@@ -40,9 +40,9 @@ from drivers import (
     leaf_of,
     runtime,
     steps,
+    turn_reports,
 )
 from tether import InvalidParams, User
-from tether.actors.ports import TurnJob
 from tether.runtime import _contain, _procs
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf, kill_leaf
 
@@ -101,16 +101,15 @@ def _family(rt: tether.Runtime, **kw: Any) -> tuple[str, str, User]:
     return root, child, User(parent=root)
 
 
-def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> tuple[str, TurnJob]:
-    """Start a turn whose tool runs ``script``; its id and the pool's job for it."""
+def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> str:
+    """Start a turn whose tool runs ``script``; its id, once a worker runs it."""
     rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", script]}))
     turn = rt.wait(child, until="running").turn
     assert turn is not None
     pool: Any = rt._pool  # type: ignore[attr-defined]
-    # a claimed turn reaches the pool once its claim is durable, a worker just after
-    job: TurnJob = eventually(lambda: pool.turns.job(turn), what="the turn in the pool")
+    # a claimed turn reaches a worker once its claim is durable
     eventually(lambda: pool.turns.worker(turn), what="the turn on a worker")
-    return turn, job
+    return turn
 
 
 def _worker_pid(rt: tether.Runtime, turn: str) -> int:
@@ -135,7 +134,7 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
         assert rt.containment == containment
         _, child, me = _family(rt)
-        turn, job = _run_tool(rt, child, me, escapee(token))
+        turn = _run_tool(rt, child, me, escapee(token))
         found = eventually(lambda: escapee_procs(token), what="the escapee running")
         esc = _escapee_loop(found, token)
         assert os.getsid(esc.pid) == esc.pid  # it left the worker's session
@@ -148,12 +147,13 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
 
         assert rec.outcome == "aborted"
         assert _live(found) == [] and escapee_procs(token) == []
-        # what the stop report will show: how, and every process with its fate
-        assert job.kill_via == containment
-        fates = {f.pid: f for f in job.kill_procs}
+        # what the stop report shows: how, and every process with its fate
+        report = eventually(lambda: rt.stop_report(turn), what="the stop report")
+        assert report.via == containment
+        fates = {f.pid: f for f in report.processes}
         assert fates[esc.pid].argv[0] == token and fates[esc.pid].fate == "dead"
         assert fates[esc.pid].started == pytest.approx(esc.create_time())
-        assert all(f.fate == "dead" and f.signal == "SIGKILL" for f in job.kill_procs)
+        assert all(f.fate == "dead" and f.signal == "SIGKILL" for f in report.processes)
         if containment == "cgroup":
             assert rec.resources is not None and rec.resources["cpu_ms"] > 0
         else:
@@ -192,7 +192,7 @@ def test_an_abort_racing_a_fork_bomb_of_200_forks_leaves_nothing(
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
         _, child, me = _family(rt)
         argv = f"exec {sys.executable} {script} {token} {sleep} {go} {count}"
-        turn, _job = _run_tool(rt, child, me, argv)
+        turn = _run_tool(rt, child, me, argv)
         eventually(lambda: len(escapee_procs(token)) >= 20, what="the bomb under way")
         go.touch()  # 180 more forks, 10 ms apart: the abort lands among them
         rt.interrupt(child, authority=me, kind="abort")
@@ -209,17 +209,18 @@ def test_sigkill_of_the_turns_worker_leaves_no_process_of_the_turn(
 ) -> None:
     """Issue 19's repro: before, the walk lost the env-cleared escapee once its worker
     was gone, and it ran forever."""
-    with runtime(workers=1, grace=1.0, containment=containment) as rt:
+    with runtime(workers=1, grace=1.0, containment=containment) as rt, turn_reports() as overs:
         _, child, me = _family(rt)
-        turn, job = _run_tool(rt, child, me, escapee(token))
+        turn = _run_tool(rt, child, me, escapee(token))
         found = eventually(lambda: escapee_procs(token), what="the escapee running")
         esc = _escapee_loop(found, token)
         os.kill(_worker_pid(rt, turn), signal.SIGKILL)
         rec = _ended(rt, child, turn)
         assert rec.outcome == "crashed"
         assert _live(found) == [] and escapee_procs(token) == []  # reported only once dead
-        assert job.kill_via == containment
-        assert esc.pid in {f.pid for f in job.kill_procs}
+        # the turn's end says how its tree was killed, and that the escapee was among it
+        assert overs[turn].via == containment
+        assert esc.pid in {f.pid for f in overs[turn].processes}
 
 
 @contextlib.contextmanager
@@ -491,7 +492,7 @@ def test_a_pause_freezes_every_process_of_the_turn_even_one_forked_just_before(
     script.write_text(TICKER)
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
         _, child, me = _family(rt)
-        turn, _job = _run_tool(rt, child, me, f"exec {sys.executable} {script} {out}")
+        turn = _run_tool(rt, child, me, f"exec {sys.executable} {script} {out}")
         eventually(lambda: out.stat().st_size > 50, what="the ticker ticking")
         worker = psutil.Process(_worker_pid(rt, turn))
 

@@ -28,6 +28,7 @@ from drivers import (
     refilled,
     runtime,
     steps,
+    turn_reports,
 )
 from tether import User
 from tether.testing.escapee import escapee_loop
@@ -100,7 +101,7 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
     is no worker, and kills it before the turn's end is reported."""
     token = f"tether-orphan-{uuid.uuid4().hex[:10]}"
     try:
-        with runtime(workers=1, grace=1.0, containment="walk") as rt:
+        with runtime(workers=1, grace=1.0, containment="walk") as rt, turn_reports() as overs:
             _, child, me = _family(rt)
             rt.send(
                 child,
@@ -113,7 +114,6 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
             [esc] = escapee_loop(found, token)
             pool: Any = rt._pool  # type: ignore[attr-defined]
             launcher = _launcher(rt)
-            job = eventually(lambda: pool.turns.job(turn), what="the turn in the pool")
             worker = eventually(lambda: pool.turns.worker(turn), what="the turn on a worker")
             # The pool's lock held: the worker's end is not handled (no walk of its tree
             # while it is still dying) until the launcher has reaped it and adopted its
@@ -127,7 +127,8 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
             assert rec.outcome == "crashed"
             assert not esc.is_running() or esc.status() == psutil.STATUS_ZOMBIE
             assert escapee_procs(token) == []
-            assert job.kill_via == "walk" and esc.pid in {f.pid for f in job.kill_procs}
+            over = overs[turn]  # the turn's end says how its tree was killed, and what died
+            assert over.via == "walk" and esc.pid in {f.pid for f in over.processes}
             refilled(rt, size=2)
     finally:
         for p in escapee_procs(token):

@@ -32,19 +32,19 @@ from drivers import (
     worker_with_tool,
 )
 from tether import User
-from tether.actors.ports import TurnJob
+from tether.actors.ports import TurnOver, TurnSpec
 from tether.runtime.backends.pool import HELD_BYTES, Pool, PoolHost
+from tether.wire.codec import MAX_FRAME
 from tether.wire.frames import (
     Delivered,
     Escalating,
     Progress,
     Say,
-    Steer,
-    SteerFrame,
     ToolCall,
     ToolKilled,
     ToolReply,
     TurnEnd,
+    Usage,
 )
 from tether.wire.records import Message
 
@@ -194,9 +194,12 @@ class _RecordingSink:
     def escalating(self, frame: Escalating) -> None: ...
     def said(self, frame: Say) -> None: ...
 
-    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
+    def usage(self, frame: Usage) -> None: ...
+    def started(self, turn: str) -> None: ...
+
+    def ended(self, over: TurnOver) -> None:
         with self.cond:
-            self.ends[turn] = (end, error)
+            self.ends[over.turn] = (over.end, over.error)
             self.cond.notify_all()
 
     def end_of(self, turn: str, timeout: float = 10.0) -> tuple[TurnEnd | None, str | None]:
@@ -206,26 +209,27 @@ class _RecordingSink:
 
 
 class _NoTools(PoolHost):
-    def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
+    def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
         return ToolReply(turn=frame.turn, call=frame.call, code="internal", message="none")
 
 
-def _job(turn: str, sink: _RecordingSink, data: dict[str, Any] | None = None) -> TurnJob:
-    msg = Message(id=f"m_{turn}", session=f"s_{turn}", content=turn, data=data)
-    return TurnJob(turn, f"s_{turn}", SCRIPTED, msg, None, None, sink)
+def _job(
+    turn: str, sink: _RecordingSink, data: dict[str, Any] | None = None, content: str | None = None
+) -> TurnSpec:
+    msg = Message(id=f"m_{turn}", session=f"s_{turn}", content=content or turn, data=data)
+    return TurnSpec(turn, f"s_{turn}", SCRIPTED, msg, None, None, sink)
 
 
 def test_a_turn_whose_start_frame_cannot_be_encoded_ends_and_strands_no_other_turn() -> None:
     """Dispatch never lets a frame error escape: a turn whose start frame is over the cap
-    (here filled past the bound by hand) ends with an error saying so, the turn whose end
-    freed the worker is reported, and the worker takes the next turn."""
+    (a message past the frame cap: a session's checks refuse one, a later host's store may
+    not) ends with an error saying so, the turn whose end freed the worker is reported,
+    and the worker takes the next turn."""
     sink = _RecordingSink()
     pool = Pool(1, _NoTools())
     try:
         pool.submit(_job("t_a", sink, steps({"op": "work", "steps": 30, "every": 0.01})))
-        big = _job("t_big", sink)
-        big.pending.extend(SteerFrame("t_big", Steer(BIG, "user", "u")) for _ in range(2300))
-        pool.submit(big)
+        pool.submit(_job("t_big", sink, content="x" * (MAX_FRAME + 1)))
         pool.submit(_job("t_c", sink))
         end, error = sink.end_of("t_a")
         assert end is not None and end.outcome == "completed"

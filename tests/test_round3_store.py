@@ -364,11 +364,11 @@ def test_steers_for_a_turn_held_for_its_claim_are_bounded_like_any_waiting_turns
     db_path: str,
 ) -> None:
     """A turn whose claim cannot commit (another process holds the write lock) waits
-    in the claim gate as one waiting for a worker; the steers held for it are bounded
+    in the turn table as one waiting for a worker; the steers held for it are bounded
     by the same HELD_BYTES as in the pool (the gate once kept them without a bound: a
     store that stays down would have held them all in memory, and a turn that then
     started carried more than the pool would have accepted)."""
-    from tether.actors.ports import HELD_BYTES
+    from tether.runtime.backends._held import HELD_BYTES
 
     big = "\U0001f600" * 2000  # 8,000 bytes of UTF-8 in a 2,000-character reason
     with tether.Runtime(db_path, workers=1, grace=1.0) as rt:

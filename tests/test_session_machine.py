@@ -74,7 +74,8 @@ from hypothesis.stateful import (
 )
 
 from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind
-from tether.actors.ports import ParentNotice, TurnJob
+from tether.actors.ports import ParentNotice, TurnOver, TurnSpec
+from tether.runtime.backends._held import Held
 from tether.wire.errors import StoreUnavailable
 from tether.wire.frames import (
     CancelFrame,
@@ -203,6 +204,8 @@ class TurnLog:
 class FakeStore:
     """``AgentStore`` for one session: records what the session writes, checks the order."""
 
+    failed = False  # its commits never fail
+
     def __init__(self, machine: SessionMachine) -> None:
         self.m = machine
         self.seq = itertools.count(1)
@@ -288,7 +291,8 @@ def _with_created(entry: Entry, wall: float) -> Entry:
 class Worker:
     """One turn's worker, as the executor and the host see it."""
 
-    job: TurnJob
+    spec: TurnSpec
+    held: Held = field(default_factory=Held)  # what waits for a worker, as in the turn table
     dispatched: bool = False
     frozen: bool = False
     gone: bool = False  # finished, crashed or killed: it sends nothing more
@@ -319,14 +323,14 @@ class FakeExecutor:
         self._live_turn(turn)
         return self.workers[turn]
 
-    def submit(self, job: TurnJob) -> None:
-        if job.turn in self.workers:
-            raise Violation(f"{job.turn} submitted twice")
-        self._live_turn(job.turn)
+    def submit(self, spec: TurnSpec) -> None:
+        if spec.turn in self.workers:
+            raise Violation(f"{spec.turn} submitted twice")
+        self._live_turn(spec.turn)
         if self.refuse_next:
             self.refuse_next = False
             raise StoreUnavailable("closed under us")
-        self.workers[job.turn] = Worker(job)
+        self.workers[spec.turn] = Worker(spec)
 
     def signal(self, turn: str, frame: HostFrame) -> None:
         w = self._live(turn)
@@ -342,7 +346,7 @@ class FakeExecutor:
         if w.gone:
             return  # the worker is dead: nothing reads it
         if not w.dispatched:
-            w.job.hold(frame)
+            w.held.hold(frame)
         elif w.frozen:
             w.backlog.append(frame)
         else:
@@ -395,13 +399,22 @@ class Events:
         return True
 
 
+@dataclass(frozen=True)
+class _Took:
+    """The table's word that a worker took the turn (``TurnSink.started``)."""
+
+    turn: str
+
+
 class NullSink:
     def said(self, frame: Any) -> None: ...
     def delivered(self, frame: Any) -> None: ...
     def tool_killed(self, frame: Any) -> None: ...
     def progress(self, frame: Any) -> None: ...
     def escalating(self, frame: Any) -> None: ...
-    def ended(self, turn: str, end: Any, error: Any) -> None: ...
+    def usage(self, frame: Any) -> None: ...
+    def started(self, turn: str) -> None: ...
+    def ended(self, over: Any) -> None: ...
 
 
 # ---- the machine -----------------------------------------------------------------------------
@@ -603,15 +616,16 @@ class SessionMachine(RuleBasedStateMachine):
     def a_worker_takes_the_turn(self) -> None:
         w = self.worker()
         assert w is not None
-        run, rest = w.job.start()
+        run, rest = w.held.start(w.spec)
         w.dispatched = True
+        if w.spec.watched:  # the table says so before the worker can say anything
+            self.outbox.append(_Took(w.spec.turn))
         for frame in [*run.held, *rest]:
             self.worker_reads(w, frame)
-        w.job.started_at = self.clock.mono  # as the turn table stamps it
 
     def worker_reads(self, w: Worker, frame: HostFrame) -> None:
         """The worker's reader thread (``runtime.worker._Worker.read_loop``)."""
-        turn = w.job.turn
+        turn = w.spec.turn
         match frame:
             case SteerFrame(steer=steer):
                 if w.cancel is None:
@@ -644,7 +658,7 @@ class SessionMachine(RuleBasedStateMachine):
     def the_driver_reaches_a_boundary(self) -> None:
         w = self.running_worker()
         assert w is not None
-        turn = w.job.turn
+        turn = w.spec.turn
         if w.cancel is not None:
             if not w.cancel_delivered and not w.escalating:
                 w.cancel_delivered = True
@@ -652,21 +666,21 @@ class SessionMachine(RuleBasedStateMachine):
         elif w.steers:
             steers, w.steers = w.steers, []
             self.outbox.append(Delivered(turn=turn, steers=steers))
-        if w.job.progress_every is not None:
+        if w.spec.progress_every is not None:
             self.outbox.append(Progress(turn=turn, in_tool=w.tool is not None))
 
     def the_driver_says_something(self, looping: bool) -> None:
         w = self.running_worker()
         assert w is not None
-        turn = w.job.turn
+        turn = w.spec.turn
         self.outbox.append(Say(turn=turn, kind="assistant", text=f"step {len(self.outbox)}"))
-        if w.job.progress_every is not None:
+        if w.spec.progress_every is not None:
             self.outbox.append(Progress(turn=turn, looping=looping, in_tool=w.tool is not None))
 
     def a_command_starts_or_returns(self) -> None:
         w = self.running_worker()
         assert w is not None
-        turn = w.job.turn
+        turn = w.spec.turn
         if w.tool is None:
             w.tools += 1
             w.tool = w.tools
@@ -680,7 +694,7 @@ class SessionMachine(RuleBasedStateMachine):
     def the_driver_returns(self, failed: bool) -> None:
         w = self.running_worker()
         assert w is not None
-        turn = w.job.turn
+        turn = w.spec.turn
         w.gone = True
         if failed:
             end = TurnEnd(turn=turn, outcome="failed", error="ValueError: boom")
@@ -693,7 +707,7 @@ class SessionMachine(RuleBasedStateMachine):
         w = self.running_worker()
         assert w is not None
         w.gone = True
-        self.outbox.append((w.job.turn, None, "worker exited with -11"))
+        self.outbox.append((w.spec.turn, None, "worker exited with -11"))
 
     @precondition(lambda self: (w := self.worker()) is not None and w.kill_requested and not w.gone)
     @rule()
@@ -702,7 +716,7 @@ class SessionMachine(RuleBasedStateMachine):
         w = self.worker()
         assert w is not None
         w.gone = True
-        self.outbox.append((w.job.turn, None, None))
+        self.outbox.append((w.spec.turn, None, None))
 
     # -- the host reads the worker's reports, in order -------------------------------------
 
@@ -714,10 +728,13 @@ class SessionMachine(RuleBasedStateMachine):
                 return
             item = self.outbox.popleft()
             s = self.session
+            if isinstance(item, _Took):
+                s.took(item.turn)  # changes nothing shown: no publish, as the host does
+                continue
             if isinstance(item, tuple):
                 turn, end, error = item
                 claimed = len(self.store.order)
-                self.host(s.ended, turn, end, error)
+                self.host(s.ended, TurnOver(turn, end, error))
                 # the queue resumes: a turn starts (it may end at once), or nothing waits
                 resumed = len(self.store.order) > claimed or not s.hold
                 if self.store.turns[turn].latched and not resumed and self.open:

@@ -3,9 +3,9 @@ subtree stops (a cancel or an abort of every running turn below a session).
 
 Real worker processes and tool subprocesses throughout; every wait is on state or
 events, with a deadline. The tests that check the processes a kill lists need an
-executor that fills ``TurnJob.kill_via``/``kill_procs`` (the containment work of issue
-19, item 1): on an executor that does not say how it killed a tree (``via`` None), they
-skip and say so.
+executor that reports how it killed a tree (``TurnOver.via`` and ``processes``: the
+containment work of issue 19, item 1): on one that does not (``via`` None), they skip
+and say so.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ HANG_OP = {"op": "hang"}
 HANG = steps(HANG_OP)
 SH_TREE = ["sh", "-c", "sleep 300 & sleep 300; wait"]
 CALLER = "test_tools:ToolCaller"  # plays a model: makes the tool calls its message lists
-NO_PROCS = "this executor does not report how it killed a tree (TurnJob.kill_via): cgroup branch"
+NO_PROCS = "this executor does not report how it killed a tree (TurnOver.via): cgroup branch"
 
 
 def _child(rt: tether.Runtime, parent: str, driver: str = SCRIPTED, **kw: Any) -> str:

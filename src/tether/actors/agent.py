@@ -28,7 +28,15 @@ from tether.actors._ids import new_id
 from tether.actors.budget import Governor
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
-from tether.actors.ports import AgentStore, EventSink, Executor, ParentNotice, TurnJob, TurnSink
+from tether.actors.ports import (
+    AgentStore,
+    EventSink,
+    Executor,
+    ParentNotice,
+    TurnOver,
+    TurnSink,
+    TurnSpec,
+)
 from tether.actors.states import AgentState, check_transition
 from tether.telemetry.hooks import NOOP, ControlSpan, Telemetry, TurnSpan
 from tether.wire.errors import InvalidParams, TetherError
@@ -139,8 +147,10 @@ _PREEMPTS_KEPT = 16  # preempts remembered per turn, to date the one a ToolKille
 class _Turn:
     id: str
     message: Message
-    job: TurnJob
     stop: _Stop | None = None
+    # The turn's latest assistant text, kept as the worker says it, so that its end can
+    # name its partial work without reading the store.
+    last_say: str | None = None
     delivered: bool = False
     force: bool = False  # the grace timer fired: a kill was requested
     escalating: bool = False  # the deadline passed: the worker was asked (Escalate)
@@ -169,9 +179,8 @@ class _Turn:
     preempts: list[tuple[str, str, str, float]] | None = None
     preempted: list[ToolFate] | None = None  # calls a preempt cut, for its ToolKilled
     preempt_report: StopReport | None = None
-    # A worker has taken the turn (the executor stamped ``job.started_at``, or its
-    # first report came): the watchdog's clock runs from there, never while the turn
-    # waits for a free worker.
+    # A worker has taken the turn (the executor said so, or its first report came): the
+    # watchdog's clock runs from there, never while the turn waits for a free worker.
     started: bool = False
     # Telemetry on (semantics §16.3): the turn's span, and the control actions' spans that
     # have not landed yet (steers in order, the stop, preempts with what names them).
@@ -293,6 +302,7 @@ class Session:
             and not self.hold
             and bool(self.inbox)
             and h.executor.accepting()
+            and not h.store.failed  # no claim can be made durable
             and (self.header.mode != "one-shot" or self._started == 0)
         )
 
@@ -316,22 +326,7 @@ class Session:
             self.inbox = None
         woken_by, self.woken_by = self.woken_by, None
         claim = host.store.start_turn(turn_id, message, woken_by)
-        job = TurnJob(
-            turn=turn_id,
-            session=h.id,
-            driver=h.driver,
-            message=message,
-            config=h.config,
-            permissions=h.permissions,
-            sink=host.sink(h.id),
-            claim=claim,
-            limits=h.limits,
-        )
-        stall = h.stall
-        if stall is not None:
-            job.progress_every = _progress_every(stall)
-            job.repeat = stall.get("repeat")
-        self.turn = t = _Turn(turn_id, message, job)
+        self.turn = t = _Turn(turn_id, message)
         tel = host.telemetry
         if tel.on:
             t.span = tel.turn_started(
@@ -342,16 +337,30 @@ class Session:
                 parent=message.trace,
                 message=message.content,
             )
-            if t.span is not None:
-                job.trace = t.span.trace
+        stall = h.stall
+        spec = TurnSpec(
+            turn=turn_id,
+            session=h.id,
+            driver=h.driver,
+            message=message,
+            config=h.config,
+            permissions=h.permissions,
+            sink=host.sink(h.id),
+            progress_every=None if stall is None else _progress_every(stall),
+            repeat=None if stall is None else stall.get("repeat"),
+            claim=claim,
+            limits=h.limits,
+            trace=None if t.span is None else t.span.trace,
+            watched=stall is not None,
+        )
         self._started += 1
         if stall is not None:
             t.last_progress = self._host.clock.monotonic()
             self._watch(t, float(stall["after"]))
         try:
-            host.executor.submit(job)
+            host.executor.submit(spec)
         except TetherError as exc:  # closed under us: end the claimed turn, never leave it open
-            self.ended(turn_id, None, exc.message)
+            self.ended(TurnOver(turn_id, None, exc.message))
             return
         if _debug():
             log.debug("turn.started", session=h.id, turn=turn_id, message=message.id)
@@ -435,7 +444,7 @@ class Session:
         )
         t = self.turn
         if frame.kind == "assistant" and frame.text and t is not None and t.id == frame.turn:
-            t.job.last_say = frame.text  # an entry of tool calls only is no assistant text
+            t.last_say = frame.text  # an entry of tool calls only is no assistant text
         if h.events.wants("entry"):
             self._emit("entry", {"entry": msgspec.to_builtins(entry)})
 
@@ -639,15 +648,10 @@ class Session:
         after = float(stall["after"])
         every = float(stall.get("every") or after)
         if not t.started:
-            began = t.job.started_at
-            if began is None:
-                # Still waiting for a worker: a turn that never ran cannot have stalled.
-                # Look again later.
-                self._watch(t, after)
-                return
-            # A worker took it then (the executor's stamp: no frame per turn for it)
-            t.started = True
-            t.last_progress = max(t.last_progress, began)
+            # Still waiting for a worker: a turn that never ran cannot have stalled.
+            # Look again later.
+            self._watch(t, after)
+            return
         if t.step == 0:
             since, wait = t.last_progress, after
         else:
@@ -766,6 +770,7 @@ class Session:
         self,
         t: _Turn,
         stop: _Stop,
+        over: TurnOver,
         *,
         killed: bool,
         outcome: str,
@@ -786,7 +791,7 @@ class Session:
             # The kill, confirmed by the executor: a forced or escalated cancel took effect
             # only then, whatever reached the driver before (a shield held it, or the
             # driver ignored it).
-            effective, via = now, t.job.kill_via
+            effective, via = now, over.via
         else:  # the driver ended the turn on its own once the stop had reached it
             effective, via = now, "boundary"
         tools: list[ToolFate] = []
@@ -808,7 +813,7 @@ class Session:
             forced=forced,
             escalated=escalated,
             via=via,
-            processes=list(t.job.kill_procs) if killed else [],
+            processes=list(over.processes) if killed else [],
             tools=tools,
             partial=partial,
         )
@@ -832,10 +837,19 @@ class Session:
 
     # ---- turn end -----------------------------------------------------------------
 
-    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
+    def took(self, turn: str) -> None:
+        """A worker took the turn (told only of a watched one): the watchdog runs from now."""
         t = self.turn
-        if t is None or t.id != turn:
+        if t is None or t.id != turn or t.started:
             return
+        t.started = True
+        t.last_progress = max(t.last_progress, self._host.clock.monotonic())
+
+    def ended(self, over: TurnOver) -> None:
+        t = self.turn
+        if t is None or t.id != over.turn:
+            return
+        end, error = over.end, over.error
         # The end observed (for a kill: the executor has confirmed the tree dead), taken
         # before the end record's own time, which the stop report's effect precedes.
         seen = self._host.clock.now()
@@ -863,7 +877,7 @@ class Session:
         if escalated:
             self._marker(t, "escalated", "system", "system", "no boundary before the deadline")
         final = end.final if end is not None else None
-        partial = final if final is not None else t.job.last_say
+        partial = final if final is not None else t.last_say
         # What the worker reported as it went (a killed turn sends no end): the record's
         # usage, so a tree's spent always equals the sum of its turns' records.
         reported = host.budget.ended(t.id) if host.budget is not None else None
@@ -895,7 +909,7 @@ class Session:
             reason=reason,
             error=error,
             final=final,
-            resources=t.job.resources,
+            resources=over.resources,
             usage=usage,
             notice=notice,
         )
@@ -904,6 +918,7 @@ class Session:
             landed = self._final_report(
                 t,
                 stop,
+                over,
                 killed=killed,
                 outcome=outcome,
                 forced=forced,
@@ -1069,7 +1084,7 @@ class Session:
             origin=t.stop.origin if t.stop is not None else None,
             reason=reason,
             error=error,
-            final=final if final is not None else t.job.last_say,
+            final=final if final is not None else t.last_say,
             usage=end.usage if end is not None else None,
         )
 

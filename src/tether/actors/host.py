@@ -42,11 +42,11 @@ from tether.actors.agent import (
 from tether.actors.authority import Authority, Host
 from tether.actors.budget import Governor
 from tether.actors.directory import Directory
-from tether.actors.ports import AgentStore, EventSink, Executor
+from tether.actors.ports import AgentStore, EventSink, Executor, TurnOver
 from tether.actors.states import AgentState
 from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
-from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd, Usage
+from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, Usage
 from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader
 
 __all__ = [
@@ -188,11 +188,17 @@ class _Frame:
 
 
 @dataclass(frozen=True, slots=True)
-class _Ended:
+class _Took:
+    """A worker took the session's turn (said only of a watched turn)."""
+
     session: str
     turn: str
-    end: TurnEnd | None
-    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    session: str
+    over: TurnOver
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,8 +274,11 @@ class _Sink:
     def tool_killed(self, frame: ToolKilled) -> None:
         _tell(self._ref, _Frame(self._session, frame))
 
-    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
-        _tell(self._ref, _Ended(self._session, turn, end, error))
+    def started(self, turn: str) -> None:
+        _tell(self._ref, _Took(self._session, turn))
+
+    def ended(self, over: TurnOver) -> None:
+        _tell(self._ref, _Ended(self._session, over))
 
     def progress(self, frame: Progress) -> None:
         _tell(self._ref, _Frame(self._session, frame))
@@ -451,8 +460,12 @@ class SessionHost(pykka.ThreadingActor):
                     s.progress(frame)
             case _Frame(session=sid, frame=frame):
                 self._on(sid, lambda s: s.from_worker(frame))
-            case _Ended(session=sid, turn=turn, end=end, error=error):
-                self._on(sid, lambda s: s.ended(turn, end, error))
+            case _Took(session=sid, turn=turn):
+                s = self._live.get(sid)
+                if s is not None:  # changes nothing shown: no publish
+                    s.took(turn)
+            case _Ended(session=sid, over=over):
+                self._on(sid, lambda s: s.ended(over))
             case _Timer(session=sid, turn=turn, which=which, gen=gen):
                 self._on(sid, lambda s: s.timer(turn, which, gen))
             case BudgetStep(session=sid, turn=turn, kind=kind, text=text):

@@ -10,22 +10,15 @@ the exceptions, and wait on the caller's thread (docs/design.md, section 14).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-import msgspec
-
-from tether.wire.errors import InvalidParams
 from tether.wire.frames import (
-    CancelFrame,
     Delivered,
     Escalating,
     HostFrame,
-    Preempt,
     Progress,
-    RunTurn,
     Say,
-    SteerFrame,
     ToolKilled,
     Trace,
     TurnEnd,
@@ -33,35 +26,19 @@ from tether.wire.frames import (
 )
 from tether.wire.records import Message, ProcessFate, SessionHeader, StopReport
 
+KillVia = Literal["cgroup", "walk"]
+
 __all__ = [
-    "HELD_BYTES",
     "AgentStore",
     "Durable",
     "EventSink",
     "Executor",
+    "KillVia",
     "ParentNotice",
-    "TurnJob",
+    "TurnOver",
     "TurnSink",
-    "held_over",
+    "TurnSpec",
 ]
-
-
-# Steers and preempts waiting for a turn that cannot take them now (it waits for a
-# worker, or its worker is paused and stops reading), in encoded bytes: past this one is
-# refused when issued. It keeps a paused turn's memory bounded, and a turn's start frame
-# (which carries what was held) far under the frame cap.
-HELD_BYTES = 1 << 20
-_held_encoder = msgspec.msgpack.Encoder()
-
-
-def held_over(frame: HostFrame, held: int) -> InvalidParams:
-    """The refusal of a steer or preempt that would pass HELD_BYTES."""
-    what = "steer" if isinstance(frame, SteerFrame) else "preempt"
-    return InvalidParams(
-        f"{what} refused: {held} bytes of steers and preempts already wait for this turn,"
-        f" which cannot take them now (it is paused, or waits for a worker); at most"
-        f" {HELD_BYTES} bytes may wait. Resume the turn, or wait for it to start."
-    )
 
 
 class TurnSink(Protocol):
@@ -80,13 +57,20 @@ class TurnSink(Protocol):
     def usage(self, frame: Usage) -> None:
         """One response's usage, as it was reported (the budgets', semantics §16.2)."""
 
-    def ended(self, turn: str, end: TurnEnd | None, error: str | None) -> None:
-        """``end`` is None when the worker died (killed, or crashed: ``error`` says)."""
+    def started(self, turn: str) -> None:
+        """A worker took ``turn`` (told only of a turn whose spec is ``watched``)."""
+
+    def ended(self, over: TurnOver) -> None:
+        """The turn is over: its one report, after which nothing more is said of it."""
 
 
-@dataclass(eq=False)
-class TurnJob:
-    """One claimed turn, handed to the executor."""
+@dataclass(frozen=True, slots=True, eq=False)
+class TurnSpec:
+    """One claimed turn as its session decided it, handed to the executor.
+
+    Immutable: what becomes of the turn after (its held frames, its worker, how it died)
+    is the executor's, and comes back in :class:`TurnOver`.
+    """
 
     turn: str
     session: str
@@ -95,82 +79,40 @@ class TurnJob:
     config: dict[str, Any] | None
     permissions: dict[str, Any] | None
     sink: TurnSink
-    pending: list[HostFrame] = field(default_factory=list)
-    # The turn's latest assistant text, kept by the session's host as the worker says
-    # it, so the turn's end can name its partial work without reading the store.
-    last_say: str | None = None
     progress_every: float | None = None  # see RunTurn
-    # When a worker took the turn (``time.monotonic()``, set by the executor as it
-    # dispatches): the stall watchdog's clock runs from there, never while the turn
-    # waits for a free worker. None while it waits. The watchdog reads it against the
-    # session's clock: a runtime's hosts use the system clock, as this does; a test
-    # clock drives a session with no executor.
-    started_at: float | None = None
     repeat: int | None = None
-    frozen: bool = False  # paused before a worker took it: held back until thawed
-    held_bytes: int = 0  # steers and preempts in ``pending``, encoded (see ``hold``)
-    # Filled by the executor when it kills the turn's tree, before it reports the end
-    # (the stop report, semantics §15.6): how the tree was killed ("cgroup" or "walk") and
-    # every process signalled, with its fate.
-    kill_via: str | None = None
-    kill_procs: list[ProcessFate] = field(default_factory=list)
     # The claim's durability (the store's ticket for ``start_turn``): the turn reaches a
     # worker only once it is done, so a claim lost to a failed commit never runs work
     # that a restart would run again.
     claim: Durable | None = None
-    # The session's limits (semantics §15.5), applied by the executor to the turn's cgroup,
-    # and what that cgroup counted for the turn, filled before the end is reported.
+    # The session's limits (semantics §15.5), applied by the executor to the turn's cgroup.
     limits: dict[str, float] | None = None
-    resources: dict[str, float] | None = None
     trace: Trace | None = None  # telemetry on: the turn span the worker's spans join
+    # The session's watchdog runs from when a worker takes the turn, never while it waits
+    # for one: the executor says when (``TurnSink.started``), and only then, as it costs
+    # a message to the session's host.
+    watched: bool = False
 
-    def hold(self, frame: HostFrame) -> None:
-        """Keep ``frame`` until a worker takes this turn (it rides in the start frame).
 
-        Steers and preempts count against HELD_BYTES and one past it is refused
-        (InvalidParams, nothing kept); a cancel, an escalation or an answer is never
-        refused. Every executor holds a waiting turn's frames here, so the bound has one
-        home whatever holds the turn (the claim gate, the pool, Ray's scheduler).
-        """
-        if isinstance(frame, SteerFrame | Preempt):
-            size = len(_held_encoder.encode(frame))
-            if self.held_bytes + size > HELD_BYTES:
-                raise held_over(frame, self.held_bytes)
-            self.held_bytes += size
-        self.pending.append(frame)
+@dataclass(frozen=True, slots=True)
+class TurnOver:
+    """A turn's one report from the executor: its end, or how it died."""
 
-    def start(self) -> tuple[RunTurn, list[HostFrame]]:
-        """The frame that starts this turn on a worker, and the frames held for it that
-        follow it, in order; ``pending`` is left empty. Steers and a cancel issued before
-        dispatch ride inside RunTurn, so the driver has them at its very first boundary
-        (sent after it, they could reach the worker's reader only once the driver had
-        passed that boundary)."""
-        held = [f for f in self.pending if isinstance(f, SteerFrame | CancelFrame)]
-        rest: list[HostFrame] = [
-            f for f in self.pending if not isinstance(f, SteerFrame | CancelFrame)
-        ]
-        self.pending.clear()
-        self.held_bytes = 0
-        run = RunTurn(
-            turn=self.turn,
-            session=self.session,
-            driver=self.driver,
-            message=self.message,
-            config=self.config,
-            permissions=self.permissions,
-            progress_every=self.progress_every,
-            repeat=self.repeat,
-            held=held,
-            trace=self.trace,
-        )
-        return run, rest
+    turn: str
+    end: TurnEnd | None  # None: its worker did not end it (killed, crashed, never started)
+    error: str | None = None  # why, when ``end`` is None
+    # How its tree was killed (the stop report, semantics §15.6), and every process
+    # signalled, with its fate; what the turn's cgroup counted.
+    via: KillVia | None = None
+    processes: tuple[ProcessFate, ...] = ()
+    resources: dict[str, float] | None = None
 
 
 class Executor(Protocol):
     """Runs turns in worker processes. Every method returns at once but ``freeze`` and
     ``thaw``, which wait (bounded) until the tree is stopped or continued."""
 
-    def submit(self, job: TurnJob) -> None: ...
+    def submit(self, spec: TurnSpec) -> None: ...
     def signal(self, turn: str, frame: HostFrame) -> None:
         """Send a frame to the worker running ``turn`` (held until it is dispatched)."""
 
@@ -217,6 +159,10 @@ class ParentNotice:
 
 class AgentStore(Protocol):
     """The durable operations the session actors perform; writes are queued."""
+
+    @property
+    def failed(self) -> bool:
+        """A commit failed for good: no claim can be made durable, so no turn starts."""
 
     def create_session(self, row: SessionHeader) -> Durable: ...
     def append_message(

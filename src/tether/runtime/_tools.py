@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from tether.actors.authority import Ancestor
-from tether.actors.ports import TurnJob
+from tether.actors.ports import TurnSpec
 from tether.actors.supervisor import Resolve
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, Unauthorized
@@ -50,17 +50,17 @@ class HostTools:
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
 
-    def call(self, job: TurnJob, name: str, args: dict[str, Any]) -> Any:
-        """Run tool ``name`` for ``job``'s session; a ``TetherError`` is its refusal."""
+    def call(self, spec: TurnSpec, name: str, args: dict[str, Any]) -> Any:
+        """Run tool ``name`` for ``spec``'s session; a ``TetherError`` is its refusal."""
         call = host_call(name, args)
-        rt, caller = self._rt, job.session
+        rt, caller = self._rt, spec.session
         match call:
             case None:
                 raise NotFound(f"no tool named {name!r}")
             case HistoryCall(after=after):
                 return self._history_page(caller, after)
             case SpawnCall():
-                return self._spawn(job, call)
+                return self._spawn(spec, call)
             case BudgetCall():
                 # What the caller's own tree may still spend: the least that each budget
                 # on it or above it has left, and the state they put it in.
@@ -72,57 +72,57 @@ class HostTools:
                     "left": rt._gov.left(caller, rt._dir.catalog.lineage(caller)),
                 }
             case SendCall(to=to, text=text, data=data, wake=wake):
-                auth = self._gate(job, "send")
+                auth = self._gate(spec, "send")
                 target = self._resolve(caller, to)
                 return rt.send(target, text, authority=auth, data=data, wake=wake)
             case ListCall(scope=scope):
-                self._gate(job, "list")
+                self._gate(spec, "list")
                 return msgspec.to_builtins(rt.list_agents(caller, scope=scope))
             case InterruptCall(agent_id=agent_id, kind=kind, reason=reason, scope="subtree"):
-                auth = self._gate(job, "interrupt")
+                auth = self._gate(spec, "interrupt")
                 target = self._resolve(caller, agent_id)
                 return rt.interrupt(
                     target, authority=auth, kind=kind, reason=reason, scope="subtree"
                 )
             case InterruptCall(agent_id=agent_id, kind=kind, reason=reason):
-                auth = self._gate(job, "interrupt")
+                auth = self._gate(spec, "interrupt")
                 target = self._resolve(caller, agent_id)
                 return rt.interrupt(target, authority=auth, kind=kind, reason=reason)
             case StopReportCall(turn=turn):
                 return self._stop_report(caller, turn)
             # Pausing is stopping in place: the interrupt permission gates both ways.
             case PauseCall(agent_id=agent_id, scope=scope, reason=reason):
-                auth = self._gate(job, "interrupt")
+                auth = self._gate(spec, "interrupt")
                 target = self._resolve(caller, agent_id)
                 return rt.pause(target, authority=auth, scope=scope, reason=reason)
             case ResumeCall(agent_id=agent_id, scope=scope):
-                auth = self._gate(job, "interrupt")
+                auth = self._gate(spec, "interrupt")
                 return rt.resume(self._resolve(caller, agent_id), authority=auth, scope=scope)
 
-    def _gate(self, job: TurnJob, key: str) -> Ancestor:
-        if (job.permissions or {}).get(key, "allow") == "deny":
+    def _gate(self, spec: TurnSpec, key: str) -> Ancestor:
+        if (spec.permissions or {}).get(key, "allow") == "deny":
             raise Unauthorized(f"{key} is denied by this session's permissions")
-        return Ancestor(self._rt.agent_ref(job.session))
+        return Ancestor(self._rt.agent_ref(spec.session))
 
     def _resolve(self, caller: str, ref: str) -> str:
         """A child's id or slug, as the caller names it, to its id."""
         return str(self._rt._ask(Resolve(caller, ref)))
 
-    def _spawn(self, job: TurnJob, call: SpawnCall) -> str:
-        self._gate(job, "spawn")
+    def _spawn(self, spec: TurnSpec, call: SpawnCall) -> str:
+        self._gate(spec, "spawn")
         # The host sets what loads code and widens authority: a child runs its parent's
         # driver and config, with the parent's permissions narrowed.
         for key, value in (("driver", call.driver), ("config", call.config)):
             if value is not None:
                 raise InvalidParams(f"a tool call cannot choose the child's {key}")
         result = self._rt.spawn(
-            job.session,
-            job.driver,
+            spec.session,
+            spec.driver,
             mode=call.mode or "continuable",
             prompt=call.prompt,
             data=call.data,
             slug=call.slug,
-            config=job.config,
+            config=spec.config,
             permissions=call.permissions,
             budget=call.budget,
         )

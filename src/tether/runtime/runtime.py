@@ -41,7 +41,7 @@ from tether.actors.host import (
     SessionHost,
     StatusOp,
 )
-from tether.actors.ports import Executor, TurnJob
+from tether.actors.ports import Executor, TurnSpec
 from tether.actors.supervisor import (
     Create,
     DisposeReq,
@@ -61,7 +61,6 @@ from tether.runtime.backend import (
     check_backend,
     make_backend,
 )
-from tether.runtime.claims import ClaimGate
 from tether.runtime.store import Store
 from tether.runtime.worker import set_subreaper
 from tether.telemetry import WORKER_MODULES, Telemetry
@@ -228,11 +227,11 @@ class _Host(WorkerHost):
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
 
-    def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
+    def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
         try:
             # what the call sends, spawns or stops is a child of the call's span
             with self._rt._tel.attached(frame.trace):
-                result = self._rt._tools.call(job, frame.name, frame.args)
+                result = self._rt._tools.call(spec, frame.name, frame.args)
             return ToolReply(turn=frame.turn, call=frame.call, result=result)
         except TetherError as exc:
             return ToolReply(turn=frame.turn, call=frame.call, code=exc.code, message=exc.message)
@@ -361,8 +360,9 @@ class Runtime:
             raise
         if backend == "ray":  # what the slots' nodes gave
             self.containment = str(getattr(self._pool, "containment", "walk"))
-        # A turn reaches a worker only once its claim is durable (see runtime.claims).
-        executor: Executor = ClaimGate(self._pool, self._store)
+        # A turn reaches a worker only once its claim is durable: the turn table holds
+        # it until then (docs/design.md, section 4).
+        executor: Executor = self._pool
         self._tools = HostTools(self)
         self._gov = Governor(
             store=self._store,

@@ -1,24 +1,25 @@
 """The turn table: one turn's life on any backend, from submit to its one report.
 
-States QUEUED -> DISPATCHED -> (KILLING ->) DONE, each change under the table's lock, which
-the backend shares; a killed turn is reported only once its tree is dead. The transitions
-and who calls them: docs/design.md, sections 4-6.
+States CLAIMING -> QUEUED -> DISPATCHED -> (KILLING ->) DONE, each change under the table's
+lock, which the backend shares. A turn waits in one place until a worker takes it: first
+for its claim's commit, then for a free worker; a killed turn is reported only once its
+tree is dead. The transitions and who calls them: docs/design.md, sections 4-6.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import structlog
 
-from tether.actors.ports import TurnJob
+from tether.actors.ports import KillVia, TurnOver, TurnSpec
+from tether.runtime.backends._held import Held
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
     Delivered,
@@ -36,6 +37,7 @@ from tether.wire.frames import (
     Usage,
     WorkerFrame,
 )
+from tether.wire.records import ProcessFate
 
 __all__ = [
     "DriverChecks",
@@ -57,11 +59,12 @@ class WorkerHost:
     order with its other reports, so that the session's host writes them.
     """
 
-    def on_tool_call(self, job: TurnJob, frame: ToolCall) -> ToolReply:
+    def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
         raise NotImplementedError
 
 
 class TurnState(enum.Enum):
+    CLAIMING = "claiming"  # its claim's commit is not settled: no worker may take it
     QUEUED = "queued"
     DISPATCHED = "dispatched"
     KILLING = "killing"
@@ -69,6 +72,7 @@ class TurnState(enum.Enum):
 
 
 _NEXT: dict[TurnState, frozenset[TurnState]] = {
+    TurnState.CLAIMING: frozenset({TurnState.QUEUED, TurnState.DONE}),
     TurnState.QUEUED: frozenset({TurnState.DISPATCHED, TurnState.DONE}),
     TurnState.DISPATCHED: frozenset({TurnState.KILLING, TurnState.DONE}),
     TurnState.KILLING: frozenset({TurnState.DONE}),
@@ -87,8 +91,8 @@ class Worker(Protocol):
 
     pid: int  # for the logs: the worker's process (Ray: its slot actor's)
 
-    def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
-        """Begin ``job``: post ``run`` and the frames held for it. Raise (FrameError, or
+    def start(self, spec: TurnSpec, run: RunTurn, rest: list[HostFrame]) -> None:
+        """Begin ``spec``: post ``run`` and the frames held for it. Raise (FrameError, or
         anything) to refuse it before anything is sent: the turn then ends crashed."""
 
     def post(self, frame: HostFrame, *, bounded: bool) -> None:
@@ -105,9 +109,9 @@ class Worker(Protocol):
     def thaw(self, turn: str) -> None:
         """Undo ``freeze``."""
 
-    def turn_over(self, job: TurnJob) -> None:
-        """``job`` ended with its TurnEnd and is forgotten (called under the lock, before
-        the worker may take another turn)."""
+    def turn_over(self, spec: TurnSpec) -> dict[str, float] | None:
+        """``spec`` ended with its TurnEnd and is forgotten (called under the lock, before
+        the worker may take another turn). Returns what its cgroup counted, if any."""
 
     def breached(self) -> bool:
         """At its turn's TurnEnd (under the lock): whether the turn hit a limit it must
@@ -120,16 +124,34 @@ W = TypeVar("W", bound=Worker)
 
 
 @dataclass(eq=False)
-class _Turn(Generic[W]):
-    job: TurnJob
-    state: TurnState = TurnState.QUEUED
+class _Entry(Generic[W]):
+    """One turn in the table: the session's spec and everything the table learns."""
+
+    spec: TurnSpec
+    state: TurnState
     worker: W | None = None
+    held: Held = field(default_factory=Held)  # until a worker takes it
+    frozen: bool = False  # paused before a worker took it: passed over until thawed
     reason: str | None = None  # why it is being killed, when the kill was asked for
+    # the kill's facts, for its report (set by the backend once the tree is dead)
+    via: KillVia | None = None
+    processes: tuple[ProcessFate, ...] = ()
+    resources: dict[str, float] | None = None
 
     def to(self, state: TurnState) -> None:
         if state not in _NEXT[self.state]:
-            raise RuntimeError(f"turn {self.job.turn}: no way from {self.state} to {state}")
+            raise RuntimeError(f"turn {self.spec.turn}: no way from {self.state} to {state}")
         self.state = state
+
+    def over(self, end: TurnEnd | None, error: str | None) -> TurnOver:
+        return TurnOver(
+            self.spec.turn,
+            end,
+            error,
+            via=self.via,
+            processes=self.processes,
+            resources=self.resources,
+        )
 
 
 class Turns(Generic[W]):
@@ -147,21 +169,42 @@ class Turns(Generic[W]):
         self.closed = False  # no new turns (set under the lock)
         self.draining = False
         self._idle = idle
-        self._turns: dict[str, _Turn[W]] = {}
-        self._queue: deque[_Turn[W]] = deque()
-        self._on: dict[W, _Turn[W]] = {}  # worker -> the turn it runs (or whose tree dies)
+        self._turns: dict[str, _Entry[W]] = {}
+        self._queue: deque[_Entry[W]] = deque()
+        self._on: dict[W, _Entry[W]] = {}  # worker -> the turn it runs (or whose tree dies)
         # the turn each worker ran last: a late frame of it (an answer crossing its end)
         # is dropped without a warning
         self._last: weakref.WeakKeyDictionary[W, str] = weakref.WeakKeyDictionary()
 
     # ---- the Executor --------------------------------------------------------------
 
-    def submit(self, job: TurnJob) -> None:
+    def submit(self, spec: TurnSpec) -> None:
+        claim = spec.claim
         with self.lock:
             if self.closed:
                 raise TetherError("the runtime is closed")
-            rec: _Turn[W] = _Turn(job)
-            self._turns[job.turn] = rec
+            first = TurnState.QUEUED if claim is None else TurnState.CLAIMING
+            rec: _Entry[W] = _Entry(spec, first)
+            self._turns[spec.turn] = rec
+            if claim is None:
+                self._queue.append(rec)
+                self.dispatch_locked()
+                return
+        # outside the lock: a settled claim calls back at once
+        claim.then(lambda error: self._claimed(rec, error))
+
+    def _claimed(self, rec: _Entry[W], error: BaseException | None) -> None:
+        """The claim's commit is settled (on the committing thread)."""
+        with self.lock:
+            if rec.state is not TurnState.CLAIMING:
+                return  # killed, or the runtime closed, while its claim was on its way
+            if error is not None:
+                # Never durable: the turn must not run (a restart would run its message
+                # again). It waits, as a turn waiting for a worker, until stopped.
+                spec = rec.spec
+                log.error("turn.unclaimed", session=spec.session, turn=spec.turn, why=str(error))
+                return
+            rec.to(TurnState.QUEUED)
             self._queue.append(rec)
             self.dispatch_locked()
 
@@ -184,10 +227,9 @@ class Turns(Generic[W]):
             rec = self._turns.get(turn)
             if rec is None:
                 return
-            if rec.state is TurnState.QUEUED:
-                rec.job.hold(frame)
+            if rec.worker is None:
+                rec.held.hold(frame)
             elif rec.state is TurnState.DISPATCHED:
-                assert rec.worker is not None
                 rec.worker.post(frame, bounded=isinstance(frame, SteerFrame | Preempt))
 
     def kill(self, turn: str) -> None:
@@ -201,9 +243,10 @@ class Turns(Generic[W]):
                 rec.reason = "killed"
                 rec.worker.kill()
                 return
-            self._queue.remove(rec)
+            if rec.state is TurnState.QUEUED:
+                self._queue.remove(rec)
             self._forget_locked(rec)
-        self._report(rec.job, "killed before a worker took it")
+        self._report(rec.spec, rec.over(None, "killed before a worker took it"))
 
     def freeze(self, turn: str) -> None:
         with self.lock:
@@ -211,7 +254,7 @@ class Turns(Generic[W]):
             if rec is None or rec.state is TurnState.KILLING:
                 return
             if rec.worker is None:
-                rec.job.frozen = True  # dispatch passes it over until thawed
+                rec.frozen = True  # dispatch passes it over until thawed
                 return
             w = rec.worker
         w.freeze(turn)
@@ -222,7 +265,7 @@ class Turns(Generic[W]):
             if rec is None or rec.state is TurnState.KILLING:
                 return  # being killed: it stays frozen until it is dead
             if rec.worker is None:
-                rec.job.frozen = False
+                rec.frozen = False
                 self.dispatch_locked()
                 return
             w = rec.worker
@@ -230,25 +273,40 @@ class Turns(Generic[W]):
 
     # ---- for the backends ----------------------------------------------------------
 
-    def job(self, turn: str) -> TurnJob | None:
-        """The job of a turn still held (queued, running or dying)."""
+    def spec(self, turn: str) -> TurnSpec | None:
+        """The spec of a turn still in the table (waiting, running or dying)."""
         rec = self._turns.get(turn)
-        return None if rec is None else rec.job
+        return None if rec is None else rec.spec
 
     def worker(self, turn: str) -> W | None:
         """The worker running ``turn`` (or killing its tree); None while it waits."""
         rec = self._turns.get(turn)
         return None if rec is None else rec.worker
 
-    def job_of_locked(self, w: W) -> TurnJob | None:
+    def spec_of_locked(self, w: W) -> TurnSpec | None:
         """The turn ``w`` runs (or whose tree it is killing)."""
         rec = self._on.get(w)
-        return None if rec is None else rec.job
+        return None if rec is None else rec.spec
+
+    def kill_facts_locked(
+        self,
+        w: W,
+        via: KillVia,
+        processes: tuple[ProcessFate, ...] = (),
+        resources: dict[str, float] | None = None,
+    ) -> None:
+        """How ``w``'s tree was killed, what died, what its cgroup counted: reported with
+        its turn's end."""
+        rec = self._on.get(w)
+        if rec is not None:
+            rec.via, rec.processes = via, processes
+            if resources is not None:
+                rec.resources = resources
 
     def runs_locked(self, w: W, turn: str) -> bool:
         """``w`` runs ``turn`` and nothing is killing it."""
         rec = self._on.get(w)
-        return rec is not None and rec.job.turn == turn and rec.state is TurnState.DISPATCHED
+        return rec is not None and rec.spec.turn == turn and rec.state is TurnState.DISPATCHED
 
     def dispatch_locked(self) -> None:
         """Hand queued turns to idle workers, first come first served, a frozen one
@@ -258,23 +316,25 @@ class Turns(Generic[W]):
             w = self._idle()
             if w is None:
                 return
-            rec = next((r for r in self._queue if not r.job.frozen), None)
+            rec = next((r for r in self._queue if not r.frozen), None)
             if rec is None:
                 return
             self._queue.remove(rec)
-            run, rest = rec.job.start()
-            rec.job.started_at = time.monotonic()  # the watchdog counts from here
+            spec = rec.spec
+            run, rest = rec.held.start(spec)
             rec.to(TurnState.DISPATCHED)
             rec.worker = w
             self._on[w] = rec
-            self._last[w] = rec.job.turn
+            self._last[w] = spec.turn
+            if spec.watched:  # before its worker can say anything of it
+                spec.sink.started(spec.turn)
             try:
-                w.start(rec.job, run, rest)
+                w.start(spec, run, rest)
             except Exception as exc:  # FrameError (over the cap), or unencodable input
                 detail = exc.message if isinstance(exc, FrameError) else repr(exc)
-                log.error("turn.unstartable", turn=rec.job.turn, error=detail)
+                log.error("turn.unstartable", turn=spec.turn, error=detail)
                 self._forget_locked(rec)
-                self._report(rec.job, f"the turn is too large to start: {detail}")
+                self._report(spec, rec.over(None, f"the turn is too large to start: {detail}"))
 
     def lost_locked(self, w: W) -> None:
         """The backend is killing ``w``'s tree (it crashed, spoke nonsense, is shut
@@ -288,38 +348,41 @@ class Turns(Generic[W]):
         end the turn crashed with ``error`` once the tree is dead."""
         with self.lock:
             rec = self._on.get(w)
-            if rec is None or rec.job.turn != turn or rec.state is not TurnState.DISPATCHED:
+            if rec is None or rec.spec.turn != turn or rec.state is not TurnState.DISPATCHED:
                 return
             rec.to(TurnState.KILLING)
             rec.reason = error
             w.kill()
 
-    def dead(self, w: W, error: str | None, *, turn: str | None = None) -> TurnJob | None:
+    def dead(self, w: W, error: str | None, *, turn: str | None = None) -> TurnSpec | None:
         """``w``'s tree is dead: end its turn (``turn``: only if it is that one) with
-        ``error``, else the kill's reason, and forget it. Returns the job it reported,
+        ``error``, else the kill's reason, and forget it. Returns the spec it reported,
         None when ``w`` had no turn left to report."""
         with self.lock:
             rec = self._on.get(w)
-            if rec is None or (turn is not None and rec.job.turn != turn):
+            if rec is None or (turn is not None and rec.spec.turn != turn):
                 return None
             self._forget_locked(rec)
             self.dispatch_locked()
-        self._report(rec.job, error or rec.reason or "the worker ended")
-        return rec.job
+        self._report(rec.spec, rec.over(None, error or rec.reason or "the worker ended"))
+        return rec.spec
 
-    def close_locked(self) -> list[TurnJob]:
-        """No new turns; the queued ones are forgotten and returned, for ``unstarted``."""
+    def close_locked(self) -> list[TurnSpec]:
+        """No new turns; those waiting for a worker (or for their claim) are forgotten
+        and returned, for ``unstarted``."""
         self.closed = True
-        jobs = [rec.job for rec in self._queue]
-        for rec in list(self._queue):
+        waiting = [rec for rec in self._turns.values() if rec.worker is None]
+        for rec in waiting:
             self._forget_locked(rec)
         self._queue.clear()
-        return jobs
+        return [rec.spec for rec in waiting]
 
-    def unstarted(self, jobs: list[TurnJob]) -> None:
-        """Report the turns that ``close_locked`` took from the queue."""
-        for job in jobs:
-            self._report(job, "the runtime closed before a worker took it")
+    def unstarted(self, specs: list[TurnSpec]) -> None:
+        """Report the turns that ``close_locked`` took (outside the lock)."""
+        for spec in specs:
+            self._report(
+                spec, TurnOver(spec.turn, None, "the runtime closed before a worker took it")
+            )
 
     # ---- a worker's frames ---------------------------------------------------------
 
@@ -338,35 +401,36 @@ class Turns(Generic[W]):
                 | Escalating()
                 | ToolKilled()
             ):
-                job = self._job_of(w, frame.turn)
+                spec = self._spec_of(w, frame.turn)
             case _:
                 return False
-        if job is None:
+        if spec is None:
             return False
+        sink = spec.sink
         match frame:
             case Say():
-                job.sink.said(frame)
+                sink.said(frame)
             case ToolCall():
-                self._answer(w, job, self.host.on_tool_call(job, frame))
+                self._answer(w, spec, self.host.on_tool_call(spec, frame))
             case Delivered():
-                job.sink.delivered(frame)
+                sink.delivered(frame)
             case Progress():
-                job.sink.progress(frame)
+                sink.progress(frame)
             case Usage():
-                job.sink.usage(frame)
+                sink.usage(frame)
             case Escalating():
-                job.sink.escalating(frame)
+                sink.escalating(frame)
             case ToolKilled():
-                job.sink.tool_killed(frame)
+                sink.tool_killed(frame)
         return False
 
-    def _job_of(self, w: W, turn: str) -> TurnJob | None:
-        """The job a frame from ``w`` names. A frame for any other turn is dropped (a
+    def _spec_of(self, w: W, turn: str) -> TurnSpec | None:
+        """The turn a frame from ``w`` names. A frame for any other turn is dropped (a
         worker never speaks for another session's turn); only a late one for the turn it
         just ran (an answer crossing its end) goes unlogged."""
         rec = self._on.get(w)  # one dict read: the frame's turn is checked below
-        if rec is not None and rec.job.turn == turn:
-            return rec.job
+        if rec is not None and rec.spec.turn == turn:
+            return rec.spec
         if turn != self._last.get(w):
             log.warning("frame.rejected", pid=w.pid, turn=turn, error="not this worker's turn")
         return None
@@ -374,21 +438,23 @@ class Turns(Generic[W]):
     def _end(self, w: W, frame: TurnEnd) -> bool:
         with self.lock:
             rec = self._on.get(w)
-            if rec is None or rec.job.turn != frame.turn:
+            if rec is None or rec.spec.turn != frame.turn:
                 return False
             if rec.state is not TurnState.DISPATCHED:
                 return True  # a kill is under way: the tree's death reports this turn
             if w.breached():
                 return True  # doomed now: the tree's death reports this turn
             self._forget_locked(rec)
-            w.turn_over(rec.job)
+            resources = w.turn_over(rec.spec)
+            if resources is not None:
+                rec.resources = resources
             self.dispatch_locked()
-        rec.job.sink.ended(rec.job.turn, frame, None)
+        rec.spec.sink.ended(rec.over(frame, None))
         return True
 
-    def _answer(self, w: W, job: TurnJob, reply: ToolReply) -> None:
+    def _answer(self, w: W, spec: TurnSpec, reply: ToolReply) -> None:
         with self.lock:
-            if not self.runs_locked(w, job.turn):
+            if not self.runs_locked(w, spec.turn):
                 return  # its tree is being killed: nobody waits for the answer
             try:
                 w.post(reply, bounded=False)
@@ -405,18 +471,18 @@ class Turns(Generic[W]):
 
     # ---- internals -----------------------------------------------------------------
 
-    def _forget_locked(self, rec: _Turn[W]) -> None:
+    def _forget_locked(self, rec: _Entry[W]) -> None:
         rec.to(TurnState.DONE)
-        self._turns.pop(rec.job.turn, None)
+        self._turns.pop(rec.spec.turn, None)
         if rec.worker is not None and self._on.get(rec.worker) is rec:
             del self._on[rec.worker]
 
     @staticmethod
-    def _report(job: TurnJob, error: str) -> None:
+    def _report(spec: TurnSpec, over: TurnOver) -> None:
         try:
-            job.sink.ended(job.turn, None, error)
+            spec.sink.ended(over)
         except Exception:
-            log.exception("worker.report_failed", turn=job.turn)
+            log.exception("worker.report_failed", turn=spec.turn)
 
 
 class TableBackend(Generic[W]):
@@ -425,8 +491,8 @@ class TableBackend(Generic[W]):
 
     turns: Turns[W]
 
-    def submit(self, job: TurnJob) -> None:
-        self.turns.submit(job)
+    def submit(self, spec: TurnSpec) -> None:
+        self.turns.submit(spec)
 
     def dispatched(self, turn: str) -> bool:
         return self.turns.dispatched(turn)

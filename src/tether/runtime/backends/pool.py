@@ -21,12 +21,13 @@ import msgspec
 import psutil
 import structlog
 
-from tether.actors.ports import HELD_BYTES, TurnJob, held_over
+from tether.actors.ports import TurnSpec
 from tether.runtime import _contain
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
 from tether.runtime._launcher import Launcher
 from tether.runtime._limits import LimitWatch
 from tether.runtime._procs import alive, exiting, freeze_tree, reap, reap_pass, thaw_tree
+from tether.runtime.backends._held import HELD_BYTES, held_over
 from tether.runtime.backends._io import Conn, IOLoop
 from tether.runtime.backends._turns import (
     DriverChecks,
@@ -160,16 +161,16 @@ class _Worker:
 
     # ---- the turn table's Worker (start, post, kill under the pool's lock) ----------
 
-    def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
+    def start(self, spec: TurnSpec, run: RunTurn, rest: list[HostFrame]) -> None:
         payloads = [encode_frame(_encoder, frame) for frame in (run, *rest)]  # may refuse
-        if self.leaf is not None or job.limits:
-            error = _start_in_leaf(self.leaf, job)
+        if self.leaf is not None or spec.limits:
+            error = _start_in_leaf(self.leaf, spec)
             if error is not None:
                 self.error = error
                 self.pool._doom_locked(self)  # the turn ends crashed, with the reason
                 return
-            if self.leaf is not None and job.limits and "pids" in job.limits:
-                self.pool.limit_watch.watch(self.leaf, job.turn)
+            if self.leaf is not None and spec.limits and "pids" in spec.limits:
+                self.pool.limit_watch.watch(self.leaf, spec.turn)
         self.conn.post(payloads)  # in one send: the worker reads them all at its start
 
     def kill(self) -> None:
@@ -188,16 +189,18 @@ class _Worker:
         self.pool._doom_locked(self)
         return True
 
-    def turn_over(self, job: TurnJob) -> None:
+    def turn_over(self, spec: TurnSpec) -> dict[str, float] | None:
+        resources = None
         if self.leaf is not None:  # before the next turn resets its baselines
             self.pool.limit_watch.unwatch(self.leaf)
-            job.resources = self.leaf.usage()
+            resources = self.leaf.usage()
         if self.frozen_for is not None:
             # A pause stopped it after its driver had ended: its turn is over, and no
             # turn may go to a stopped worker. The spare takes its place; the reaper
             # ends it.
-            log.info("worker.stopped_at_end", pid=self.pid, turn=job.turn)
+            log.info("worker.stopped_at_end", pid=self.pid, turn=spec.turn)
             self.pool._doom_locked(self)
+        return resources
 
     def freeze(self, turn: str) -> None:
         """Stop the group under the lock, while it still runs ``turn``: a ``TurnEnd``
@@ -417,7 +420,7 @@ class Pool(TableBackend["_Worker"]):
             (
                 w
                 for w in self._active
-                if self.turns.job_of_locked(w) is None and w.frozen_for is None
+                if self.turns.spec_of_locked(w) is None and w.frozen_for is None
             ),
             None,
         )
@@ -581,11 +584,9 @@ class Pool(TableBackend["_Worker"]):
                     self._maybe_finish(w)
 
     def _kill_pass(self, w: _Worker) -> bool:
-        """One attempt at ``w``'s whole tree; True when nothing of it is left alive. A
-        turn's job learns how, and what died (``kill_via``, ``kill_procs``), and what its
-        leaf counted, before the end is reported."""
-        with self._lock:
-            job = self.turns.job_of_locked(w)
+        """One attempt at ``w``'s whole tree; True when nothing of it is left alive. Its
+        turn's entry learns how, what died, and what its leaf counted, before the end is
+        reported."""
         if w.leaf is not None:
             try:
                 dead = _contain.cgroup_pass(w.leaf, w.found)
@@ -603,17 +604,21 @@ class Pool(TableBackend["_Worker"]):
             if not dead:
                 log.warning("worker.kill_retry", pid=w.pid, reason="the leaf is not empty")
                 return False
-            if job is not None:
-                job.resources = w.leaf.usage()
-                if w.leaf.oom_killed() and not w.killed:
-                    w.error = "memory limit"
-                elif w.leaf.pids_limit_hit() and not w.killed and w.error is None:
-                    w.error = "pids limit"  # the worker died of it before the watch saw it
-                job.kill_via, job.kill_procs = "cgroup", _contain.fates(w.found)
+            resources = w.leaf.usage()
+            oom, pids = w.leaf.oom_killed(), w.leaf.pids_limit_hit()
+            fates = tuple(_contain.fates(w.found))
+            with self._lock:
+                if self.turns.spec_of_locked(w) is not None:
+                    if oom and not w.killed:
+                        w.error = "memory limit"
+                    elif pids and not w.killed and w.error is None:
+                        w.error = "pids limit"  # the worker died of it before the watch saw it
+                    self.turns.kill_facts_locked(w, "cgroup", fates, resources)
             return True
         dead = self._walk_pass(w)
-        if dead and job is not None:
-            job.kill_via, job.kill_procs = "walk", _contain.fates(w.found)
+        if dead:
+            with self._lock:
+                self.turns.kill_facts_locked(w, "walk", tuple(_contain.fates(w.found)))
         return dead
 
     def _walk_pass(self, w: _Worker) -> bool:
@@ -744,9 +749,9 @@ class Pool(TableBackend["_Worker"]):
             log.warning("worker.leaf_left", pid=w.pid, leaf=w.leaf.path)
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
         code = w.process.exitcode
-        job = self.turns.dead(w, w.error or f"the worker exited with code {code}")
-        if job is not None:
-            log.warning("worker.crashed", pid=w.pid, turn=job.turn, exitcode=code)
+        spec = self.turns.dead(w, w.error or f"the worker exited with code {code}")
+        if spec is not None:
+            log.warning("worker.crashed", pid=w.pid, turn=spec.turn, exitcode=code)
         elif w.killed:
             log.debug("worker.reaped", pid=w.pid, exitcode=code)
         with self._lock:
@@ -754,21 +759,21 @@ class Pool(TableBackend["_Worker"]):
             self._changed.notify_all()
 
 
-def _start_in_leaf(leaf: Leaf | None, job: TurnJob) -> str | None:
+def _start_in_leaf(leaf: Leaf | None, spec: TurnSpec) -> str | None:
     """The turn's limits on its worker's leaf, and its figures' baselines; the reason if
     they cannot be applied (the turn then ends crashed rather than run unlimited: a
     session's limits were checked when it was made, but a later host on the same store
     may not have the controllers)."""
     missing = (
-        sorted(job.limits or ())
+        sorted(spec.limits or ())
         if leaf is None
-        else sorted(k for k in job.limits or () if LIMIT_CONTROLLERS[k] not in leaf.controllers)
+        else sorted(k for k in spec.limits or () if LIMIT_CONTROLLERS[k] not in leaf.controllers)
     )
     if missing:
         return f"the session's limits {missing} cannot be enforced by this host"
     assert leaf is not None
     try:
-        leaf.set_limits(job.limits)
+        leaf.set_limits(spec.limits)
         leaf.begin_turn()
     except OSError as exc:
         return f"cannot apply the turn's limits to its cgroup: {exc}"

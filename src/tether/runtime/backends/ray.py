@@ -20,7 +20,7 @@ import msgspec
 import psutil
 import structlog
 
-from tether.actors.ports import TurnJob
+from tether.actors.ports import TurnSpec
 from tether.runtime.backends._turns import (
     DriverChecks,
     TableBackend,
@@ -199,18 +199,18 @@ class _Slot:
 
     # ---- the turn table's Worker (start, post, kill under the backend's lock) ---------
 
-    def start(self, job: TurnJob, run: RunTurn, rest: list[HostFrame]) -> None:
+    def start(self, spec: TurnSpec, run: RunTurn, rest: list[HostFrame]) -> None:
         encode = self.backend.encode
         start = encode(run)
         pending = [encode(f) for f in rest]
-        self.turn = job.turn
+        self.turn = spec.turn
         self.seq = len(pending)
         self.frozen = []
         self.stream_done.clear()
         threading.Thread(
             target=self.backend._stream,
-            args=(self, job, start, pending),
-            name=f"tether-ray-turn-{job.turn}",
+            args=(self, spec, start, pending),
+            name=f"tether-ray-turn-{spec.turn}",
             daemon=True,
         ).start()
 
@@ -228,8 +228,9 @@ class _Slot:
             target=self.backend._abort, args=(self, self.turn), name="tether-ray-abort", daemon=True
         ).start()
 
-    def turn_over(self, job: TurnJob) -> None:
+    def turn_over(self, spec: TurnSpec) -> dict[str, float] | None:
         self.frozen = []
+        return None
 
     def breached(self) -> bool:
         return False  # the Ray backend applies no limits (semantics §15.5 limits are the pool's)
@@ -380,7 +381,7 @@ class RayBackend(TableBackend[_Slot]):
 
     def _free_locked(self, s: _Slot) -> bool:
         """No turn, no kill under way, a child to run the next turn in."""
-        return self.turns.job_of_locked(s) is None and not s.killing and s.child is not None
+        return self.turns.spec_of_locked(s) is None and not s.killing and s.child is not None
 
     def _idle_locked(self) -> _Slot | None:
         """An active slot free to take a turn (the table's ``idle``)."""
@@ -618,18 +619,18 @@ class RayBackend(TableBackend[_Slot]):
 
     # ---- turns ------------------------------------------------------------------------
 
-    def _stream(self, s: _Slot, job: TurnJob, start: bytes, pending: list[bytes]) -> None:
+    def _stream(self, s: _Slot, spec: TurnSpec, start: bytes, pending: list[bytes]) -> None:
         """One turn's stream: the worker's frames, then its end (or the slot's loss)."""
         ray = _ray()
         exit_item: dict[str, Any] | None = None
         lost: str | None = None
         try:
-            for ref in s.actor.run.remote(job.turn, start, pending):
+            for ref in s.actor.run.remote(spec.turn, start, pending):
                 item = ray.get(ref)
                 if isinstance(item, dict):
                     exit_item = item
                     break
-                if self._frame(s, job, item):
+                if self._frame(s, spec, item):
                     break
         except Exception as exc:  # the actor died (SIGKILL, node lost): RayActorError & co
             cause = getattr(exc, "cause", None)  # a RayTaskError's: what the slot raised
@@ -639,22 +640,22 @@ class RayBackend(TableBackend[_Slot]):
         if exit_item is None and lost is None:
             return  # the turn ended with its TurnEnd (reported), or a fault kills it
         with self._lock:
-            if not self.turns.runs_locked(s, job.turn):
+            if not self.turns.runs_locked(s, spec.turn):
                 return  # a kill is under way: the abort reports this turn once it is dead
             self.turns.lost_locked(s)
         if lost is not None:
-            self._crashed_slot(s, job, lost)
+            self._crashed_slot(s, spec, lost)
         else:
             assert exit_item is not None
-            self._crashed_child(s, job, exit_item)
+            self._crashed_child(s, spec, exit_item)
 
-    def _frame(self, s: _Slot, job: TurnJob, payload: bytes) -> bool:
+    def _frame(self, s: _Slot, spec: TurnSpec, payload: bytes) -> bool:
         """Handle one worker frame; True at the turn's end."""
         try:
             frame = self._decoder.decode(payload)
         except Exception as exc:  # semantics §14.3: the worker is faulty, its turn crashed
             log.error("frame.rejected", pid=s.child, error=str(exc), fatal=True)
-            self.turns.fail(s, job.turn, f"protocol error: {exc}")
+            self.turns.fail(s, spec.turn, f"protocol error: {exc}")
             return True
         try:
             return self.turns.on_frame(s, frame)
@@ -662,32 +663,32 @@ class RayBackend(TableBackend[_Slot]):
             log.exception("frame.failed", pid=s.child)
         return False
 
-    def _crashed_child(self, s: _Slot, job: TurnJob, item: dict[str, Any]) -> None:
+    def _crashed_child(self, s: _Slot, spec: TurnSpec, item: dict[str, Any]) -> None:
         """The turn's child died on its own; the slot killed what it left and answered."""
         error = item.get("error")
         if error is not None:
             log.error("frame.rejected", pid=s.child, error=error, fatal=True)
         else:
             error = f"the worker exited with code {item.get('exit')}"
-        log.warning("worker.crashed", pid=s.child, turn=job.turn, error=error)
+        log.warning("worker.crashed", pid=s.child, turn=spec.turn, error=error)
         with self._lock:
             s.child = None
             self._leave_locked(s)
-        self.turns.dead(s, error, turn=job.turn)
+        self.turns.dead(s, error, turn=spec.turn)
         self._restart(s)
 
-    def _crashed_slot(self, s: _Slot, job: TurnJob, error: str) -> None:
+    def _crashed_slot(self, s: _Slot, spec: TurnSpec, error: str) -> None:
         """The slot actor is gone mid-turn: make sure the turn's tree is, then report."""
         with self._lock:
             child, token, leaf = s.child, s.token, s.leaf
         if child is not None and not self._reap(s.node, child, token, leaf, self.abort_timeout):
-            self._last_resort(s, child, token, leaf, job.turn)
-        log.warning("ray.slot_lost", pid=s.pid, turn=job.turn)
+            self._last_resort(s, child, token, leaf, spec.turn)
+        log.warning("ray.slot_lost", pid=s.pid, turn=spec.turn)
         with self._lock:
             s.child = None
             if s in self._all:
                 self._retire_locked(s)
-        self.turns.dead(s, error, turn=job.turn)
+        self.turns.dead(s, error, turn=spec.turn)
 
     def _reap(self, node: str, child: int, token: str, leaf: str | None, timeout: float) -> bool:
         """One try: the node's reaper kills the tree of ``child``; True once it saw it
@@ -730,14 +731,12 @@ class RayBackend(TableBackend[_Slot]):
         report its end only once it is dead."""
         with self._lock:
             child, token, leaf = s.child, s.token, s.leaf
-            job = self.turns.job(turn)
         dead = child is None or self._reap(s.node, child, token, leaf, self.abort_timeout)
         if child is not None and not dead:
             self._last_resort(s, child, token, leaf, turn)
-        if child is not None and job is not None:
-            # the stop report's "how" (its process list: not on Ray yet)
-            job.kill_via = "walk" if leaf is None else "cgroup"
         with self._lock:
+            if child is not None:  # the stop report's "how" (its process list: not on Ray yet)
+                self.turns.kill_facts_locked(s, "walk" if leaf is None else "cgroup")
             s.child = None
             self._leave_locked(s)  # the spare takes over now
         self.turns.dead(s, None, turn=turn)
