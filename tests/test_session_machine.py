@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import os
@@ -74,7 +75,7 @@ from hypothesis.stateful import (
 )
 
 from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind
-from tether.actors.ports import ParentNotice, TurnOver, TurnSpec
+from tether.actors.ports import EndRecord, TurnOver, TurnSpec
 from tether.runtime.backends._held import Held
 from tether.wire.errors import StoreUnavailable
 from tether.wire.frames import (
@@ -230,16 +231,15 @@ class FakeStore:
         self.claimed.append(key)
         return DONE
 
-    def end_turn(
-        self, turn: str, notice: ParentNotice | None = None, **record: Any
-    ) -> Message | None:
+    def end_turn(self, turn: str, record: EndRecord) -> Message | None:
         if turn != self.open:
             raise Violation(f"end of {turn}, which is not the open turn {self.open}")
         log = self.turns[turn]
         if log.ended is not None:
             raise Violation(f"{turn} ended twice")
-        log.ended = record
+        log.ended = dataclasses.asdict(record.outcome)
         self.open = None
+        notice = record.notice
         if notice is None:
             return None
         if notice.parent != PARENT or notice.data["notice"]["turn"] != turn:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tether.actors.outcomes import TurnOutcome
+from tether.actors.ports import EndRecord
 from tether.runtime.store import _USAGE_EVERY, Store
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.unit]  # unit: starts no process
@@ -97,7 +99,8 @@ def test_near_a_limit_a_report_rides_the_next_batch_and_a_turns_end_writes_its_u
         assert _stored_usage(path, "t_1") == {"prompt_tokens": 7}
         _running_turn(store, "t_2")
         store.turn_usage("t_2", {"prompt_tokens": 3})
-        store.end_turn("t_2", outcome="completed", usage={"prompt_tokens": 3})
+        done = TurnOutcome("completed", None, None, None, False, False, None)
+        store.end_turn("t_2", EndRecord(done, usage={"prompt_tokens": 3}))
         store.flush()
         assert _stored_usage(path, "t_2") == {"prompt_tokens": 3}
         store.turn_usage("t_2", {"prompt_tokens": 99})  # after its end: not its record

@@ -27,9 +27,11 @@ import structlog
 from tether.actors._ids import new_id
 from tether.actors.budget import Governor
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
-from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
+from tether.actors.outcomes import StopFacts, TurnFacts, TurnOutcome, decide_outcome
 from tether.actors.ports import (
     AgentStore,
+    Durable,
+    EndRecord,
     EventSink,
     Executor,
     ParentNotice,
@@ -66,6 +68,7 @@ from tether.wire.records import (
     message_key,
 )
 from tether.wire.text import marker_text
+from tether.wire.vocab import Kind, StallPolicy
 
 __all__ = ["Interrupt", "Session", "Wake", "make_info", "notice_text"]
 
@@ -105,7 +108,7 @@ def make_info(
 class Interrupt:
     """An authorized interrupt, as the host hands it to the session."""
 
-    kind: str
+    kind: Kind
     origin: str
     by: str
     reason: str
@@ -212,6 +215,7 @@ class Session:
         "info",
         "lineage",
         "settled",
+        "stall",
         "turn",
         "woken_by",
     )
@@ -229,6 +233,8 @@ class Session:
     ) -> None:
         self._host = host
         self.header = header
+        # the watchdog's policy, typed once (the header keeps it as the JSON it stores)
+        self.stall = None if header.stall is None else msgspec.convert(header.stall, StallPolicy)
         self.lineage = lineage  # ancestor ids, root first, fixed at materialization
         self.depth = depth
         self.epoch = epoch
@@ -306,6 +312,25 @@ class Session:
             and (self.header.mode != "one-shot" or self._started == 0)
         )
 
+    def _spec(self, t: _Turn, claim: Durable) -> TurnSpec:
+        """What the executor is handed for ``t``: what this session decided, frozen."""
+        h, stall = self.header, self.stall
+        return TurnSpec(
+            turn=t.id,
+            session=h.id,
+            driver=h.driver,
+            message=t.message,
+            config=h.config,
+            permissions=h.permissions,
+            sink=self._host.sink(h.id),
+            progress_every=None if stall is None else _progress_every(stall),
+            repeat=None if stall is None else stall.repeat,
+            claim=claim,
+            limits=h.limits,
+            trace=None if t.span is None else t.span.trace,
+            watched=stall is not None,
+        )
+
     def start_next(self) -> None:
         if not self._can_start():
             return
@@ -337,26 +362,12 @@ class Session:
                 parent=message.trace,
                 message=message.content,
             )
-        stall = h.stall
-        spec = TurnSpec(
-            turn=turn_id,
-            session=h.id,
-            driver=h.driver,
-            message=message,
-            config=h.config,
-            permissions=h.permissions,
-            sink=host.sink(h.id),
-            progress_every=None if stall is None else _progress_every(stall),
-            repeat=None if stall is None else stall.get("repeat"),
-            claim=claim,
-            limits=h.limits,
-            trace=None if t.span is None else t.span.trace,
-            watched=stall is not None,
-        )
+        stall = self.stall
+        spec = self._spec(t, claim)
         self._started += 1
         if stall is not None:
             t.last_progress = self._host.clock.monotonic()
-            self._watch(t, float(stall["after"]))
+            self._watch(t, stall.after)
         try:
             host.executor.submit(spec)
         except TetherError as exc:  # closed under us: end the claimed turn, never leave it open
@@ -378,51 +389,73 @@ class Session:
                 log.info("interrupt.dropped", session=sid, kind=i.kind, why="no running turn")
             self.control_noop(i.kind, i.origin, i.by, i.turn, i.trace)
             return None
-        ex = self._host.executor
         ctl = self._control(t, i.kind, i.origin, i.by, i.turn, i.trace)
         match i.kind:
             case "steer":
-                if t.stop is not None:
-                    log.info("interrupt.dropped", session=sid, kind="steer", why="turn is stopping")
-                    self._control_ended(ctl, "no-op", t)
-                    return None
-                ex.signal(t.id, SteerFrame(t.id, Steer(i.reason, i.origin, i.by)))
-                if ctl is not None:
-                    self._controls(t).steers.append(ctl)
+                issued = self._steer(t, i, ctl)
             case "preempt":
-                ex.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
-                if t.preempts is None:
-                    t.preempts = []
-                t.preempts.append((i.origin, i.by, i.reason, self._host.clock.now()))
-                del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
-                if ctl is not None:
-                    self._controls(t).preempts.append(((i.origin, i.by, i.reason), ctl))
+                issued = self._preempt(t, i, ctl)
             case "cancel":
-                if t.stop is not None:
-                    self._control_ended(ctl, "no-op", t)
-                    return t.id  # one pending stop per turn: the first one stands
-                t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
-                self._stop_control(t, ctl)
-                # the signal first, the bookkeeping after
-                ex.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
-                self._marker(t, "cancelled", i.origin, i.by, i.reason)
-                self._stop_accepted(t, t.stop)
-                deadline = i.deadline if i.deadline is not None else self._host.cancel_deadline
-                if deadline is not None:
-                    self._arm(t, deadline, "deadline")
+                issued = self._cancel(t, i, ctl)
             case "abort":
-                if t.stop is not None and t.stop.kind == "abort":
-                    self._control_ended(ctl, "no-op", t)
-                    return t.id
-                t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
-                self._stop_control(t, ctl)
-                self._cancel_timer(t)
-                t.held = None
-                ex.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
-                self._marker(t, "aborted", i.origin, i.by, i.reason)
-                self._stop_accepted(t, t.stop)
-        log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
-        return t.id
+                issued = self._abort(t, i, ctl)
+        if issued:
+            log.info("interrupt.accepted", session=sid, turn=t.id, kind=i.kind, by=i.by)
+        # a steer to a stopping turn is dropped; a second stop joins the one that stands
+        return t.id if issued or i.kind != "steer" else None
+
+    # Each of these issues one interrupt to the running turn ``t``: True once issued,
+    # False when it changes nothing (its control span then ends a no-op).
+
+    def _steer(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
+        if t.stop is not None:
+            log.info(
+                "interrupt.dropped", session=self.header.id, kind="steer", why="turn is stopping"
+            )
+            self._control_ended(ctl, "no-op", t)
+            return False
+        self._host.executor.signal(t.id, SteerFrame(t.id, Steer(i.reason, i.origin, i.by)))
+        if ctl is not None:
+            self._controls(t).steers.append(ctl)
+        return True
+
+    def _preempt(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
+        self._host.executor.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
+        if t.preempts is None:
+            t.preempts = []
+        t.preempts.append((i.origin, i.by, i.reason, self._host.clock.now()))
+        del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
+        if ctl is not None:
+            self._controls(t).preempts.append(((i.origin, i.by, i.reason), ctl))
+        return True
+
+    def _cancel(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
+        if t.stop is not None:
+            self._control_ended(ctl, "no-op", t)
+            return False  # one pending stop per turn: the first one stands
+        t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
+        self._stop_control(t, ctl)
+        # the signal first, the bookkeeping after
+        self._host.executor.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
+        self._marker(t, "cancelled", i.origin, i.by, i.reason)
+        self._stop_accepted(t, t.stop)
+        deadline = i.deadline if i.deadline is not None else self._host.cancel_deadline
+        if deadline is not None:
+            self._arm(t, deadline, "deadline")
+        return True
+
+    def _abort(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
+        if t.stop is not None and t.stop.kind == "abort":
+            self._control_ended(ctl, "no-op", t)
+            return False
+        t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
+        self._stop_control(t, ctl)
+        self._cancel_timer(t)
+        t.held = None
+        self._host.executor.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
+        self._marker(t, "aborted", i.origin, i.by, i.reason)
+        self._stop_accepted(t, t.stop)
+        return True
 
     def from_worker(self, frame: Delivered | ToolKilled | Escalating | Progress) -> None:
         match frame:
@@ -541,20 +574,20 @@ class Session:
         if t is None or t.id != turn:
             return
         try:
-            if kind == "pause":
-                if t.paused or self.pause("budget", "budget", text) is None:
-                    return
-                # A pause that stands for a stop (``on_hard: pause``) says so as a stop
-                # would (semantics §15.6); a cancel or abort later replaces it.
-                now = self._host.clock.now()
-                report = self._report(
-                    t, "pause", "budget", "budget", text, now, effective_at=now, latency_ms=0.0
-                )
-                self._host.store.put_stop_report(report)
-            else:
-                self.interrupt(
-                    Interrupt(kind, "budget", "budget", text, self._host.grace, None, turn)
-                )
+            match kind:
+                case "pause":
+                    if t.paused or self.pause("budget", "budget", text) is None:
+                        return
+                    # A pause that stands for a stop (``on_hard: pause``) says so as a
+                    # stop would (semantics §15.6); a cancel or abort later replaces it.
+                    now = self._host.clock.now()
+                    report = self._report(
+                        t, "pause", "budget", "budget", text, now, effective_at=now, latency_ms=0.0
+                    )
+                    self._host.store.put_stop_report(report)
+                case "steer" | "cancel" | "abort" as stop:
+                    grace = self._host.grace
+                    self.interrupt(Interrupt(stop, "budget", "budget", text, grace, None, turn))
         except TetherError as exc:  # a steer refused (too much held): the stop is not
             log.warning("budget.step_refused", session=self.header.id, turn=turn, error=exc.message)
 
@@ -601,11 +634,11 @@ class Session:
             which, left = t.held
             t.held = None
             self._arm(t, left, which)
-        stall = self.header.stall
+        stall = self.stall
         if stall is not None:  # a fresh idle clock: the pause was not a stall
             t.last_progress = self._host.clock.monotonic()
             t.step = 0
-            self._watch(t, float(stall["after"]))
+            self._watch(t, stall.after)
         self._marker(t, "resumed", origin, by, "")
         log.info("turn.resumed", session=self.header.id, turn=t.id, by=by)
         if t.span is not None:
@@ -628,11 +661,11 @@ class Session:
             t.started = True
             t.last_progress = self._host.clock.monotonic()
             t.step = 0
-            stall = self.header.stall
+            stall = self.stall
             if t.watch is None and stall is not None and not t.paused and not self.disposing:
                 # the ladder had run out: progress starts it again (a turn that stalls
                 # again after it recovered is watched again)
-                self._watch(t, float(stall["after"]))
+                self._watch(t, stall.after)
 
     def _watch(self, t: _Turn, delay: float) -> None:
         if t.watch is not None:
@@ -641,12 +674,12 @@ class Session:
 
     def _watchdog(self, t: _Turn) -> None:
         t.watch = None
-        stall = self.header.stall
+        stall = self.stall
         if stall is None or t.paused or self.disposing:
             return
         now = self._host.clock.monotonic()
-        after = float(stall["after"])
-        every = float(stall.get("every") or after)
+        after = stall.after
+        every = stall.every or after
         if not t.started:
             # Still waiting for a worker: a turn that never ran cannot have stalled.
             # Look again later.
@@ -660,7 +693,7 @@ class Session:
         if now < due:
             self._watch(t, due - now)
             return
-        steps: list[str] = list(stall["steps"])
+        steps = stall.steps
         idle = now - t.last_progress
         while t.step < len(steps):
             kind = steps[t.step]
@@ -673,10 +706,10 @@ class Session:
         if t.step < len(steps) and self.turn is t:
             self._watch(t, every)
 
-    def _step(self, t: _Turn, kind: str, idle: float, stall: dict[str, Any]) -> None:
+    def _step(self, t: _Turn, kind: Kind, idle: float, stall: StallPolicy) -> None:
         why = f"no progress for {idle:.0f} s"
-        text = f"{why}: {stall['nudge']}" if kind == "steer" else why
-        grace = float(stall.get("grace") or self._host.grace)
+        text = f"{why}: {stall.nudge}" if kind == "steer" else why
+        grace = stall.grace or self._host.grace
         log.info("watchdog.step", session=self.header.id, turn=t.id, kind=kind, idle=idle)
         if self._host.events.wants("watchdog.step"):
             self._emit("watchdog.step", {"turn": t.id, "step": t.step, "kind": kind, "idle": idle})
@@ -771,11 +804,7 @@ class Session:
         t: _Turn,
         stop: _Stop,
         over: TurnOver,
-        *,
-        killed: bool,
-        outcome: str,
-        forced: bool,
-        escalated: bool,
+        decided: TurnOutcome,
         partial: str | None,
         seen: float,
     ) -> StopReport:
@@ -783,6 +812,8 @@ class Session:
         observed): when and how the stop took effect, what it killed, what became of each
         tool call it found open."""
         now = seen
+        killed = over.end is None  # the worker did not report an end: its tree was killed
+        forced, escalated = decided.forced, decided.escalated
         effective: float
         via: str | None
         if stop.kind == "cancel" and t.delivered_at is not None and not (forced or escalated):
@@ -809,7 +840,7 @@ class Session:
             stop.at,
             effective_at=effective,
             latency_ms=_ms(effective - stop.at),
-            outcome=outcome,
+            outcome=decided.outcome,
             forced=forced,
             escalated=escalated,
             via=via,
@@ -849,114 +880,124 @@ class Session:
         t = self.turn
         if t is None or t.id != over.turn:
             return
-        end, error = over.end, over.error
         # The end observed (for a kill: the executor has confirmed the tree dead), taken
         # before the end record's own time, which the stop report's effect precedes.
         seen = self._host.clock.now()
         self._cancel_timer(t)
         if t.watch is not None:
             t.watch.cancel()
-        h = self.header
         host = self._host
-        stop = t.stop
-        killed = end is None  # the worker did not report an end: its tree was killed
+        decided = self._decide(t, over)
+        end = over.end
+        final = end.final if end is not None else None
+        partial = final if final is not None else t.last_say
+        usage = self._usage(t, end)
+        self.turn = None
+        if decided.outcome != "completed":
+            self.hold = not t.wake_latch  # park the inbox unless a waking send latched
+        # the parent's notice is committed with the end, or neither is
+        record = EndRecord(decided, final, usage, over.resources, self._notice(t, decided, partial))
+        notice_msg = host.store.end_turn(t.id, record)
+        landed = self._land_reports(t, over, decided, partial or None, seen)
+        self._announce(t, decided)
+        if t.span is not None:
+            self._turn_span_ended(t, decided, final, end, landed)
+        parent = self.header.parent
+        if parent is not None and notice_msg is not None:
+            host.notify_parent(parent, notice_msg)
+        self._after_end(t)
+
+    def _usage(self, t: _Turn, end: TurnEnd | None) -> dict[str, int] | None:
+        """The record's usage: the end's, else what the worker reported as it went (a
+        killed turn sends no end), so a tree's spent always equals the sum of its turns'
+        records."""
+        gov = self._host.budget
+        reported = gov.ended(t.id) if gov is not None else None
+        return end.usage if end is not None and end.usage is not None else reported
+
+    def _after_end(self, t: _Turn) -> None:
+        """Settle (one-shot, disposing), or start the next turn if one may start."""
+        if self.header.mode == "one-shot" or self.disposing:
+            self.settled = True
+            return
+        if not t.wake_latch:
+            self.woken_by = None  # what starts now follows this turn (semantics §4 rule 2)
+        self.start_next()
+
+    def _decide(self, t: _Turn, over: TurnOver) -> TurnOutcome:
+        """The turn's outcome, and the markers of a kill that took effect (forced,
+        escalated)."""
+        end, stop = over.end, t.stop
         decided = decide_outcome(
             TurnFacts(
                 stop=None if stop is None else stop.facts(),
                 end="died" if end is None else end.outcome,
                 force_requested=t.force,
                 escalate_requested=t.escalate,
-                error=error if end is None else end.error,
+                error=over.error if end is None else end.error,
             )
         )
-        outcome, cause, by, reason = decided.outcome, decided.cause, decided.by, decided.reason
-        forced, escalated, error = decided.forced, decided.escalated, decided.error
-        if forced and stop is not None:
+        if decided.forced and stop is not None:
             why = f"no end {stop.grace:g}s after the cancel"
             self._marker(t, "forced", "system", "system", why)
-        if escalated:
+        if decided.escalated:
             self._marker(t, "escalated", "system", "system", "no boundary before the deadline")
-        final = end.final if end is not None else None
-        partial = final if final is not None else t.last_say
-        # What the worker reported as it went (a killed turn sends no end): the record's
-        # usage, so a tree's spent always equals the sum of its turns' records.
-        reported = host.budget.ended(t.id) if host.budget is not None else None
-        usage = end.usage if end is not None and end.usage is not None else reported
-        self.turn = None
-        if outcome != "completed":
-            self.hold = not t.wake_latch  # park the inbox unless a waking send latched
-        notice = None
-        if h.parent is not None and host.inbox_open(h.parent):
-            told = ChildTurnEnded(
-                child=h.id,
-                slug=h.slug,
-                turn=t.id,
-                outcome=outcome,
-                cause=cause,
-                partial=partial,
-            )
-            data = {"notice": msgspec.to_builtins(told)}
-            trace = t.span.parent if t.span is not None else None
-            notice = ParentNotice(h.parent, notice_text(told), data, h.id, trace)
-        # the parent's notice is committed with the end, or neither is
-        notice_msg = host.store.end_turn(
-            t.id,
-            outcome=outcome,
-            cause=cause,
-            by=by,
-            forced=forced,
-            escalated=escalated,
-            reason=reason,
-            error=error,
-            final=final,
-            resources=over.resources,
-            usage=usage,
-            notice=notice,
+        return decided
+
+    def _notice(self, t: _Turn, decided: TurnOutcome, partial: str | None) -> ParentNotice | None:
+        """The parent's notice of this end, if it has a parent whose inbox is open."""
+        h = self.header
+        if h.parent is None or not self._host.inbox_open(h.parent):
+            return None
+        told = ChildTurnEnded(
+            child=h.id,
+            slug=h.slug,
+            turn=t.id,
+            outcome=decided.outcome,
+            cause=decided.cause,
+            partial=partial,
         )
-        landed: StopReport | None = None
-        if stop is not None:
-            landed = self._final_report(
-                t,
-                stop,
-                over,
-                killed=killed,
-                outcome=outcome,
-                forced=forced,
-                escalated=escalated,
-                partial=partial or None,  # null, never "", when there is no assistant text
-                seen=seen,
-            )
-        elif t.preempt_report is not None:
+        data = {"notice": msgspec.to_builtins(told)}
+        trace = t.span.parent if t.span is not None else None
+        return ParentNotice(h.parent, notice_text(told), data, h.id, trace)
+
+    def _land_reports(
+        self,
+        t: _Turn,
+        over: TurnOver,
+        decided: TurnOutcome,
+        partial: str | None,
+        seen: float,
+    ) -> StopReport | None:
+        """The stop's report completed (returned), or a preempt's given its outcome.
+        ``partial`` is None, never "", when there is no assistant text."""
+        if t.stop is not None:
+            return self._final_report(t, t.stop, over, decided, partial, seen)
+        if t.preempt_report is not None:
             report = msgspec.structs.replace(
-                t.preempt_report, outcome=outcome, partial=partial or None
+                t.preempt_report, outcome=decided.outcome, partial=partial
             )
-            host.store.put_stop_report(report)
+            self._host.store.put_stop_report(report)
+        return None
+
+    def _announce(self, t: _Turn, decided: TurnOutcome) -> None:
+        """The end in the log (a stopped or failed one at info) and as an event."""
         record = {
             "turn": t.id,
-            "outcome": outcome,
-            "cause": cause,
-            "by": by,
-            "forced": forced,
-            "escalated": escalated,
-            "reason": reason,
-            "error": error,
+            "outcome": decided.outcome,
+            "cause": decided.cause,
+            "by": decided.by,
+            "forced": decided.forced,
+            "escalated": decided.escalated,
+            "reason": decided.reason,
+            "error": decided.error,
         }
-        if outcome != "completed":
-            log.info("turn.ended", session=h.id, **record)
+        if decided.outcome != "completed":
+            log.info("turn.ended", session=self.header.id, **record)
         elif _debug():
-            log.debug("turn.ended", session=h.id, **record)
-        if host.events.wants("turn.ended"):
+            log.debug("turn.ended", session=self.header.id, **record)
+        if self._host.events.wants("turn.ended"):
             self._emit("turn.ended", record)
-        if t.span is not None:
-            self._turn_span_ended(t, outcome, cause, by, reason, error, final, end, landed)
-        if h.parent is not None and notice_msg is not None:
-            host.notify_parent(h.parent, notice_msg)
-        if h.mode == "one-shot" or self.disposing:
-            self.settled = True
-        else:
-            if not t.wake_latch:
-                self.woken_by = None  # what starts now follows this turn (semantics §4 rule 2)
-            self.start_next()
 
     # ---- telemetry (semantics §16.3) ---------------------------------------------------------
 
@@ -1053,11 +1094,7 @@ class Session:
     def _turn_span_ended(
         self,
         t: _Turn,
-        outcome: str,
-        cause: str | None,
-        by: str | None,
-        reason: str | None,
-        error: str | None,
+        decided: TurnOutcome,
         final: str | None,
         end: TurnEnd | None,
         landed: StopReport | None,
@@ -1078,12 +1115,12 @@ class Session:
         self._host.telemetry.turn_ended(
             t.span,
             reported=end is not None,
-            outcome=outcome,
-            cause=cause,
-            by=by,
+            outcome=decided.outcome,
+            cause=decided.cause,
+            by=decided.by,
             origin=t.stop.origin if t.stop is not None else None,
-            reason=reason,
-            error=error,
+            reason=decided.reason,
+            error=decided.error,
             final=final if final is not None else t.last_say,
             usage=end.usage if end is not None else None,
         )
@@ -1160,10 +1197,10 @@ def _ms(seconds: float) -> float:
     return round(max(seconds, 0.0) * 1000.0, 3)
 
 
-def _progress_every(stall: dict[str, Any]) -> float:
+def _progress_every(stall: StallPolicy) -> float:
     """How often a worker reports progress: a few times a second at most, and often
     enough that the watchdog's clock is a small fraction of ``after`` late."""
-    return min(0.25, float(stall["after"]) / 8)
+    return min(0.25, stall.after / 8)
 
 
 def notice_text(notice: ChildTurnEnded) -> str:

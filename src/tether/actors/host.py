@@ -48,6 +48,7 @@ from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
 from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, Usage
 from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader
+from tether.wire.vocab import Kind
 
 __all__ = [
     "Adopt",
@@ -104,7 +105,7 @@ class Enqueued:
 class InterruptOp:
     target: str
     authority: Authority | Host
-    kind: str
+    kind: Kind
     reason: str
     grace: float
     deadline: float | None = None

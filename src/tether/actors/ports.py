@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from tether.actors.outcomes import TurnOutcome
 from tether.wire.frames import (
     Delivered,
     Escalating,
@@ -31,6 +32,7 @@ KillVia = Literal["cgroup", "walk"]
 __all__ = [
     "AgentStore",
     "Durable",
+    "EndRecord",
     "EventSink",
     "Executor",
     "KillVia",
@@ -157,6 +159,18 @@ class ParentNotice:
     trace: str | None = None  # the child's turn span: the parent's next turn follows it
 
 
+@dataclass(frozen=True, slots=True)
+class EndRecord:
+    """What the store records at a turn's end: its outcome whole, what it produced and
+    spent, and the parent's notice (committed with it, or neither is)."""
+
+    outcome: TurnOutcome
+    final: str | None = None  # the turn's final text, written as an assistant entry
+    usage: dict[str, int] | None = None
+    resources: dict[str, float] | None = None
+    notice: ParentNotice | None = None
+
+
 class AgentStore(Protocol):
     """The durable operations the session actors perform; writes are queued."""
 
@@ -179,22 +193,7 @@ class AgentStore(Protocol):
     def close_message(self, message_id: str) -> None: ...
     def pending_count(self, session: str) -> int: ...
     def start_turn(self, turn: str, message: Message, woken_by: str | None = None) -> Durable: ...
-    def end_turn(
-        self,
-        turn: str,
-        *,
-        outcome: str,
-        cause: str | None = None,
-        by: str | None = None,
-        forced: bool = False,
-        escalated: bool = False,
-        reason: str | None = None,
-        error: str | None = None,
-        final: str | None = None,
-        usage: dict[str, int] | None = None,
-        resources: dict[str, float] | None = None,
-        notice: ParentNotice | None = None,
-    ) -> Message | None: ...
+    def end_turn(self, turn: str, record: EndRecord) -> Message | None: ...
     def append_entry(
         self,
         session: str,

@@ -588,7 +588,7 @@ class Runtime:
         self,
         target: str,
         auth: Authority,
-        kind: str,
+        kind: Kind,
         reason: str,
         grace: float,
         deadline: float | None,
@@ -883,7 +883,7 @@ class Runtime:
             out.extend(running)
         return out
 
-    def _stop_all(self, running: list[Any], kind: str, timeout: float) -> None:
+    def _stop_all(self, running: list[Any], kind: Kind, timeout: float) -> None:
         """Stop every turn in ``sessions`` (a cancel escalates after ``grace`` with no
         boundary) and wait up to ``timeout`` for them to end."""
         sessions = [r[0] if isinstance(r, tuple) else r for r in running]

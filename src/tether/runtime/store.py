@@ -21,7 +21,7 @@ import msgspec
 import structlog
 
 from tether.actors.budget import Spent
-from tether.actors.ports import ParentNotice
+from tether.actors.ports import EndRecord, ParentNotice
 from tether.runtime.group_commit import (
     WAL_LIMIT,
     GroupCommit,
@@ -654,26 +654,12 @@ class Store:
             self._submit_locked(op, ticket, urgent=True)
         return ticket
 
-    def end_turn(
-        self,
-        turn: str,
-        *,
-        outcome: str,
-        cause: str | None = None,
-        by: str | None = None,
-        forced: bool = False,
-        escalated: bool = False,
-        reason: str | None = None,
-        error: str | None = None,
-        final: str | None = None,
-        usage: dict[str, int] | None = None,
-        resources: dict[str, float] | None = None,
-        notice: ParentNotice | None = None,
-    ) -> Message | None:
-        """Record a turn's end (and its final text as an assistant entry); with
-        ``notice``, the parent's notice message in the same commit. Returns that
-        message (None without a notice, or for a turn not open here)."""
+    def end_turn(self, turn: str, record: EndRecord) -> Message | None:
+        """Record a turn's end (and its final text as an assistant entry); with a
+        notice, the parent's notice message in the same commit. Returns that message
+        (None without a notice, or for a turn not open here)."""
         now = time.time()
+        o, final, notice = record.outcome, record.final, record.notice
         with self._cond:
             opened = self._open.pop(turn, None)
             if opened is None:
@@ -716,15 +702,15 @@ class Store:
                     " escalated=?, reason=?, error=?, usage=?, resources=? WHERE seq=?",
                     (
                         now,
-                        outcome,
-                        cause,
-                        by,
-                        forced,
-                        escalated,
-                        reason,
-                        error,
-                        _dump(usage),
-                        _dump(resources),
+                        o.outcome,
+                        o.cause,
+                        o.by,
+                        o.forced,
+                        o.escalated,
+                        o.reason,
+                        o.error,
+                        _dump(record.usage),
+                        _dump(record.resources),
                         row,
                     ),
                 )
