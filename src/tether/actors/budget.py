@@ -105,6 +105,26 @@ Step = tuple[str, str, str, str]
 STATE = "state"
 
 
+# A crossing found by ``_check_locked``: a limit reached (key, value, limit), or a soft
+# threshold passed (key, limit).
+_Hard = tuple[str, float, float]
+_Soft = tuple[str, float]
+
+
+def _below_marks(tree: _Tree) -> bool:
+    """The tree's spent tokens, cost and turns are all below its marks: no threshold can
+    newly cross (always False while the marks are unknown)."""
+    marks = tree.marks
+    if marks is None:
+        return False
+    spent = tree.spent
+    return (
+        float(spent.tokens) < marks[0]
+        and spent.cost / 1_000_000 < marks[1]
+        and float(spent.turns) < marks[2]
+    )
+
+
 def _marks(tree: _Tree, limits: dict[str, float]) -> tuple[float, float, float]:
     """The values (tokens, cost_usd, turns) at which ``_check_locked`` would next find a
     crossing: a limit's soft threshold until it is crossed, then the limit itself."""
@@ -472,20 +492,19 @@ class Governor:
         """Note the thresholds ``b``'s tree has newly crossed; the steps they call for
         (``now``: the clock's time, read here when needed and not given)."""
         tree = self._trees[b]
-        marks = tree.marks
-        if marks is not None:
-            spent = tree.spent
-            if (
-                float(spent.tokens) < marks[0]
-                and spent.cost / 1_000_000 < marks[1]
-                and float(spent.turns) < marks[2]
-            ):
-                return []  # below every threshold still to cross: nothing can cross
+        if _below_marks(tree):
+            return []  # below every threshold still to cross: nothing can cross
         if now is None:
             now = self._clock.monotonic()
+        hard, soft = self._cross_locked(b, tree, now)
+        return self._crossed_steps(b, tree, hard, soft)
+
+    def _cross_locked(self, b: str, tree: _Tree, now: float) -> tuple[list[_Hard], list[_Soft]]:
+        """Mark the limits of ``b``'s tree newly past their soft threshold or reached, and
+        the tree's new marks; returns the crossings, in the budget's limit order."""
         budget = tree.budget
-        hard: list[tuple[str, float, float]] = []
-        soft: list[tuple[str, float]] = []
+        hard: list[_Hard] = []
+        soft: list[_Soft] = []
         limits = budget.limits()
         for key, limit in limits.items():
             if key in tree.hard:
@@ -499,6 +518,14 @@ class Governor:
                 tree.soft.add(key)
                 soft.append((key, limit))
         tree.marks = None if budget.turn_seconds is not None else _marks(tree, limits)
+        return hard, soft
+
+    def _crossed_steps(
+        self, b: str, tree: _Tree, hard: list[_Hard], soft: list[_Soft]
+    ) -> list[Step]:
+        """What new crossings call for: the tree's state change, then the hard action
+        (a reached limit) or else the soft one."""
+        budget = tree.budget
         stops = [h for h in hard if h[0] != "turns"]  # turns: no running turn is stopped
         changed: list[Step] = []
         if hard:

@@ -191,23 +191,13 @@ class Forwarder:
         self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         """One request and its reply; whether the connection serves another."""
-        request = await _next(conn, reader)
-        if not isinstance(request, h11.Request):
-            return False
-        path = self._path(request.target)
-        if path is None:
-            log.warning("forward.refused")  # not the CLI: its target is not logged
-            _error(conn, writer, 404, "not_found_error", "not found", close=True)
-            await writer.drain()
-            return False
-        body = bytearray()
-        while isinstance(event := await _next(conn, reader), h11.Data):
-            body += event.data
-        if not isinstance(event, h11.EndOfMessage):
+        got = await self._request(conn, reader, writer)
+        if got is None:
             return False
         if self._cut:  # after a cancel nothing reaches the model: silent till the CLI goes
             return await _silent(reader)
-        pump = asyncio.ensure_future(self._pump(conn, request, path, bytes(body), writer))
+        request, path, body = got
+        pump = asyncio.ensure_future(self._pump(conn, request, path, body, writer))
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)  # settled() waits for the pumps alone
         watch: asyncio.Future[bytes] | None = None
@@ -241,6 +231,27 @@ class Forwarder:
             pump.cancel()
             await asyncio.wait({pump})  # its upstream connection closed before we go on
 
+    async def _request(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[h11.Request, str, bytes] | None:
+        """The CLI's next request whole (its path after the secret, its body); None when
+        the connection ends instead (a 404 first, to a request without the secret)."""
+        request = await _next(conn, reader)
+        if not isinstance(request, h11.Request):
+            return None
+        path = self._path(request.target)
+        if path is None:
+            log.warning("forward.refused")  # not the CLI: its target is not logged
+            _error(conn, writer, 404, "not_found_error", "not found", close=True)
+            await writer.drain()
+            return None
+        body = bytearray()
+        while isinstance(event := await _next(conn, reader), h11.Data):
+            body += event.data
+        if not isinstance(event, h11.EndOfMessage):
+            return None
+        return request, path, bytes(body)
+
     async def _pump(
         self,
         conn: h11.Connection,
@@ -265,39 +276,9 @@ class Forwarder:
             return _reusable(conn)
         me = asyncio.current_task()
         assert me is not None
-        stream = response.extensions.get("network_stream")
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        if sock is not None:
-            with self._lock:
-                self._sockets[me] = sock
-                late = self._cut
-            if late:  # the cut came while the reply's head was on its way
-                _shut(sock, socket.SHUT_WR)
-        counting = _is_stream(response)
-        if counting and _encoded(response):
-            counting, self.deltas = False, None  # not countable: the CLI is not waited for
-        carry = b""
+        self._hold(me, response)
         try:
-            # The bytes go through as they came (``aiter_raw``: still content-encoded),
-            # so the upstream's Content-Length stays true; without one h11 chunks them.
-            head = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP]
-            reason = response.reason_phrase.encode("latin-1", "replace")
-            writer.write(
-                conn.send(
-                    h11.Response(status_code=response.status_code, headers=head, reason=reason)
-                )
-                or b""
-            )
-            async for chunk in response.aiter_raw():
-                writer.write(conn.send(h11.Data(data=chunk)) or b"")
-                if counting and self.deltas is not None:
-                    seen = carry + chunk
-                    # a marker wholly inside the carry was counted with the last chunk
-                    self.deltas += len(_DELTA.findall(seen)) - len(_DELTA.findall(carry))
-                    carry = seen[-_CARRY:]
-                await writer.drain()
-            writer.write(conn.send(h11.EndOfMessage()) or b"")
-            await writer.drain()
+            await self._relay(conn, response, writer)
         except httpx.HTTPError as exc:
             # The upstream broke mid-reply (or ended after a cut, which is no news)
             if not self._cut:
@@ -308,6 +289,52 @@ class Forwarder:
                 self._sockets.pop(me, None)
             await response.aclose()  # before the reply's end: closes the connection
         return _reusable(conn)
+
+    def _hold(self, me: asyncio.Task[Any], response: httpx.Response) -> None:
+        """Keep the reply's upstream socket where a cut finds it (shut at once when the
+        cut came while the reply's head was on its way)."""
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:
+            return
+        with self._lock:
+            self._sockets[me] = sock
+            late = self._cut
+        if late:
+            _shut(sock, socket.SHUT_WR)
+
+    async def _relay(
+        self, conn: h11.Connection, response: httpx.Response, writer: asyncio.StreamWriter
+    ) -> None:
+        """Pass the reply's head, bytes and end on to the CLI, counting its content deltas
+        on the way."""
+        counting = _is_stream(response)
+        if counting and _encoded(response):
+            counting, self.deltas = False, None  # not countable: the CLI is not waited for
+        carry = b""
+        # The bytes go through as they came (``aiter_raw``: still content-encoded),
+        # so the upstream's Content-Length stays true; without one h11 chunks them.
+        head = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP]
+        reason = response.reason_phrase.encode("latin-1", "replace")
+        writer.write(
+            conn.send(h11.Response(status_code=response.status_code, headers=head, reason=reason))
+            or b""
+        )
+        async for chunk in response.aiter_raw():
+            writer.write(conn.send(h11.Data(data=chunk)) or b"")
+            if counting and self.deltas is not None:
+                found, carry = _deltas(carry, chunk)
+                self.deltas += found
+            await writer.drain()
+        writer.write(conn.send(h11.EndOfMessage()) or b"")
+        await writer.drain()
+
+
+def _deltas(carry: bytes, chunk: bytes) -> tuple[int, bytes]:
+    """The content deltas ``chunk`` completes, and the carry for the next chunk."""
+    seen = carry + chunk
+    # a marker wholly inside the carry was counted with the last chunk
+    return len(_DELTA.findall(seen)) - len(_DELTA.findall(carry)), seen[-_CARRY:]
 
 
 async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> object:

@@ -77,21 +77,8 @@ def _config(raw: dict[str, Any]) -> _Config:
     """The session config, checked: a mistake is a one-line ``InvalidParams``."""
     claude = dict(raw.get("claude") or {})
     model = dict(raw.get("model") or {})
-    if "api_key" in model or "ANTHROPIC_API_KEY" in (claude.get("env") or {}):
-        raise InvalidParams("config: give model.api_key_env, never the key itself")
-    known = {"model", "system_prompt", "allowed_tools", "cwd", "max_turns", "env"}
-    if set(claude) - known:
-        raise InvalidParams(f"config.claude: unknown keys {sorted(set(claude) - known)}")
-    unknown = set(model) - {"base_url", "api_key_env", "price"}  # price: see add_usage
-    if unknown:
-        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
-    # Tether's tools, MCP servers and tool policies as ChatAgent reads them (semantics §15.3)
-    tools_cfg = chat._config(
-        {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
-    )
-    tools = tools_cfg.tools
-    if _HOST_SERVER in ((tools_cfg.mcp or {}).get("servers") or {}):
-        raise InvalidParams(f"config.mcp: the server name {_HOST_SERVER!r} is Tether's own")
+    _check_keys(claude, model)
+    tools_cfg = _tools_config(raw)
     try:
         cfg = _Config(
             model=claude.get("model"),
@@ -102,12 +89,35 @@ def _config(raw: dict[str, Any]) -> _Config:
             env={str(k): str(v) for k, v in (claude.get("env") or {}).items()},
             base_url=model.get("base_url"),
             api_key_env=model.get("api_key_env"),
-            tools=tools,
+            tools=tools_cfg.tools,
             chat=tools_cfg,
         )
     except (TypeError, ValueError) as exc:
         raise InvalidParams(f"config: {exc}") from None
     return cfg
+
+
+def _check_keys(claude: dict[str, Any], model: dict[str, Any]) -> None:
+    """No key in the config, and no key unknown to ``claude`` or ``model``."""
+    if "api_key" in model or "ANTHROPIC_API_KEY" in (claude.get("env") or {}):
+        raise InvalidParams("config: give model.api_key_env, never the key itself")
+    known = {"model", "system_prompt", "allowed_tools", "cwd", "max_turns", "env"}
+    if set(claude) - known:
+        raise InvalidParams(f"config.claude: unknown keys {sorted(set(claude) - known)}")
+    unknown = set(model) - {"base_url", "api_key_env", "price"}  # price: see add_usage
+    if unknown:
+        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+
+
+def _tools_config(raw: dict[str, Any]) -> chat._Config:
+    """Tether's tools, MCP servers and tool policies as ChatAgent reads them (semantics
+    §15.3); an MCP server may not take the name of Tether's own."""
+    tools_cfg = chat._config(
+        {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
+    )
+    if _HOST_SERVER in ((tools_cfg.mcp or {}).get("servers") or {}):
+        raise InvalidParams(f"config.mcp: the server name {_HOST_SERVER!r} is Tether's own")
+    return tools_cfg
 
 
 @dataclass
@@ -669,6 +679,13 @@ def _kill_ours(before: set[int], cli: int | None) -> None:
     an escapee of a Bash command (double-forked, ``setsid``, its environment cleared)
     has re-parented to it, and a cancel's ``interrupt()`` leaves one alive. Frozen
     before the kill, so nothing forks meanwhile; passes until nothing new is left."""
+    orphans = _kill_new_children(before, cli)
+    # The orphans are ours to reap (the SDK's subprocess reaps the CLI): dead by now
+    _reap(orphans, within=1.0)
+
+
+def _kill_new_children(before: set[int], cli: int | None) -> set[int]:
+    """The kill passes of ``_kill_ours``; the children it killed other than the CLI."""
     me = os.getpid()
     orphans: set[int] = set()
     for _ in range(_SWEEP_PASSES):
@@ -678,18 +695,27 @@ def _kill_ours(before: set[int], cli: int | None) -> None:
         if not live:
             break
         all_dead(live, 0.2)
-    # The orphans are ours to reap (the SDK's subprocess reaps the CLI): dead by now
-    deadline = time.monotonic() + 1.0
-    while orphans and time.monotonic() < deadline:
-        for pid in list(orphans):
-            try:
-                done, _status = os.waitpid(pid, os.WNOHANG)
-            except (ChildProcessError, OSError):
-                done = pid
-            if done:
-                orphans.discard(pid)
-        if orphans:
+    return orphans
+
+
+def _reap(pids: set[int], *, within: float) -> None:
+    """Reap these children of ours as they die, for ``within`` seconds at most."""
+    deadline = time.monotonic() + within
+    while pids and time.monotonic() < deadline:
+        for pid in list(pids):
+            if _reaped(pid):
+                pids.discard(pid)
+        if pids:
             time.sleep(0.005)
+
+
+def _reaped(pid: int) -> bool:
+    """Whether child ``pid`` is gone: reaped now, or not ours to wait for."""
+    try:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+    except (ChildProcessError, OSError):
+        return True
+    return bool(done)
 
 
 def _cli(client: Any) -> psutil.Process | None:

@@ -199,7 +199,19 @@ class _Run:
             self._reply(event.response)
 
     def _reply(self, response: Any) -> None:
-        usage = getattr(response, "usage", None)
+        self._usage(getattr(response, "usage", None))
+        items = [o.model_dump(exclude_unset=True, mode="json") for o in response.output]
+        text = _output_text(items)
+        calls = _function_calls(items)
+        if not text and not calls:
+            return
+        data: dict[str, Any] = {"input_items": items}
+        if calls:
+            data["tool_calls"] = calls
+        self.ctx.say(text, data=data)
+
+    def _usage(self, usage: Any) -> None:
+        """A reply's token counts, reported unless it has none."""
         if usage is not None and (usage.input_tokens or usage.output_tokens):
             self.ctx.add_usage(
                 {
@@ -207,29 +219,6 @@ class _Run:
                     "completion_tokens": int(usage.output_tokens or 0),
                 }
             )
-        items = [o.model_dump(exclude_unset=True, mode="json") for o in response.output]
-        text = "".join(
-            part.get("text", "")
-            for o in items
-            if o.get("type") == "message"
-            for part in o.get("content") or ()
-            if part.get("type") == "output_text"
-        )
-        calls = [
-            {
-                "id": o["call_id"],
-                "type": "function",
-                "function": {"name": o["name"], "arguments": o.get("arguments", "")},
-            }
-            for o in items
-            if o.get("type") == "function_call"
-        ]
-        if not text and not calls:
-            return
-        data: dict[str, Any] = {"input_items": items}
-        if calls:
-            data["tool_calls"] = calls
-        self.ctx.say(text, data=data)
 
     def progress(self) -> int:
         return self.events
@@ -418,6 +407,30 @@ def _model_error(exc: Exception, retries: int) -> Exception:
     if isinstance(exc, AgentsException):
         return ModelError(_one_line(f"{type(exc).__name__}: {exc}"))
     return exc
+
+
+def _output_text(items: list[dict[str, Any]]) -> str:
+    """The text of a reply's message items."""
+    return "".join(
+        part.get("text", "")
+        for o in items
+        if o.get("type") == "message"
+        for part in o.get("content") or ()
+        if part.get("type") == "output_text"
+    )
+
+
+def _function_calls(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A reply's function calls, as ChatAgent's transcript spells tool calls."""
+    return [
+        {
+            "id": o["call_id"],
+            "type": "function",
+            "function": {"name": o["name"], "arguments": o.get("arguments", "")},
+        }
+        for o in items
+        if o.get("type") == "function_call"
+    ]
 
 
 def _input_items(history: list[Entry], ctx: AsyncTurnContext) -> list[Any]:

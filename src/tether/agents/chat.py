@@ -197,24 +197,7 @@ class ChatAgent:
     ) -> _Reply:
         import openai
 
-        # The messages and tools are plain JSON already: they go in ``extra_body``, which
-        # the client sends as is. Given as typed params, the client walks them through its
-        # TypedDict transform on every request, which costs about a millisecond a message
-        # and grows with the history (60+ ms a request after a hundred turns).
-        body: dict[str, Any] = {"messages": messages}
-        if tools:
-            body["tools"] = tools
-        kwargs: dict[str, Any] = {
-            "model": cfg.model.name,
-            "messages": [],  # replaced by extra_body's
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "extra_body": body,
-        }
-        if cfg.model.temperature is not None:
-            kwargs["temperature"] = cfg.model.temperature
-        if cfg.model.max_tokens is not None:
-            kwargs["max_tokens"] = cfg.model.max_tokens
+        kwargs = _request_kwargs(cfg, messages, tools)
         attempt = 0
         log.debug(
             "model.request",
@@ -247,22 +230,12 @@ class ChatAgent:
                     ctx.say(reply.text, data={"cut": True})  # what arrived is kept
                 raise
             except (openai.APIConnectionError, openai.APIStatusError) as exc:
-                status = getattr(exc, "status_code", None)
-                retry = status is None or status == 429 or status >= 500
-                if not retry or attempt >= cfg.model.retries:
-                    raise ModelError(_describe(exc, attempt)) from None
-                attempt += 1
-                log.info("model.retry", turn=ctx.turn, attempt=attempt, status=status)
-                await asyncio.sleep(min(cfg.model.backoff * 2 ** (attempt - 1), 30.0))
+                attempt = await _retry(ctx, cfg, exc, attempt)
                 continue
             finally:
                 if stream is not None:
                     await stream.close()  # at once on a cancel: the connection goes
-            data: dict[str, Any] | None = None
-            if reply.calls:
-                data = {"tool_calls": reply.tool_calls()}
-            if reply.text or data:
-                ctx.say(reply.text, data=data)
+            _say_reply(ctx, reply)
             return reply
 
     # ---- tools --------------------------------------------------------------------------
@@ -363,6 +336,54 @@ def openai_client(
         )
         _clients[ident] = client
     return client
+
+
+def _request_kwargs(
+    cfg: _Config, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The chat completion's arguments: a stream, with its usage at the end."""
+    # The messages and tools are plain JSON already: they go in ``extra_body``, which
+    # the client sends as is. Given as typed params, the client walks them through its
+    # TypedDict transform on every request, which costs about a millisecond a message
+    # and grows with the history (60+ ms a request after a hundred turns).
+    body: dict[str, Any] = {"messages": messages}
+    if tools:
+        body["tools"] = tools
+    kwargs: dict[str, Any] = {
+        "model": cfg.model.name,
+        "messages": [],  # replaced by extra_body's
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": body,
+    }
+    if cfg.model.temperature is not None:
+        kwargs["temperature"] = cfg.model.temperature
+    if cfg.model.max_tokens is not None:
+        kwargs["max_tokens"] = cfg.model.max_tokens
+    return kwargs
+
+
+async def _retry(ctx: AsyncTurnContext, cfg: _Config, exc: Exception, attempt: int) -> int:
+    """A failed request (``attempt`` retries so far): ModelError when it is not to be
+    retried, or has been as often as the config allows; else the backoff is waited out
+    and the next attempt's number returned."""
+    status = getattr(exc, "status_code", None)
+    retry = status is None or status == 429 or status >= 500
+    if not retry or attempt >= cfg.model.retries:
+        raise ModelError(_describe(exc, attempt)) from None
+    attempt += 1
+    log.info("model.retry", turn=ctx.turn, attempt=attempt, status=status)
+    await asyncio.sleep(min(cfg.model.backoff * 2 ** (attempt - 1), 30.0))
+    return attempt
+
+
+def _say_reply(ctx: AsyncTurnContext, reply: _Reply) -> None:
+    """A whole reply into the transcript: its text, and its tool calls if any."""
+    data: dict[str, Any] | None = None
+    if reply.calls:
+        data = {"tool_calls": reply.tool_calls()}
+    if reply.text or data:
+        ctx.say(reply.text, data=data)
 
 
 def _server(model: _Model) -> dict[str, Any]:

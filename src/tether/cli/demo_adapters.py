@@ -195,41 +195,70 @@ def _framework(
     token = f"tether-demo-escapee-{uuid.uuid4().hex[:8]}"
     server.script(name, _replies(fw, slug, token))
     sid = str(rt.spawn(lead, fw.adapter, slug=slug, config=_config(fw, server, name, home)))
+    agent = _Agent(rt, server, fw, name, sid, me, say)
+    _steer(agent)
+    _cancel(agent)
+    if fw.factory is None:
+        _abort(rt, sid, me, token, say)
 
-    def ended(count: int) -> Callable[[], bool]:
-        return lambda: sum(1 for t in rt.turns(sid) if t.outcome) >= count
 
-    def asked(count: int) -> list[Request]:
-        found = server.requests_for(name)
+@dataclass(frozen=True)
+class _Agent:
+    """One framework's agent, as the demo's steps drive and watch it."""
+
+    rt: Runtime
+    server: ModelServer
+    fw: _Framework
+    name: str  # its script's name on the model server
+    sid: str
+    me: User
+    say: Callable[..., None]
+
+    def ended(self, count: int) -> Callable[[], bool]:
+        return lambda: sum(1 for t in self.rt.turns(self.sid) if t.outcome) >= count
+
+    def asked(self, count: int) -> list[Request]:
+        found = self.server.requests_for(self.name)
         return found if len(found) >= count else []
 
-    # ---- a steer while the reply streams -----------------------------------------------
-    rt.send(sid, "Plan the database migration.", authority=me)
-    _wait(f"{fw.title}'s first request", lambda: asked(1))
-    rt.interrupt(sid, authority=me, kind="steer", reason="take the fast path")
+
+def _steer(a: _Agent) -> None:
+    """A steer while the reply streams: the framework's next model request carries it."""
+    rt, fw, say = a.rt, a.fw, a.say
+    rt.send(a.sid, "Plan the database migration.", authority=a.me)
+    _wait(f"{fw.title}'s first request", lambda: a.asked(1))
+    rt.interrupt(a.sid, authority=a.me, kind="steer", reason="take the fast path")
     say("→ steered while its first reply was still streaming", "bold")
-    _wait(f"{fw.title}'s first turn", ended(1))
-    after = asked(2)[1]
-    steer = next((t for t in reversed(_said(after)) if "<steer" in t), "(no steer in it)")
-    if fw.factory is None:  # the CLI folds it into the tool result, as a system reminder
-        steer = steer[steer.find("<steer") :].split("</steer>")[0] + "</steer>"
+    _wait(f"{fw.title}'s first turn", a.ended(1))
+    steer = _carried_steer(a.asked(2)[1], cli=fw.factory is None)
     say(f"  its next model request carries: {steer}", "yellow")
-    for e in rt.transcript(sid):
+    for e in rt.transcript(a.sid):
         if e.kind in ("assistant", "tool", "marker"):
             say(f"  {e.kind:<9} {e.text[:90]}")
 
-    # ---- a cancel mid-stream -----------------------------------------------------------
-    rt.send(sid, "Write the migration report.", authority=me)
+
+def _carried_steer(request: Request, *, cli: bool) -> str:
+    """The last ``<steer>`` a model request carried."""
+    steer = next((t for t in reversed(_said(request)) if "<steer" in t), "(no steer in it)")
+    if cli:  # the CLI folds it into the tool result, as a system reminder
+        steer = steer[steer.find("<steer") :].split("</steer>")[0] + "</steer>"
+    return steer
+
+
+def _cancel(a: _Agent) -> None:
+    """A cancel mid-stream: the server sees the client go, the partial reply is kept."""
+    rt, fw, say = a.rt, a.fw, a.say
+    rt.send(a.sid, "Write the migration report.", authority=a.me)
     request = _wait(
-        f"{fw.title}'s stream", lambda: next((r for r in asked(3)[2:3] if r.hanging), None)
+        f"{fw.title}'s stream", lambda: next((r for r in a.asked(3)[2:3] if r.hanging), None)
     )
     time.sleep(_STALLED)  # the reply visibly stalls mid-sentence: then the person cancels
     start = time.time()
-    rt.interrupt(sid, authority=me, kind="cancel", reason="enough detail")
-    _wait(f"{fw.title}'s cancelled turn", ended(2))
-    turn = rt.turns(sid)[1]
-    gone = server.wait_disconnect(request.id, timeout=_TIMEOUT)
-    cut = [e for e in rt.transcript(sid) if e.kind == "assistant" and (e.data or {}).get("cut")]
+    rt.interrupt(a.sid, authority=a.me, kind="cancel", reason="enough detail")
+    _wait(f"{fw.title}'s cancelled turn", a.ended(2))
+    turn = rt.turns(a.sid)[1]
+    gone = a.server.wait_disconnect(request.id, timeout=_TIMEOUT)
+    cut = [e for e in rt.transcript(a.sid) if e.kind == "assistant" and (e.data or {}).get("cut")]
     partial = cut[-1].text if cut else ""
     say(f"→ turn {turn.outcome}; partial reply kept: {partial[:60]!r}…", "bold")
     say(
@@ -237,8 +266,6 @@ def _framework(
         f"the turn ended {((turn.ended_at or start) - start) * 1000:.0f} ms after it",
         "yellow",
     )
-    if fw.factory is None:
-        _abort(rt, sid, me, token, say)
 
 
 def _abort(rt: Runtime, sid: str, me: User, token: str, say: Callable[..., None]) -> None:

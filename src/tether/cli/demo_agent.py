@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -76,97 +77,128 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"model server (OpenAI-compatible, scripted): {server.url}")
         lead = rt.open_session("tether:Scripted", slug="lead")
         me = User(parent=lead, name="you")
-        kids: dict[str, str] = {}
         mcp_log = os.path.join(tmp, "mcp.log")
-        tracker = {
-            "command": [sys.executable, "-m", "tether.testing.mcp_server"],
-            "env": {LOG_ENV: mcp_log, "PYTHONPATH": os.pathsep.join(sys.path)},
-        }
-        for name in _SCRIPTS:
-            config: dict[str, Any] = {
-                "model": {"base_url": server.url, "name": name, "retries": 1},
-                "system": f"You are the team's {name}.",
-                "tools": ["run_command"],
-            }
-            if name == "tester":  # an MCP tool server of its own (stdio, the SDK's)
-                config["mcp"] = {"servers": {"tracker": tracker}, "grace": 2.0}
-            kids[name] = str(rt.spawn(lead, CHAT, slug=name, config=config))
-
-        def ended(sid: str) -> Callable[[], bool]:
-            return lambda: any(t.outcome for t in rt.turns(sid))
-
-        def say(line: str, style: str = "") -> None:
-            console.print(Text(line, style=style))
-
-        # ---- 1. a steer changes course mid-stream ------------------------------------
-        console.rule("1. steer: a correction reaches the model's next request")
-        rt.send(kids["researcher"], "Why is CI flaky?", authority=me)
-        _wait("the researcher's request", lambda: server.requests_for("researcher"))
-        rt.interrupt(
-            kids["researcher"], authority=me, kind="steer", reason="look at the CI log instead"
-        )
-        say("→ steered while its first reply was still streaming", "bold")
-        _wait("the researcher's turn", ended(kids["researcher"]))
-        second = server.requests_for("researcher")[1].body["messages"][-1]["content"]
-        say(f"  next request ends with: {second}", "yellow")
-        for e in rt.transcript(kids["researcher"]):
-            if e.kind in ("assistant", "tool"):
-                say(f"  {e.kind:<9} {e.text[:90]}")
-
-        # ---- 2. a cancel cuts a streaming reply --------------------------------------
-        console.rule("2. cancel: the stream is cut at once, the partial reply kept")
-        rt.send(kids["writer"], "Write the retry-policy design doc.", authority=me)
-        _wait("the writer's stream", lambda: any(r.hanging for r in server.requests_for("writer")))
-        start = time.time()
-        rt.interrupt(kids["writer"], authority=me, kind="cancel", reason="enough detail")
-        _wait("the writer's turn", ended(kids["writer"]))
-        [turn] = rt.turns(kids["writer"])
-        [request] = server.requests_for("writer")
-        gone = server.wait_disconnect(request.id)
-        partial = [e.text for e in rt.transcript(kids["writer"]) if e.kind == "assistant"]
-        say(f"→ turn {turn.outcome}; partial reply kept: {(partial or [''])[-1][:70]!r}…", "bold")
-        end_ms = ((turn.ended_at or start) - start) * 1000
-        say(
-            f"  server saw the disconnect {(gone.time - start) * 1000:.0f} ms after the "
-            f"cancel; the turn ended {end_ms:.0f} ms after it",
-            "yellow",
-        )
-        notice = _wait("the lead's notice", lambda: _notice(rt, lead, kids["writer"]))
-        say(f"  the lead's notice carries it: {notice[:70]!r}…")
-
-        # ---- 3. a preempt stops only the hung MCP tool -------------------------------
-        console.rule(
-            "3. preempt: only the hung MCP call stops; the server is told, the turn goes on"
-        )
-        rt.send(kids["tester"], "Find the flaky test's issue.", authority=me)
-        call = _wait("the MCP call", lambda: _logged(mcp_log, "tools/call"), timeout=60)
-        # Let the call hang a visible while: a preempt the moment it arrives would tell
-        # the model "preempted after 0.0 s", which is no hung tool.
-        time.sleep(_HUNG_FOR)
-        say(f"→ the tracker call has hung for {_HUNG_FOR:.1f} s: preempting it", "bold")
-        rt.interrupt(kids["tester"], authority=me, kind="preempt", reason="the tracker is hung")
-        _wait("the tester's turn", ended(kids["tester"]), timeout=60)
-        cancelled = _logged(mcp_log, "notifications/cancelled")
-        if cancelled is not None:
-            say(
-                f"→ the MCP server got notifications/cancelled for request "
-                f"{cancelled.get('requestId')} (the call was {call.get('id')})",
-                "bold",
-            )
-        tool = server.requests_for("tester")[1].body["messages"][-1]["content"]
-        say(f"→ turn {rt.turns(kids['tester'])[0].outcome}; the model got:", "bold")
-        for line in tool.splitlines()[:3]:
-            say(f"  {line}", "yellow")
-        last = [e.text for e in rt.transcript(kids["tester"]) if e.kind == "assistant"][-1]
-        say(f"  and answered: {last}")
-
-        console.rule("[bold]Markers")
-        for name, sid in kids.items():
-            for e in rt.transcript(sid):
-                if e.kind == "marker":
-                    say(f"  {name:<11} {e.text}", "yellow")
+        kids = _spawn_team(rt, server.url, lead, mcp_log)
+        demo = _Demo(console, rt, server, me, lead, kids, mcp_log)
+        _steer(demo)
+        _cancel(demo)
+        _preempt(demo)
+        _markers(demo)
     console.print("[bold green]demo finished: every stream closed, every process stopped[/]")
     return 0
+
+
+def _spawn_team(rt: Runtime, url: str, lead: str, mcp_log: str) -> dict[str, str]:
+    """One ChatAgent per script below ``lead``, each its own model name on the server."""
+    kids: dict[str, str] = {}
+    tracker = {
+        "command": [sys.executable, "-m", "tether.testing.mcp_server"],
+        "env": {LOG_ENV: mcp_log, "PYTHONPATH": os.pathsep.join(sys.path)},
+    }
+    for name in _SCRIPTS:
+        config: dict[str, Any] = {
+            "model": {"base_url": url, "name": name, "retries": 1},
+            "system": f"You are the team's {name}.",
+            "tools": ["run_command"],
+        }
+        if name == "tester":  # an MCP tool server of its own (stdio, the SDK's)
+            config["mcp"] = {"servers": {"tracker": tracker}, "grace": 2.0}
+        kids[name] = str(rt.spawn(lead, CHAT, slug=name, config=config))
+    return kids
+
+
+@dataclass(frozen=True, slots=True)
+class _Demo:
+    """What each act of the demo works with."""
+
+    console: Console
+    rt: Runtime
+    server: ModelServer
+    me: User
+    lead: str
+    kids: dict[str, str]
+    mcp_log: str
+
+    def ended(self, sid: str) -> Callable[[], bool]:
+        return lambda: any(t.outcome for t in self.rt.turns(sid))
+
+    def say(self, line: str, style: str = "") -> None:
+        self.console.print(Text(line, style=style))
+
+
+def _steer(d: _Demo) -> None:
+    """1. A steer changes course mid-stream."""
+    rt, server, sid = d.rt, d.server, d.kids["researcher"]
+    d.console.rule("1. steer: a correction reaches the model's next request")
+    rt.send(sid, "Why is CI flaky?", authority=d.me)
+    _wait("the researcher's request", lambda: server.requests_for("researcher"))
+    rt.interrupt(sid, authority=d.me, kind="steer", reason="look at the CI log instead")
+    d.say("→ steered while its first reply was still streaming", "bold")
+    _wait("the researcher's turn", d.ended(sid))
+    second = server.requests_for("researcher")[1].body["messages"][-1]["content"]
+    d.say(f"  next request ends with: {second}", "yellow")
+    for e in rt.transcript(sid):
+        if e.kind in ("assistant", "tool"):
+            d.say(f"  {e.kind:<9} {e.text[:90]}")
+
+
+def _cancel(d: _Demo) -> None:
+    """2. A cancel cuts a streaming reply."""
+    rt, server, sid = d.rt, d.server, d.kids["writer"]
+    d.console.rule("2. cancel: the stream is cut at once, the partial reply kept")
+    rt.send(sid, "Write the retry-policy design doc.", authority=d.me)
+    _wait("the writer's stream", lambda: any(r.hanging for r in server.requests_for("writer")))
+    start = time.time()
+    rt.interrupt(sid, authority=d.me, kind="cancel", reason="enough detail")
+    _wait("the writer's turn", d.ended(sid))
+    [turn] = rt.turns(sid)
+    [request] = server.requests_for("writer")
+    gone = server.wait_disconnect(request.id)
+    partial = [e.text for e in rt.transcript(sid) if e.kind == "assistant"]
+    d.say(f"→ turn {turn.outcome}; partial reply kept: {(partial or [''])[-1][:70]!r}…", "bold")
+    end_ms = ((turn.ended_at or start) - start) * 1000
+    d.say(
+        f"  server saw the disconnect {(gone.time - start) * 1000:.0f} ms after the "
+        f"cancel; the turn ended {end_ms:.0f} ms after it",
+        "yellow",
+    )
+    notice = _wait("the lead's notice", lambda: _notice(rt, d.lead, sid))
+    d.say(f"  the lead's notice carries it: {notice[:70]!r}…")
+
+
+def _preempt(d: _Demo) -> None:
+    """3. A preempt stops only the hung MCP tool."""
+    rt, server, sid = d.rt, d.server, d.kids["tester"]
+    d.console.rule("3. preempt: only the hung MCP call stops; the server is told, the turn goes on")
+    rt.send(sid, "Find the flaky test's issue.", authority=d.me)
+    call = _wait("the MCP call", lambda: _logged(d.mcp_log, "tools/call"), timeout=60)
+    # Let the call hang a visible while: a preempt the moment it arrives would tell
+    # the model "preempted after 0.0 s", which is no hung tool.
+    time.sleep(_HUNG_FOR)
+    d.say(f"→ the tracker call has hung for {_HUNG_FOR:.1f} s: preempting it", "bold")
+    rt.interrupt(sid, authority=d.me, kind="preempt", reason="the tracker is hung")
+    _wait("the tester's turn", d.ended(sid), timeout=60)
+    cancelled = _logged(d.mcp_log, "notifications/cancelled")
+    if cancelled is not None:
+        d.say(
+            f"→ the MCP server got notifications/cancelled for request "
+            f"{cancelled.get('requestId')} (the call was {call.get('id')})",
+            "bold",
+        )
+    tool = server.requests_for("tester")[1].body["messages"][-1]["content"]
+    d.say(f"→ turn {rt.turns(sid)[0].outcome}; the model got:", "bold")
+    for line in tool.splitlines()[:3]:
+        d.say(f"  {line}", "yellow")
+    last = [e.text for e in rt.transcript(sid) if e.kind == "assistant"][-1]
+    d.say(f"  and answered: {last}")
+
+
+def _markers(d: _Demo) -> None:
+    d.console.rule("[bold]Markers")
+    for name, sid in d.kids.items():
+        for e in d.rt.transcript(sid):
+            if e.kind == "marker":
+                d.say(f"  {name:<11} {e.text}", "yellow")
 
 
 def _notice(rt: Runtime, lead: str, child: str) -> str | None:

@@ -362,25 +362,35 @@ def report_lines(r: dict[str, Any]) -> Iterator[str]:
     head = f"{r['turn']} ({r['session']}): {r['kind']} by {r['origin']} ({r['by']})"
     yield head + (f": {_one_line(r['reason'], 200)}" if r.get("reason") else "")
     yield f"  requested  {_when(r.get('requested_at'))}"
-    if r.get("effective_at") is None:
-        yield "  effective  not yet (the turn is still ending)"
-    else:
-        how = f"{r['latency_ms']:.1f} ms after the request, via {r.get('via') or 'unknown'}"
-        yield f"  effective  {_when(r['effective_at'])}  ({how})"
+    yield _effective_line(r)
     flags = [f for f in ("forced", "escalated") if r.get(f)]
     yield f"  outcome    {r.get('outcome') or 'running'}" + "".join(f"  [{f}]" for f in flags)
-    procs = r.get("processes") or []
+    yield from _process_lines(r.get("processes") or [])
+    yield from _tool_lines(r.get("tools") or [])
+    if r.get("partial"):
+        yield f"  partial    {_one_line(r['partial'], 200)}"
+
+
+def _effective_line(r: dict[str, Any]) -> str:
+    """When the stop took effect, and how long after it was requested."""
+    if r.get("effective_at") is None:
+        return "  effective  not yet (the turn is still ending)"
+    how = f"{r['latency_ms']:.1f} ms after the request, via {r.get('via') or 'unknown'}"
+    return f"  effective  {_when(r['effective_at'])}  ({how})"
+
+
+def _process_lines(procs: list[dict[str, Any]]) -> Iterator[str]:
     yield f"  processes  {len(procs) or 'none listed'}"
     for p in procs:
         argv = _one_line(" ".join(p.get("argv") or []), 80)
         yield f"    pid {p['pid']}  {p.get('signal', '')}  {p.get('fate', '')}  {argv}"
-    tools = r.get("tools") or []
+
+
+def _tool_lines(tools: list[dict[str, Any]]) -> Iterator[str]:
     yield f"  tools      {len(tools) or 'none open'}"
     for t in tools:
         call = f"  ({t['call']})" if t.get("call") else ""
         yield f"    {t['name']}  {t['fate']}{call}"
-    if r.get("partial"):
-        yield f"  partial    {_one_line(r['partial'], 200)}"
 
 
 def _report(args: argparse.Namespace, client: Client) -> int:

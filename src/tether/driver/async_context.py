@@ -48,7 +48,7 @@ PreemptPolicy = Literal["cooperative", "kill", "never"]
 class _Call:
     """One preemptable tool-call await in flight (innermost last in ``AsyncTurnContext``)."""
 
-    __slots__ = ("name", "never", "preempt", "shielded", "started", "task")
+    __slots__ = ("ended", "name", "never", "preempt", "shielded", "started", "task", "tool")
 
     def __init__(self, name: str, task: asyncio.Future[Any] | None, never: bool) -> None:
         self.name = name
@@ -57,6 +57,8 @@ class _Call:
         self.preempt: Preempt | None = None
         self.shielded = False  # a preempt hit it and, by its policy, did nothing
         self.started = time.monotonic()
+        self.tool: int | None = None  # its number as an open tool; None: not (or no longer)
+        self.ended: ToolFateName = "returned"  # how it ended, as far as the await saw
 
 
 class AsyncTurnContext(BaseContext):
@@ -420,40 +422,56 @@ class AsyncTurnContext(BaseContext):
         self._calls.append(call)
         st.progress.in_tool = True
         self._progress((name, ""))
-        tool = st.tool_opened(name) if track else None
-        ended: ToolFateName = "returned"
+        call.tool = st.tool_opened(name) if track else None
         try:
             if inner is None:
-                with self.shield():
-                    result: T = await awaitable
-                if call.shielded:
-                    ended = "shielded"
-                return result
-            try:
-                result = await inner
-            except asyncio.CancelledError:
-                ended = "cancelled"
-                if call.preempt is not None and inner.cancelled():
-                    if tool is not None:  # closed before ToolKilled: its report lists it
-                        st.tool_closed(tool, "preempted")
-                        tool = None
-                    error = self._preempted(call.preempt, name, call.started, via="cancel-at-await")
-                    if me is None or me.cancelling() <= base:
-                        raise error from None  # only the tool was stopped: the turn goes on
-                raise
-            except BaseException:
-                ended = "returned"  # it ended on its own, with an error (or a limit's stop)
-                raise
-            if me is not None and me.cancelling() > base:
-                # the call swallowed the turn's cancel on its way through: re-raise it
-                raise asyncio.CancelledError
-            return result
+                return await self._shielded_call(call, awaitable)
+            return await self._cancellable_call(call, inner, me, base)
         finally:
             self._calls.remove(call)
-            if tool is not None:
-                st.tool_closed(tool, ended if ended == "shielded" else _known(fate, ended))
+            if call.tool is not None:
+                ended = call.ended
+                st.tool_closed(call.tool, ended if ended == "shielded" else _known(fate, ended))
             st.progress.in_tool = any(not c.never for c in self._calls)
             self._progress()
+
+    async def _shielded_call(self, call: _Call, awaitable: Awaitable[T]) -> T:
+        """A ``preempt="never"`` call: inside ``shield()``; a preempt that hit it did nothing."""
+        with self.shield():
+            result: T = await awaitable
+        if call.shielded:
+            call.ended = "shielded"
+        return result
+
+    async def _cancellable_call(
+        self, call: _Call, inner: asyncio.Future[T], me: asyncio.Task[Any] | None, base: int
+    ) -> T:
+        """Await a preemptable call's own task: a preempt that cancelled it raises
+        ``Preempted``, unless the turn (``me``, past ``base`` cancels) is cancelled too."""
+        try:
+            result = await inner
+        except asyncio.CancelledError:
+            call.ended = "cancelled"
+            if call.preempt is not None and inner.cancelled():
+                error = self._call_preempted(call, call.preempt)
+                if not _cancelling(me, base):
+                    raise error from None  # only the tool was stopped: the turn goes on
+            raise
+        except BaseException:
+            call.ended = "returned"  # it ended on its own, with an error (or a limit's stop)
+            raise
+        if _cancelling(me, base):
+            # the call swallowed the turn's cancel on its way through: re-raise it
+            raise asyncio.CancelledError
+        return result
+
+    def _call_preempted(self, call: _Call, frame: Preempt) -> Preempted:
+        """The ``Preempted`` of a call a preempt cancelled, its tool closed first (before
+        ToolKilled: its report lists it)."""
+        if call.tool is not None:
+            self._state.tool_closed(call.tool, "preempted")
+            call.tool = None
+        return self._preempted(frame, call.name, call.started, via="cancel-at-await")
 
     def report_preempt(
         self,
@@ -512,6 +530,11 @@ def _known(fate: Callable[[], str | None] | None, default: ToolFateName) -> Tool
         return default
     said = fate()
     return cast(ToolFateName, said) if said in _FATES else default
+
+
+def _cancelling(me: asyncio.Task[Any] | None, base: int) -> bool:
+    """The task ``me`` has a cancel pending beyond the ``base`` it had at the start."""
+    return me is not None and me.cancelling() > base
 
 
 def _resolve(fut: asyncio.Future[ToolReply], reply: ToolReply) -> None:

@@ -20,13 +20,46 @@ from tether.wire.text import escape
 __all__ = ["AsyncScripted", "Scripted"]
 
 
-class Scripted:
-    """Runs the steps of its message; see semantics §11 for the ops."""
+class _Script:
+    """What the two scripted drivers do alike: their state, a boundary's frames, the ops
+    that never await, and how a tool's failure reads."""
 
     def __init__(self) -> None:
         self._ignore_cancel = False
         self._steps_done = 0
         self._ctx: Any = None
+
+    def _take(self, frames: list[Steer | Cancel], steps: int) -> bool:
+        """Act on a boundary's frames: each steer said as a model would read it; a cancel
+        (unless ignored) said and True: the script stops."""
+        for frame in frames:
+            match frame:
+                case Steer():
+                    self._ctx.say(frame.render())
+                case Cancel() if not self._ignore_cancel:
+                    self._ctx.say(f"cancelled after {steps} steps: {escape(frame.reason)}")
+                    return True
+        return False
+
+    def _say(self, step: dict[str, Any]) -> None:
+        self._ctx.say(str(step.get("text", "")))
+
+    def _block(self, step: dict[str, Any]) -> None:
+        """A call that blocks the thread (and an async driver's loop): no boundary, no
+        progress."""
+        if "say" in step:
+            self._ctx.say(str(step["say"]))
+        time.sleep(float(step.get("seconds", 1.0)))
+
+    def _unknown(self, op: Any) -> None:
+        self._ctx.record_tool(f"unknown op {op!r}")
+
+    def _failed(self, op: _ToolOp, exc: TetherError) -> None:
+        self._ctx.record_tool(f"{op.name} failed: {exc.code}: {exc.message}")
+
+
+class Scripted(_Script):
+    """Runs the steps of its message; see semantics §11 for the ops."""
 
     def run(self, ctx: Any) -> str | None:
         self._ctx = ctx
@@ -46,34 +79,20 @@ class Scripted:
     def _boundary(self) -> bool:
         """One checkpoint; True when a cancel was delivered and the script must stop."""
         self._steps_done += 1
-        return _take(self, self._ctx.checkpoint(), self._steps_done - 1)
+        return self._take(self._ctx.checkpoint(), self._steps_done - 1)
 
     def _step(self, step: dict[str, Any]) -> None:
-        ctx = self._ctx
         match step.get("op"):
             case "say":
-                ctx.say(str(step.get("text", "")))
+                self._say(step)
             case "work":
-                every = float(step.get("every", 0.0))
-                for _ in range(int(step.get("steps", 1))):
-                    if every:
-                        time.sleep(every)
-                    if self._boundary():
-                        raise _Stop
+                self._work(step)
             case "hang":
-                while True:
-                    time.sleep(0.01)
-                    if self._boundary():
-                        raise _Stop
+                self._hang()
             case "sleep" | "block":  # a call that hangs: no boundary, no progress
-                if "say" in step:
-                    ctx.say(str(step["say"]))
-                time.sleep(float(step.get("seconds", 1.0)))
+                self._block(step)
             case "loop":  # the same tool call over and over, a boundary between, until stopped
-                while True:
-                    self._tool(_TOOL_OPS["tool"], step)
-                    if self._boundary():
-                        raise _Stop
+                self._loop(step)
             case "shield":
                 self._steps(list(step.get("steps", [])))
             case "ignore_cancel":
@@ -81,19 +100,41 @@ class Scripted:
             case op if op in _TOOL_OPS:
                 self._tool(_TOOL_OPS[op], step)
             case other:
-                ctx.record_tool(f"unknown op {other!r}")
+                self._unknown(other)
+
+    def _work(self, step: dict[str, Any]) -> None:
+        """``steps`` boundaries, ``every`` seconds of work before each."""
+        every = float(step.get("every", 0.0))
+        for _ in range(int(step.get("steps", 1))):
+            if every:
+                time.sleep(every)
+            if self._boundary():
+                raise _Stop
+
+    def _hang(self) -> None:
+        """Boundaries every 10 ms until a cancel stops the script."""
+        while True:
+            time.sleep(0.01)
+            if self._boundary():
+                raise _Stop
+
+    def _loop(self, step: dict[str, Any]) -> None:
+        while True:
+            self._tool(_TOOL_OPS["tool"], step)
+            if self._boundary():
+                raise _Stop
 
     def _tool(self, op: _ToolOp, step: dict[str, Any]) -> None:
         """Run one tool; a refusal or failure is recorded and the script goes on."""
         try:
             result = op.invoke(self._ctx, step)
         except TetherError as exc:
-            self._ctx.record_tool(f"{op.name} failed: {exc.code}: {exc.message}")
+            self._failed(op, exc)
             return
         self._ctx.record_tool(op.shape(step, result))
 
 
-class AsyncScripted:
+class AsyncScripted(_Script):
     """The async twin of ``Scripted`` (``"tether:AsyncScripted"``): the same ops, awaited.
 
     A cancel arrives as ``CancelledError`` wherever the script awaits; the script then
@@ -101,11 +142,6 @@ class AsyncScripted:
     boundary. After ``ignore_cancel`` it swallows the error and goes on (to test
     force-break).
     """
-
-    def __init__(self) -> None:
-        self._ignore_cancel = False
-        self._steps_done = 0
-        self._ctx: Any = None
 
     async def run(self, ctx: Any) -> str | None:
         self._ctx = ctx
@@ -141,67 +177,60 @@ class AsyncScripted:
     async def _boundary(self) -> bool:
         self._steps_done += 1
         frames = await self._wait(self._ctx.checkpoint())
-        return _take(self, frames or [], self._steps_done - 1)
+        return self._take(frames or [], self._steps_done - 1)
 
     async def _step(self, step: dict[str, Any]) -> None:
-        ctx = self._ctx
         match step.get("op"):
             case "say":
-                ctx.say(str(step.get("text", "")))
+                self._say(step)
             case "work":
-                every = float(step.get("every", 0.0))
-                for _ in range(int(step.get("steps", 1))):
-                    if every:
-                        await self._wait(asyncio.sleep(every))
-                    if await self._boundary():
-                        raise _Stop
+                await self._work(step)
             case "hang":
-                while True:
-                    await self._wait(asyncio.sleep(0.01))
-                    if await self._boundary():
-                        raise _Stop
+                await self._hang()
             case "sleep":  # an awaited call that hangs: a cancel lands here at once
                 await self._wait(asyncio.sleep(float(step.get("seconds", 1.0))))
             case "block":  # a driver that blocks its own loop
-                if "say" in step:
-                    ctx.say(str(step["say"]))
-                time.sleep(float(step.get("seconds", 1.0)))
+                self._block(step)
             case "loop":
-                while True:
-                    await self._tool(_TOOL_OPS["tool"], step)
-                    if await self._boundary():
-                        raise _Stop
+                await self._loop(step)
             case "shield":
-                with ctx.shield():
+                with self._ctx.shield():
                     await self._steps(list(step.get("steps", [])))
             case "ignore_cancel":
                 self._ignore_cancel = True
             case op if op in _TOOL_OPS:
                 await self._tool(_TOOL_OPS[op], step)
             case other:
-                ctx.record_tool(f"unknown op {other!r}")
+                self._unknown(other)
+
+    async def _work(self, step: dict[str, Any]) -> None:
+        every = float(step.get("every", 0.0))
+        for _ in range(int(step.get("steps", 1))):
+            if every:
+                await self._wait(asyncio.sleep(every))
+            if await self._boundary():
+                raise _Stop
+
+    async def _hang(self) -> None:
+        while True:
+            await self._wait(asyncio.sleep(0.01))
+            if await self._boundary():
+                raise _Stop
+
+    async def _loop(self, step: dict[str, Any]) -> None:
+        while True:
+            await self._tool(_TOOL_OPS["tool"], step)
+            if await self._boundary():
+                raise _Stop
 
     async def _tool(self, op: _ToolOp, step: dict[str, Any]) -> None:
         try:
             result = await self._wait(op.invoke(self._ctx, step))
         except TetherError as exc:
-            self._ctx.record_tool(f"{op.name} failed: {exc.code}: {exc.message}")
+            self._failed(op, exc)
             return
         if result is not None:  # None: a swallowed cancel cut it
             self._ctx.record_tool(op.shape(step, result))
-
-
-def _take(driver: Any, frames: list[Steer | Cancel], steps: int) -> bool:
-    """Act on a boundary's frames: each steer said as a model would read it; a cancel
-    (unless ignored) said and True: the script stops."""
-    for frame in frames:
-        match frame:
-            case Steer():
-                driver._ctx.say(frame.render())
-            case Cancel() if not driver._ignore_cancel:
-                driver._ctx.say(f"cancelled after {steps} steps: {escape(frame.reason)}")
-                return True
-    return False
 
 
 class _ToolOp:

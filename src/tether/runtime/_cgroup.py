@@ -416,50 +416,10 @@ class Cgroups:
         mount = v2_mount()
         if mount is None:
             raise CgroupUnavailable("no cgroup v2 hierarchy is mounted")
+        top = _writable_top(mount)
+        base = os.path.join(top, _group_name(store_path))
         try:
-            own = _own_cgroup()
-        except OSError as exc:
-            raise CgroupUnavailable(f"cannot read this process's cgroup: {exc}") from None
-        # Under the host's own cgroup when it is delegated to us (writable), else at the
-        # root of the hierarchy (as root).
-        top = next(
-            (
-                os.path.join(parent, _GROUP)
-                for parent in _parents(mount, own)
-                if os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)
-                and os.access(parent, os.W_OK)
-            ),
-            None,
-        )
-        if top is None:
-            raise CgroupUnavailable(
-                f"the cgroup v2 hierarchy at {mount} is not writable here "
-                "(run as root, or inside a delegated cgroup)"
-            )
-        if store_path is None:
-            ticks = _start_ticks("self") or "0"
-            name = f"m-{os.getpid()}-{ticks}-{next(_names)}"
-        else:
-            name = _store_group(store_path)
-        base = os.path.join(top, name)
-        owner = _owner_prefix()
-        try:
-            if store_path is None:
-                os.makedirs(base, exist_ok=True)
-            else:
-                _own_store_group(base, owner)
-            missing = [
-                probe
-                for probe in ("cgroup.kill", "cgroup.freeze")
-                if not os.path.exists(os.path.join(base, probe))
-            ]
-            if missing:  # cgroup.kill is Linux 5.14+
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(base, owner + _OWNER))
-                with contextlib.suppress(OSError):
-                    os.rmdir(base)
-                raise CgroupUnavailable(f"this kernel's cgroup v2 has no {', '.join(missing)}")
-            controllers = _enable(mount, base)
+            controllers = _make_group(mount, base, store=store_path is not None)
         except OSError as exc:
             raise CgroupUnavailable(f"cannot make a cgroup under {top}: {exc}") from None
         groups = cls(base, controllers)
@@ -544,6 +504,64 @@ class Cgroups:
         return sorted(
             {LIMIT_CONTROLLERS[k] for k in limits if k in LIMIT_CONTROLLERS} - self.controllers
         )
+
+
+def _writable_top(mount: str) -> str:
+    """Where this host's groups go: under the host's own cgroup when it is delegated to
+    us (writable), else at the root of the hierarchy (as root). CgroupUnavailable when
+    neither is writable."""
+    try:
+        own = _own_cgroup()
+    except OSError as exc:
+        raise CgroupUnavailable(f"cannot read this process's cgroup: {exc}") from None
+    top = next(
+        (
+            os.path.join(parent, _GROUP)
+            for parent in _parents(mount, own)
+            if os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)
+            and os.access(parent, os.W_OK)
+        ),
+        None,
+    )
+    if top is None:
+        raise CgroupUnavailable(
+            f"the cgroup v2 hierarchy at {mount} is not writable here "
+            "(run as root, or inside a delegated cgroup)"
+        )
+    return top
+
+
+def _group_name(store_path: str | None) -> str:
+    """A file store's group (found again by its next host), or an in-memory store's own
+    (named after this process, so any host can tell when it is gone)."""
+    if store_path is None:
+        ticks = _start_ticks("self") or "0"
+        return f"m-{os.getpid()}-{ticks}-{next(_names)}"
+    return _store_group(store_path)
+
+
+def _make_group(mount: str, base: str, *, store: bool) -> frozenset[str]:
+    """Make (or, a file ``store``'s, find and mark) the group ``base`` and enable what
+    controllers reach it; CgroupUnavailable when the kernel's cgroup v2 lacks what
+    containment needs (the group made for it is removed again). OSError: it could not
+    be made."""
+    owner = _owner_prefix()
+    if store:
+        _own_store_group(base, owner)
+    else:
+        os.makedirs(base, exist_ok=True)
+    missing = [
+        probe
+        for probe in ("cgroup.kill", "cgroup.freeze")
+        if not os.path.exists(os.path.join(base, probe))
+    ]
+    if missing:  # cgroup.kill is Linux 5.14+
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(base, owner + _OWNER))
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        raise CgroupUnavailable(f"this kernel's cgroup v2 has no {', '.join(missing)}")
+    return _enable(mount, base)
 
 
 def _parents(mount: str, own: str) -> list[str]:

@@ -216,43 +216,17 @@ class _Worker:
                 break
             match frame:
                 case RunTurn() | Probe() | Disposed():
-                    with self.lock:
-                        if isinstance(frame, RunTurn):
-                            self.current = _TurnState(frame, self)
-                            for held in frame.held:  # before the driver's first boundary
-                                _apply(self.current, held)
-                        self.runs.append(frame)
-                        self.runs_ready.notify()
+                    self._queue(frame)
                 case SteerFrame(turn=turn) | CancelFrame(turn=turn):
                     st = self._state_for(turn)
                     if st is not None:
                         _apply(st, frame)
-                case Preempt(turn=turn):
-                    st = self._state_for(turn)
-                    if st is not None:
-                        victims, busy = st.preempt_commands(frame)
-                        for p in victims:
-                            # run_command tells a kill from the command's own exit by
-                            # its status: SIGKILL means this kill landed
-                            _kill_command(p)
-                        hook = None if busy else st.on_preempt
-                        if hook is not None:  # an async turn's innermost tool call
-                            hook(frame)
-                case Escalate(turn=turn):
-                    st = self._state_for(turn)
-                    if st is not None:
-                        with st.lock:
-                            answer = not st.cancel_delivered
-                            st.escalating = answer
-                        if answer:  # else the Delivered frame is on its way already
-                            self.send(Escalating(turn=turn))
-                case ToolReply(turn=turn, call=call):
-                    st = self._state_for(turn)
-                    if st is not None:
-                        with st.lock:
-                            if st.on_reply is None or not st.on_reply(frame):
-                                st.replies[call] = frame
-                                st.reply_ready.notify_all()
+                case Preempt():
+                    self._preempt(frame)
+                case Escalate():
+                    self._escalate(frame)
+                case ToolReply():
+                    self._tool_reply(frame)
                 case SpanEvent():
                     spans.event(frame)
                 case Shutdown():
@@ -260,6 +234,48 @@ class _Worker:
         with self.lock:
             self.runs.append(None)
             self.runs_ready.notify()
+
+    def _queue(self, frame: RunTurn | Probe | Disposed) -> None:
+        """Hand work to the main thread; a turn's state exists before it is queued."""
+        with self.lock:
+            if isinstance(frame, RunTurn):
+                self.current = _TurnState(frame, self)
+                for held in frame.held:  # before the driver's first boundary
+                    _apply(self.current, held)
+            self.runs.append(frame)
+            self.runs_ready.notify()
+
+    def _preempt(self, frame: Preempt) -> None:
+        st = self._state_for(frame.turn)
+        if st is None:
+            return
+        victims, busy = st.preempt_commands(frame)
+        for p in victims:
+            # run_command tells a kill from the command's own exit by
+            # its status: SIGKILL means this kill landed
+            _kill_command(p)
+        hook = None if busy else st.on_preempt
+        if hook is not None:  # an async turn's innermost tool call
+            hook(frame)
+
+    def _escalate(self, frame: Escalate) -> None:
+        st = self._state_for(frame.turn)
+        if st is None:
+            return
+        with st.lock:
+            answer = not st.cancel_delivered
+            st.escalating = answer
+        if answer:  # else the Delivered frame is on its way already
+            self.send(Escalating(turn=frame.turn))
+
+    def _tool_reply(self, frame: ToolReply) -> None:
+        st = self._state_for(frame.turn)
+        if st is None:
+            return
+        with st.lock:
+            if st.on_reply is None or not st.on_reply(frame):
+                st.replies[frame.call] = frame
+                st.reply_ready.notify_all()
 
     def main_loop(self) -> None:
         while True:

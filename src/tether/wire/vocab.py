@@ -15,6 +15,7 @@ and nothing nests too deep. What passes goes through SQLite (JSON) and the worke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -89,38 +90,73 @@ def json_problem(value: Any, name: str, limit: int = MAX_DEPTH) -> str | None:
     stack: list[tuple[Any, int, Any]] = [(value, 0, None)]
     while stack:
         node, depth, trail = stack.pop()
-        if node is None or isinstance(node, bool):
-            continue
-        problem: str | None = None
-        if isinstance(node, int):
-            if not INT64_MIN <= node <= INT64_MAX:
-                problem = "an integer outside the 64-bit signed range"
-        elif isinstance(node, float):
-            if not math.isfinite(node):
-                problem = f"{node!r} is not a JSON number"
-        elif isinstance(node, str):
-            problem = text_problem(node)
-        elif isinstance(node, dict):
-            if depth + 1 > limit:
-                problem = f"nested deeper than {limit} levels"
-            else:
-                for key, item in node.items():
-                    if not isinstance(key, str):
-                        problem = f"a key must be a string, not {type(key).__name__} {key!r:.40}"
-                    elif text_problem(key) is not None:
-                        problem = "a key is not valid text (it holds a lone surrogate)"
-                    if problem is not None:
-                        break
-                    stack.append((item, depth + 1, (key, trail)))
-        elif isinstance(node, list | tuple):
-            if depth + 1 > limit:
-                problem = f"nested deeper than {limit} levels"
-            else:
-                stack.extend((item, depth + 1, (i, trail)) for i, item in enumerate(node))
+        kind = type(node)
+        if kind in _PLAIN:  # by exact type, first: the common case costs one lookup
+            check = _PLAIN[kind]
+            problem = None if check is None else check(node)
+        elif isinstance(node, dict | list | tuple):
+            problem = _push_items(node, depth, trail, limit, stack)
         else:
-            problem = f"a {type(node).__name__} is not JSON"
+            problem = _leaf_problem(node)
         if problem is not None:
             return f"{_path(name, trail)}: {problem}"
+    return None
+
+
+def _int_problem(node: int) -> str | None:
+    if INT64_MIN <= node <= INT64_MAX:
+        return None
+    return "an integer outside the 64-bit signed range"
+
+
+def _float_problem(node: float) -> str | None:
+    return None if math.isfinite(node) else f"{node!r} is not a JSON number"
+
+
+# The check of each plain JSON scalar type (None: always fine); subclasses (an IntEnum, a
+# str subclass) are not here: ``_leaf_problem`` takes them by isinstance.
+_PLAIN: Final[dict[type, Callable[[Any], str | None] | None]] = {
+    type(None): None,
+    bool: None,
+    int: _int_problem,
+    float: _float_problem,
+    str: text_problem,
+}
+
+
+def _leaf_problem(node: Any) -> str | None:
+    """What makes a value that holds no other unacceptable as JSON, or None."""
+    if node is None or isinstance(node, bool):
+        return None
+    if isinstance(node, int):
+        return _int_problem(node)
+    if isinstance(node, float):
+        return _float_problem(node)
+    if isinstance(node, str):
+        return text_problem(node)
+    return f"a {type(node).__name__} is not JSON"
+
+
+def _push_items(
+    node: dict[Any, Any] | list[Any] | tuple[Any, ...],
+    depth: int,
+    trail: Any,
+    limit: int,
+    stack: list[tuple[Any, int, Any]],
+) -> str | None:
+    """Push a dict's or a list's items on ``stack``, to be walked; what makes the
+    container itself unacceptable instead (too deep, a bad key), or None."""
+    if depth + 1 > limit:
+        return f"nested deeper than {limit} levels"
+    if not isinstance(node, dict):
+        stack.extend((item, depth + 1, (i, trail)) for i, item in enumerate(node))
+        return None
+    for key, item in node.items():
+        if not isinstance(key, str):
+            return f"a key must be a string, not {type(key).__name__} {key!r:.40}"
+        if text_problem(key) is not None:
+            return "a key is not valid text (it holds a lone surrogate)"
+        stack.append((item, depth + 1, (key, trail)))
     return None
 
 
