@@ -61,8 +61,11 @@ from tether.wire.frames import (
 from tether.wire.records import (
     AgentInfo,
     ChildTurnEnded,
+    MarkerAction,
     Message,
     SessionHeader,
+    StopKind,
+    StopOrigin,
     StopReport,
     ToolFate,
     message_key,
@@ -88,7 +91,7 @@ def make_info(
     depth: int,
     state: AgentState,
     pending: int = 0,
-    stopping: str | None = None,
+    stopping: Literal["cancel", "abort"] | None = None,
     turn: str | None = None,
 ) -> AgentInfo:
     return AgentInfo(
@@ -97,7 +100,7 @@ def make_info(
         parent=header.parent,
         depth=depth,
         mode=header.mode,
-        state=str(state),
+        state=state,
         pending=pending,
         stopping=stopping,
         turn=turn,
@@ -109,7 +112,7 @@ class Interrupt:
     """An authorized interrupt, as the host hands it to the session."""
 
     kind: Kind
-    origin: str
+    origin: StopOrigin
     by: str
     reason: str
     grace: float
@@ -121,7 +124,7 @@ class Interrupt:
 @dataclass(slots=True)
 class _Stop:
     kind: Literal["cancel", "abort"]
-    origin: str
+    origin: StopOrigin
     by: str
     reason: str
     grace: float
@@ -593,7 +596,9 @@ class Session:
 
     # ---- pause / resume (semantics §14.4) ---------------------------------------------------
 
-    def pause(self, origin: str, by: str, reason: str, trace: str | None = None) -> str | None:
+    def pause(
+        self, origin: StopOrigin, by: str, reason: str, trace: str | None = None
+    ) -> str | None:
         """Freeze the running turn in place; its id, or None when there is none."""
         t = self.turn
         if t is None or self.disposing or self.settled:
@@ -622,7 +627,7 @@ class Session:
         self._control_ended(ctl, "landed", t)
         return t.id
 
-    def resume(self, origin: str, by: str, trace: str | None = None) -> str | None:
+    def resume(self, origin: StopOrigin, by: str, trace: str | None = None) -> str | None:
         t = self.turn
         if t is None or not t.paused:
             self.control_noop("resume", origin, by, None, trace)
@@ -756,7 +761,14 @@ class Session:
         )
 
     def _report(
-        self, t: _Turn, kind: str, origin: str, by: str, reason: str, at: float, **more: Any
+        self,
+        t: _Turn,
+        kind: StopKind,
+        origin: StopOrigin,
+        by: str,
+        reason: str,
+        at: float,
+        **more: Any,
     ) -> StopReport:
         return StopReport(
             turn=t.id,
@@ -851,7 +863,9 @@ class Session:
         self._host.store.put_stop_report(report)
         return report
 
-    def _marker(self, t: _Turn, action: str, origin: str, by: str, reason: str) -> None:
+    def _marker(
+        self, t: _Turn, action: MarkerAction, origin: StopOrigin, by: str, reason: str
+    ) -> None:
         text = marker_text(action, origin, by, reason)
         entry = self._host.store.append_entry(
             self.header.id,
@@ -1005,7 +1019,7 @@ class Session:
         self,
         t: _Turn,
         verb: str,
-        origin: str,
+        origin: StopOrigin,
         by: str,
         guard: str | None,
         trace: str | None,
@@ -1025,7 +1039,7 @@ class Session:
         )
 
     def control_noop(
-        self, verb: str, origin: str, by: str, guard: str | None, trace: str | None
+        self, verb: str, origin: StopOrigin, by: str, guard: str | None, trace: str | None
     ) -> None:
         """A control action that found no turn to act on (an accepted no-op)."""
         tel = self._host.telemetry
@@ -1055,7 +1069,7 @@ class Session:
                 span, outcome, latency_ms=latency_ms, report=report, turn=t.id
             )
 
-    def _turn_event(self, t: _Turn, name: str, origin: str, by: str, reason: str) -> None:
+    def _turn_event(self, t: _Turn, name: str, origin: StopOrigin, by: str, reason: str) -> None:
         """A pause or a resume on the turn's span, which its worker makes: sent to it."""
         assert t.span is not None
         frame = self._host.telemetry.turn_event(t.span, name, origin, by, reason)
@@ -1127,7 +1141,7 @@ class Session:
 
     # ---- lifecycle ----------------------------------------------------------------
 
-    def dispose(self, origin: str, by: str, grace: float) -> None:
+    def dispose(self, origin: StopOrigin, by: str, grace: float) -> None:
         """Cancel with grace (escalating to an abort), then settle once the turn ends."""
         if self.disposing or self.settled:
             return

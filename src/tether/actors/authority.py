@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tether.wire.errors import Unauthorized
-from tether.wire.records import AgentRef
+from tether.wire.records import AgentRef, StopOrigin
 
 __all__ = [
     "MAX_DEPTH",
@@ -34,7 +34,7 @@ class User:
     name: str | None = None
 
     @property
-    def origin(self) -> str:
+    def origin(self) -> StopOrigin:
         return "user"
 
     @property
@@ -49,7 +49,7 @@ class Ancestor:
     agent: AgentRef
 
     @property
-    def origin(self) -> str:
+    def origin(self) -> StopOrigin:
         return "parent"
 
     @property
@@ -61,7 +61,7 @@ class Ancestor:
 class Host:
     """The embedding host itself (a one-shot's holder, the runtime's drain): trusted."""
 
-    origin: str = "system"
+    origin: StopOrigin = "system"
     by: str = "host"
 
 

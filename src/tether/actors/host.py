@@ -47,7 +47,7 @@ from tether.actors.states import AgentState
 from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
 from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, Usage
-from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader
+from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader, StopOrigin
 from tether.wire.vocab import Kind
 
 __all__ = [
@@ -158,7 +158,7 @@ class DisposeOp:
     """Told by the supervisor, which has already marked the subtree disposing."""
 
     session: str
-    origin: str
+    origin: StopOrigin
     by: str
     grace: float
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tether.wire.records import Origin, Outcome, StopOrigin
+
 __all__ = ["StopFacts", "TurnFacts", "TurnOutcome", "WorkerEnd", "decide_outcome"]
 
 # What the worker reported at the end: ``TurnEnd.outcome``, or ``died`` when no end came
@@ -29,7 +31,7 @@ class StopFacts:
     """The stop that stands at the turn's end."""
 
     kind: Literal["cancel", "abort"]
-    origin: str  # "user", "parent" or "watchdog"
+    origin: StopOrigin
     by: str
     reason: str
 
@@ -48,13 +50,21 @@ class TurnFacts:
 
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
-    outcome: Literal["completed", "cancelled", "aborted", "failed", "crashed"]
-    cause: str | None  # "user", "parent" or "system"; None for a turn nobody stopped
+    outcome: Outcome
+    cause: Origin | None  # None for a turn nobody stopped
     by: str | None
     reason: str | None
     forced: bool
     escalated: bool
     error: str | None
+
+
+def _cause(origin: StopOrigin) -> Origin:
+    match origin:
+        case "user" | "parent" as cause:
+            return cause
+        case _:  # the watchdog, a budget, the runtime
+            return "system"
 
 
 def decide_outcome(facts: TurnFacts) -> TurnOutcome:
@@ -71,7 +81,7 @@ def decide_outcome(facts: TurnFacts) -> TurnOutcome:
         )
         # The watchdog's and the budget's stops are the system's (semantics §14.5, §16.2);
         # their `by` says which.
-        cause = "system" if stop.origin in ("watchdog", "budget") else stop.origin
+        cause = _cause(stop.origin)
         # Killed on purpose: the stop says why, the executor's error would not.
         error = None if died else facts.error
         return TurnOutcome(outcome, cause, stop.by, stop.reason, forced, escalated, error)

@@ -25,7 +25,15 @@ from tether.wire.frames import (
     TurnEnd,
     Usage,
 )
-from tether.wire.records import Message, ProcessFate, SessionHeader, StopReport
+from tether.wire.records import (
+    EntryKind,
+    MarkerAction,
+    Message,
+    ProcessFate,
+    SessionHeader,
+    StopOrigin,
+    StopReport,
+)
 
 KillVia = Literal["cgroup", "walk"]
 
@@ -197,12 +205,12 @@ class AgentStore(Protocol):
     def append_entry(
         self,
         session: str,
-        kind: str,
+        kind: EntryKind,
         text: str,
         *,
         turn: str | None = None,
-        action: str | None = None,
-        origin: str | None = None,
+        action: MarkerAction | None = None,
+        origin: StopOrigin | None = None,
         by: str | None = None,
         reason: str | None = None,
         data: dict[str, Any] | None = None,

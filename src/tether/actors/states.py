@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import enum
+from tether.wire.records import AgentState
 
 __all__ = ["TRANSITIONS", "AgentState", "IllegalTransition", "check_transition"]
-
-
-class AgentState(enum.StrEnum):
-    RUNNING = "running"  # a turn is claimed (dispatched or waiting for a free worker)
-    PAUSED = "paused"  # a turn is claimed but frozen in place until resumed
-    IDLE = "idle"  # no turn, empty inbox
-    PARKED = "parked"  # no turn; nothing starts until a waking send
-    DISPOSING = "disposing"  # a disposal is under way
-    DORMANT = "dormant"  # in the catalog, not materialized
-    SETTLED = "settled"  # disposed or finished (one-shot); only records remain
 
 
 _S = AgentState

@@ -279,7 +279,7 @@ class SupervisorActor(pykka.ThreadingActor):
             parent=h.parent,
             depth=depth,
             mode=h.mode,
-            state=str(state),
+            state=state,
             pending=pending,
         )
 

@@ -35,7 +35,7 @@ from tether.wire.frames import (
     ToolReply,
     TurnEnd,
 )
-from tether.wire.records import AgentInfo, Entry, StopReport
+from tether.wire.records import AgentInfo, Entry, StopOrigin, StopReport
 
 __all__ = ["AsyncTurnContext", "PreemptPolicy", "run_async_turn"]
 
@@ -480,7 +480,7 @@ class AsyncTurnContext(BaseContext):
         *,
         started: float,
         partial: str = "",
-        origin: str = "system",
+        origin: StopOrigin = "system",
         by: str = "policy",
     ) -> Preempted:
         """A tool call you stopped yourself by its policy (an MCP call past its

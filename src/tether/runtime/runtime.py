@@ -1029,7 +1029,7 @@ class Runtime:
         return SessionHeader(
             id=new_id("s_"),
             parent=parent,
-            mode=mode,
+            mode="one-shot" if mode == "one-shot" else "continuable",  # checked by the caller
             slug=slug,
             driver=driver,
             config=config,

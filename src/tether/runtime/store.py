@@ -34,9 +34,12 @@ from tether.wire.budget import Budget
 from tether.wire.errors import StoreLocked, StoreUnavailable
 from tether.wire.records import (
     Entry,
+    EntryKind,
+    MarkerAction,
     Message,
     PendingMessage,
     SessionHeader,
+    StopOrigin,
     StopReport,
     TurnRecord,
     message_key,
@@ -772,12 +775,12 @@ class Store:
     def append_entry(
         self,
         session: str,
-        kind: str,
+        kind: EntryKind,
         text: str,
         *,
         turn: str | None = None,
-        action: str | None = None,
-        origin: str | None = None,
+        action: MarkerAction | None = None,
+        origin: StopOrigin | None = None,
         by: str | None = None,
         reason: str | None = None,
         data: dict[str, Any] | None = None,
@@ -799,7 +802,7 @@ class Store:
         return Entry(
             seq=seq,
             session=session,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             text=text,
             turn=turn,
             action=action,

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.wire.records import Message, ProcessFate
+from tether.wire.records import Message, ProcessFate, StopOrigin
 from tether.wire.text import render_frame
 
 __all__ = [
@@ -49,7 +49,7 @@ class Steer(msgspec.Struct, frozen=True):
     """A correction delivered at a boundary; the driver continues."""
 
     text: str
-    origin: str
+    origin: StopOrigin
     by: str
 
     def render(self) -> str:
@@ -60,7 +60,7 @@ class Cancel(msgspec.Struct, frozen=True):
     """A stop delivered at a boundary; the driver must wrap up and return."""
 
     reason: str
-    origin: str
+    origin: StopOrigin
     by: str
 
     def render(self) -> str:
@@ -121,7 +121,7 @@ class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
 class Preempt(msgspec.Struct, frozen=True, tag="preempt"):
     turn: str
     reason: str
-    origin: str
+    origin: StopOrigin
     by: str
 
 
@@ -231,7 +231,7 @@ class ToolKilled(msgspec.Struct, frozen=True, tag="tool_killed"):
 
     turn: str
     reason: str
-    origin: str
+    origin: StopOrigin
     by: str
     via: str = "walk"
     processes: list[ProcessFate] = []

@@ -7,6 +7,7 @@ older peer still decodes a newer record.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
 import msgspec
@@ -17,10 +18,12 @@ __all__ = [
     "STATES",
     "AgentInfo",
     "AgentRef",
+    "AgentState",
     "ChildTurnEnded",
     "Entry",
     "EntryKind",
     "Event",
+    "MarkerAction",
     "Message",
     "Mode",
     "Origin",
@@ -28,26 +31,45 @@ __all__ = [
     "PendingMessage",
     "ProcessFate",
     "SessionHeader",
+    "StopKind",
+    "StopOrigin",
     "StopReport",
     "ToolFate",
     "TurnRecord",
+    "Via",
     "message_key",
 ]
 
+# One word per thing, as types: every record field that takes one of these is typed by it.
 Mode = Literal["continuable", "one-shot"]
 Outcome = Literal["completed", "cancelled", "aborted", "failed", "crashed"]
+# A turn's cause: who stopped it (the watchdog's and the budget's stops are the system's).
 Origin = Literal["user", "parent", "system"]
+# Who issued a stop or a control; a marker and a stop report name it.
+StopOrigin = Literal["user", "parent", "watchdog", "budget", "system"]
+StopKind = Literal["cancel", "abort", "preempt", "pause"]
+MarkerAction = Literal[
+    "steered", "cancelled", "aborted", "preempted", "paused", "resumed", "forced", "escalated"
+]
+# How a stop took effect: the driver took it at a boundary, or at an await it was in;
+# or its tree was killed, whole by its cgroup or by the walk.
+Via = Literal["boundary", "cancel-at-await", "cgroup", "walk"]
 EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
 
-STATES: tuple[str, ...] = (
-    "running",
-    "paused",
-    "idle",
-    "parked",
-    "disposing",
-    "dormant",
-    "settled",
-)
+
+class AgentState(enum.StrEnum):
+    """An agent's lifecycle state (semantics §3); its transitions are the actors'."""
+
+    RUNNING = "running"  # a turn is claimed (dispatched or waiting for a free worker)
+    PAUSED = "paused"  # a turn is claimed but frozen in place until resumed
+    IDLE = "idle"  # no turn, empty inbox
+    PARKED = "parked"  # no turn; nothing starts until a waking send
+    DISPOSING = "disposing"  # a disposal is under way
+    DORMANT = "dormant"  # in the catalog, not materialized
+    SETTLED = "settled"  # disposed or finished (one-shot); only records remain
+
+
+STATES: tuple[str, ...] = tuple(s.value for s in AgentState)
 
 
 def message_key(message_id: str) -> int:
@@ -87,7 +109,7 @@ class PendingMessage(msgspec.Struct, frozen=True, kw_only=True):
     """One message waiting in an inbox, as ``Runtime.inbox`` lists it."""
 
     id: str
-    kind: str
+    kind: Literal["user", "notice"]
     sender: str | None = None
     created_at: float = 0.0
     preview: str = ""  # the first 200 characters of the content
@@ -99,8 +121,8 @@ class ChildTurnEnded(msgspec.Struct, frozen=True, kw_only=True):
     child: str
     slug: str | None = None
     turn: str
-    outcome: str
-    cause: str | None = None
+    outcome: Outcome
+    cause: Origin | None = None
     partial: str | None = None
 
 
@@ -112,8 +134,8 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
     kind: EntryKind
     text: str
     turn: str | None = None
-    action: str | None = None
-    origin: str | None = None
+    action: MarkerAction | None = None
+    origin: StopOrigin | None = None
     by: str | None = None
     reason: str | None = None
     data: dict[str, Any] | None = None
@@ -127,8 +149,8 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     session: str
     message_id: int
     message: str = ""  # the id of the message the turn claimed
-    outcome: str | None = None
-    cause: str | None = None
+    outcome: Outcome | None = None
+    cause: Origin | None = None
     by: str | None = None
     forced: bool = False
     escalated: bool = False
@@ -155,10 +177,10 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     slug: str | None
     parent: str | None
     depth: int
-    mode: str
-    state: str
+    mode: Mode
+    state: AgentState
     pending: int = 0
-    stopping: str | None = None
+    stopping: Literal["cancel", "abort"] | None = None
     turn: str | None = None
     dispatched: bool = False  # a running turn has a worker (False: it waits for one)
 
@@ -168,7 +190,7 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
 
     id: str
     parent: str | None
-    mode: str
+    mode: Mode
     slug: str | None
     driver: str
     config: dict[str, Any] | None = None
@@ -230,17 +252,17 @@ class StopReport(msgspec.Struct, frozen=True, kw_only=True):
 
     turn: str
     session: str
-    kind: str
-    origin: str
+    kind: StopKind
+    origin: StopOrigin
     by: str
     reason: str = ""
     requested_at: float = 0.0
     effective_at: float | None = None
     latency_ms: float | None = None
-    outcome: str | None = None
+    outcome: Outcome | None = None
     forced: bool = False
     escalated: bool = False
-    via: str | None = None
+    via: Via | None = None
     processes: list[ProcessFate] = []
     tools: list[ToolFate] = []
     partial: str | None = None
