@@ -624,7 +624,7 @@ class SessionMachine(RuleBasedStateMachine):
             self.worker_reads(w, frame)
 
     def worker_reads(self, w: Worker, frame: HostFrame) -> None:
-        """The worker's reader thread (``runtime.worker._Worker.read_loop``)."""
+        """The worker's reader thread (``runtime.worker._Runner.read_loop``)."""
         turn = w.spec.turn
         match frame:
             case SteerFrame(steer=steer):

@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 
 from tether.actors.ports import TurnOver, TurnSpec
 from tether.runtime.backends._held import HELD_BYTES
-from tether.runtime.backends._turns import Turns, WorkerHost
+from tether.runtime.backends._turns import TurnTable, WorkerHost
 from tether.wire.errors import InvalidParams, TetherError
 from tether.wire.frames import (
     Cancel,
@@ -120,7 +120,7 @@ class Sink:
 
 class FakeWorker:
     """One worker: what it was sent, whether its tree is being killed, and whether the
-    kill is done (only the test says so: ``Turns.dead``)."""
+    kill is done (only the test says so: ``TurnTable.dead``)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -188,14 +188,14 @@ class Model:
     worker: FakeWorker | None = None
 
 
-class TurnTable(RuleBasedStateMachine):
+class TableContract(RuleBasedStateMachine):
     turns = Bundle("turns")
 
     def __init__(self) -> None:
         super().__init__()
         self.sink = Sink()
         self.workers: list[FakeWorker] = []
-        self.table: Turns[FakeWorker] = Turns(NoTools(), self._idle)
+        self.table: TurnTable[FakeWorker] = TurnTable(NoTools(), self._idle)
         self.model: dict[str, Model] = {}
         self.closed = False
         self.step = 0
@@ -391,8 +391,8 @@ class TurnTable(RuleBasedStateMachine):
                 raise Broken(f"{turn} reported its end while its kill was under way")
 
 
-TurnTable.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-test_the_turn_tables_contract = TurnTable.TestCase
+TableContract.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_the_turn_tables_contract = TableContract.TestCase
 
 
 # ---- single cases -----------------------------------------------------------------------
@@ -400,7 +400,7 @@ test_the_turn_tables_contract = TurnTable.TestCase
 
 def test_a_turn_whose_claim_failed_waits_until_killed_and_never_runs() -> None:
     sink, w = Sink(), FakeWorker(1)
-    table: Turns[FakeWorker] = Turns(NoTools(), lambda: w if w.turn is None else None)
+    table: TurnTable[FakeWorker] = TurnTable(NoTools(), lambda: w if w.turn is None else None)
     claim = Claim()
     table.submit(_spec("t_1", sink, claim, watched=False))
     claim.settle(OSError("disk full"))
@@ -412,7 +412,7 @@ def test_a_turn_whose_claim_failed_waits_until_killed_and_never_runs() -> None:
 
 
 def test_a_closed_table_refuses_new_turns() -> None:
-    table: Turns[FakeWorker] = Turns(NoTools(), lambda: None)
+    table: TurnTable[FakeWorker] = TurnTable(NoTools(), lambda: None)
     with table.lock:
         table.close_locked()
     with pytest.raises(TetherError, match="closed"):
@@ -421,7 +421,7 @@ def test_a_closed_table_refuses_new_turns() -> None:
 
 def test_an_ended_turn_reports_what_its_cgroup_counted() -> None:
     sink, w = Sink(), FakeWorker(1)
-    table: Turns[FakeWorker] = Turns(NoTools(), lambda: w if w.turn is None else None)
+    table: TurnTable[FakeWorker] = TurnTable(NoTools(), lambda: w if w.turn is None else None)
     table.submit(_spec("t_1", sink, None, watched=False))
     assert table.on_frame(w, TurnEnd(turn="t_1", outcome="completed", final="done"))
     [over] = sink.log["t_1"]

@@ -174,7 +174,10 @@ def _apply(st: _TurnState, frame: SteerFrame | CancelFrame) -> None:
         hook()
 
 
-class _Worker:
+class _Runner:
+    """The worker process's side: its reader thread (``read_loop``) and the main
+    thread's turn loop (``main_loop``), over its one channel to the host."""
+
     def __init__(self, channel: Channel[HostFrame]) -> None:
         self.channel = channel
         self.loop: asyncio.AbstractEventLoop | None = None  # made by the first async turn
@@ -390,7 +393,7 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
     # (TETHER_LOG, TETHER_LOG_FORMAT), to stderr, quiet by default.
     configure_logging()
     channel: Channel[HostFrame] = Channel(sock, HostFrame)
-    worker = _Worker(channel)
+    worker = _Runner(channel)
     reader = threading.Thread(target=worker.read_loop, name="tether-worker-reader", daemon=True)
     reader.start()
     channel.send(Ready(pid=os.getpid()))

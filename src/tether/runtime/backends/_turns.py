@@ -43,7 +43,7 @@ __all__ = [
     "DriverChecks",
     "TableBackend",
     "TurnState",
-    "Turns",
+    "TurnTable",
     "Worker",
     "WorkerGone",
     "WorkerHost",
@@ -85,7 +85,7 @@ class Worker(Protocol):
 
     ``start``, ``post`` and ``kill`` are called under the table's lock and must not
     block; ``freeze`` and ``thaw`` are called outside it and may wait (a remote call, the
-    kernel's "frozen 1"): they check with ``Turns.runs_locked`` that the worker still
+    kernel's "frozen 1"): they check with ``TurnTable.runs_locked`` that the worker still
     runs ``turn``.
     """
 
@@ -101,7 +101,7 @@ class Worker(Protocol):
 
     def kill(self) -> None:
         """Start killing this worker's tree. Once nothing of it is alive the backend
-        calls ``Turns.dead`` for it: the kill's done callback."""
+        calls ``TurnTable.dead`` for it: the kill's done callback."""
 
     def freeze(self, turn: str) -> None:
         """Stop ``turn`` in place (its group and every escapee, or its cgroup)."""
@@ -154,7 +154,7 @@ class _Entry(Generic[W]):
         )
 
 
-class Turns(Generic[W]):
+class TurnTable(Generic[W]):
     """Every turn a backend holds, from submit to its one report.
 
     ``idle`` (called under the lock) names a worker that may take a turn now, or None.
@@ -489,7 +489,7 @@ class TableBackend(Generic[W]):
     """The :class:`~tether.actors.ports.Executor` of a backend whose turns live in
     ``self.turns``: every method is the table's."""
 
-    turns: Turns[W]
+    turns: TurnTable[W]
 
     def submit(self, spec: TurnSpec) -> None:
         self.turns.submit(spec)

@@ -32,7 +32,7 @@ from tether.runtime.backends._io import Conn, IOLoop
 from tether.runtime.backends._turns import (
     DriverChecks,
     TableBackend,
-    Turns,
+    TurnTable,
     WorkerGone,
     WorkerHost,
 )
@@ -270,7 +270,7 @@ class Pool(TableBackend["_Worker"]):
         self.cgroups = cgroups  # None: the walk (semantics §15.5)
         self.launcher = Launcher(preload)  # started by the first worker's start
         # the turns, and the lock under which they and the workers change together
-        self.turns: Turns[_Worker] = Turns(host, self._idle_locked)
+        self.turns: TurnTable[_Worker] = TurnTable(host, self._idle_locked)
         self._lock = self.turns.lock
         self._changed = self.turns.changed
         self._active: list[_Worker] = []

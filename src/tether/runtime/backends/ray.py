@@ -24,7 +24,7 @@ from tether.actors.ports import TurnSpec
 from tether.runtime.backends._turns import (
     DriverChecks,
     TableBackend,
-    Turns,
+    TurnTable,
     WorkerGone,
     WorkerHost,
 )
@@ -316,7 +316,7 @@ class RayBackend(TableBackend[_Slot]):
         self._decoder = msgspec.msgpack.Decoder(WorkerFrame)
         self._encoder = msgspec.msgpack.Encoder()
         # the turns, and the lock under which they and the slots change together
-        self.turns: Turns[_Slot] = Turns(host, self._idle_locked)
+        self.turns: TurnTable[_Slot] = TurnTable(host, self._idle_locked)
         self._lock = self.turns.lock
         self._changed = self.turns.changed
         self._active: list[_Slot] = []
