@@ -505,7 +505,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.host(self._adopt, s)
 
     def _adopt(self, s: Session) -> None:
-        if s.inbox and not s.hold:
+        if s.inbox and not s.parked:
             s.woken_by = s.inbox[0].id
         s.start_next()
 
@@ -599,6 +599,8 @@ class SessionMachine(RuleBasedStateMachine):
         w = self.worker()
         assert w is not None
         if not w.dispatched:
+            if w.kill_requested:
+                return  # the table ends a waiting turn it is told to kill: no worker takes it
             self.a_worker_takes_the_turn()
             return
         match action:
@@ -736,7 +738,7 @@ class SessionMachine(RuleBasedStateMachine):
                 claimed = len(self.store.order)
                 self.host(s.ended, TurnOver(turn, end, error))
                 # the queue resumes: a turn starts (it may end at once), or nothing waits
-                resumed = len(self.store.order) > claimed or not s.hold
+                resumed = len(self.store.order) > claimed or not s.parked
                 if self.store.turns[turn].latched and not resumed and self.open:
                     raise Violation(f"{turn} ended with a wake latch set, and the inbox parked")
                 continue
@@ -903,7 +905,7 @@ class SessionMachine(RuleBasedStateMachine):
         if set(claimed) | set(queued) != set(self.accepted):
             lost = set(self.accepted) - set(claimed) - set(queued)
             raise Violation(f"accepted messages lost: {sorted(lost)}")
-        idle = s.turn is None and not s.settled and not s.disposing and not s.hold
+        idle = s.turn is None and not s.settled and not s.disposing and not s.parked
         if idle and queued and (self.header.mode != "one-shot" or not claimed):
             raise Violation("messages queued, no turn, and the inbox not parked: stranded")
 
@@ -1076,7 +1078,7 @@ def test_a_late_tell_of_a_message_already_run_does_not_unpark_a_stopped_session(
     run_to_end(m)
     assert m.session.info.state == "parked"
     m.tell_again(m.loaded[0], "yes")
-    assert m.session.info.state == "parked" and m.session.hold
+    assert m.session.info.state == "parked" and m.session.parked
     m.the_session_keeps_its_promises()
 
 

@@ -170,7 +170,7 @@ class _Turn:
     gen: int = 0
     watch: Timer | None = None
     paused: bool = False
-    held: tuple[TimerKind, float] | None = None  # the stop clock stopped by a pause
+    stopped_clock: tuple[TimerKind, float] | None = None  # the stop clock stopped by a pause
     last_progress: float = 0.0
     stepped_at: float = 0.0
     step: int = 0
@@ -212,11 +212,11 @@ class Session:
         "disposing",
         "epoch",
         "header",
-        "hold",
         "horizon",
         "inbox",
         "info",
         "lineage",
+        "parked",
         "settled",
         "stall",
         "turn",
@@ -231,7 +231,7 @@ class Session:
         depth: int,
         epoch: int,
         inbox: list[Message],
-        hold: bool,
+        parked: bool,
         horizon: int = 0,
     ) -> None:
         self._host = host
@@ -247,7 +247,7 @@ class Session:
         # before): a send that committed before this materialization and is told
         # after it must not be queued twice.
         self.horizon = horizon
-        self.hold = hold
+        self.parked = parked  # nothing starts until a waking send (AgentState.PARKED)
         self.turn: _Turn | None = None
         self.disposing = False
         self.settled = False
@@ -292,15 +292,15 @@ class Session:
                         self.woken_by = msg.id
                     t.wake_latch = True  # resume the queue when the stopping turn ends
             else:
-                self.hold = False
+                self.parked = False
                 self.woken_by = msg.id  # this send starts the next turn, if any
                 self.start_next()
         elif wake == "if-idle":
-            if t is None and not self.hold:
+            if t is None and not self.parked:
                 self.woken_by = msg.id
                 self.start_next()
         elif t is None:
-            self.hold = True
+            self.parked = True
 
     def _can_start(self) -> bool:
         h = self._host
@@ -308,7 +308,7 @@ class Session:
             self.turn is None
             and not self.disposing
             and not self.settled
-            and not self.hold
+            and not self.parked
             and bool(self.inbox)
             and h.executor.accepting()
             and not h.store.failed  # no claim can be made durable
@@ -347,7 +347,7 @@ class Session:
             # A budget of the tree is spent (or its turns are all used): the message
             # stays, parked, until the budget is raised and a waking send comes.
             self.inbox.appendleft(message)
-            self.hold = True
+            self.parked = True
             log.info("turn.held_by_budget", session=h.id, message=message.id)
             return
         if not self.inbox:
@@ -454,7 +454,7 @@ class Session:
         t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
         self._stop_control(t, ctl)
         self._cancel_timer(t)
-        t.held = None
+        t.stopped_clock = None
         self._host.executor.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
         self._marker(t, "aborted", i.origin, i.by, i.reason)
         self._stop_accepted(t, t.stop)
@@ -554,7 +554,7 @@ class Session:
         """Run the stop's clock; a paused turn holds it until resumed (semantics §14.4)."""
         self._cancel_timer(t)
         if t.paused:
-            t.held = (which, delay)
+            t.stopped_clock = (which, delay)
             return
         t.gen += 1
         t.clock = which
@@ -616,7 +616,7 @@ class Session:
         if t.timer is not None and t.clock is not None:  # the stop's clock stops
             held = (t.clock, max(t.due - self._host.clock.monotonic(), 0.0))
             self._cancel_timer(t)
-            t.held = held
+            t.stopped_clock = held
         if t.watch is not None:  # a paused turn is never stalled
             t.watch.cancel()
             t.watch = None
@@ -635,9 +635,9 @@ class Session:
         ctl = self._control(t, "resume", origin, by, None, trace)
         self._host.executor.thaw(t.id)
         t.paused = False
-        if t.held is not None:
-            which, left = t.held
-            t.held = None
+        if t.stopped_clock is not None:
+            which, left = t.stopped_clock
+            t.stopped_clock = None
             self._arm(t, left, which)
         stall = self.stall
         if stall is not None:  # a fresh idle clock: the pause was not a stall
@@ -908,7 +908,7 @@ class Session:
         usage = self._usage(t, end)
         self.turn = None
         if decided.outcome != "completed":
-            self.hold = not t.wake_latch  # park the inbox unless a waking send latched
+            self.parked = not t.wake_latch  # park the inbox unless a waking send latched
         # the parent's notice is committed with the end, or neither is
         record = EndRecord(decided, final, usage, over.resources, self._notice(t, decided, partial))
         notice_msg = host.store.end_turn(t.id, record)
@@ -1176,7 +1176,7 @@ class Session:
             return AgentState.DISPOSING
         if self.turn is not None:
             return AgentState.PAUSED if self.turn.paused else AgentState.RUNNING
-        if self.inbox is None and not self.hold:
+        if self.inbox is None and not self.parked:
             return AgentState.IDLE
         return AgentState.PARKED
 

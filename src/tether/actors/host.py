@@ -501,7 +501,7 @@ class SessionHost(pykka.ThreadingActor):
     def _adopt(self, s: Session) -> None:
         self._live[s.id] = s
         self._dir.registry[s.id] = s
-        if s.inbox and not s.hold:  # a spawn with a prompt: it starts the first turn
+        if s.inbox and not s.parked:  # a spawn with a prompt: it starts the first turn
             s.woken_by = s.inbox[0].id
         s.start_next()
         self._after(s)
@@ -511,7 +511,7 @@ class SessionHost(pykka.ThreadingActor):
         h: SessionHeader,
         inbox: list[Message],
         *,
-        hold: bool,
+        parked: bool,
         horizon: int,
         woken_by: str | None = None,
     ) -> Session:
@@ -523,7 +523,7 @@ class SessionHost(pykka.ThreadingActor):
             node.depth,
             self._dir.next_epoch(),
             inbox,
-            hold,
+            parked,
             horizon,
         )
         self._live[h.id] = s
@@ -548,7 +548,9 @@ class SessionHost(pykka.ThreadingActor):
             # A waking send brings a dormant session back (a new epoch), with what was
             # queued while it slept (this message included).
             inbox, horizon = self._store.pending(sid)
-            s = self._materialize(node.header, inbox, hold=False, horizon=horizon, woken_by=msg.id)
+            s = self._materialize(
+                node.header, inbox, parked=False, horizon=horizon, woken_by=msg.id
+            )
         self._accepted(msg, s.lineage if s is not None else None)
         if s is not None:
             self._enqueue(s, msg, "yes" if wake else "no")

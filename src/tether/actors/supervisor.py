@@ -202,18 +202,18 @@ class SupervisorActor(pykka.ThreadingActor):
             )
             inbox.append(msg)
         self._catalog.add(h)
-        self._adopt(h, inbox, hold=False)
+        self._adopt(h, inbox, parked=False)
         return h.id, ticket
 
     def _adopt(
-        self, h: SessionHeader, inbox: list[Message], *, hold: bool, horizon: int = 0
+        self, h: SessionHeader, inbox: list[Message], *, parked: bool, horizon: int = 0
     ) -> None:
         """Make the session live on its host; the registry has it before anyone can ask."""
         node = self._catalog.nodes[h.id]
         lineage = self._catalog.lineage(h.id)
         services = self._dispatcher.services_for(h.id)
         epoch = self._dir.next_epoch()
-        s = Session(services, h, lineage, node.depth, epoch, inbox, hold, horizon)
+        s = Session(services, h, lineage, node.depth, epoch, inbox, parked, horizon)
         # Registered before its host hears of it, so its host (which removes it once it
         # settles) always acts after this.
         self._dir.registry[h.id] = s
@@ -255,7 +255,7 @@ class SupervisorActor(pykka.ThreadingActor):
         roots = [sid for sid in self._catalog.roots if not nodes[sid].settled]
         for sid in roots:
             inbox, horizon = self._store.pending(sid)
-            self._adopt(nodes[sid].header, inbox, hold=True, horizon=horizon)
+            self._adopt(nodes[sid].header, inbox, parked=True, horizon=horizon)
         return roots
 
     # ---- discovery ------------------------------------------------------------------
