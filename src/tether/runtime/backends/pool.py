@@ -552,17 +552,10 @@ class Pool(TableBackend["_Worker"]):
         """Kill every doomed worker's tree; retry until it is dead, then finish it (or
         finish one whose stream ended after its tree died: the loop hands it here)."""
         while True:
-            with self._lock:
-                while True:
-                    if self._stopping and not self._doomed and not self._finishing:
-                        return
-                    now = time.monotonic()
-                    due = [w for w, at in self._doomed.items() if at <= now]
-                    if due or self._finishing:
-                        break
-                    nxt = min(self._doomed.values(), default=None)
-                    self._changed.wait(None if nxt is None else nxt - now)
-                finishing, self._finishing = self._finishing, []
+            work = self._reap_work()
+            if work is None:
+                return
+            due, finishing = work
             for w in finishing:
                 self._maybe_finish(w)
             leaves = [(w.leaf, w.found) for w in due if w.leaf is not None]
@@ -571,54 +564,78 @@ class Pool(TableBackend["_Worker"]):
             for w in due:
                 dead = self._kill_pass(w)
                 with self._lock:
-                    if dead:
-                        del self._doomed[w]
-                        w.tree_dead = True
-                    else:
-                        w.kill_tries += 1
-                        if w.kill_tries == _KILL_STUCK_TRIES:
-                            log.error("worker.kill_stuck", pid=w.pid, tries=w.kill_tries)
-                        retry_in = min(_BACKOFF_FIRST * 2**w.kill_tries, _BACKOFF_MAX)
-                        self._doomed[w] = time.monotonic() + retry_in
+                    self._killed_locked(w, dead)
                 if dead:
                     self._maybe_finish(w)
+
+    def _reap_work(self) -> tuple[list[_Worker], list[_Worker]] | None:
+        """Wait until a doomed worker's pass is due or one is to be finished: those due,
+        and those to finish. None once the pool stops with nothing left to reap."""
+        with self._lock:
+            while True:
+                if self._stopping and not self._doomed and not self._finishing:
+                    return None
+                now = time.monotonic()
+                due = [w for w, at in self._doomed.items() if at <= now]
+                if due or self._finishing:
+                    finishing, self._finishing = self._finishing, []
+                    return due, finishing
+                nxt = min(self._doomed.values(), default=None)
+                self._changed.wait(None if nxt is None else nxt - now)
+
+    def _killed_locked(self, w: _Worker, dead: bool) -> None:
+        """After a kill pass: its tree is dead, or the next pass is due after a backoff."""
+        if dead:
+            del self._doomed[w]
+            w.tree_dead = True
+            return
+        w.kill_tries += 1
+        if w.kill_tries == _KILL_STUCK_TRIES:
+            log.error("worker.kill_stuck", pid=w.pid, tries=w.kill_tries)
+        retry_in = min(_BACKOFF_FIRST * 2**w.kill_tries, _BACKOFF_MAX)
+        self._doomed[w] = time.monotonic() + retry_in
 
     def _kill_pass(self, w: _Worker) -> bool:
         """One attempt at ``w``'s whole tree; True when nothing of it is left alive. Its
         turn's entry learns how, what died, and what its leaf counted, before the end is
         reported."""
-        if w.leaf is not None:
-            try:
-                dead = _contain.cgroup_pass(w.leaf, w.found)
-            except OSError as exc:
-                log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
-                return False
-            w.tree_pids.update(pid for pid in w.found if pid != w.pid)
-            if w.pid not in w.found and w.alive():
-                # doomed before it joined its leaf (it joins first thing, but a start can
-                # be cut short): the worker itself is then outside, and killed here
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    assert w.ps is not None
-                    w.ps.kill()
-                dead = False
-            if not dead:
-                log.warning("worker.kill_retry", pid=w.pid, reason="the leaf is not empty")
-                return False
-            resources = w.leaf.usage()
-            oom, pids = w.leaf.oom_killed(), w.leaf.pids_limit_hit()
-            fates = tuple(_contain.fates(w.found))
-            with self._lock:
-                if self.turns.spec_of_locked(w) is not None:
-                    if oom and not w.killed:
-                        w.error = "memory limit"
-                    elif pids and not w.killed and w.error is None:
-                        w.error = "pids limit"  # the worker died of it before the watch saw it
-                    self.turns.kill_facts_locked(w, "cgroup", fates, resources)
-            return True
-        dead = self._walk_pass(w)
-        if dead:
-            with self._lock:
-                self.turns.kill_facts_locked(w, "walk", tuple(_contain.fates(w.found)))
+        if w.leaf is None:
+            dead = self._walk_pass(w)
+            if dead:
+                with self._lock:
+                    self.turns.kill_facts_locked(w, "walk", tuple(_contain.fates(w.found)))
+            return dead
+        if not self._leaf_pass(w, w.leaf):
+            return False
+        resources = w.leaf.usage()
+        oom, pids = w.leaf.oom_killed(), w.leaf.pids_limit_hit()
+        fates = tuple(_contain.fates(w.found))
+        with self._lock:
+            if self.turns.spec_of_locked(w) is not None:
+                if oom and not w.killed:
+                    w.error = "memory limit"
+                elif pids and not w.killed and w.error is None:
+                    w.error = "pids limit"  # the worker died of it before the watch saw it
+                self.turns.kill_facts_locked(w, "cgroup", fates, resources)
+        return True
+
+    def _leaf_pass(self, w: _Worker, leaf: Leaf) -> bool:
+        """One kill of ``w``'s leaf (``cgroup.kill``); True once it is empty."""
+        try:
+            dead = _contain.cgroup_pass(leaf, w.found)
+        except OSError as exc:
+            log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
+            return False
+        w.tree_pids.update(pid for pid in w.found if pid != w.pid)
+        if w.pid not in w.found and w.alive():
+            # doomed before it joined its leaf (it joins first thing, but a start can be
+            # cut short): the worker itself is then outside, and killed here
+            with contextlib.suppress(psutil.NoSuchProcess):
+                assert w.ps is not None
+                w.ps.kill()
+            dead = False
+        if not dead:
+            log.warning("worker.kill_retry", pid=w.pid, reason="the leaf is not empty")
         return dead
 
     def _walk_pass(self, w: _Worker) -> bool:
