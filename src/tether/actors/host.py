@@ -451,20 +451,15 @@ class SessionHost(pykka.ThreadingActor):
                 self._adopt(session)
             case _Notice(parent=parent, message=msg):
                 self._notice(parent, msg)
-            case _Frame(session=sid, frame=Say() as frame):
-                s = self._live.get(sid)
-                if s is not None:  # an entry changes nothing shown: no publish
-                    s.said(frame)
-            case _Frame(session=sid, frame=Progress() as frame):
-                s = self._live.get(sid)
-                if s is not None:  # changes nothing shown: no publish
-                    s.progress(frame)
+            # an entry, progress or a worker taking the turn change nothing shown: no publish
+            case _Frame(session=sid, frame=Say() as say):
+                self._quietly(sid, lambda s: s.said(say))
+            case _Frame(session=sid, frame=Progress() as beat):
+                self._quietly(sid, lambda s: s.progress(beat))
+            case _Took(session=sid, turn=turn):
+                self._quietly(sid, lambda s: s.took(turn))
             case _Frame(session=sid, frame=frame):
                 self._on(sid, lambda s: s.from_worker(frame))
-            case _Took(session=sid, turn=turn):
-                s = self._live.get(sid)
-                if s is not None:  # changes nothing shown: no publish
-                    s.took(turn)
             case _Ended(session=sid, over=over):
                 self._on(sid, lambda s: s.ended(over))
             case _Timer(session=sid, turn=turn, which=which, gen=gen):
@@ -473,6 +468,11 @@ class SessionHost(pykka.ThreadingActor):
                 self._on(sid, lambda s: s.budget_step(turn, kind, text))
             case DisposeOp():
                 self._dispose(message)
+
+    def _quietly(self, sid: str, action: Callable[[Session], None]) -> None:
+        s = self._live.get(sid)
+        if s is not None:
+            action(s)
 
     def _on(self, sid: str, action: Any) -> None:
         s = self._live.get(sid)
