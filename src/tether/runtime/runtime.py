@@ -52,6 +52,7 @@ from tether.actors.supervisor import (
     crash_notice,
 )
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
+from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
 from tether.runtime._tools import HostTools
 from tether.runtime.backend import (
@@ -183,44 +184,6 @@ class OneShot:
         return f"OneShot({self.id!r})"
 
 
-class _EventBus:
-    """Events for subscribers, and state changes for ``wait()`` (the agents' EventSink)."""
-
-    def __init__(self) -> None:
-        self.subscribers: list[Callable[[Event], None]] = []
-        self._lock = threading.Lock()
-        self.changed = threading.Condition()
-        self.version = 0  # bumped by every state event while someone waits
-        self.waiters = 0
-
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        with self._lock:
-            self.subscribers = [*self.subscribers, callback]
-
-        def unsubscribe() -> None:
-            with self._lock:
-                self.subscribers = [s for s in self.subscribers if s is not callback]
-
-        return unsubscribe
-
-    def wants(self, name: str) -> bool:
-        return bool(self.subscribers) or (name == "state" and self.waiters > 0)
-
-    def emit(self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]) -> None:
-        subscribers = self.subscribers
-        if subscribers:
-            event = Event(name=name, session=session, lineage=lineage, data=data, ts=time.time())
-            for callback in subscribers:
-                try:
-                    callback(event)
-                except Exception:  # an observer's bug must not break the agent that emitted
-                    log.exception("events.subscriber_failed", event=name)
-        if name == "state" and self.waiters:
-            with self.changed:
-                self.version += 1
-                self.changed.notify_all()
-
-
 class _Host(WorkerHost):
     """The pool's view of the runtime: tool calls from workers."""
 
@@ -306,7 +269,7 @@ class Runtime:
         self.grace = grace
         self.cancel_deadline: float = cancel_deadline
         self._closed = False
-        self._events = _EventBus()
+        self._events = EventBus()
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # One host per store: a store another live host holds is refused here
@@ -785,27 +748,16 @@ class Runtime:
             raise InvalidParams(f"unknown state(s) {bad}")
         deadline = time.monotonic() + timeout
         bus = self._events
-        with bus.changed:
-            bus.waiters += 1  # before the first look, so no state event can slip past
-        try:
+        with bus.watching():
             while True:
-                with bus.changed:
-                    seen = bus.version
+                seen = bus.seen()
                 info = self.status(session_id)
                 if info.state in states:
                     return info
-                with bus.changed:
-                    while bus.version == seen:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise TimeoutError(
-                                f"{session_id} is {info.state}, not {'/'.join(states)}, "
-                                f"after {timeout:g}s"
-                            )
-                        bus.changed.wait(min(left, _WAIT_SLICE))
-        finally:
-            with bus.changed:
-                bus.waiters -= 1
+                if not bus.changed_since(seen, deadline):
+                    raise TimeoutError(
+                        f"{session_id} is {info.state}, not {'/'.join(states)}, after {timeout:g}s"
+                    )
 
     def transcript(
         self, session_id: str, *, after: int = 0, limit: int | None = None
@@ -1144,7 +1096,6 @@ def _check_text(name: str, value: str) -> None:
 
 _Workers = Annotated[int, msgspec.Meta(ge=1, le=4096)]
 _Timeout = Annotated[float, msgspec.Meta(ge=0)]  # inf allowed (no limit); NaN is not >= 0
-_WAIT_SLICE = 3600.0  # a wait longer than a lock's timeout can hold is taken in slices
 
 
 class _InterruptArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
