@@ -18,15 +18,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, overload
+from typing import Any, Literal, overload
 
-import msgspec
 import pykka
 import structlog
 
 from tether.actors._ids import new_id
 from tether.actors._timers import TimerQueue
-from tether.actors.authority import Ancestor, Authority, Host, User, sender_of
+from tether.actors.authority import Authority, Host, sender_of
 from tether.actors.budget import STATE, Governor, Step
 from tether.actors.directory import Directory
 from tether.actors.host import (
@@ -51,7 +50,27 @@ from tether.actors.supervisor import (
     Walk,
     crash_notice,
 )
-from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
+from tether.runtime._cgroup import Cgroups, CgroupUnavailable
+from tether.runtime._checks import (
+    CONTAINMENTS,
+    KINDS,
+    MAX_CONTENT,
+    Timeout,
+    Workers,
+    check_authority,
+    check_containment,
+    check_driver,
+    check_enforceable,
+    check_id,
+    check_interrupt,
+    check_limits,
+    check_message,
+    check_settings,
+    check_slug,
+    check_stall,
+    check_text,
+    convert,
+)
 from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
 from tether.runtime._tools import HostTools
@@ -67,7 +86,7 @@ from tether.runtime.worker import set_subreaper
 from tether.telemetry import WORKER_MODULES, Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
-from tether.wire.budget import Budget, BudgetStatus, check_budget, check_price
+from tether.wire.budget import Budget, BudgetStatus, check_budget
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed
 from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import (
@@ -86,22 +105,24 @@ from tether.wire.vocab import (
     MAX_SECONDS,
     Grace,
     Kind,
-    Permission,
     Seconds,
     StallPolicy,
-    json_problem,
-    text_problem,
 )
 
-__all__ = ["CONTAINMENTS", "KINDS", "MAX_CONTENT", "OneShot", "Runtime", "check_limits"]
+# The checks' constants and public checks are imported from here too.
+__all__ = [
+    "CONTAINMENTS",
+    "KINDS",
+    "MAX_CONTENT",
+    "OneShot",
+    "Runtime",
+    "check_limits",
+    "check_stall",
+]
 
 log = structlog.get_logger("tether.runtime")
 _stdlib_log = logging.getLogger("tether.runtime")
 
-KINDS = ("steer", "cancel", "abort", "preempt")
-CONTAINMENTS = ("auto", "cgroup", "walk")
-CONTAINMENT_ENV = "TETHER_CONTAINMENT"  # the default of ``containment`` (CI forces each)
-MAX_CONTENT = 1_000_000  # characters in one message
 # A cancel issued without a deadline gets this many graces (and at least this many
 # seconds) for a boundary to take it before it escalates to an abort.
 CANCEL_DEADLINE_GRACES = 3.0
@@ -110,7 +131,6 @@ _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
-_data_encoder = msgspec.msgpack.Encoder()
 
 # The runtimes this process opened and has not closed, oldest first: a program that
 # forgets close() gets it when its main thread ends (``_close_at_exit``).
@@ -253,19 +273,16 @@ class Runtime:
         configure_logging()
         if subreaper:
             set_subreaper()
-        workers = _convert(workers, _Workers, "workers")
-        grace = _convert(grace, Grace, "grace")
+        workers = convert(workers, Workers, "workers")
+        grace = convert(grace, Grace, "grace")
         if cancel_deadline is None:
             cancel_deadline = min(
                 max(CANCEL_DEADLINE_GRACES * grace, CANCEL_DEADLINE_MIN), MAX_SECONDS
             )
-        cancel_deadline = _convert(cancel_deadline, Seconds, "cancel_deadline")
+        cancel_deadline = convert(cancel_deadline, Seconds, "cancel_deadline")
         check_backend(backend, ray_address)
         self._tel: Telemetry = make_telemetry(resolve_telemetry(telemetry))
-        if containment is None:
-            containment = os.environ.get(CONTAINMENT_ENV) or "auto"
-        if containment not in CONTAINMENTS:
-            raise InvalidParams(f"containment must be one of {CONTAINMENTS}, not {containment!r}")
+        containment = check_containment(containment)
         self.grace = grace
         self.cancel_deadline: float = cancel_deadline
         self._closed = False
@@ -407,7 +424,7 @@ class Runtime:
 
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
         """The owner's message to a root session (waking); returns the message id."""
-        self._check_message(content, data)
+        check_message(content, data)
         return self._send(session_id, content, None, data, True)
 
     def spawn(
@@ -438,7 +455,7 @@ class Runtime:
         if mode == "one-shot" and prompt is None:
             raise InvalidParams("a one-shot subagent needs a prompt: it is its one task")
         if prompt is not None:
-            self._check_message(prompt, data)
+            check_message(prompt, data)
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
         header = self._header(
@@ -460,8 +477,8 @@ class Runtime:
 
         Returns the new message's id.
         """
-        self._check_authority(authority)
-        self._check_message(content, data)
+        check_authority(authority)
+        check_message(content, data)
         return self._send(target, content, authority, data, bool(wake))
 
     @overload
@@ -516,20 +533,8 @@ class Runtime:
         authority is checked once, at the top, as for a subtree pause; ``turn`` guards
         the target's own turn only.
         """
-        self._check_authority(authority)
-        if scope not in ("session", "subtree"):
-            raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
-        # Every argument is checked before anything is issued: a stop is never half-applied.
-        args = _convert(
-            {"kind": kind, "reason": reason, "grace": grace, "deadline": deadline, "turn": turn},
-            _InterruptArgs,
-            "interrupt",
-        )
-        if scope == "subtree" and args.kind not in ("cancel", "abort"):
-            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {args.kind!r}")
-        _check_text("reason", args.reason)
-        if args.kind == "steer" and not args.reason.strip():
-            raise InvalidParams("a steer needs a non-empty text")
+        check_authority(authority)
+        args = check_interrupt(scope, kind, reason, grace, deadline, turn)
         g = self.grace if args.grace is None else args.grace
         if scope == "subtree":
             return self._interrupt_subtree(
@@ -560,7 +565,7 @@ class Runtime:
         """Stop every running turn from ``target`` down, top first (so a stopped parent
         is parked before its children's turn-end notices reach it)."""
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         self._dir.authorize_subtree(target, auth, what="stop")
         # Authorized at the top: below it, the same person or ancestor acts on each.
         delegate = Host(auth.origin, auth.by)
@@ -615,10 +620,10 @@ class Runtime:
         budgeted ancestor has left (InvalidParams). A limit lowered to what the tree has
         spent acts at once (``on_hard``); one raised lifts the exhaustion, and parked work
         runs again on the next waking send (semantics §4)."""
-        self._check_authority(authority)
+        check_authority(authority)
         checked = check_budget(budget)
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         self._dir.authorize_subtree(target, authority, what="set the budget of")
         self._store.check_writable()
         lineage = self._dir.catalog.lineage(target)
@@ -659,17 +664,17 @@ class Runtime:
         the frozen tree at once. ``turn``: act only if that is still the target's
         running turn (as for ``interrupt``).
         """
-        self._check_authority(authority)
+        check_authority(authority)
         if not isinstance(reason, str):
             raise InvalidParams("reason must be a string")
-        _check_text("reason", reason)
+        check_text("reason", reason)
         if turn is not None and not isinstance(turn, str):
             raise InvalidParams("turn must be a turn id")
         return self._pause(target, authority, scope, cap(reason), resume=False, turn=turn)
 
     def resume(self, target: str, *, authority: Authority, scope: str = "session") -> list[str]:
         """Thaw what ``pause`` froze; returns the ids of the turns resumed."""
-        self._check_authority(authority)
+        check_authority(authority)
         return self._pause(target, authority, scope, "", resume=True)
 
     def _pause(
@@ -685,7 +690,7 @@ class Runtime:
         if scope not in ("session", "subtree"):
             raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         trace = self._tel.current()
         if scope == "session":
             op = PauseOp(target, auth, reason, resume, turn, trace)
@@ -728,7 +733,7 @@ class Runtime:
 
     def status(self, session_id: str) -> AgentInfo:
         """Exact as of the call: the session's host answers after what was sent before."""
-        self._check_id(session_id)
+        check_id(session_id)
         result: AgentInfo = self._dispatcher.ask(session_id, StatusOp(session_id))
         return result
 
@@ -741,7 +746,7 @@ class Runtime:
     ) -> AgentInfo:
         """Block until the session is in one of ``until``; TimeoutError after ``timeout``
         (seconds, ``math.inf`` for no limit)."""
-        timeout = _convert(timeout, _Timeout, "timeout")
+        timeout = convert(timeout, Timeout, "timeout")
         states = (until,) if isinstance(until, str) else tuple(until)
         bad = [s for s in states if s not in STATES]
         if bad:
@@ -777,20 +782,20 @@ class Runtime:
 
     def agent_ref(self, session_id: str) -> AgentRef:
         """The session's current activation, to act as ``Ancestor(ref)``."""
-        self._check_id(session_id)
+        check_id(session_id)
         result: AgentRef = self._dispatcher.ask(session_id, RefOp(session_id))
         return result
 
     def release(self, session_id: str) -> None:
         """Take a session offline (dormant); its children stay live; old refs go stale."""
         self._check_open()
-        self._check_id(session_id)
+        check_id(session_id)
         self._dispatcher.ask(session_id, ReleaseOp(session_id))
 
     def dispose(self, session_id: str, *, authority: Authority, wait: bool = True) -> None:
         """End the session and its whole subtree, deepest first; returns when all settled
         (``wait=False``: once the disposal is accepted and under way)."""
-        self._check_authority(authority)
+        check_authority(authority)
         self._dispose(session_id, authority, wait=wait)
 
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
@@ -896,7 +901,7 @@ class Runtime:
         """The fast path: authorize here, make the message durable here, then tell the
         target's host, which queues it (see ``Enqueued`` for the races it settles)."""
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         self._dir.authorize_send(target, authority)
         msg, ticket = self._store.append_message(
             target,
@@ -919,12 +924,12 @@ class Runtime:
         return msg.id
 
     def _interrupt(self, op: InterruptOp) -> str | None:
-        self._check_id(op.target)
+        check_id(op.target)
         turn: str | None = self._dispatcher.ask(op.target, op)
         return turn
 
     def _dispose(self, session_id: str, authority: Authority | Host, *, wait: bool = True) -> None:
-        self._check_id(session_id)
+        check_id(session_id)
         order, ticket = self._ask(DisposeReq(session_id, authority, self.grace))
         if ticket is not None:
             ticket.wait()  # accepted once durable: a host kill from here on is finished
@@ -935,14 +940,9 @@ class Runtime:
             self.wait(sid, until="settled", timeout=max(deadline - time.monotonic(), 0.01))
 
     def _known(self, session_id: str) -> None:
-        self._check_id(session_id)
+        check_id(session_id)
         if session_id not in self._dir.catalog.nodes:
             raise NotFound(f"no session {session_id!r}")
-
-    @staticmethod
-    def _check_id(session_id: object) -> None:
-        if not isinstance(session_id, str):
-            raise InvalidParams("a session id is a string")
 
     def _header(
         self,
@@ -956,26 +956,15 @@ class Runtime:
         limits: dict[str, float] | None = None,
         budget: object = None,
     ) -> SessionHeader:
-        checked_limits = None if limits is None else self._check_limits(limits)
+        checked_limits = None
+        if limits is not None:
+            checked_limits = check_enforceable(
+                limits, self._cgroups, self.containment, self._cgroup_reason
+            )
         checked_budget = check_budget(budget)
-        if not isinstance(driver, str) or not driver:
-            raise InvalidParams("driver must be an import string 'package.module:Class'")
-        _check_text("driver", driver)
-        if slug is not None:
-            if not isinstance(slug, str) or not slug or len(slug) > 128:
-                raise InvalidParams("slug must be a non-empty string of at most 128 characters")
-            _check_text("slug", slug)
-        for name, value in (("config", config), ("permissions", permissions)):
-            if value is not None and not isinstance(value, dict):
-                raise InvalidParams(f"{name} must be a dict")
-        perms: dict[str, Any] | None = None
-        if permissions is not None:
-            perms = _convert(permissions, dict[str, Permission], "permissions")
-            self._check_data(perms, "permissions")  # its keys' text
-        self._check_data(config, "config")
-        model = (config or {}).get("model")
-        if isinstance(model, dict) and model.get("price") is not None:
-            check_price(model["price"])
+        check_driver(driver)
+        check_slug(slug)
+        perms = check_settings(config, permissions)
         policy = None if stall is None else check_stall(stall)
         self._pool.probe(driver)
         return SessionHeader(
@@ -992,66 +981,6 @@ class Runtime:
             budget=checked_budget,
         )
 
-    def _check_limits(self, limits: object) -> dict[str, float]:
-        """Valid, and enforceable here: a limit the kernel cannot enforce is refused,
-        never silently ignored (semantics §15.5)."""
-        checked = check_limits(limits)
-        if not checked:
-            return checked
-        if self._cgroups is None:
-            if self.containment == "cgroup":  # Ray: leaves on the nodes, no limits yet
-                why = "the Ray backend's leaves do not enforce limits yet"
-            else:
-                why = self._cgroup_reason or "this runtime runs with containment='walk'"
-            raise InvalidParams(
-                f"limits {sorted(checked)} need cgroup containment, not in force here ({why})"
-            )
-        missing = self._cgroups.missing(checked)
-        if missing:
-            have = ", ".join(sorted(self._cgroups.controllers)) or "none"
-            raise InvalidParams(
-                f"limits {sorted(checked)} need the cgroup v2 controller(s) "
-                f"{', '.join(missing)}, not available here (available: {have})"
-            )
-        return checked
-
-    def _check_message(self, content: str, data: dict[str, Any] | None) -> None:
-        if not isinstance(content, str):
-            raise InvalidParams("content must be a string")
-        if len(content) > MAX_CONTENT:
-            raise InvalidParams(f"content of {len(content)} characters is over {MAX_CONTENT}")
-        _check_text("content", content)
-        self._check_data(data)
-
-    @staticmethod
-    def _check_data(data: dict[str, Any] | None, name: str = "data") -> None:
-        """JSON data as it will be stored and sent, unchanged: string keys at every
-        level, encodable text, 64-bit integers, finite floats, at most 1 MB."""
-        if data is None:
-            return
-        if not isinstance(data, dict):
-            raise InvalidParams(f"{name} must be a dict")
-        problem = json_problem(data, name)
-        if problem is not None:
-            raise InvalidParams(problem)
-        try:
-            size = len(_data_encoder.encode(data))
-        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError: ValueError
-            raise InvalidParams(f"{name} is not serializable: {exc}") from None
-        if size > MAX_CONTENT:
-            raise InvalidParams(f"{name} of {size} bytes is over {MAX_CONTENT}")
-
-    @staticmethod
-    def _check_authority(authority: object) -> None:
-        if not isinstance(authority, User | Ancestor):
-            raise InvalidParams("authority must be tether.User(parent) or tether.Ancestor(ref)")
-        if isinstance(authority, User):
-            if not isinstance(authority.parent, str):
-                raise InvalidParams("User.parent must be a session id")
-            _check_text("User.parent", authority.parent)
-            if authority.name is not None:
-                _check_text("User.name", authority.name)
-
 
 def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None:
     """The host's cgroup group for ``mode``, or None for the walk. CgroupUnavailable
@@ -1065,91 +994,3 @@ def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None
     if backend != "local":
         raise CgroupUnavailable("cgroup containment runs on the local and Ray backends only")
     return Cgroups.open(path)
-
-
-def check_limits(limits: object) -> dict[str, float]:
-    """``{"memory_mb": MB, "pids": N, "cpu": cores}``, each optional and positive."""
-    if not isinstance(limits, dict):
-        raise InvalidParams("limits must be a dict like {'memory_mb': 512}")
-    unknown = set(limits) - set(LIMIT_CONTROLLERS)
-    if unknown:
-        raise InvalidParams(
-            f"limits has unknown keys {sorted(unknown)} (known: {sorted(LIMIT_CONTROLLERS)})"
-        )
-    out: dict[str, float] = {}
-    for key, value in limits.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise InvalidParams(f"limits.{key} must be a positive number")
-        if key == "pids" and value != int(value):
-            raise InvalidParams("limits.pids must be a whole number")
-        out[key] = float(value)
-    return out
-
-
-def _check_text(name: str, value: str) -> None:
-    """Text that cannot be encoded (a lone surrogate) is refused before anything is
-    recorded (semantics §14.3)."""
-    problem = text_problem(value)
-    if problem is not None:
-        raise InvalidParams(f"{name} {problem}")
-
-
-_Workers = Annotated[int, msgspec.Meta(ge=1, le=4096)]
-_Timeout = Annotated[float, msgspec.Meta(ge=0)]  # inf allowed (no limit); NaN is not >= 0
-
-
-class _InterruptArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``interrupt()``'s arguments, typed: the one place their bounds are checked."""
-
-    kind: Kind = "cancel"
-    reason: str = ""
-    grace: Grace | None = None
-    deadline: Seconds | None = None
-    turn: Annotated[str, msgspec.Meta(min_length=1)] | None = None
-
-
-def _convert(value: Any, kind: Any, what: str) -> Any:
-    """``value`` as ``kind`` (msgspec's strict conversion: no coercion, bounds checked),
-    or InvalidParams naming the field (``interrupt: Expected `float` <= 2592000.0 - at
-    `$.deadline```)."""
-    try:
-        return msgspec.convert(value, kind)
-    except msgspec.ValidationError as exc:
-        raise InvalidParams(f"{what}: {exc}") from None
-
-
-_NUDGE = (
-    "you have made no visible progress for a while. Say where you are, and if you are "
-    "stuck, change approach or wrap up."
-)
-
-
-def check_stall(stall: object) -> dict[str, Any]:
-    """The stall watchdog's policy, validated and completed (semantics §14.5).
-
-    ``after`` (seconds, required) without progress takes the first of ``steps``
-    (default steer, cancel, abort), then the next after each further ``every``
-    (default ``after``); ``nudge`` is the steer's text; ``repeat`` (>= 2) counts that
-    many identical tool calls in a row as no progress; ``grace`` is the watchdog's
-    cancel's grace (default the runtime's). Seconds are finite, positive and at most
-    ``MAX_SECONDS`` (30 days). Takes a dict or a ``StallPolicy``.
-    """
-    if isinstance(stall, StallPolicy):  # a Struct built in Python checks no bounds
-        stall = msgspec.to_builtins(stall)
-    if not isinstance(stall, dict):
-        raise InvalidParams("stall must be a dict like {'after': 60}")
-    policy: StallPolicy = _convert(stall, StallPolicy, "stall")
-    nudge = _NUDGE if policy.nudge is None else policy.nudge
-    if not nudge.strip():
-        raise InvalidParams("stall.nudge must be a non-empty string")
-    _check_text("stall.nudge", nudge)
-    out: dict[str, Any] = {
-        "after": policy.after,
-        "every": policy.every if policy.every is not None else policy.after,
-        "steps": list(policy.steps),
-        "nudge": cap(nudge),
-        "repeat": policy.repeat,
-    }
-    if policy.grace is not None:
-        out["grace"] = policy.grace
-    return out
