@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
 
@@ -40,7 +39,7 @@ from tether.actors.host import (
     SessionHost,
     StatusOp,
 )
-from tether.actors.ports import Executor, TurnSpec
+from tether.actors.ports import Executor
 from tether.actors.supervisor import (
     Create,
     DisposeReq,
@@ -77,7 +76,6 @@ from tether.runtime._tools import HostTools
 from tether.runtime.backend import (
     Backend,
     BackendFactory,
-    WorkerHost,
     check_backend,
     make_backend,
 )
@@ -88,7 +86,6 @@ from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
 from tether.wire.budget import Budget, BudgetStatus, check_budget
 from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed
-from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import (
     STATES,
     AgentInfo,
@@ -204,31 +201,6 @@ class OneShot:
         return f"OneShot({self.id!r})"
 
 
-class _Host(WorkerHost):
-    """The pool's view of the runtime: tool calls from workers."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-
-    def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
-        try:
-            # what the call sends, spawns or stops is a child of the call's span
-            with self._rt._tel.attached(frame.trace):
-                result = self._rt._tools.call(spec, frame.name, frame.args)
-            return ToolReply(turn=frame.turn, call=frame.call, result=result)
-        except TetherError as exc:
-            return ToolReply(turn=frame.turn, call=frame.call, code=exc.code, message=exc.message)
-        except Exception:
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("tool.internal_error", error_id=error_id, tool=frame.name)
-            return ToolReply(
-                turn=frame.turn,
-                call=frame.call,
-                code="internal",
-                message=f"internal error {error_id}",
-            )
-
-
 class Runtime:
     """One embedded Tether host. Use it as a context manager, or call ``close()``; one
     left open is closed, as ``close()`` would, when the program's main thread ends."""
@@ -326,7 +298,7 @@ class Runtime:
             self._pool: Backend = make_backend(
                 backend,
                 workers,
-                _Host(self),
+                HostTools(self),
                 ray_address=ray_address,
                 ray_options=ray_options,
                 cgroups=self._cgroups,
@@ -343,7 +315,6 @@ class Runtime:
         # A turn reaches a worker only once its claim is durable: the turn table holds
         # it until then (docs/design.md, section 4).
         executor: Executor = self._pool
-        self._tools = HostTools(self)
         self._gov = Governor(
             store=self._store,
             act=self._budget_step,
