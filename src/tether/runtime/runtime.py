@@ -9,12 +9,10 @@ session (send, interrupt, status, release).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
@@ -49,6 +47,7 @@ from tether.actors.supervisor import (
     Walk,
     crash_notice,
 )
+from tether.runtime import _at_exit
 from tether.runtime._cgroup import Cgroups, CgroupUnavailable
 from tether.runtime._checks import (
     CONTAINMENTS,
@@ -72,6 +71,7 @@ from tether.runtime._checks import (
 )
 from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
+from tether.runtime._oneshot import OneShot
 from tether.runtime._tools import HostTools
 from tether.runtime.backend import (
     Backend,
@@ -85,7 +85,7 @@ from tether.telemetry import WORKER_MODULES, Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
 from tether.wire.budget import Budget, BudgetStatus, check_budget
-from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed
+from tether.wire.errors import InvalidParams, NotFound, TetherError
 from tether.wire.records import (
     STATES,
     AgentInfo,
@@ -128,77 +128,6 @@ _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
-
-# The runtimes this process opened and has not closed, oldest first: a program that
-# forgets close() gets it when its main thread ends (``_close_at_exit``).
-_open: dict[int, Runtime] = {}
-_open_lock = threading.Lock()
-_exit_hook = False
-
-
-def _close_at_exit() -> None:
-    """Close every runtime the program left open, newest first, as close() would."""
-    with _open_lock:
-        left = [rt for rt in _open.values() if rt._pid == os.getpid()]
-    for rt in reversed(left):
-        log.info("runtime.closed_at_exit")
-        try:
-            rt.close()
-        except Exception:  # the others must still close
-            log.exception("runtime.close_at_exit_failed")
-
-
-def _register_open(rt: Runtime) -> None:
-    global _exit_hook
-    with _open_lock:
-        _open[id(rt)] = rt
-        if _exit_hook:
-            return
-        _exit_hook = True
-    # threading's own exit hooks run as the main thread ends, before the interpreter
-    # joins threads and before atexit: threads and processes may still start there
-    # (atexit refuses both from 3.12), and the pool's tool executor is not shut yet
-    # (hooks run last registered first, and concurrent.futures registered earlier).
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no threading exit hooks")
-        register(_close_at_exit)
-    except RuntimeError:  # already shutting down, or no such hook here
-        atexit.register(_close_at_exit)
-
-
-class OneShot:
-    """The holder's handle on a one-shot subagent: one task, one result."""
-
-    def __init__(self, runtime: Runtime, session: str) -> None:
-        self._rt = runtime
-        self.id = session
-
-    def result(self, timeout: float | None = None) -> str | None:
-        """The task's final text; TurnFailed if it did not complete."""
-        self._rt.wait(self.id, until="settled", timeout=timeout if timeout is not None else 1e9)
-        turns = self._rt.turns(self.id)
-        if not turns:
-            raise TurnFailed(f"one-shot {self.id} was disposed before it ran")
-        last = turns[-1]
-        if last.outcome != "completed":
-            raise TurnFailed(
-                f"one-shot {self.id} ended {last.outcome}: {last.error or last.reason or ''}"
-            )
-        return self._rt._store.last_assistant_text(self.id, last.id)
-
-    def kill(self) -> None:
-        """Hard stop, holder-owned: the turn's whole process tree is killed now."""
-        self._rt._interrupt(
-            InterruptOp(self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0)
-        )
-
-    def dispose(self) -> None:
-        self._rt._dispose(self.id, Host("user", "holder"))
-
-    def __repr__(self) -> str:
-        return f"OneShot({self.id!r})"
 
 
 class Runtime:
@@ -352,7 +281,7 @@ class Runtime:
             raise
         # Only a process's own runtimes close at its exit: a forked child's copy does not.
         self._pid = os.getpid()
-        _register_open(self)
+        _at_exit.register(self)
 
     def _release_start(self) -> None:
         """A start that failed: give back the store (and its lock) and the cgroups."""
@@ -778,8 +707,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        with _open_lock:
-            _open.pop(id(self), None)
+        _at_exit.unregister(self)
         self._pool.drain()
         try:
             # A frozen turn reaches no boundary: close aborts it (semantics §14.4).
