@@ -188,39 +188,77 @@ class Runtime:
         self.cancel_deadline: float = cancel_deadline
         self._closed = False
         self._events = EventBus()
+        catalog = self._open_store(path, containment, backend)
+        self._open_backend(backend, workers, containment, ray_address, ray_options)
+        self._open_hosts(catalog)
+        # Only a process's own runtimes close at its exit: a forked child's copy does not.
+        self._pid = os.getpid()
+        _at_exit.register(self)
+
+    # ---- the start, step by step: a start that fails gives back all it holds ----
+
+    def _open_store(
+        self,
+        path: str | os.PathLike[str] | None,
+        containment: str,
+        backend: str | BackendFactory,
+    ) -> list[SessionHeader]:
+        """The store, recovered, then the containment and the directory; the catalog as
+        recovery left it."""
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # One host per store: a store another live host holds is refused here
         # (StoreLocked), before anything in it is read or changed.
         self._store = Store(None if path is None else os.fspath(path))
         try:
-            # the catalog as the dead host left it; its open turns closed, and their
-            # parents told, in one commit
-            # a disposal the dead host had accepted and not finished: finished now, so
-            # the catalog and the crashed turns' notices below see it settled
-            disposed = self._store.finish_disposals()
-            if disposed:
-                log.warning("recovery.disposals_finished", sessions=len(disposed))
-            catalog = self._store.sessions()
-            headers = {h.id: h for h in catalog}
-            crashed = self._store.recover(functools.partial(crash_notice, headers))
-            if crashed:
-                log.warning("recovery.crashed_turns", turns=len(crashed))
-            self._cgroups: Cgroups | None = None
-            self._cgroup_reason = ""
-            try:
-                self._cgroups = _containment(
-                    containment, backend, None if path is None else os.fspath(path)
-                )
-            except CgroupUnavailable as exc:
-                self._cgroup_reason = str(exc)
-                if containment == "cgroup":
-                    raise InvalidParams(f"cgroup containment is not available: {exc}") from None
-            self.containment = "walk" if self._cgroups is None else "cgroup"
+            catalog = self._recover_store()
+            self._open_containment(containment, backend, None if path is None else os.fspath(path))
             self._dir = Directory(self._store.boot())
         except BaseException:
             self._release_start()
             raise
+        return catalog
+
+    def _recover_store(self) -> list[SessionHeader]:
+        """What a dead host left in the store, settled; the catalog after it."""
+        # a disposal the dead host had accepted and not finished: finished now, so
+        # the catalog and the crashed turns' notices below see it settled
+        disposed = self._store.finish_disposals()
+        if disposed:
+            log.warning("recovery.disposals_finished", sessions=len(disposed))
+        # the catalog as the dead host left it; its open turns closed, and their
+        # parents told, in one commit
+        catalog = self._store.sessions()
+        headers = {h.id: h for h in catalog}
+        crashed = self._store.recover(functools.partial(crash_notice, headers))
+        if crashed:
+            log.warning("recovery.crashed_turns", turns=len(crashed))
+        return catalog
+
+    def _open_containment(
+        self, containment: str, backend: str | BackendFactory, path: str | None
+    ) -> None:
+        """The cgroup group for ``containment`` (none for the walk, with the reason when
+        none is available); ``self.containment`` says which is in force."""
+        self._cgroups: Cgroups | None = None
+        self._cgroup_reason = ""
+        try:
+            self._cgroups = _containment(containment, backend, path)
+        except CgroupUnavailable as exc:
+            self._cgroup_reason = str(exc)
+            if containment == "cgroup":
+                raise InvalidParams(f"cgroup containment is not available: {exc}") from None
+        self.containment = "walk" if self._cgroups is None else "cgroup"
+
+    def _open_backend(
+        self,
+        backend: str | BackendFactory,
+        workers: int,
+        containment: str,
+        ray_address: str | None,
+        ray_options: dict[str, Any] | None,
+    ) -> None:
+        """The timers, the dispatcher, and the backend with its workers."""
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
         try:
@@ -241,6 +279,10 @@ class Runtime:
             raise
         if backend == "ray":  # what the slots' nodes gave
             self.containment = str(getattr(self._pool, "containment", "walk"))
+
+    def _open_hosts(self, catalog: list[SessionHeader]) -> None:
+        """The budget governor, the session hosts and the supervisor, then the tree
+        recovered over ``catalog``."""
         # A turn reaches a worker only once its claim is durable: the turn table holds
         # it until then (docs/design.md, section 4).
         executor: Executor = self._pool
@@ -272,16 +314,18 @@ class Runtime:
                 directory=self._dir,
                 dispatcher=self._dispatcher,
             )
-            self._sup.ask(Recover(catalog))
-            # The budgets, over the catalog just loaded: in force before this returns,
-            # so before any waking send can start a turn (every root is parked).
-            self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
+            self._recover_tree(catalog)
         except BaseException:
             self._shutdown()
             raise
-        # Only a process's own runtimes close at its exit: a forked child's copy does not.
-        self._pid = os.getpid()
-        _at_exit.register(self)
+
+    def _recover_tree(self, catalog: list[SessionHeader]) -> None:
+        """The sessions of ``catalog`` back in the tree (every root parked), and their
+        budgets in force."""
+        self._sup.ask(Recover(catalog))
+        # The budgets, over the catalog just loaded: in force before this returns,
+        # so before any waking send can start a turn (every root is parked).
+        self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
 
     def _release_start(self) -> None:
         """A start that failed: give back the store (and its lock) and the cgroups."""
