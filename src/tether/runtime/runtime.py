@@ -2,9 +2,9 @@
 
 It owns the store, the worker pool, the timer queue, the supervisor actor and the
 dispatcher's session hosts. Every call validates its input first (bad input raises a
-typed error and changes nothing), then asks the one actor that decides: the supervisor
-for the tree (spawn, dispose, list), the session's host for everything about one
-session (send, interrupt, status, release).
+typed error and changes nothing: ``_checks``), then asks the one actor that decides: the
+supervisor for the tree (spawn, dispose, list), the session's host for everything about
+one session (send, interrupt, status, release).
 """
 
 from __future__ import annotations
