@@ -6,15 +6,19 @@ session's permissions; the answer goes back as the call's ``ToolReply``.
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
+import structlog
 
 from tether.actors.authority import Ancestor
 from tether.actors.ports import TurnSpec
 from tether.actors.supervisor import Resolve
+from tether.runtime.backend import WorkerHost
 from tether.wire.codec import MAX_FRAME
-from tether.wire.errors import InvalidParams, NotFound, Unauthorized
+from tether.wire.errors import InvalidParams, NotFound, TetherError, Unauthorized
+from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import Entry
 from tether.wire.text import cap
 from tether.wire.tool_calls import (
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HostTools"]
 
+log = structlog.get_logger("tether.runtime")  # the runtime's logger, shared by its modules
+
 _HISTORY_PAGE: Final = 500  # at most this many entries per `history` call (ctx.history pages)
 # ... and at most this many bytes (msgpack), half the frame cap: a page always fits its
 # reply frame, however long the entries. One entry alone over a quarter of it (a say of
@@ -44,11 +50,29 @@ _HISTORY_CHUNK: Final = 16  # entries read from the store at a time while fillin
 _encoder: Final = msgspec.msgpack.Encoder()
 
 
-class HostTools:
-    """The tool calls of every worker of one runtime."""
+class HostTools(WorkerHost):
+    """The tool calls of every worker of one runtime (the backend's ``WorkerHost``)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
+
+    def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
+        try:
+            # what the call sends, spawns or stops is a child of the call's span
+            with self._rt._tel.attached(frame.trace):
+                result = self.call(spec, frame.name, frame.args)
+            return ToolReply(turn=frame.turn, call=frame.call, result=result)
+        except TetherError as exc:
+            return ToolReply(turn=frame.turn, call=frame.call, code=exc.code, message=exc.message)
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("tool.internal_error", error_id=error_id, tool=frame.name)
+            return ToolReply(
+                turn=frame.turn,
+                call=frame.call,
+                code="internal",
+                message=f"internal error {error_id}",
+            )
 
     def call(self, spec: TurnSpec, name: str, args: dict[str, Any]) -> Any:
         """Run tool ``name`` for ``spec``'s session; a ``TetherError`` is its refusal."""

@@ -2,31 +2,27 @@
 
 It owns the store, the worker pool, the timer queue, the supervisor actor and the
 dispatcher's session hosts. Every call validates its input first (bad input raises a
-typed error and changes nothing), then asks the one actor that decides: the supervisor
-for the tree (spawn, dispose, list), the session's host for everything about one
-session (send, interrupt, status, release).
+typed error and changes nothing: ``_checks``), then asks the one actor that decides: the
+supervisor for the tree (spawn, dispose, list), the session's host for everything about
+one session (send, interrupt, status, release).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
 import os
-import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, overload
+from typing import Any, Literal, overload
 
-import msgspec
 import pykka
 import structlog
 
 from tether.actors._ids import new_id
 from tether.actors._timers import TimerQueue
-from tether.actors.authority import Ancestor, Authority, Host, User, sender_of
+from tether.actors.authority import Authority, Host, sender_of
 from tether.actors.budget import STATE, Governor, Step
 from tether.actors.directory import Directory
 from tether.actors.host import (
@@ -41,7 +37,7 @@ from tether.actors.host import (
     SessionHost,
     StatusOp,
 )
-from tether.actors.ports import Executor, TurnSpec
+from tether.actors.ports import Executor
 from tether.actors.supervisor import (
     Create,
     DisposeReq,
@@ -51,13 +47,35 @@ from tether.actors.supervisor import (
     Walk,
     crash_notice,
 )
-from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, CgroupUnavailable
+from tether.runtime import _at_exit
+from tether.runtime._cgroup import Cgroups, CgroupUnavailable
+from tether.runtime._checks import (
+    CONTAINMENTS,
+    KINDS,
+    MAX_CONTENT,
+    Timeout,
+    Workers,
+    check_authority,
+    check_containment,
+    check_driver,
+    check_enforceable,
+    check_id,
+    check_interrupt,
+    check_limits,
+    check_message,
+    check_settings,
+    check_slug,
+    check_stall,
+    check_text,
+    convert,
+)
+from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
+from tether.runtime._oneshot import OneShot
 from tether.runtime._tools import HostTools
 from tether.runtime.backend import (
     Backend,
     BackendFactory,
-    WorkerHost,
     check_backend,
     make_backend,
 )
@@ -66,9 +84,8 @@ from tether.runtime.worker import set_subreaper
 from tether.telemetry import WORKER_MODULES, Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
-from tether.wire.budget import Budget, BudgetStatus, check_budget, check_price
-from tether.wire.errors import InvalidParams, NotFound, TetherError, TurnFailed
-from tether.wire.frames import ToolCall, ToolReply
+from tether.wire.budget import Budget, BudgetStatus, check_budget
+from tether.wire.errors import InvalidParams, NotFound, TetherError
 from tether.wire.records import (
     STATES,
     AgentInfo,
@@ -85,22 +102,24 @@ from tether.wire.vocab import (
     MAX_SECONDS,
     Grace,
     Kind,
-    Permission,
     Seconds,
     StallPolicy,
-    json_problem,
-    text_problem,
 )
 
-__all__ = ["CONTAINMENTS", "KINDS", "MAX_CONTENT", "OneShot", "Runtime", "check_limits"]
+# The checks' constants and public checks are imported from here too.
+__all__ = [
+    "CONTAINMENTS",
+    "KINDS",
+    "MAX_CONTENT",
+    "OneShot",
+    "Runtime",
+    "check_limits",
+    "check_stall",
+]
 
 log = structlog.get_logger("tether.runtime")
 _stdlib_log = logging.getLogger("tether.runtime")
 
-KINDS = ("steer", "cancel", "abort", "preempt")
-CONTAINMENTS = ("auto", "cgroup", "walk")
-CONTAINMENT_ENV = "TETHER_CONTAINMENT"  # the default of ``containment`` (CI forces each)
-MAX_CONTENT = 1_000_000  # characters in one message
 # A cancel issued without a deadline gets this many graces (and at least this many
 # seconds) for a boundary to take it before it escalates to an abort.
 CANCEL_DEADLINE_GRACES = 3.0
@@ -109,141 +128,6 @@ _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
 _HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
-_data_encoder = msgspec.msgpack.Encoder()
-
-# The runtimes this process opened and has not closed, oldest first: a program that
-# forgets close() gets it when its main thread ends (``_close_at_exit``).
-_open: dict[int, Runtime] = {}
-_open_lock = threading.Lock()
-_exit_hook = False
-
-
-def _close_at_exit() -> None:
-    """Close every runtime the program left open, newest first, as close() would."""
-    with _open_lock:
-        left = [rt for rt in _open.values() if rt._pid == os.getpid()]
-    for rt in reversed(left):
-        log.info("runtime.closed_at_exit")
-        try:
-            rt.close()
-        except Exception:  # the others must still close
-            log.exception("runtime.close_at_exit_failed")
-
-
-def _register_open(rt: Runtime) -> None:
-    global _exit_hook
-    with _open_lock:
-        _open[id(rt)] = rt
-        if _exit_hook:
-            return
-        _exit_hook = True
-    # threading's own exit hooks run as the main thread ends, before the interpreter
-    # joins threads and before atexit: threads and processes may still start there
-    # (atexit refuses both from 3.12), and the pool's tool executor is not shut yet
-    # (hooks run last registered first, and concurrent.futures registered earlier).
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no threading exit hooks")
-        register(_close_at_exit)
-    except RuntimeError:  # already shutting down, or no such hook here
-        atexit.register(_close_at_exit)
-
-
-class OneShot:
-    """The holder's handle on a one-shot subagent: one task, one result."""
-
-    def __init__(self, runtime: Runtime, session: str) -> None:
-        self._rt = runtime
-        self.id = session
-
-    def result(self, timeout: float | None = None) -> str | None:
-        """The task's final text; TurnFailed if it did not complete."""
-        self._rt.wait(self.id, until="settled", timeout=timeout if timeout is not None else 1e9)
-        turns = self._rt.turns(self.id)
-        if not turns:
-            raise TurnFailed(f"one-shot {self.id} was disposed before it ran")
-        last = turns[-1]
-        if last.outcome != "completed":
-            raise TurnFailed(
-                f"one-shot {self.id} ended {last.outcome}: {last.error or last.reason or ''}"
-            )
-        return self._rt._store.last_assistant_text(self.id, last.id)
-
-    def kill(self) -> None:
-        """Hard stop, holder-owned: the turn's whole process tree is killed now."""
-        self._rt._interrupt(
-            InterruptOp(self.id, Host("user", "holder"), "abort", "killed by its holder", 0.0)
-        )
-
-    def dispose(self) -> None:
-        self._rt._dispose(self.id, Host("user", "holder"))
-
-    def __repr__(self) -> str:
-        return f"OneShot({self.id!r})"
-
-
-class _EventBus:
-    """Events for subscribers, and state changes for ``wait()`` (the agents' EventSink)."""
-
-    def __init__(self) -> None:
-        self.subscribers: list[Callable[[Event], None]] = []
-        self._lock = threading.Lock()
-        self.changed = threading.Condition()
-        self.version = 0  # bumped by every state event while someone waits
-        self.waiters = 0
-
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        with self._lock:
-            self.subscribers = [*self.subscribers, callback]
-
-        def unsubscribe() -> None:
-            with self._lock:
-                self.subscribers = [s for s in self.subscribers if s is not callback]
-
-        return unsubscribe
-
-    def wants(self, name: str) -> bool:
-        return bool(self.subscribers) or (name == "state" and self.waiters > 0)
-
-    def emit(self, name: str, session: str, lineage: tuple[str, ...], data: dict[str, Any]) -> None:
-        subscribers = self.subscribers
-        if subscribers:
-            event = Event(name=name, session=session, lineage=lineage, data=data, ts=time.time())
-            for callback in subscribers:
-                try:
-                    callback(event)
-                except Exception:  # an observer's bug must not break the agent that emitted
-                    log.exception("events.subscriber_failed", event=name)
-        if name == "state" and self.waiters:
-            with self.changed:
-                self.version += 1
-                self.changed.notify_all()
-
-
-class _Host(WorkerHost):
-    """The pool's view of the runtime: tool calls from workers."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-
-    def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
-        try:
-            # what the call sends, spawns or stops is a child of the call's span
-            with self._rt._tel.attached(frame.trace):
-                result = self._rt._tools.call(spec, frame.name, frame.args)
-            return ToolReply(turn=frame.turn, call=frame.call, result=result)
-        except TetherError as exc:
-            return ToolReply(turn=frame.turn, call=frame.call, code=exc.code, message=exc.message)
-        except Exception:
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("tool.internal_error", error_id=error_id, tool=frame.name)
-            return ToolReply(
-                turn=frame.turn,
-                call=frame.call,
-                code="internal",
-                message=f"internal error {error_id}",
-            )
 
 
 class Runtime:
@@ -290,63 +174,98 @@ class Runtime:
         configure_logging()
         if subreaper:
             set_subreaper()
-        workers = _convert(workers, _Workers, "workers")
-        grace = _convert(grace, Grace, "grace")
+        workers = convert(workers, Workers, "workers")
+        grace = convert(grace, Grace, "grace")
         if cancel_deadline is None:
             cancel_deadline = min(
                 max(CANCEL_DEADLINE_GRACES * grace, CANCEL_DEADLINE_MIN), MAX_SECONDS
             )
-        cancel_deadline = _convert(cancel_deadline, Seconds, "cancel_deadline")
+        cancel_deadline = convert(cancel_deadline, Seconds, "cancel_deadline")
         check_backend(backend, ray_address)
         self._tel: Telemetry = make_telemetry(resolve_telemetry(telemetry))
-        if containment is None:
-            containment = os.environ.get(CONTAINMENT_ENV) or "auto"
-        if containment not in CONTAINMENTS:
-            raise InvalidParams(f"containment must be one of {CONTAINMENTS}, not {containment!r}")
+        containment = check_containment(containment)
         self.grace = grace
         self.cancel_deadline: float = cancel_deadline
         self._closed = False
-        self._events = _EventBus()
+        self._events = EventBus()
+        catalog = self._open_store(path, containment, backend)
+        self._open_backend(backend, workers, containment, ray_address, ray_options)
+        self._open_hosts(catalog)
+        # Only a process's own runtimes close at its exit: a forked child's copy does not.
+        self._pid = os.getpid()
+        _at_exit.register(self)
+
+    # ---- the start, step by step: a start that fails gives back all it holds ----
+
+    def _open_store(
+        self,
+        path: str | os.PathLike[str] | None,
+        containment: str,
+        backend: str | BackendFactory,
+    ) -> list[SessionHeader]:
+        """The store, recovered, then the containment and the directory; the catalog as
+        recovery left it."""
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # One host per store: a store another live host holds is refused here
         # (StoreLocked), before anything in it is read or changed.
         self._store = Store(None if path is None else os.fspath(path))
         try:
-            # the catalog as the dead host left it; its open turns closed, and their
-            # parents told, in one commit
-            # a disposal the dead host had accepted and not finished: finished now, so
-            # the catalog and the crashed turns' notices below see it settled
-            disposed = self._store.finish_disposals()
-            if disposed:
-                log.warning("recovery.disposals_finished", sessions=len(disposed))
-            catalog = self._store.sessions()
-            headers = {h.id: h for h in catalog}
-            crashed = self._store.recover(functools.partial(crash_notice, headers))
-            if crashed:
-                log.warning("recovery.crashed_turns", turns=len(crashed))
-            self._cgroups: Cgroups | None = None
-            self._cgroup_reason = ""
-            try:
-                self._cgroups = _containment(
-                    containment, backend, None if path is None else os.fspath(path)
-                )
-            except CgroupUnavailable as exc:
-                self._cgroup_reason = str(exc)
-                if containment == "cgroup":
-                    raise InvalidParams(f"cgroup containment is not available: {exc}") from None
-            self.containment = "walk" if self._cgroups is None else "cgroup"
+            catalog = self._recover_store()
+            self._open_containment(containment, backend, None if path is None else os.fspath(path))
             self._dir = Directory(self._store.boot())
         except BaseException:
             self._release_start()
             raise
+        return catalog
+
+    def _recover_store(self) -> list[SessionHeader]:
+        """What a dead host left in the store, settled; the catalog after it."""
+        # a disposal the dead host had accepted and not finished: finished now, so
+        # the catalog and the crashed turns' notices below see it settled
+        disposed = self._store.finish_disposals()
+        if disposed:
+            log.warning("recovery.disposals_finished", sessions=len(disposed))
+        # the catalog as the dead host left it; its open turns closed, and their
+        # parents told, in one commit
+        catalog = self._store.sessions()
+        headers = {h.id: h for h in catalog}
+        crashed = self._store.recover(functools.partial(crash_notice, headers))
+        if crashed:
+            log.warning("recovery.crashed_turns", turns=len(crashed))
+        return catalog
+
+    def _open_containment(
+        self, containment: str, backend: str | BackendFactory, path: str | None
+    ) -> None:
+        """The cgroup group for ``containment`` (none for the walk, with the reason when
+        none is available); ``self.containment`` says which is in force."""
+        self._cgroups: Cgroups | None = None
+        self._cgroup_reason = ""
+        try:
+            self._cgroups = _containment(containment, backend, path)
+        except CgroupUnavailable as exc:
+            self._cgroup_reason = str(exc)
+            if containment == "cgroup":
+                raise InvalidParams(f"cgroup containment is not available: {exc}") from None
+        self.containment = "walk" if self._cgroups is None else "cgroup"
+
+    def _open_backend(
+        self,
+        backend: str | BackendFactory,
+        workers: int,
+        containment: str,
+        ray_address: str | None,
+        ray_options: dict[str, Any] | None,
+    ) -> None:
+        """The timers, the dispatcher, and the backend with its workers."""
         self._timers = TimerQueue()
         self._dispatcher = Dispatcher(_HOSTS)
         try:
             self._pool: Backend = make_backend(
                 backend,
                 workers,
-                _Host(self),
+                HostTools(self),
                 ray_address=ray_address,
                 ray_options=ray_options,
                 cgroups=self._cgroups,
@@ -360,10 +279,13 @@ class Runtime:
             raise
         if backend == "ray":  # what the slots' nodes gave
             self.containment = str(getattr(self._pool, "containment", "walk"))
+
+    def _open_hosts(self, catalog: list[SessionHeader]) -> None:
+        """The budget governor, the session hosts and the supervisor, then the tree
+        recovered over ``catalog``."""
         # A turn reaches a worker only once its claim is durable: the turn table holds
         # it until then (docs/design.md, section 4).
         executor: Executor = self._pool
-        self._tools = HostTools(self)
         self._gov = Governor(
             store=self._store,
             act=self._budget_step,
@@ -392,16 +314,18 @@ class Runtime:
                 directory=self._dir,
                 dispatcher=self._dispatcher,
             )
-            self._sup.ask(Recover(catalog))
-            # The budgets, over the catalog just loaded: in force before this returns,
-            # so before any waking send can start a turn (every root is parked).
-            self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
+            self._recover_tree(catalog)
         except BaseException:
             self._shutdown()
             raise
-        # Only a process's own runtimes close at its exit: a forked child's copy does not.
-        self._pid = os.getpid()
-        _register_open(self)
+
+    def _recover_tree(self, catalog: list[SessionHeader]) -> None:
+        """The sessions of ``catalog`` back in the tree (every root parked), and their
+        budgets in force."""
+        self._sup.ask(Recover(catalog))
+        # The budgets, over the catalog just loaded: in force before this returns,
+        # so before any waking send can start a turn (every root is parked).
+        self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
 
     def _release_start(self) -> None:
         """A start that failed: give back the store (and its lock) and the cgroups."""
@@ -444,7 +368,7 @@ class Runtime:
 
     def prompt(self, session_id: str, content: str, *, data: dict[str, Any] | None = None) -> str:
         """The owner's message to a root session (waking); returns the message id."""
-        self._check_message(content, data)
+        check_message(content, data)
         return self._send(session_id, content, None, data, True)
 
     def spawn(
@@ -475,7 +399,7 @@ class Runtime:
         if mode == "one-shot" and prompt is None:
             raise InvalidParams("a one-shot subagent needs a prompt: it is its one task")
         if prompt is not None:
-            self._check_message(prompt, data)
+            check_message(prompt, data)
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
         header = self._header(
@@ -497,8 +421,8 @@ class Runtime:
 
         Returns the new message's id.
         """
-        self._check_authority(authority)
-        self._check_message(content, data)
+        check_authority(authority)
+        check_message(content, data)
         return self._send(target, content, authority, data, bool(wake))
 
     @overload
@@ -553,20 +477,8 @@ class Runtime:
         authority is checked once, at the top, as for a subtree pause; ``turn`` guards
         the target's own turn only.
         """
-        self._check_authority(authority)
-        if scope not in ("session", "subtree"):
-            raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
-        # Every argument is checked before anything is issued: a stop is never half-applied.
-        args = _convert(
-            {"kind": kind, "reason": reason, "grace": grace, "deadline": deadline, "turn": turn},
-            _InterruptArgs,
-            "interrupt",
-        )
-        if scope == "subtree" and args.kind not in ("cancel", "abort"):
-            raise InvalidParams(f"a subtree stop is a cancel or an abort, not {args.kind!r}")
-        _check_text("reason", args.reason)
-        if args.kind == "steer" and not args.reason.strip():
-            raise InvalidParams("a steer needs a non-empty text")
+        check_authority(authority)
+        args = check_interrupt(scope, kind, reason, grace, deadline, turn)
         g = self.grace if args.grace is None else args.grace
         if scope == "subtree":
             return self._interrupt_subtree(
@@ -597,7 +509,7 @@ class Runtime:
         """Stop every running turn from ``target`` down, top first (so a stopped parent
         is parked before its children's turn-end notices reach it)."""
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         self._dir.authorize_subtree(target, auth, what="stop")
         # Authorized at the top: below it, the same person or ancestor acts on each.
         delegate = Host(auth.origin, auth.by)
@@ -652,10 +564,10 @@ class Runtime:
         budgeted ancestor has left (InvalidParams). A limit lowered to what the tree has
         spent acts at once (``on_hard``); one raised lifts the exhaustion, and parked work
         runs again on the next waking send (semantics §4)."""
-        self._check_authority(authority)
+        check_authority(authority)
         checked = check_budget(budget)
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         self._dir.authorize_subtree(target, authority, what="set the budget of")
         self._store.check_writable()
         lineage = self._dir.catalog.lineage(target)
@@ -696,17 +608,17 @@ class Runtime:
         the frozen tree at once. ``turn``: act only if that is still the target's
         running turn (as for ``interrupt``).
         """
-        self._check_authority(authority)
+        check_authority(authority)
         if not isinstance(reason, str):
             raise InvalidParams("reason must be a string")
-        _check_text("reason", reason)
+        check_text("reason", reason)
         if turn is not None and not isinstance(turn, str):
             raise InvalidParams("turn must be a turn id")
         return self._pause(target, authority, scope, cap(reason), resume=False, turn=turn)
 
     def resume(self, target: str, *, authority: Authority, scope: str = "session") -> list[str]:
         """Thaw what ``pause`` froze; returns the ids of the turns resumed."""
-        self._check_authority(authority)
+        check_authority(authority)
         return self._pause(target, authority, scope, "", resume=True)
 
     def _pause(
@@ -722,7 +634,7 @@ class Runtime:
         if scope not in ("session", "subtree"):
             raise InvalidParams(f"scope must be 'session' or 'subtree', not {scope!r}")
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         trace = self._tel.current()
         if scope == "session":
             op = PauseOp(target, auth, reason, resume, turn, trace)
@@ -765,7 +677,7 @@ class Runtime:
 
     def status(self, session_id: str) -> AgentInfo:
         """Exact as of the call: the session's host answers after what was sent before."""
-        self._check_id(session_id)
+        check_id(session_id)
         result: AgentInfo = self._dispatcher.ask(session_id, StatusOp(session_id))
         return result
 
@@ -778,34 +690,23 @@ class Runtime:
     ) -> AgentInfo:
         """Block until the session is in one of ``until``; TimeoutError after ``timeout``
         (seconds, ``math.inf`` for no limit)."""
-        timeout = _convert(timeout, _Timeout, "timeout")
+        timeout = convert(timeout, Timeout, "timeout")
         states = (until,) if isinstance(until, str) else tuple(until)
         bad = [s for s in states if s not in STATES]
         if bad:
             raise InvalidParams(f"unknown state(s) {bad}")
         deadline = time.monotonic() + timeout
         bus = self._events
-        with bus.changed:
-            bus.waiters += 1  # before the first look, so no state event can slip past
-        try:
+        with bus.watching():
             while True:
-                with bus.changed:
-                    seen = bus.version
+                seen = bus.seen()
                 info = self.status(session_id)
                 if info.state in states:
                     return info
-                with bus.changed:
-                    while bus.version == seen:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise TimeoutError(
-                                f"{session_id} is {info.state}, not {'/'.join(states)}, "
-                                f"after {timeout:g}s"
-                            )
-                        bus.changed.wait(min(left, _WAIT_SLICE))
-        finally:
-            with bus.changed:
-                bus.waiters -= 1
+                if not bus.changed_since(seen, deadline):
+                    raise TimeoutError(
+                        f"{session_id} is {info.state}, not {'/'.join(states)}, after {timeout:g}s"
+                    )
 
     def transcript(
         self, session_id: str, *, after: int = 0, limit: int | None = None
@@ -825,20 +726,20 @@ class Runtime:
 
     def agent_ref(self, session_id: str) -> AgentRef:
         """The session's current activation, to act as ``Ancestor(ref)``."""
-        self._check_id(session_id)
+        check_id(session_id)
         result: AgentRef = self._dispatcher.ask(session_id, RefOp(session_id))
         return result
 
     def release(self, session_id: str) -> None:
         """Take a session offline (dormant); its children stay live; old refs go stale."""
         self._check_open()
-        self._check_id(session_id)
+        check_id(session_id)
         self._dispatcher.ask(session_id, ReleaseOp(session_id))
 
     def dispose(self, session_id: str, *, authority: Authority, wait: bool = True) -> None:
         """End the session and its whole subtree, deepest first; returns when all settled
         (``wait=False``: once the disposal is accepted and under way)."""
-        self._check_authority(authority)
+        check_authority(authority)
         self._dispose(session_id, authority, wait=wait)
 
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
@@ -850,8 +751,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        with _open_lock:
-            _open.pop(id(self), None)
+        _at_exit.unregister(self)
         self._pool.drain()
         try:
             # A frozen turn reaches no boundary: close aborts it (semantics §14.4).
@@ -944,7 +844,7 @@ class Runtime:
         """The fast path: authorize here, make the message durable here, then tell the
         target's host, which queues it (see ``Enqueued`` for the races it settles)."""
         self._check_open()
-        self._check_id(target)
+        check_id(target)
         self._dir.authorize_send(target, authority)
         msg, ticket = self._store.append_message(
             target,
@@ -967,12 +867,12 @@ class Runtime:
         return msg.id
 
     def _interrupt(self, op: InterruptOp) -> str | None:
-        self._check_id(op.target)
+        check_id(op.target)
         turn: str | None = self._dispatcher.ask(op.target, op)
         return turn
 
     def _dispose(self, session_id: str, authority: Authority | Host, *, wait: bool = True) -> None:
-        self._check_id(session_id)
+        check_id(session_id)
         order, ticket = self._ask(DisposeReq(session_id, authority, self.grace))
         if ticket is not None:
             ticket.wait()  # accepted once durable: a host kill from here on is finished
@@ -983,14 +883,9 @@ class Runtime:
             self.wait(sid, until="settled", timeout=max(deadline - time.monotonic(), 0.01))
 
     def _known(self, session_id: str) -> None:
-        self._check_id(session_id)
+        check_id(session_id)
         if session_id not in self._dir.catalog.nodes:
             raise NotFound(f"no session {session_id!r}")
-
-    @staticmethod
-    def _check_id(session_id: object) -> None:
-        if not isinstance(session_id, str):
-            raise InvalidParams("a session id is a string")
 
     def _header(
         self,
@@ -1004,26 +899,15 @@ class Runtime:
         limits: dict[str, float] | None = None,
         budget: object = None,
     ) -> SessionHeader:
-        checked_limits = None if limits is None else self._check_limits(limits)
+        checked_limits = None
+        if limits is not None:
+            checked_limits = check_enforceable(
+                limits, self._cgroups, self.containment, self._cgroup_reason
+            )
         checked_budget = check_budget(budget)
-        if not isinstance(driver, str) or not driver:
-            raise InvalidParams("driver must be an import string 'package.module:Class'")
-        _check_text("driver", driver)
-        if slug is not None:
-            if not isinstance(slug, str) or not slug or len(slug) > 128:
-                raise InvalidParams("slug must be a non-empty string of at most 128 characters")
-            _check_text("slug", slug)
-        for name, value in (("config", config), ("permissions", permissions)):
-            if value is not None and not isinstance(value, dict):
-                raise InvalidParams(f"{name} must be a dict")
-        perms: dict[str, Any] | None = None
-        if permissions is not None:
-            perms = _convert(permissions, dict[str, Permission], "permissions")
-            self._check_data(perms, "permissions")  # its keys' text
-        self._check_data(config, "config")
-        model = (config or {}).get("model")
-        if isinstance(model, dict) and model.get("price") is not None:
-            check_price(model["price"])
+        check_driver(driver)
+        check_slug(slug)
+        perms = check_settings(config, permissions)
         policy = None if stall is None else check_stall(stall)
         self._pool.probe(driver)
         return SessionHeader(
@@ -1040,66 +924,6 @@ class Runtime:
             budget=checked_budget,
         )
 
-    def _check_limits(self, limits: object) -> dict[str, float]:
-        """Valid, and enforceable here: a limit the kernel cannot enforce is refused,
-        never silently ignored (semantics §15.5)."""
-        checked = check_limits(limits)
-        if not checked:
-            return checked
-        if self._cgroups is None:
-            if self.containment == "cgroup":  # Ray: leaves on the nodes, no limits yet
-                why = "the Ray backend's leaves do not enforce limits yet"
-            else:
-                why = self._cgroup_reason or "this runtime runs with containment='walk'"
-            raise InvalidParams(
-                f"limits {sorted(checked)} need cgroup containment, not in force here ({why})"
-            )
-        missing = self._cgroups.missing(checked)
-        if missing:
-            have = ", ".join(sorted(self._cgroups.controllers)) or "none"
-            raise InvalidParams(
-                f"limits {sorted(checked)} need the cgroup v2 controller(s) "
-                f"{', '.join(missing)}, not available here (available: {have})"
-            )
-        return checked
-
-    def _check_message(self, content: str, data: dict[str, Any] | None) -> None:
-        if not isinstance(content, str):
-            raise InvalidParams("content must be a string")
-        if len(content) > MAX_CONTENT:
-            raise InvalidParams(f"content of {len(content)} characters is over {MAX_CONTENT}")
-        _check_text("content", content)
-        self._check_data(data)
-
-    @staticmethod
-    def _check_data(data: dict[str, Any] | None, name: str = "data") -> None:
-        """JSON data as it will be stored and sent, unchanged: string keys at every
-        level, encodable text, 64-bit integers, finite floats, at most 1 MB."""
-        if data is None:
-            return
-        if not isinstance(data, dict):
-            raise InvalidParams(f"{name} must be a dict")
-        problem = json_problem(data, name)
-        if problem is not None:
-            raise InvalidParams(problem)
-        try:
-            size = len(_data_encoder.encode(data))
-        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError: ValueError
-            raise InvalidParams(f"{name} is not serializable: {exc}") from None
-        if size > MAX_CONTENT:
-            raise InvalidParams(f"{name} of {size} bytes is over {MAX_CONTENT}")
-
-    @staticmethod
-    def _check_authority(authority: object) -> None:
-        if not isinstance(authority, User | Ancestor):
-            raise InvalidParams("authority must be tether.User(parent) or tether.Ancestor(ref)")
-        if isinstance(authority, User):
-            if not isinstance(authority.parent, str):
-                raise InvalidParams("User.parent must be a session id")
-            _check_text("User.parent", authority.parent)
-            if authority.name is not None:
-                _check_text("User.name", authority.name)
-
 
 def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None:
     """The host's cgroup group for ``mode``, or None for the walk. CgroupUnavailable
@@ -1113,92 +937,3 @@ def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None
     if backend != "local":
         raise CgroupUnavailable("cgroup containment runs on the local and Ray backends only")
     return Cgroups.open(path)
-
-
-def check_limits(limits: object) -> dict[str, float]:
-    """``{"memory_mb": MB, "pids": N, "cpu": cores}``, each optional and positive."""
-    if not isinstance(limits, dict):
-        raise InvalidParams("limits must be a dict like {'memory_mb': 512}")
-    unknown = set(limits) - set(LIMIT_CONTROLLERS)
-    if unknown:
-        raise InvalidParams(
-            f"limits has unknown keys {sorted(unknown)} (known: {sorted(LIMIT_CONTROLLERS)})"
-        )
-    out: dict[str, float] = {}
-    for key, value in limits.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise InvalidParams(f"limits.{key} must be a positive number")
-        if key == "pids" and value != int(value):
-            raise InvalidParams("limits.pids must be a whole number")
-        out[key] = float(value)
-    return out
-
-
-def _check_text(name: str, value: str) -> None:
-    """Text that cannot be encoded (a lone surrogate) is refused before anything is
-    recorded (semantics §14.3)."""
-    problem = text_problem(value)
-    if problem is not None:
-        raise InvalidParams(f"{name} {problem}")
-
-
-_Workers = Annotated[int, msgspec.Meta(ge=1, le=4096)]
-_Timeout = Annotated[float, msgspec.Meta(ge=0)]  # inf allowed (no limit); NaN is not >= 0
-_WAIT_SLICE = 3600.0  # a wait longer than a lock's timeout can hold is taken in slices
-
-
-class _InterruptArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``interrupt()``'s arguments, typed: the one place their bounds are checked."""
-
-    kind: Kind = "cancel"
-    reason: str = ""
-    grace: Grace | None = None
-    deadline: Seconds | None = None
-    turn: Annotated[str, msgspec.Meta(min_length=1)] | None = None
-
-
-def _convert(value: Any, kind: Any, what: str) -> Any:
-    """``value`` as ``kind`` (msgspec's strict conversion: no coercion, bounds checked),
-    or InvalidParams naming the field (``interrupt: Expected `float` <= 2592000.0 - at
-    `$.deadline```)."""
-    try:
-        return msgspec.convert(value, kind)
-    except msgspec.ValidationError as exc:
-        raise InvalidParams(f"{what}: {exc}") from None
-
-
-_NUDGE = (
-    "you have made no visible progress for a while. Say where you are, and if you are "
-    "stuck, change approach or wrap up."
-)
-
-
-def check_stall(stall: object) -> dict[str, Any]:
-    """The stall watchdog's policy, validated and completed (semantics §14.5).
-
-    ``after`` (seconds, required) without progress takes the first of ``steps``
-    (default steer, cancel, abort), then the next after each further ``every``
-    (default ``after``); ``nudge`` is the steer's text; ``repeat`` (>= 2) counts that
-    many identical tool calls in a row as no progress; ``grace`` is the watchdog's
-    cancel's grace (default the runtime's). Seconds are finite, positive and at most
-    ``MAX_SECONDS`` (30 days). Takes a dict or a ``StallPolicy``.
-    """
-    if isinstance(stall, StallPolicy):  # a Struct built in Python checks no bounds
-        stall = msgspec.to_builtins(stall)
-    if not isinstance(stall, dict):
-        raise InvalidParams("stall must be a dict like {'after': 60}")
-    policy: StallPolicy = _convert(stall, StallPolicy, "stall")
-    nudge = _NUDGE if policy.nudge is None else policy.nudge
-    if not nudge.strip():
-        raise InvalidParams("stall.nudge must be a non-empty string")
-    _check_text("stall.nudge", nudge)
-    out: dict[str, Any] = {
-        "after": policy.after,
-        "every": policy.every if policy.every is not None else policy.after,
-        "steps": list(policy.steps),
-        "nudge": cap(nudge),
-        "repeat": policy.repeat,
-    }
-    if policy.grace is not None:
-        out["grace"] = policy.grace
-    return out
