@@ -53,7 +53,7 @@ log = structlog.get_logger("tether.turns")
 
 
 class WorkerHost:
-    """What a backend asks of the runtime for a worker's frames (overridden by Runtime).
+    """What a backend asks of the runtime for a worker's frames (the runtime's HostTools).
 
     A driver's entries (``Say``) are not among them: they go to the turn's sink, in
     order with its other reports, so that the session's host writes them.
