@@ -48,7 +48,7 @@ test: lint
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit -q
 
-# The stop suites once more with the walk forced (SPEC §15.5): `make test` uses cgroup
+# The stop suites once more with the walk forced (semantics §15.5): `make test` uses cgroup
 # containment where the machine allows it (root in CI does), this covers the fallback.
 test-walk: $(STAMP)
 	TETHER_CONTAINMENT=walk $(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster" \
