@@ -14,7 +14,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,14 +73,20 @@ class _Config:
     max_steps: int = _DEFAULT_STEPS
 
 
+def _check_model_keys(given: dict[str, Any], known: Collection[str]) -> None:
+    """A ``config.model``'s keys (ChatAgent's, an adapter's): never an API key itself,
+    and none its model does not know (``known``)."""
+    if "api_key" in given:  # never: a key in the config would be stored
+        raise InvalidParams("config.model: give api_key_env, never the key itself")
+    unknown = set(given) - set(known)
+    if unknown:
+        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+
+
 def _config(raw: dict[str, Any]) -> _Config:
     """The session config, checked: a mistake is a one-line ``InvalidParams``."""
     model = dict(raw.get("model") or {})
-    if "api_key" in model:  # never: a key in the config would be stored
-        raise InvalidParams("config.model: give api_key_env, never the key itself")
-    unknown = set(model) - set(_Model.__dataclass_fields__)
-    if unknown:
-        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+    _check_model_keys(model, _Model.__dataclass_fields__)
     try:
         m = _Model(**model)
         tools = [str(t) for t in raw.get("tools") or []]
