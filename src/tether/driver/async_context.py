@@ -20,7 +20,7 @@ import structlog
 
 from tether.driver._command import exit_waits, pidfd, read_some
 from tether.driver._turn import WorkerPort, _TurnState, end_of
-from tether.driver.context import BaseContext, CommandResult
+from tether.driver.context import BaseContext, CommandResult, _interrupt_args, _interrupted
 from tether.telemetry import spans
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
@@ -304,12 +304,8 @@ class AsyncTurnContext(BaseContext):
     ) -> str | list[str] | None:
         """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
         ``scope="subtree"`` (cancel or abort): the turns stopped."""
-        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
-        if scope != "session":
-            args["scope"] = scope
-            return [str(t) for t in await self._host_call("interrupt_agent", args)]
-        turn = await self._host_call("interrupt_agent", args)
-        return None if turn is None else str(turn)
+        args = _interrupt_args(agent_id, kind, reason, scope)
+        return _interrupted(scope, await self._host_call("interrupt_agent", args))
 
     async def stop_report(self, turn: str) -> StopReport | None:
         """What a stop did to ``turn`` (of this session or one below), or None."""

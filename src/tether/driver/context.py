@@ -46,6 +46,22 @@ class CommandResult(msgspec.Struct, frozen=True):
     stderr: str
 
 
+def _interrupt_args(agent_id: str, kind: str, reason: str, scope: str) -> dict[str, Any]:
+    """``interrupt_agent``'s host call, sync or async: ``scope`` only when not the default."""
+    args = {"agent_id": agent_id, "kind": kind, "reason": reason}
+    if scope != "session":
+        args["scope"] = scope
+    return args
+
+
+def _interrupted(scope: str, result: Any) -> str | list[str] | None:
+    """What ``interrupt_agent`` returns for its host call's ``result``: the turns stopped
+    (a subtree), else the turn the stop was bound to, or None (a no-op)."""
+    if scope != "session":
+        return [str(t) for t in result]
+    return None if result is None else str(result)
+
+
 class _Command:
     """A ``run_command`` in flight, sync or async: its process, its tool call and its tag
     (``_TurnState.start_command``), and what it has written so far."""
@@ -321,12 +337,8 @@ class TurnContext(BaseContext):
         """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
         ``scope="subtree"`` (cancel or abort), that agent and every one below it: the
         list of the turns stopped."""
-        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
-        if scope != "session":
-            args["scope"] = scope
-            return [str(t) for t in self._host_call("interrupt_agent", args)]
-        turn = self._host_call("interrupt_agent", args)
-        return None if turn is None else str(turn)
+        args = _interrupt_args(agent_id, kind, reason, scope)
+        return _interrupted(scope, self._host_call("interrupt_agent", args))
 
     def budget(self) -> dict[str, Any]:
         """What this session's tree may still spend (semantics §16.2): ``left`` (the least
