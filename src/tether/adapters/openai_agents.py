@@ -33,6 +33,7 @@ from tether.agents.chat import (
     _Model,
     _one_line,
     _preempted_text,
+    _replayed,
     _result_text,
     openai_client,
 )
@@ -43,7 +44,6 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
-from tether.wire.text import render_frame
 
 __all__ = ["OpenAIAgentsAgent"]
 
@@ -436,23 +436,17 @@ def _function_calls(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _input_items(history: list[Entry], ctx: AsyncTurnContext) -> list[Any]:
     """The run's input list: earlier turns' entries (each reply and tool result carries
     its SDK input items), their steers where they were taken, and this turn's message."""
-    out: list[dict[str, Any]] = []
-    for e in history:
-        if e.turn == ctx.turn:
-            continue  # this turn's own message comes last, from ctx.message
-        data = e.data or {}
-        match e.kind:
-            case "user" | "notice":
-                out.append({"role": "user", "content": e.text})
-            case "assistant" | "tool" if data.get("input_items"):
-                out.extend(data["input_items"])
-            case "assistant" if e.text:  # a cut reply: its text
-                out.append({"role": "assistant", "content": e.text})
-            case "marker" if e.action == "steered":
-                steer = render_frame("steer", e.origin or "", e.by or "", e.reason or "")
-                out.append({"role": "user", "content": steer})
-    out.append({"role": "user", "content": ctx.message.content})
-    return _paired(out)
+    return _paired(_replayed(history, ctx, _said))
+
+
+def _said(e: Entry, data: dict[str, Any]) -> list[Any]:
+    """A reply or a tool result as the SDK's input items it carries; a cut reply (none
+    carried) as its text."""
+    if data.get("input_items"):
+        return list(data["input_items"])
+    if e.kind == "assistant" and e.text:
+        return [{"role": "assistant", "content": e.text}]
+    return []
 
 
 def _paired(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,9 +20,11 @@ from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 
 # ChatAgent's bookkeeping, one home for each piece: its error, its one-line errors, its
-# host tool schemas and results, its honest preempted text, its MCP tools and policies.
+# host tool schemas and results, its honest preempted text, its MCP tools and policies,
+# its check of a model config's keys.
 from tether.agents.chat import (
     ModelError,
+    _check_model_keys,
     _describe,
     _host_schemas,
     _max_duration,
@@ -74,11 +76,7 @@ def _config(raw: dict[str, Any]) -> _Config:
     model: _Model | None = None
     if raw.get("model") is not None:
         given = dict(raw["model"])
-        if "api_key" in given:  # never: a key in the config would be stored
-            raise InvalidParams("config.model: give api_key_env, never the key itself")
-        unknown = set(given) - set(_Model.__dataclass_fields__)
-        if unknown:
-            raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+        _check_model_keys(given, _Model.__dataclass_fields__)
         try:
             model = _Model(**given)
         except TypeError as exc:

@@ -14,6 +14,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,14 +73,20 @@ class _Config:
     max_steps: int = _DEFAULT_STEPS
 
 
+def _check_model_keys(given: dict[str, Any], known: Collection[str]) -> None:
+    """A ``config.model``'s keys (ChatAgent's, an adapter's): never an API key itself,
+    and none its model does not know (``known``)."""
+    if "api_key" in given:  # never: a key in the config would be stored
+        raise InvalidParams("config.model: give api_key_env, never the key itself")
+    unknown = set(given) - set(known)
+    if unknown:
+        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+
+
 def _config(raw: dict[str, Any]) -> _Config:
     """The session config, checked: a mistake is a one-line ``InvalidParams``."""
     model = dict(raw.get("model") or {})
-    if "api_key" in model:  # never: a key in the config would be stored
-        raise InvalidParams("config.model: give api_key_env, never the key itself")
-    unknown = set(model) - set(_Model.__dataclass_fields__)
-    if unknown:
-        raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+    _check_model_keys(model, _Model.__dataclass_fields__)
     try:
         m = _Model(**model)
         tools = [str(t) for t in raw.get("tools") or []]
@@ -432,32 +439,47 @@ def _steers(frames: list[Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": f.render()} for f in frames if isinstance(f, Steer)]
 
 
-def _messages(cfg: _Config, history: list[Entry], ctx: AsyncTurnContext) -> list[dict[str, Any]]:
-    """The request's messages: the system prompt, earlier turns' entries, this message."""
-    out: list[dict[str, Any]] = []
-    if cfg.system:
-        out.append({"role": "system", "content": cfg.system})
+def _replayed(
+    history: list[Entry],
+    ctx: AsyncTurnContext,
+    said: Callable[[Entry, dict[str, Any]], list[Any]],
+) -> list[Any]:
+    """Earlier turns' entries as a model's input, then this turn's message: a user's
+    message, a notice and a steer taken (its marker) are the user's; a reply or a tool
+    result is what ``said`` makes of it (the entry and its data) in the API's own items.
+    ChatAgent's messages and the Agents SDK adapter's input items; not yet paired."""
+    out: list[Any] = []
     for e in history:
         if e.turn == ctx.turn:
             continue  # this turn's own message comes last, from ctx.message
-        data = e.data or {}
         match e.kind:
             case "user" | "notice":
                 out.append({"role": "user", "content": e.text})
-            case "assistant":
-                msg: dict[str, Any] = {"role": "assistant", "content": e.text or None}
-                if data.get("tool_calls") and not data.get("cut"):
-                    msg["tool_calls"] = data["tool_calls"]
-                out.append(msg)
-            case "tool" if data.get("tool_call_id"):
-                out.append(
-                    {"role": "tool", "tool_call_id": data["tool_call_id"], "content": e.text}
-                )
+            case "assistant" | "tool":
+                out.extend(said(e, e.data or {}))
             case "marker" if e.action == "steered":
                 steer = render_frame("steer", e.origin or "", e.by or "", e.reason or "")
                 out.append({"role": "user", "content": steer})
     out.append({"role": "user", "content": ctx.message.content})
-    return _paired(out)
+    return out
+
+
+def _messages(cfg: _Config, history: list[Entry], ctx: AsyncTurnContext) -> list[dict[str, Any]]:
+    """The request's messages: the system prompt, earlier turns' entries, this message."""
+    system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    return _paired(system + _replayed(history, ctx, _said))
+
+
+def _said(e: Entry, data: dict[str, Any]) -> list[Any]:
+    """A reply (with its tool calls, unless it was cut) or a tool result, as messages."""
+    if e.kind == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": e.text or None}
+        if data.get("tool_calls") and not data.get("cut"):
+            msg["tool_calls"] = data["tool_calls"]
+        return [msg]
+    if data.get("tool_call_id"):
+        return [{"role": "tool", "tool_call_id": data["tool_call_id"], "content": e.text}]
+    return []
 
 
 def _paired(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -662,6 +662,16 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_store_path(p: argparse.ArgumentParser) -> None:
+    """The store a runtime the command runs itself keeps (``serve``, ``mcp``)."""
+    p.add_argument(
+        "--path",
+        type=Path,
+        default=Path(".tether") / "state.db",
+        help="the store (default ./.tether/state.db)",
+    )
+
+
 def _add_face_options(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("MCP and A2A clients (the extra tether[agents])")
     group.add_argument(
@@ -879,12 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  TETHER_TOKEN=secret tether serve --host 0.0.0.0",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--path",
-        type=Path,
-        default=Path(".tether") / "state.db",
-        help="the store (default ./.tether/state.db)",
-    )
+    _add_store_path(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --token)")
     p.add_argument("--port", type=int, default=7777, help="port (0 picks a free one)")
     p.add_argument(
@@ -947,12 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
         '"/home/me/.tether/state.db"]}}}',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--path",
-        type=Path,
-        default=Path(".tether") / "state.db",
-        help="the store (default ./.tether/state.db)",
-    )
+    _add_store_path(p)
     p.add_argument("--workers", type=int, default=2, help="worker processes")
     p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
     _add_face_options(p)

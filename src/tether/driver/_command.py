@@ -13,7 +13,7 @@ import os
 import selectors
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tether.wire.errors import error_from_code
 
@@ -23,6 +23,7 @@ __all__ = [
     "check_command",
     "command_ids",
     "drain",
+    "exit_waits",
     "pidfd",
     "read_some",
     "wait_exit",
@@ -50,15 +51,7 @@ def wait_exit(
         if exit_fd is not None:
             sel.register(exit_fd, selectors.EVENT_READ)  # readable once the command exits
         try:
-            while proc.poll() is None:
-                wait = EXIT_POLL if exit_fd is None else None
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        kill(proc)
-                        proc.wait()
-                        return
-                    wait = left if wait is None else min(wait, left)
+            for wait in exit_waits(proc, deadline, exit_fd, kill):
                 for key, _ in sel.select(wait):
                     if key.fd != exit_fd and not read_some(key.fd, bufs[key.fd]):
                         sel.unregister(key.fd)  # end of that pipe
@@ -68,6 +61,27 @@ def wait_exit(
 
 
 EXIT_POLL = 0.05  # without pidfd_open, how often to look for the command's exit
+
+
+def exit_waits(
+    proc: subprocess.Popen[bytes],
+    deadline: float | None,
+    exit_fd: int | None,
+    kill: Callable[[subprocess.Popen[bytes]], None],
+) -> Iterator[float | None]:
+    """How long to wait, each time, for the command's next output or its exit (None: until
+    one comes), until it has exited; past ``deadline`` it is killed and reaped instead.
+    One loop for both waits: ``wait_exit``'s selector and the async context's readers."""
+    while proc.poll() is None:
+        wait = EXIT_POLL if exit_fd is None else None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                kill(proc)
+                proc.wait()
+                return
+            wait = left if wait is None else min(wait, left)
+        yield wait
 
 
 def pidfd(pid: int) -> int | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -19,9 +18,9 @@ from typing import Any, Literal, TypeVar, cast, overload
 import msgspec
 import structlog
 
-from tether.driver._command import EXIT_POLL, check_command, drain, pidfd, read_some
+from tether.driver._command import exit_waits, pidfd, read_some
 from tether.driver._turn import WorkerPort, _TurnState, end_of
-from tether.driver.context import BaseContext, CommandResult
+from tether.driver.context import BaseContext, CommandResult, _interrupt_args, _interrupted
 from tether.telemetry import spans
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
@@ -305,12 +304,8 @@ class AsyncTurnContext(BaseContext):
     ) -> str | list[str] | None:
         """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
         ``scope="subtree"`` (cancel or abort): the turns stopped."""
-        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
-        if scope != "session":
-            args["scope"] = scope
-            return [str(t) for t in await self._host_call("interrupt_agent", args)]
-        turn = await self._host_call("interrupt_agent", args)
-        return None if turn is None else str(turn)
+        args = _interrupt_args(agent_id, kind, reason, scope)
+        return _interrupted(scope, await self._host_call("interrupt_agent", args))
 
     async def stop_report(self, turn: str) -> StopReport | None:
         """What a stop did to ``turn`` (of this session or one below), or None."""
@@ -345,46 +340,29 @@ class AsyncTurnContext(BaseContext):
     async def _run_command(
         self, argv: list[str], timeout: float | None, cwd: str | None
     ) -> CommandResult:
-        check_command(self.permissions, argv)
+        cmd = self._start_command(argv, cwd)
         st = self._state
-        st.progress.in_tool = True
-        self._progress(("run_command", repr((argv, cwd))))
-        # Its own tag, as for the sync run_command: its clean-up kills the orphans that
-        # carry it, and only those, so a tool server the driver keeps (a child of this
-        # worker too) and commands awaited alongside it are never taken for leftovers.
-        proc, tool, tag = st.start_command(argv, cwd)
-        assert proc.stdout is not None and proc.stderr is not None
-        out, err = bytearray(), bytearray()
-        started = time.monotonic()
         try:
-            bufs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-            await _exited(proc, bufs, timeout, self._worker.kill_command)
+            await _exited(cmd.proc, cmd.bufs, timeout, self._worker.kill_command)
         except BaseException:
-            self._worker.kill_command(proc)  # the turn was cancelled: the command goes with it
-            st.tool_closed(tool, "cancelled")
+            # the turn was cancelled: the command goes with it
+            self._worker.kill_command(cmd.proc)
+            st.tool_closed(cmd.tool, "cancelled")
             raise
         finally:
-            if proc.poll() is None:
-                proc.wait()  # killed just above: its exit is immediate
+            if cmd.proc.poll() is None:
+                cmd.proc.wait()  # killed just above: its exit is immediate
             with st.spawn_lock:
                 with st.lock:
-                    preempt = st.tools.pop(proc, None)
+                    preempt = st.tools.pop(cmd.proc, None)
                     st.progress.in_tool = bool(st.tools) or bool(st.starting)
-                self._worker.kill_leftovers(tag)
-            drain(proc.stdout.fileno(), out)
-            drain(proc.stderr.fileno(), err)
-            proc.stdout.close()
-            proc.stderr.close()
-            self._progress()
-        preempted = preempt is not None and proc.returncode == -signal.SIGKILL
-        st.tool_closed(tool, "preempted" if preempted else "returned")
-        if preempt is not None and preempted:
-            raise self._preempted(preempt, "run_command", started, out, err)
-        return CommandResult(
-            returncode=proc.returncode,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
-        )
+                # Its own tag, as for the sync run_command: its clean-up kills the orphans
+                # that carry it, and only those, so a tool server the driver keeps (a child
+                # of this worker too) and commands awaited alongside it are never taken
+                # for leftovers.
+                self._worker.kill_leftovers(cmd.tag)
+            self._drained(cmd)
+        return self._command_result(cmd, preempt)
 
     async def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
         """Validate a model's call of a host tool and run it; errors come back as
@@ -572,15 +550,7 @@ async def _exited(
             loop.add_reader(exit_fd, exited)
             watched.append(exit_fd)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while proc.poll() is None:
-            wait = EXIT_POLL if exit_fd is None else None
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    kill(proc)
-                    proc.wait()
-                    return
-                wait = left if wait is None else min(wait, left)
+        for wait in exit_waits(proc, deadline, exit_fd, kill):
             await asyncio.wait([gone], timeout=wait)
     finally:
         for fd in watched:

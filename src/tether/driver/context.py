@@ -9,9 +9,10 @@ by the host, matched by call number; ``run_command`` runs in this worker's proce
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Mapping
-from typing import Any, Literal, overload
+from typing import IO, Any, Literal, overload
 
 import msgspec
 
@@ -43,6 +44,37 @@ class CommandResult(msgspec.Struct, frozen=True):
     returncode: int
     stdout: str
     stderr: str
+
+
+def _interrupt_args(agent_id: str, kind: str, reason: str, scope: str) -> dict[str, Any]:
+    """``interrupt_agent``'s host call, sync or async: ``scope`` only when not the default."""
+    args = {"agent_id": agent_id, "kind": kind, "reason": reason}
+    if scope != "session":
+        args["scope"] = scope
+    return args
+
+
+def _interrupted(scope: str, result: Any) -> str | list[str] | None:
+    """What ``interrupt_agent`` returns for its host call's ``result``: the turns stopped
+    (a subtree), else the turn the stop was bound to, or None (a no-op)."""
+    if scope != "session":
+        return [str(t) for t in result]
+    return None if result is None else str(result)
+
+
+class _Command:
+    """A ``run_command`` in flight, sync or async: its process, its tool call and its tag
+    (``_TurnState.start_command``), and what it has written so far."""
+
+    __slots__ = ("bufs", "err", "out", "pipes", "proc", "started", "tag", "tool")
+
+    def __init__(self, proc: subprocess.Popen[bytes], tool: int, tag: str) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc, self.tool, self.tag = proc, tool, tag
+        self.pipes: tuple[IO[bytes], IO[bytes]] = (proc.stdout, proc.stderr)
+        self.out, self.err = bytearray(), bytearray()
+        self.started = time.monotonic()
+        self.bufs = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
 
 
 class BaseContext:
@@ -168,6 +200,39 @@ class BaseContext:
             partial=partial,
         )
 
+    # ---- run_command, the steps the sync and the async one share --------------------
+
+    def _start_command(self, argv: list[str], cwd: str | None) -> _Command:
+        """Check the command, note it as progress inside a tool, and start it."""
+        check_command(self.permissions, argv)
+        st = self._state
+        st.progress.in_tool = True
+        self._progress(("run_command", repr((argv, cwd))))
+        return _Command(*st.start_command(argv, cwd))
+
+    def _drained(self, cmd: _Command) -> None:
+        """Once the command has exited and its clean-up is done: nothing writes any more,
+        so read what is left in its pipes, and close them."""
+        for fd, buf in cmd.bufs.items():
+            drain(fd, buf)
+        for pipe in cmd.pipes:
+            pipe.close()
+        self._progress()
+
+    def _command_result(self, cmd: _Command, preempt: Preempt | None) -> CommandResult:
+        """The command's result, or ``Preempted`` if the preempt that marked it killed it."""
+        # A preempt that raced the command's own exit killed nothing: the command
+        # completed, and no ToolKilled (no "preempted" marker) may say otherwise.
+        preempted = preempt is not None and cmd.proc.returncode == -signal.SIGKILL
+        self._state.tool_closed(cmd.tool, "preempted" if preempted else "returned")
+        if preempt is not None and preempted:
+            raise self._preempted(preempt, "run_command", cmd.started, cmd.out, cmd.err)
+        return CommandResult(
+            returncode=cmd.proc.returncode,
+            stdout=cmd.out.decode(errors="replace"),
+            stderr=cmd.err.decode(errors="replace"),
+        )
+
     def _fetch_history(self) -> list[Entry]:
         # Page by page, each bounded by count and by size on the host: a long
         # transcript, or one of huge entries, never has to fit in one frame.
@@ -272,12 +337,8 @@ class TurnContext(BaseContext):
         """Interrupt an agent below; the turn it was bound to, or None (a no-op). With
         ``scope="subtree"`` (cancel or abort), that agent and every one below it: the
         list of the turns stopped."""
-        args = {"agent_id": agent_id, "kind": kind, "reason": reason}
-        if scope != "session":
-            args["scope"] = scope
-            return [str(t) for t in self._host_call("interrupt_agent", args)]
-        turn = self._host_call("interrupt_agent", args)
-        return None if turn is None else str(turn)
+        args = _interrupt_args(agent_id, kind, reason, scope)
+        return _interrupted(scope, self._host_call("interrupt_agent", args))
 
     def budget(self) -> dict[str, Any]:
         """What this session's tree may still spend (semantics §16.2): ``left`` (the least
@@ -316,41 +377,20 @@ class TurnContext(BaseContext):
     def _run_command(
         self, argv: list[str], timeout: float | None, cwd: str | None
     ) -> CommandResult:
-        check_command(self.permissions, argv)
+        cmd = self._start_command(argv, cwd)
         st = self._state
-        st.progress.in_tool = True
-        self._progress(("run_command", repr((argv, cwd))))
-        proc, tool, tag = st.start_command(argv, cwd)
-        assert proc.stdout is not None and proc.stderr is not None
-        out, err = bytearray(), bytearray()
-        started = time.monotonic()
         try:
-            bufs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-            wait_exit(proc, bufs, timeout, self._worker.kill_command)
+            wait_exit(cmd.proc, cmd.bufs, timeout, self._worker.kill_command)
         finally:
             # From here a preempt finds no command to kill: it is an accepted no-op.
             with st.spawn_lock:
                 with st.lock:
-                    preempt = st.tools.pop(proc, None)
+                    preempt = st.tools.pop(cmd.proc, None)
                     last = not st.tools and st.starting == 0
                     st.progress.in_tool = not last
-                self._worker.kill_leftovers(None if last else tag)
-            drain(proc.stdout.fileno(), out)  # nothing writes any more: read what is left
-            drain(proc.stderr.fileno(), err)
-            proc.stdout.close()
-            proc.stderr.close()
-            self._progress()
-        # A preempt that raced the command's own exit killed nothing: the command
-        # completed, and no ToolKilled (no "preempted" marker) may say otherwise.
-        preempted = preempt is not None and proc.returncode == -signal.SIGKILL
-        st.tool_closed(tool, "preempted" if preempted else "returned")
-        if preempt is not None and preempted:
-            raise self._preempted(preempt, "run_command", started, out, err)
-        return CommandResult(
-            returncode=proc.returncode,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
-        )
+                self._worker.kill_leftovers(None if last else cmd.tag)
+            self._drained(cmd)
+        return self._command_result(cmd, preempt)
 
     def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
         """Validate a model's tool call and run it; errors come back as ``{"error": ...}``."""

@@ -400,19 +400,21 @@ def _parse(arguments: str | bytes | Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in raw.items() if v is not None}
 
 
-def _validate(
+def _bound(
     name: str, arguments: str | bytes | Mapping[str, Any] | None
-) -> tuple[_Args | None, dict[str, Any] | None]:
-    """The parsed arguments, or the error result (nothing was called)."""
-    tool = TOOLS.get(name)
+) -> tuple[_Args, _Invoke, _Shape] | dict[str, Any]:
+    """The call ``call_tool`` and ``acall_tool`` make: the parsed arguments with the tool's
+    invoke and shape, or the error result (a dict: nothing was called)."""
+    tool = _CALLS.get(name)
     if tool is None:
-        return None, _error("unknown-tool", f"no tool named {name!r}; tools: {', '.join(TOOLS)}")
+        return _error("unknown-tool", f"no tool named {name!r}; tools: {', '.join(TOOLS)}")
+    struct, invoke, shape = tool
     try:
-        return msgspec.convert(_parse(arguments), tool[0]), None
+        return msgspec.convert(_parse(arguments), struct), invoke, shape
     except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
-        return None, _error("invalid-params", f"{name}: {exc}")
+        return _error("invalid-params", f"{name}: {exc}")
     except msgspec.DecodeError as exc:
-        return None, _error("invalid-params", f"{name}: arguments are not valid JSON: {exc}")
+        return _error("invalid-params", f"{name}: arguments are not valid JSON: {exc}")
 
 
 def call_tool(
@@ -425,11 +427,10 @@ def call_tool(
     (``invalid-params``; nothing was called), or a refusal from the runtime (the
     ``TetherError``'s code, e.g. ``subagent-unauthorized``). Other exceptions propagate.
     """
-    args, failed = _validate(name, arguments)
-    if args is None:
-        assert failed is not None
-        return failed
-    _, invoke, shape = _CALLS[name]
+    call = _bound(name, arguments)
+    if isinstance(call, dict):
+        return call
+    args, invoke, shape = call
     try:
         return shape(invoke(host, args))
     except TetherError as exc:
@@ -442,11 +443,10 @@ async def acall_tool(
     """``call_tool`` for an async context (``AsyncTurnContext``): the same validation and
     results, except that a ``Preempted`` error propagates (semantics §15.1: a preempt raises
     ``tether.Preempted`` at the innermost tool await)."""
-    args, failed = _validate(name, arguments)
-    if args is None:
-        assert failed is not None
-        return failed
-    _, invoke, shape = _CALLS[name]
+    call = _bound(name, arguments)
+    if isinstance(call, dict):
+        return call
+    args, invoke, shape = call
     try:
         return shape(await invoke(host, args))
     except Preempted:

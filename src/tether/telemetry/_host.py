@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Unpack
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, get_current_span
@@ -16,7 +16,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from tether.telemetry._provider import SCOPE, PresetIds, make_provider
 from tether.telemetry._turn import end_turn_span, start_turn_span
-from tether.telemetry.hooks import ControlSpan, Telemetry, TurnSpan
+from tether.telemetry.hooks import ControlSpan, Telemetry, TurnEnding, TurnSpan
 from tether.telemetry.settings import Settings
 from tether.wire.frames import SpanEvent, Trace
 
@@ -107,20 +107,7 @@ class OtelTelemetry(Telemetry):
         )
         return _TurnSpan(trace, session, turn, message)
 
-    def turn_ended(
-        self,
-        span: TurnSpan,
-        *,
-        reported: bool,
-        outcome: str,
-        cause: str | None,
-        by: str | None,
-        origin: str | None,
-        reason: str | None,
-        error: str | None,
-        final: str | None,
-        usage: dict[str, int] | None,
-    ) -> None:
+    def turn_ended(self, span: TurnSpan, *, reported: bool, **ending: Unpack[TurnEnding]) -> None:
         if reported:
             return  # the worker ended it, with what it saw, once it had reported the end
         # No end came (an abort, a crash, a kill after grace): the tree is dead, so the
@@ -135,18 +122,7 @@ class OtelTelemetry(Telemetry):
             message=span.message,
             events=span.events,
         )
-        end_turn_span(
-            s,
-            content=self.content,
-            outcome=outcome,
-            cause=cause,
-            by=by,
-            origin=origin,
-            reason=reason,
-            error=error,
-            final=final,
-            usage=usage,
-        )
+        end_turn_span(s, content=self.content, **ending)
 
     def turn_event(
         self, span: TurnSpan, name: str, origin: str, by: str, reason: str

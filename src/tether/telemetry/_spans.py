@@ -9,7 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Unpack
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from tether.telemetry._host import traceparent_of
 from tether.telemetry._provider import SCOPE, Exports, make_worker_provider
 from tether.telemetry._turn import end_turn_span, start_turn_span
-from tether.telemetry.hooks import error_type
+from tether.telemetry.hooks import TurnEnding, error_type
 from tether.telemetry.settings import Settings
 from tether.telemetry.spans import Span
 from tether.wire.errors import Preempted, TetherError
@@ -108,35 +108,15 @@ def end(token: object) -> None:
     otel_context.detach(token)  # type: ignore[arg-type]
 
 
-def turn_ended(
-    *,
-    outcome: str,
-    cause: str | None,
-    by: str | None,
-    origin: str | None,
-    reason: str | None,
-    error: str | None,
-    final: str | None,
-    usage: dict[str, int] | None,
-) -> None:
+def turn_ended(**ending: Unpack[TurnEnding]) -> None:
     global _turn_span, _turn_id
     with _events_lock:
         span, _turn_span, _turn_id = _turn_span, None, None
     if span is None:
         return
-    end_turn_span(
-        span,
-        content=_content,
-        outcome=outcome,
-        cause=cause,
-        by=by,
-        origin=origin,
-        reason=reason,
-        error=error,
-        final=final if final is not None else _said,
-        usage=usage,
-        end=_returned,
-    )
+    if ending["final"] is None:
+        ending["final"] = _said
+    end_turn_span(span, content=_content, end=_returned, **ending)
 
 
 def said(text: str) -> None:

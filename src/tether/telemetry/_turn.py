@@ -6,12 +6,12 @@ starts and ends it, and the host, which makes it only when the worker could not 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Unpack
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tether.telemetry._provider import PresetIds
-from tether.telemetry.hooks import error_type
+from tether.telemetry.hooks import TurnEnding, error_type
 from tether.wire.frames import Trace
 
 __all__ = ["end_turn_span", "ids_of", "messages", "start_turn_span"]
@@ -65,20 +65,11 @@ def start_turn_span(
 
 
 def end_turn_span(
-    span: Any,
-    *,
-    content: bool,
-    outcome: str,
-    cause: str | None,
-    by: str | None,
-    origin: str | None,
-    reason: str | None,
-    error: str | None,
-    final: str | None,
-    usage: dict[str, int] | None,
-    end: int | None = None,
+    span: Any, *, content: bool, end: int | None = None, **ending: Unpack[TurnEnding]
 ) -> None:
     """End it with the turn's outcome: ERROR with ``error.type`` unless ``completed``."""
+    outcome, cause, by = ending["outcome"], ending["cause"], ending["by"]
+    usage, final = ending["usage"], ending["final"]
     span.set_attribute("tether.outcome", outcome)
     if cause is not None:
         span.set_attribute("tether.cause", cause)
@@ -92,7 +83,7 @@ def end_turn_span(
     if content and final:
         span.set_attribute("gen_ai.output.messages", messages("assistant", final))
     if outcome != "completed":
-        span.set_attribute("error.type", error_type(outcome, origin))
-        why = reason or error or outcome
+        span.set_attribute("error.type", error_type(outcome, ending["origin"]))
+        why = ending["reason"] or ending["error"] or outcome
         span.set_status(Status(StatusCode.ERROR, why[:_DESCRIPTION_CAP]))
     span.end(end_time=end)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypedDict, Unpack
 
 from tether.wire.frames import SpanEvent, Trace
 
-__all__ = ["NOOP", "ControlSpan", "Telemetry", "TurnSpan", "error_type"]
+__all__ = ["NOOP", "ControlSpan", "Telemetry", "TurnEnding", "TurnSpan", "error_type"]
 
 # A stop's kind or a turn's outcome, as ``error.type`` says it; any stop of origin
 # ``budget`` is ``budget`` (semantics §16.3).
@@ -35,6 +36,21 @@ def error_type(what: str, origin: str | None = None) -> str:
     if origin == "budget":
         return "budget"
     return _ERROR_TYPES.get(what, "failed")
+
+
+class TurnEnding(TypedDict):
+    """How a turn ended, as its span records it: the keywords of the host's
+    ``Telemetry.turn_ended``, the worker's ``spans.turn_ended`` and ``_turn.end_turn_span``,
+    named once here so that the hooks that pass them on cannot drift apart."""
+
+    outcome: str
+    cause: str | None
+    by: str | None
+    origin: str | None
+    reason: str | None
+    error: str | None
+    final: str | None
+    usage: dict[str, int] | None
 
 
 class TurnSpan:
@@ -75,20 +91,7 @@ class Telemetry:
         its message was sent under), else a new trace's root."""
         return None
 
-    def turn_ended(
-        self,
-        span: TurnSpan,
-        *,
-        reported: bool,
-        outcome: str,
-        cause: str | None,
-        by: str | None,
-        origin: str | None,
-        reason: str | None,
-        error: str | None,
-        final: str | None,
-        usage: dict[str, int] | None,
-    ) -> None:
+    def turn_ended(self, span: TurnSpan, *, reported: bool, **ending: Unpack[TurnEnding]) -> None:
         """The turn ended. ``reported``: its worker reported the end, and ends the span
         itself; else (killed, crashed) the host makes it: ERROR with ``error.type``."""
 

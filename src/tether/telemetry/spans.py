@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Unpack
 
+from tether.telemetry.hooks import TurnEnding
 from tether.wire.frames import Cancel, RunTurn, SpanEvent
 
 __all__ = [
@@ -110,32 +111,13 @@ def turn(run: RunTurn, stop: Callable[[], Cancel | None]) -> Iterator[None]:
         _spans.end(token)
 
 
-def turn_ended(
-    *,
-    outcome: str,
-    cause: str | None,
-    by: str | None,
-    origin: str | None,
-    reason: str | None,
-    error: str | None,
-    final: str | None,
-    usage: dict[str, int] | None,
-) -> None:
+def turn_ended(**ending: Unpack[TurnEnding]) -> None:
     """End the turn's span with the outcome the worker saw (after it sent ``TurnEnd``:
     the span's work never delays the end). A no-op unless the turn was traced."""
     if _spans_loaded():
         from tether.telemetry import _spans
 
-        _spans.turn_ended(
-            outcome=outcome,
-            cause=cause,
-            by=by,
-            origin=origin,
-            reason=reason,
-            error=error,
-            final=final,
-            usage=usage,
-        )
+        _spans.turn_ended(**ending)
 
 
 def said(text: str) -> None:
