@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED_BY_KIND, cgroup_probe, escapee_procs, ray_idle_worker
+from drivers import SCRIPTED_BY_KIND, TESTS, cgroup_probe, escapee_procs, ray_idle_worker
 from tether_server import SHARED, shared_trees
 
 _LEAK_TIMEOUT = 5.0
@@ -121,8 +121,7 @@ def ray_session() -> Iterator[Any]:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     # The test drivers (tests/drivers.py) must import on the cluster too, as a user's
     # drivers must: here through the job's runtime_env.
-    tests = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     started = ensure_ray(
         runtime_env={"env_vars": {"PYTHONPATH": path}},
         init_options={"num_cpus": 2, "object_store_memory": 100 * 2**20},
@@ -142,7 +141,7 @@ def ray_cluster() -> Iterator[dict[str, Any]]:
     unit of the resource ``tether_slot``."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip(RAY_MISSING)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_child.py")
+    script = str(TESTS / "cluster_child.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env

@@ -14,10 +14,11 @@ from typing import Any
 
 from playwright.sync_api import Page, expect, sync_playwright
 
+from drivers import ROOT
 from test_console import LAUNCH_ARGS, _browser_path, item, select
 from tether_server import LiveServer, running_server
 
-DOCS = Path(__file__).parents[1] / "docs"
+DOCS = ROOT / "docs"
 
 
 def _spawn(server: LiveServer, parent: str, slug: str, prompt: str, *steps: Any) -> str:

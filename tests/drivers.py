@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import psutil
@@ -35,6 +36,11 @@ from tether.testing.escapee import escapee_procs as escapee_procs
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
 SCRIPTED_BY_KIND = {"sync": SCRIPTED, "async": ASYNC_SCRIPTED}
+
+# This folder, whichever layer's folder (tests/unit, tests/engine, ...) a test sits in: the
+# helper scripts that tests start by path live here, and it goes on a child's PYTHONPATH.
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the repository: src/, docs/, README.md
 
 # ---- drivers (run in worker processes) ------------------------------------------------
 

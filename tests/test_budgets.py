@@ -16,13 +16,12 @@ import sys
 import textwrap
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tether
-from drivers import SCRIPTED, entries, eventually, steps
+from drivers import SCRIPTED, TESTS, entries, eventually, steps
 from tether import User
 from tether.actors.budget import STATE, Governor
 from tether.runtime.store import Store
@@ -329,7 +328,7 @@ time.sleep(60)
 def test_spent_counters_are_the_same_after_a_host_restart_a_crashed_turn_included(
     db_path: str,
 ) -> None:
-    tests = str(Path(__file__).parent)
+    tests = str(TESTS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     host = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(_HOST), db_path],

@@ -28,6 +28,7 @@ import structlog.testing
 
 import tether
 from drivers import (
+    ROOT,
     SCRIPTED,
     Recorder,
     alive,
@@ -485,7 +486,7 @@ def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
 def _mcp(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     """An MCP stdio server (the SDK's, tests' own build) logging what it receives."""
     log = tmp_path / "mcp.log"
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(ROOT / "src")
     path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
     server = {
         "command": [sys.executable, "-m", "tether.testing.mcp_server"],
@@ -614,7 +615,7 @@ def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
 def hung_http(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A Streamable HTTP MCP server (the SDK's) that reads the handshake and never answers."""
     log = tmp_path / "hung.log"
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(ROOT / "src")
     path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tether.testing.mcp_server", "--http", "0", "--hang-handshake"],

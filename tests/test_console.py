@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 import tether.serve.web
-from drivers import frozen
+from drivers import ROOT, TESTS, frozen
 from tether_server import LiveServer, running_server, settle, shared_server, wait_until
 
 try:
@@ -47,7 +47,6 @@ HANG = {"steps": [{"op": "hang"}]}
 HOSTILE = "<img src=x onerror=alert(1)>"
 TOKEN = "console-test-token"
 WAIT_MS = 15_000
-TESTS = str(Path(__file__).parent)
 SPENDER = "drivers:Spender"  # reports data["tokens"] with ctx.add_usage per step
 AMBER, RED = "rgb(217, 119, 6)", "rgb(180, 35, 24)"  # console.css --soft and --stopped
 
@@ -114,7 +113,7 @@ def _server_args(kind: str) -> list[str]:
 @pytest.fixture(scope="module")
 def shared_loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # The test drivers (drivers:Spender) import in its workers too.
-    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     with shared_server(
         tmp_path_factory.mktemp("loopback"), *_server_args("loopback"), env={"PYTHONPATH": path}
     ) as live:
@@ -543,7 +542,7 @@ def test_the_token_is_asked_once_and_only_ever_sent_in_a_header(tmp_path: Path, 
 
 
 def test_the_page_is_served_from_the_package_without_a_cdn(tmp_path: Path) -> None:
-    web = Path(__file__).parents[1] / "src" / "tether" / "serve" / "web"
+    web = ROOT / "src" / "tether" / "serve" / "web"
     for asset in web.iterdir():
         if asset.suffix in {".html", ".js", ".css"}:
             text = asset.read_text()

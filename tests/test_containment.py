@@ -32,6 +32,7 @@ import pytest
 import tether
 from drivers import (
     SCRIPTED,
+    TESTS,
     cgroup_probe,
     escapee,
     escapee_procs,
@@ -47,8 +48,6 @@ from tether.runtime import _contain, _procs
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf, kill_leaf
 
 pytestmark = pytest.mark.timeout(90)
-
-TESTS = Path(__file__).parent
 
 
 CGROUP_MISSING, _CONTROLLERS = cgroup_probe()

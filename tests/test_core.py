@@ -26,7 +26,9 @@ import structlog
 import tether
 from drivers import (
     HANG,
+    ROOT,
     SCRIPTED,
+    TESTS,
     Recorder,
     alive,
     entries,
@@ -40,8 +42,7 @@ from drivers import (
 )
 from tether import Ancestor, User
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "tether"
-TESTS = Path(__file__).resolve().parent
+SRC = ROOT / "src" / "tether"
 BACKENDS = ("local", "ray")  # every test taking `rt` runs on both (conftest.py)
 
 

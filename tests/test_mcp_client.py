@@ -24,13 +24,14 @@ from typing import IO, Any
 import psutil
 import pytest
 
+from drivers import ROOT
 from tether import InvalidParams
 from tether.agents import McpResult, McpTimeout, McpTools
 from tether.runtime import _procs
 from tether.runtime._procs import TREE_ENV
 from tether.testing.mcp_server import LOG_ENV, read_log
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(ROOT / "src")
 WAIT = 30.0  # deadline for anything a test waits on (a loaded machine starts Python slowly)
 
 Record = dict[str, Any]

@@ -21,6 +21,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from drivers import TESTS
 from tether_server import TETHER, LiveServer, running_server, settle, shared_server
 
 pytestmark = pytest.mark.timeout(90)
@@ -411,7 +412,7 @@ def test_tether_mcp_keeps_what_drivers_and_tools_print_off_the_protocol_stream(
     tmp_path: Path,
 ) -> None:
     errlog = tmp_path / "mcp.err"
-    tests = str(Path(__file__).parent)
+    tests = str(TESTS)
 
     async def body() -> None:
         env = {"PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), tests])}

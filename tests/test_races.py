@@ -36,6 +36,7 @@ import tether
 from drivers import (
     HANG,
     SCRIPTED,
+    TESTS,
     alive,
     entries,
     eventually,
@@ -893,7 +894,7 @@ def _run_host(script: str, *args: str, timeout: float = 60.0) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=Path(__file__).resolve().parent,
+        cwd=TESTS,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -939,7 +940,7 @@ def _killed_host(db_path: str) -> Iterator[dict[str, str]]:
             [sys.executable, "-c", textwrap.dedent(_DYING_HOST), db_path],
             stdout=subprocess.PIPE,
             text=True,
-            cwd=Path(__file__).resolve().parent,
+            cwd=TESTS,
         ) as proc:
             try:
                 box: list[str] = []
@@ -1007,7 +1008,7 @@ def _host_killed_by_its_fault(script: str, db_path: str) -> str:
     """Run a host ``script`` on ``db_path`` that SIGKILLs itself at its fault; its stdout."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), db_path],
-        cwd=Path(__file__).resolve().parent,
+        cwd=TESTS,
         timeout=60,
         capture_output=True,
         text=True,
@@ -1080,7 +1081,7 @@ def _killed_in_a_disposal(db_path: str, at: str) -> dict[str, str]:
     script = textwrap.dedent(_HOST_DYING_IN_A_DISPOSAL)
     done = subprocess.run(
         [sys.executable, "-c", script, db_path, at],
-        cwd=Path(__file__).resolve().parent,
+        cwd=TESTS,
         timeout=60,
         capture_output=True,
         text=True,

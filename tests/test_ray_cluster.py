@@ -27,12 +27,12 @@ from typing import Any
 import psutil
 import pytest
 
-from drivers import alive, eventually, kill_token, ray_idle_worker, token_procs
+from drivers import TESTS, alive, eventually, kill_token, ray_idle_worker, token_procs
 from tether_server import TETHER, running_server
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(180)]
 
-HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_cluster_host.py")
+HOST = str(TESTS / "ray_cluster_host.py")
 
 
 def _of_a_turn(p: psutil.Process, nodes: list[str]) -> bool:

@@ -22,7 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from drivers import ROOT
+
 README = ROOT / "README.md"
 # The reference pages the README's sections moved to: their blocks run as the README's do.
 PAGES = [README, *(ROOT / "docs" / n for n in ("tools.md", "scaling.md", "protocols.md"))]

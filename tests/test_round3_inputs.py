@@ -20,18 +20,18 @@ import psutil
 import pytest
 
 import tether
+from drivers import ROOT, TESTS
 from tether import User
 from tether.actors._timers import TimerQueue
 from tether.runtime.runtime import MAX_CONTENT
 from tether.wire.vocab import MAX_SECONDS
 from tether_server import wait_until
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+SRC = ROOT / "src"
 
 
 def _child_env() -> dict[str, str]:
-    path = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path}
 
 
@@ -45,7 +45,7 @@ def test_workers_of_a_sigkilled_host_leave_quietly_without_a_traceback(tmp_path:
     for attempt in range(4):
         db = tmp_path / f"state{attempt}.db"
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "round3_host_child.py"), str(db)],
+            [sys.executable, str(TESTS / "round3_host_child.py"), str(db)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=_child_env(),

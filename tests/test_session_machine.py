@@ -57,7 +57,6 @@ import random
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -74,6 +73,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from drivers import ROOT
 from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind
 from tether.actors.ports import EndRecord, TurnOver, TurnSpec
 from tether.runtime.backends._held import Held
@@ -1034,7 +1034,7 @@ def test_one_session_keeps_every_rule_under_any_order_of_events() -> None:
 
 def test_the_session_reads_no_clock_of_its_own() -> None:
     """The state machine's modules import no clock: time comes from the services."""
-    src = Path(__file__).resolve().parents[1] / "src" / "tether" / "actors"
+    src = ROOT / "src" / "tether" / "actors"
     for name in ("agent.py", "outcomes.py"):
         tree = ast.parse((src / name).read_text())
         imported = set()

@@ -21,10 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from drivers import eventually
+from drivers import ROOT, eventually
 from tether.runtime._procs import TREE_ENV, alive, reap, reap_pass, reap_tree
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "tether" / "runtime"
+SRC = ROOT / "src" / "tether" / "runtime"
 
 # The root of a worker-like tree: a subreaper in its own session that starts a child in
 # its group, and an escapee that leaves the session through a double fork (its parent
