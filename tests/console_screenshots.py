@@ -14,8 +14,8 @@ from typing import Any
 
 from playwright.sync_api import Page, expect, sync_playwright
 
+from console_page import LAUNCH_ARGS, browser_path, item, select
 from drivers import ROOT
-from test_console import LAUNCH_ARGS, _browser_path, item, select
 from tether_server import LiveServer, running_server
 
 DOCS = ROOT / "docs"
@@ -93,7 +93,7 @@ def _shoot(page: Page, name: str) -> None:
 
 
 def main() -> None:
-    path = _browser_path()
+    path = browser_path()
     assert path, "no Chromium: run `make browser`"
     with (
         tempfile.TemporaryDirectory() as tmp,

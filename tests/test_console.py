@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 import tether.serve.web
+from console_page import BROWSERS, LAUNCH_ARGS, browser_path, item, select
 from drivers import ROOT, TESTS, frozen
 from tether_server import LiveServer, running_server, settle, shared_server, wait_until
 
@@ -33,16 +34,6 @@ except ImportError:  # pragma: no cover - the dev extra installs it
 
 pytestmark = pytest.mark.timeout(60)
 
-BROWSERS = ("chromium-headless-shell", "chromium")
-# As root Chromium needs --no-sandbox; the rest keep it off this machine's closed network.
-LAUNCH_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 HANG = {"steps": [{"op": "hang"}]}
 HOSTILE = "<img src=x onerror=alert(1)>"
 TOKEN = "console-test-token"
@@ -51,18 +42,10 @@ SPENDER = "drivers:Spender"  # reports data["tokens"] with ctx.add_usage per ste
 AMBER, RED = "rgb(217, 119, 6)", "rgb(180, 35, 24)"  # console.css --soft and --stopped
 
 
-def _browser_path() -> str | None:
-    for name in BROWSERS:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
 @pytest.fixture(scope="module")
 def playwright() -> Iterator[tuple[Playwright, str]]:
     """Playwright's driver for this module, and the Chromium it launches."""
-    path = _browser_path()
+    path = browser_path()
     missing = None
     if sync_playwright is None:
         missing = "playwright is not installed (pip install -e '.[dev]')"
@@ -178,17 +161,8 @@ def console(page: Page, server: LiveServer, root: str | None = None) -> None:
     expect(page.locator("#link")).to_have_text("live")
 
 
-def item(page: Page, name: str) -> Any:
-    return page.get_by_role("tree").get_by_role("treeitem", name=name, exact=True)
-
-
 def row_state(page: Page, name: str) -> Any:
     return item(page, name).locator(":scope > .row .state")
-
-
-def select(page: Page, name: str) -> None:
-    item(page, name).locator(":scope > .row").click()
-    expect(page.locator("#view-title")).to_have_text(name)
 
 
 def state(page: Page) -> Any:
