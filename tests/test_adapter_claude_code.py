@@ -32,7 +32,7 @@ from drivers import (
     texts,
     worker_with_tool,
 )
-from test_chat_agent import _all_read, _mcp, _port
+from model_helpers import all_read, mcp_files, server_port
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.escapee import escapee_loop
@@ -180,7 +180,7 @@ def test_a_cancel_mid_stream_closes_the_model_stream_and_keeps_the_cut_reply(
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
     server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
-    eventually(lambda: _all_read(server), timeout=10.0, what="the CLI to read what was sent")
+    eventually(lambda: all_read(server), timeout=10.0, what="the CLI to read what was sent")
 
     rt.interrupt(child, authority=me, kind="cancel", reason="enough")
     ended = rec.turn_ended(child, timeout=TIMEOUT)
@@ -210,7 +210,7 @@ def test_a_cancel_mid_stream_closes_the_model_connection_before_the_cli_acts_on_
         rt.send(child, "tell me everything", authority=me)
         [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
         server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
-        eventually(lambda: _all_read(server), timeout=10.0, what="the text read")
+        eventually(lambda: all_read(server), timeout=10.0, what="the text read")
         cli = _cli(rt)
         cli.send_signal(signal.SIGSTOP)
         try:
@@ -250,7 +250,7 @@ def test_a_cancel_closes_the_model_connection_while_the_workers_loop_is_busy(
         rt.send(child, "tell me everything", authority=me)
         [request] = server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
         server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
-        eventually(lambda: _all_read(server), timeout=10.0, what="the text read")
+        eventually(lambda: all_read(server), timeout=10.0, what="the text read")
         hold.with_suffix(".on").touch()
         eventually(hold.with_suffix(".held").exists, timeout=10.0, what="the loop held")
         try:
@@ -290,7 +290,7 @@ def test_a_cancel_keeps_all_the_text_that_streamed_before_it_though_the_cli_had_
             server.wait_for(
                 lambda s: s.requests_for(MODEL)[0].hanging, timeout=TIMEOUT, what="the hang"
             )
-            eventually(lambda: _all_read(server), timeout=10.0, what="the text forwarded")
+            eventually(lambda: all_read(server), timeout=10.0, what="the text forwarded")
             rt.interrupt(child, authority=me, kind="cancel", reason="enough")
             server.wait_disconnect(request.id, timeout=10.0)
         finally:
@@ -492,7 +492,9 @@ def test_claude_code_with_tethers_tools_spawns_a_child_and_stops_it(
     # its words and the child's CLI has read them, so the scripted replies go to each in
     # a known order and the stop cuts a reply the child has.
     ready = tmp_path / "child_has_read.py"
-    ready.write_text(_CHILD_HAS_READ.format(log=f"{server.root}/_tether/log", port=_port(server)))
+    ready.write_text(
+        _CHILD_HAS_READ.format(log=f"{server.root}/_tether/log", port=server_port(server))
+    )
     wait = f"until {sys.executable} {ready}; do sleep 0.05; done"
     replies = [
         {"tool_calls": [_tool("spawn_agent", {"slug": "kid", "prompt": "work hard"})]},
@@ -627,7 +629,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "from-mcp"}}]},
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
@@ -675,7 +677,7 @@ def test_an_mcp_server_named_like_tethers_own_tools_is_a_config_mistake(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, _log = _mcp(tmp_path)
+    mcp, _log = mcp_files(tmp_path)
     mcp = {**mcp, "servers": {"tether": mcp["servers"]["files"]}}
     root = rt.open_session(SCRIPTED)
     config = _config(server, tmp_path / "home") | {"mcp": mcp}

@@ -19,7 +19,7 @@ pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
-from test_chat_agent import CUT_REPLIES, _all_read, _mcp, cut_every_time
+from model_helpers import CUT_REPLIES, all_read, cut_every_time, mcp_files
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -125,7 +125,7 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script="oai-cut", timeout=60.0)
     server.wait_for(lambda s: s.requests_for("oai-cut")[0].hanging, what="the hang")
-    eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
+    eventually(lambda: all_read(server), timeout=10.0, what="the agent to read what was sent")
 
     rt.interrupt(child, authority=me, kind="cancel", reason="enough")
     ended = rec.turn_ended(child, timeout=30.0)
@@ -272,7 +272,7 @@ def test_the_framework_agent_spawns_a_child_with_spawn_agent_and_stops_it_with_i
     server.wait_for(lambda s: s.requests_for("oai-family")[2].hanging, what="the kid's stream")
     # the server sent it all; the kid must also have read it for its cut reply to hold it
     # (a CI run stopped the kid with the text still in its socket: no cut entry)
-    eventually(lambda: _all_read(server), timeout=10.0, what="the kid to read what was sent")
+    eventually(lambda: all_read(server), timeout=10.0, what="the kid to read what was sent")
     rt.send(child, "stop the helper", authority=me)
     assert rec.turn_ended(child, count=2, timeout=60.0)["outcome"] == "completed"
     assert rec.turn_ended(kid.id, timeout=30.0)["outcome"] == "cancelled"
@@ -289,7 +289,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_framework_agent
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},

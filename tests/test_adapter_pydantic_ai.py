@@ -18,7 +18,7 @@ import pytest
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, frozen, runtime, texts
-from test_chat_agent import CUT_REPLIES, _all_read, _mcp, _talking_to, cut_every_time
+from model_helpers import CUT_REPLIES, all_read, cut_every_time, last_notice, mcp_files, talking_to
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -134,7 +134,7 @@ def test_a_cancel_mid_stream_closes_the_connection_and_keeps_the_partial_reply(
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script="pyd-cut", timeout=60.0)
     server.wait_for(lambda s: s.requests_for("pyd-cut")[0].hanging, what="the hang")
-    eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
+    eventually(lambda: all_read(server), timeout=10.0, what="the agent to read what was sent")
 
     rt.interrupt(child, authority=me, kind="cancel", reason="enough")
     ended = rec.turn_ended(child, timeout=30.0)
@@ -145,7 +145,7 @@ def test_a_cancel_mid_stream_closes_the_connection_and_keeps_the_partial_reply(
     [cut] = entries(rt, child, "assistant")
     assert cut.text and text.startswith(cut.text)  # what arrived, and nothing else
     assert cut.data is not None and cut.data["cut"] is True
-    notice = _notice(rt, root)
+    notice = last_notice(rt, root)
     assert (notice["outcome"], notice["partial"]) == ("cancelled", cut.text)
 
     # the cut reply is part of the conversation the next turn continues
@@ -298,14 +298,6 @@ def test_the_agent_spawns_a_child_with_tethers_tools_and_stops_it(
     assert texts(rt, parent, "assistant")[-1] == "Stopped the child."
 
 
-def _notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
-    eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
-    data = entries(rt, root, "notice")[-1].data
-    assert data is not None
-    notice: dict[str, Any] = data["notice"]
-    return notice
-
-
 def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
@@ -339,7 +331,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "from-mcp"}}]},
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
@@ -400,7 +392,7 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     _root, child, me = _agent(rt, server, "pyd-paused", replies)
     rt.send(child, "go", authority=me)
     server.wait_requests(1, script="pyd-paused", timeout=60.0)
-    worker = eventually(lambda: _talking_to(rt, server), what="the agent's worker")
+    worker = eventually(lambda: talking_to(rt, server), what="the agent's worker")
     assert rt.pause(child, authority=me) != []
     eventually(lambda: frozen(worker), what="the worker frozen")
     assert texts(rt, child, "assistant") == []

@@ -40,6 +40,7 @@ from drivers import (
     wait_entry,
     worker_with_tool,
 )
+from model_helpers import CUT_REPLIES, all_read, cut_every_time, last_notice, mcp_files, talking_to
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import LOG_ENV, read_log
@@ -91,14 +92,6 @@ def _agent(
     child = rt.spawn(root, CHAT, slug="agent", config=_config(server, script, **extra))
     assert isinstance(child, str)
     return root, child, User(parent=root)
-
-
-def _notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
-    eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
-    data = entries(rt, root, "notice")[-1].data
-    assert data is not None
-    notice: dict[str, Any] = data["notice"]
-    return notice
 
 
 def test_a_turn_calls_run_command_and_completes_with_replies_tool_entries_usage_and_no_key(
@@ -155,7 +148,7 @@ def _run_command_turn(art: tether.Runtime, server: ModelServer) -> None:
     assert tool_msg["role"] == "tool" and "hello-tool" in tool_msg["content"]
     usage = art.turns(child)[0].usage
     assert usage is not None and usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
-    assert _notice(art, root)["partial"] == "The tool said hello-tool."
+    assert last_notice(art, root)["partial"] == "The tool said hello-tool."
 
     # The key reached the server (and, the caller checks, nothing else)
     assert first.authorization == f"Bearer {SECRET}"
@@ -172,7 +165,7 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script="cut-mid-stream", timeout=30.0)
     server.wait_for(lambda s: s.requests_for("cut-mid-stream")[0].hanging, what="the hang")
-    eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read what was sent")
+    eventually(lambda: all_read(server), timeout=10.0, what="the agent to read what was sent")
 
     rt.interrupt(child, authority=me, kind="cancel", reason="enough")
     ended = rec.turn_ended(child, timeout=30.0)
@@ -183,7 +176,7 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
     cut = texts(rt, child, "assistant")[-1]
     assert cut and text.startswith(cut)  # what arrived, and nothing else
     assert entries(rt, child, "assistant")[-1].data == {"cut": True}
-    notice = _notice(rt, root)
+    notice = last_notice(rt, root)
     assert (notice["outcome"], notice["partial"]) == ("cancelled", cut)
 
 
@@ -359,7 +352,7 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     _root, child, me = _agent(rt, server, "paused", [{"text": text, "chunk": 6, "pace": 0.03}])
     rt.send(child, "go", authority=me)
     server.wait_requests(1, script="paused", timeout=30.0)
-    worker = eventually(lambda: _talking_to(rt, server), what="the agent's worker")
+    worker = eventually(lambda: talking_to(rt, server), what="the agent's worker")
     assert rt.pause(child, authority=me) != []
     eventually(lambda: frozen(worker), what="the worker frozen")
     time.sleep(0.5)  # frozen: the stream is not read meanwhile
@@ -373,54 +366,6 @@ def test_pause_freezes_the_stream_and_resume_continues_it(
     )
 
 
-def _port(server: ModelServer) -> int:
-    return int(server.url.rsplit(":", 1)[1].split("/")[0])
-
-
-def _all_read(server: ModelServer) -> bool:
-    """Every client connection to the server has read all that arrived (its receive
-    queue in /proc/net/tcp is empty): the agent has the streamed text, with no await
-    between reading it and adding it to its reply."""
-    port = f"{_port(server):04X}"
-    found = False
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            if fields[2].endswith(f":{port}") and fields[3] == "01":  # established, to us
-                found = True
-                if int(fields[4].split(":")[1], 16):
-                    return False
-    return found
-
-
-CUT_TRIES = 60
-CUT_TEXT = "a partial answer that will never end"
-CUT_REPLIES = [{"text": CUT_TEXT, "chunk": 6, "hang": True}] * CUT_TRIES  # for cut_every_time
-
-
-def cut_every_time(
-    rt: tether.Runtime, server: ModelServer, script: str, child: str, me: User
-) -> None:
-    """Cancel ``CUT_TRIES`` turns of ``child`` (its script: ``CUT_TEXT`` in chunks, then a
-    hang) as soon as the worker has read what was sent: each keeps a partial reply, a
-    prefix of the text, marked ``cut``. Bytes the worker had read but not yet parsed
-    when the cancel came were lost with the whole partial (once in ~50-300 tries)."""
-    rec = Recorder(rt)
-    for i in range(CUT_TRIES):
-        after = max((e.seq for e in rt.transcript(child)), default=0)
-        rt.send(child, "go", authority=me)
-        server.wait_requests(i + 1, script=script, timeout=60.0)
-        server.wait_for(lambda s, i=i: s.requests_for(script)[i].hanging, what="the hang")
-        eventually(lambda: _all_read(server), timeout=10.0, what="the agent to read the reply")
-        rt.interrupt(child, authority=me, kind="cancel", reason=f"try {i}")
-        ended = rec.turn_ended(child, count=i + 1, timeout=30.0)
-        assert ended["outcome"] == "cancelled", (i, ended)
-        said = [e for e in rt.transcript(child, after=after) if e.kind == "assistant"]
-        assert said, f"try {i}/{CUT_TRIES}: the cancelled turn kept no partial reply"
-        assert said[-1].text and CUT_TEXT.startswith(said[-1].text), (i, said[-1])
-        assert (said[-1].data or {}).get("cut") is True, (i, said[-1])
-
-
 @pytest.mark.timeout(240)
 def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     rt: tether.Runtime, server: ModelServer
@@ -428,19 +373,6 @@ def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     script = "cut-loop"
     _, child, me = _agent(rt, server, script, CUT_REPLIES)
     cut_every_time(rt, server, script, child, me)
-
-
-def _talking_to(rt: tether.Runtime, server: ModelServer) -> psutil.Process | None:
-    """The worker with a connection open to the model server (the agent's)."""
-    port = _port(server)
-    for pid in rt.worker_pids:
-        try:
-            proc = psutil.Process(pid)
-            if any(c.raddr and c.raddr.port == port for c in proc.net_connections(kind="tcp")):
-                return proc
-        except psutil.Error:
-            continue
-    return None
 
 
 def test_a_bad_config_ends_the_turn_failed_with_one_line_and_a_missing_key_too(
@@ -483,18 +415,6 @@ def test_the_agent_demo_shows_a_steer_a_cut_stream_and_a_preempted_tool(
 # ---- MCP tools (tether.agents.mcp, semantics §15.3) ------------------------------------------
 
 
-def _mcp(tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """An MCP stdio server (the SDK's, tests' own build) logging what it receives."""
-    log = tmp_path / "mcp.log"
-    src = str(ROOT / "src")
-    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
-    server = {
-        "command": [sys.executable, "-m", "tether.testing.mcp_server"],
-        "env": {LOG_ENV: str(log), "PYTHONPATH": path},
-    }
-    return {"servers": {"files": server}, "grace": 2.0}, log
-
-
 def _mcp_server_procs(rt: tether.Runtime) -> list[psutil.Process]:
     found = []
     for pid in rt.worker_pids:
@@ -510,7 +430,7 @@ def test_a_turn_calls_run_command_and_an_mcp_tool_and_completes(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, _log = _mcp(tmp_path)
+    mcp, _log = mcp_files(tmp_path)
     replies = [
         {
             "tool_calls": [
@@ -538,7 +458,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_turn_goes_on(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
@@ -569,7 +489,7 @@ def test_abort_kills_the_mcp_servers_tree_and_pause_freezes_it(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [{"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]}]
     _root, child, me = _agent(rt, server, "mcp-abort", replies, mcp=mcp)
     rt.send(child, "search", authority=me)
@@ -594,7 +514,7 @@ def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "Too slow; moving on."},
@@ -646,7 +566,7 @@ def test_a_cancel_while_an_http_mcp_server_is_initializing_ends_the_turn_within_
     # hangs in its handshake; the cancel must unwind it at once: the turn ends cancelled
     # well within the grace, never force-broken, and the worker and its stdio server live.
     rec = Recorder(rt)
-    mcp, _log = _mcp(tmp_path)
+    mcp, _log = mcp_files(tmp_path)
     url, hung_log = hung_http
     mcp["servers"]["slow"] = {"url": url}
     replies = [{"text": "never asked"}]
@@ -674,7 +594,7 @@ def test_one_mcp_server_that_will_not_start_leaves_the_turn_with_the_others_tool
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, _log = _mcp(tmp_path)
+    mcp, _log = mcp_files(tmp_path)
     mcp["servers"]["broken"] = {"command": ["/nonexistent/mcp-server"]}
     replies = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "still-here"}}]},
@@ -723,7 +643,7 @@ def test_a_worker_keeps_the_stdio_servers_of_at_most_four_mcp_configs(
         seen: list[int] = []
         workers: set[int] = set()
         for i, env in enumerate(["0", "1", "2", "3", "0", "4", "5"]):
-            mcp, _log = _mcp(tmp_path)
+            mcp, _log = mcp_files(tmp_path)
             mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
             replies = [
                 {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
@@ -753,7 +673,7 @@ def test_a_user_preempt_of_an_mcp_call_gives_the_model_its_progress_so_far(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {
             "tool_calls": [
@@ -786,7 +706,7 @@ def test_an_mcp_call_stopped_by_its_idle_timeout_or_max_duration_leaves_a_preemp
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, _log = _mcp(tmp_path)
+    mcp, _log = mcp_files(tmp_path)
     replies = [
         {
             "tool_calls": [
@@ -810,7 +730,7 @@ def test_a_cancelled_mcp_call_leaves_a_tool_entry_saying_so_and_the_report_a_nul
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    mcp, log = _mcp(tmp_path)
+    mcp, log = mcp_files(tmp_path)
     replies = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "Starting over."},
@@ -849,7 +769,7 @@ def _echo_turn(
 ) -> tuple[str, User]:
     """A session whose MCP server differs from others' by ``env`` (TETHER_TEST_SET) and
     one completed turn of it that called the server's echo tool."""
-    mcp, _log = _mcp(tmp_path)
+    mcp, _log = mcp_files(tmp_path)
     mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
     replies = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
