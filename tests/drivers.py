@@ -459,7 +459,7 @@ def refilled(rt: tether.Runtime, size: int = 3) -> None:
     eventually(lambda: len(rt.worker_pids) >= size, timeout=10.0, what="the pool to refill")
 
 
-# ---- fault-handling drivers and helpers (tests/test_faults.py) --------------------------
+# ---- fault-handling drivers and helpers (tests/engine/test_faults.py) --------------------
 
 
 class DeepFrame:
@@ -570,7 +570,7 @@ class Hostile:
         return "survived"
 
 
-# ---- async drivers (tests/test_async_drivers.py, semantics §15.1) -----------------------------
+# ---- async drivers (tests/agents/test_async_drivers.py, semantics §15.1) -----------------
 
 
 class AsyncWrapUp:
