@@ -109,10 +109,18 @@ def no_leaked_processes() -> Iterator[None]:
 RAY_MISSING = "the Ray backend needs the extra tether[ray] (pip install -e '.[ray]')"
 
 
+def _installed(name: str) -> bool:
+    """Whether the package ``name`` is installed. ``find_spec`` alone would say yes for
+    ``ray`` without Ray: tests/ is on sys.path, and its folder tests/ray (no __init__.py)
+    passes for a namespace package of that name, which has no origin."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
     """One Ray instance for the whole test session (ray.init takes seconds)."""
-    if importlib.util.find_spec("ray") is None:
+    if not _installed("ray"):
         pytest.skip(RAY_MISSING)
     import ray  # installed: an error here is a broken install, and fails the test
 
@@ -139,7 +147,7 @@ def ray_cluster() -> Iterator[dict[str, Any]]:
     """A two-node ``ray.cluster_utils.Cluster`` (tests/cluster_child.py, in its own
     process): ``{"address", "nodes": [head, worker], "launcher": pid}``. Each node has one
     unit of the resource ``tether_slot``."""
-    if importlib.util.find_spec("ray") is None:
+    if not _installed("ray"):
         pytest.skip(RAY_MISSING)
     script = str(TESTS / "cluster_child.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
