@@ -283,6 +283,28 @@ def steps(*ops: dict[str, Any]) -> dict[str, Any]:
 HANG = steps({"op": "hang"})
 
 
+def spawn_child(rt: tether.Runtime, parent: str, driver: str = SCRIPTED, **spawn: Any) -> str:
+    """A continuable child of ``parent`` running ``driver``: its id."""
+    sid = rt.spawn(parent, driver, **spawn)
+    assert isinstance(sid, str)
+    return sid
+
+
+def family(
+    rt: tether.Runtime,
+    driver: str = SCRIPTED,
+    *,
+    root_driver: str | None = None,
+    root_slug: str | None = None,
+    **spawn: Any,
+) -> tuple[str, str, tether.User]:
+    """A root (running ``root_driver``, by default ``driver``) and one child of it running
+    ``driver`` (spawned with ``spawn``): the root's id, the child's, and the root user's
+    authority."""
+    root = rt.open_session(root_driver or driver, slug=root_slug)
+    return root, spawn_child(rt, root, driver, **spawn), tether.User(parent=root)
+
+
 def eventually(
     predicate: Callable[[], T | None], *, timeout: float = 5.0, what: str = "condition"
 ) -> T:

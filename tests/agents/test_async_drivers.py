@@ -23,22 +23,15 @@ from drivers import (
     alive,
     entries,
     eventually,
+    family,
     refilled,
     steps,
     texts,
     wait_entry,
     worker_with_tool,
 )
-from tether import User
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _family(rt: tether.Runtime, driver: str, **spawn: object) -> tuple[str, str, User]:
-    root = rt.open_session(ASYNC_SCRIPTED)
-    child = rt.spawn(root, driver, **spawn)  # type: ignore[arg-type]
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
 
 
 def _actions(rt: tether.Runtime, sid: str) -> list[str | None]:
@@ -47,7 +40,7 @@ def _actions(rt: tether.Runtime, sid: str) -> list[str | None]:
 
 def test_a_cancel_lands_at_an_await_in_a_long_sleep_within_a_second(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    _root, child, me = family(rt, ASYNC_SCRIPTED, root_driver=ASYNC_SCRIPTED)
     took = []
     for i in range(5):
         word = f"asleep {i}"
@@ -77,7 +70,7 @@ def test_a_driver_that_catches_the_cancel_ends_cancelled_with_its_wrap_up_in_the
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    root, child, me = _family(rt, "drivers:AsyncWrapUp")
+    root, child, me = family(rt, "drivers:AsyncWrapUp", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me)
     wait_entry(rt, child, "assistant", "ready")
     rt.interrupt(child, authority=me, kind="cancel", reason="out of time")
@@ -99,7 +92,7 @@ def test_a_cancel_arrival_hook_runs_in_the_reader_thread_while_the_loop_is_block
     # The driver's loop is blocked until the hook has run: a hook run on the loop would
     # wait for the 10 s block, and the turn would end after it.
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncCancelHook")
+    _root, child, me = family(rt, "drivers:AsyncCancelHook", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me)
     wait_entry(rt, child, "assistant", "ready")
     start = time.monotonic()
@@ -114,7 +107,7 @@ def test_a_cancel_arrival_hook_runs_in_the_reader_thread_while_the_loop_is_block
 def test_a_shield_holds_the_cancel_until_the_block_exits() -> None:
     with tether.Runtime(workers=1, grace=5.0) as rt:
         rec = Recorder(rt)
-        _root, child, me = _family(rt, "drivers:AsyncShielded")
+        _root, child, me = family(rt, "drivers:AsyncShielded", root_driver=ASYNC_SCRIPTED)
         rt.send(child, "work", authority=me, data={"hold": 0.6})
         wait_entry(rt, child, "assistant", "shielded")
         start = time.monotonic()
@@ -128,7 +121,7 @@ def test_a_shield_holds_the_cancel_until_the_block_exits() -> None:
 
 def test_a_shield_that_outlasts_grace_is_force_broken(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncShielded")
+    _root, child, me = family(rt, "drivers:AsyncShielded", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me, data={"hold": 30})
     wait_entry(rt, child, "assistant", "shielded")
     start = time.monotonic()
@@ -144,7 +137,7 @@ def test_a_preempt_stops_only_the_innermost_tool_await_and_the_turn_goes_on(
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    root, child, me = _family(rt, "drivers:AsyncPreemptable")
+    root, child, me = family(rt, "drivers:AsyncPreemptable", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me)
     wait_entry(rt, child, "assistant", "calling")
     rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
@@ -159,7 +152,7 @@ def test_a_preempt_stops_only_the_innermost_tool_await_and_the_turn_goes_on(
 
 def test_a_preempt_of_a_never_tool_is_a_no_op_and_the_call_finishes(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncPreemptable")
+    _root, child, me = family(rt, "drivers:AsyncPreemptable", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me, data={"preempt": "never", "seconds": 0.8})
     wait_entry(rt, child, "assistant", "calling")
     rt.interrupt(child, authority=me, kind="preempt", reason="try me")
@@ -171,7 +164,7 @@ def test_a_preempt_of_a_never_tool_is_a_no_op_and_the_call_finishes(rt: tether.R
 
 def test_a_cancel_during_a_never_tool_waits_for_the_call(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncPreemptable")
+    _root, child, me = family(rt, "drivers:AsyncPreemptable", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me, data={"preempt": "never", "seconds": 0.6})
     wait_entry(rt, child, "assistant", "calling")
     rt.interrupt(child, authority=me, kind="cancel", reason="later")
@@ -185,7 +178,7 @@ def test_async_run_command_kills_what_the_command_left_and_spares_the_workers_ol
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncLeftovers")
+    _root, child, me = family(rt, "drivers:AsyncLeftovers", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "go", authority=me)
     assert rec.turn_ended(child)["outcome"] == "completed"
     report = json.loads(texts(rt, child, "assistant")[-1])
@@ -201,7 +194,7 @@ def test_a_cancel_deadline_escalates_when_an_async_driver_blocks_its_loop(
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    _root, child, me = family(rt, ASYNC_SCRIPTED, root_driver=ASYNC_SCRIPTED)
     # said inside the block step: a cancel can no longer land at the boundary before it
     data = steps({"op": "block", "seconds": 30, "say": "blocking"})
     rt.send(child, "block", authority=me, data=data)
@@ -218,7 +211,7 @@ def test_the_watchdogs_cancel_lands_at_the_await_of_a_stalled_async_turn(
 ) -> None:
     rec = Recorder(rt)
     stall = {"after": 0.4, "every": 0.4, "steps": ["cancel", "abort"]}
-    _root, child, me = _family(rt, ASYNC_SCRIPTED, stall=stall)
+    _root, child, me = family(rt, ASYNC_SCRIPTED, root_driver=ASYNC_SCRIPTED, stall=stall)
     rt.send(child, "stall", authority=me, data=steps({"op": "sleep", "seconds": 30}))
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("cancelled", "system", "watchdog")
@@ -234,7 +227,9 @@ def test_peeking_at_pending_steers_neither_takes_them_nor_hides_a_stall_from_the
     # the next step cancels it.
     rec = Recorder(rt)
     stall = {"after": 0.4, "every": 0.4, "steps": ["steer", "cancel"], "nudge": "still there?"}
-    _root, child, me = _family(rt, "drivers:AsyncSteerPeeker", stall=stall)
+    _root, child, me = family(
+        rt, "drivers:AsyncSteerPeeker", root_driver=ASYNC_SCRIPTED, stall=stall
+    )
     rt.send(child, "watch", authority=me)
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("cancelled", "system", "watchdog")
@@ -249,7 +244,7 @@ def test_a_steer_reported_delivered_gets_its_marker_where_the_driver_said_and_on
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncSteerPeeker")
+    _root, child, me = family(rt, "drivers:AsyncSteerPeeker", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "watch", authority=me, data={"deliver": True})
     wait_entry(rt, child, "assistant", "watching")
     rt.interrupt(child, authority=me, kind="steer", reason="turn left")
@@ -263,7 +258,7 @@ def test_a_steer_reported_delivered_gets_its_marker_where_the_driver_said_and_on
 def test_an_async_worker_keeps_one_event_loop_for_all_its_turns() -> None:
     with tether.Runtime(workers=1, grace=1.0) as rt:
         rec = Recorder(rt)
-        _root, child, me = _family(rt, "drivers:AsyncLoopId")
+        _root, child, me = family(rt, "drivers:AsyncLoopId", root_driver=ASYNC_SCRIPTED)
         for i in range(3):
             rt.send(child, f"turn {i}", authority=me)
             rec.turn_ended(child, count=i + 1)
@@ -272,7 +267,7 @@ def test_an_async_worker_keeps_one_event_loop_for_all_its_turns() -> None:
 
 def test_an_async_host_tool_call_does_not_block_the_loop(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    root, child, me = _family(rt, "drivers:AsyncCallTool")
+    root, child, me = family(rt, "drivers:AsyncCallTool", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "call", authority=me, data={"tool": "list_agents", "args": {}})
     assert rec.turn_ended(child)["outcome"] == "completed"
     report = json.loads(texts(rt, child, "assistant")[-1])
@@ -289,7 +284,7 @@ def test_a_cancel_racing_an_async_turns_start_always_lands_on_that_turn(
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    _root, child, me = family(rt, ASYNC_SCRIPTED, root_driver=ASYNC_SCRIPTED)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
@@ -309,7 +304,7 @@ def test_a_deadline_racing_the_delivery_at_an_await_ends_the_turn_one_way_or_the
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    _root, child, me = family(rt, ASYNC_SCRIPTED, root_driver=ASYNC_SCRIPTED)
     seen = set()
     for i in range(25):
         data = steps({"op": "say", "text": f"up {i}"}, {"op": "sleep", "seconds": 60})
@@ -338,7 +333,7 @@ def test_a_cancel_at_an_await_is_reported_cancel_at_await_with_the_command_it_cu
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, ASYNC_SCRIPTED)
+    _root, child, me = family(rt, ASYNC_SCRIPTED, root_driver=ASYNC_SCRIPTED)
     rt.send(child, "tool", authority=me, data=steps({"op": "tool", "argv": ["sleep", "30"]}))
     worker_with_tool(rt, "sleep")
     turn = rt.interrupt(child, authority=me, kind="cancel", reason="stop")
@@ -350,7 +345,7 @@ def test_a_cancel_at_an_await_is_reported_cancel_at_await_with_the_command_it_cu
 
 def test_a_preempted_tool_await_is_reported_with_its_fate(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncPreemptable")
+    _root, child, me = family(rt, "drivers:AsyncPreemptable", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "work", authority=me)
     wait_entry(rt, child, "assistant", "calling")
     turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
@@ -362,7 +357,7 @@ def test_a_preempted_tool_await_is_reported_with_its_fate(rt: tether.Runtime) ->
 
 def test_an_async_driver_reads_its_history_with_or_without_awaiting(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, "drivers:AsyncHistory")
+    _root, child, me = family(rt, "drivers:AsyncHistory", root_driver=ASYNC_SCRIPTED)
     rt.send(child, "first", authority=me)
     rec.turn_ended(child)
     rt.send(child, "second", authority=me)

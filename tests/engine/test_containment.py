@@ -37,6 +37,7 @@ from drivers import (
     escapee,
     escapee_procs,
     eventually,
+    family,
     frozen,
     leaf_of,
     runtime,
@@ -93,13 +94,6 @@ def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def _family(rt: tether.Runtime, **kw: Any) -> tuple[str, str, User]:
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, SCRIPTED, **kw)
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
-
-
 def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> str:
     """Start a turn whose tool runs ``script``; its id, once a worker runs it."""
     rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", script]}))
@@ -132,7 +126,7 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
 ) -> None:
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
         assert rt.containment == containment
-        _, child, me = _family(rt)
+        _, child, me = family(rt)
         turn = _run_tool(rt, child, me, escapee(token))
         found = eventually(lambda: escapee_procs(token), what="the escapee running")
         esc = _escapee_loop(found, token)
@@ -189,7 +183,7 @@ def test_an_abort_racing_a_fork_bomb_of_200_forks_leaves_nothing(
     sleep = shutil.which("sleep")
     assert sleep is not None
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
-        _, child, me = _family(rt)
+        _, child, me = family(rt)
         argv = f"exec {sys.executable} {script} {token} {sleep} {go} {count}"
         turn = _run_tool(rt, child, me, argv)
         eventually(lambda: len(escapee_procs(token)) >= 20, what="the bomb under way")
@@ -209,7 +203,7 @@ def test_sigkill_of_the_turns_worker_leaves_no_process_of_the_turn(
     """Issue 19's repro: before, the walk lost the env-cleared escapee once its worker
     was gone, and it ran forever."""
     with runtime(workers=1, grace=1.0, containment=containment) as rt, turn_reports() as overs:
-        _, child, me = _family(rt)
+        _, child, me = family(rt)
         turn = _run_tool(rt, child, me, escapee(token))
         found = eventually(lambda: escapee_procs(token), what="the escapee running")
         esc = _escapee_loop(found, token)
@@ -490,7 +484,7 @@ def test_a_pause_freezes_every_process_of_the_turn_even_one_forked_just_before(
     script = tmp_path / "ticker.py"
     script.write_text(TICKER)
     with runtime(workers=1, grace=1.0, containment=containment) as rt:
-        _, child, me = _family(rt)
+        _, child, me = family(rt)
         turn = _run_tool(rt, child, me, f"exec {sys.executable} {script} {out}")
         eventually(lambda: out.stat().st_size > 50, what="the ticker ticking")
         worker = psutil.Process(_worker_pid(rt, turn))
@@ -527,7 +521,7 @@ def test_a_turns_resources_are_recorded_from_its_cgroup() -> None:
         "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass",
     ]
     with runtime(workers=1, containment="cgroup") as rt:
-        _, child, me = _family(rt)
+        _, child, me = family(rt)
         rt.send(child, "burn", authority=me, data=steps({"op": "tool", "argv": burn}))
         rt.wait(child, until="idle", timeout=15.0)
         rt.send(child, "rest", authority=me, data=steps({"op": "say", "text": "hi"}))
@@ -574,7 +568,7 @@ def test_malformed_limits_are_invalid_params(limits: Any) -> None:
 def test_a_turn_killed_by_its_memory_limit_ends_crashed_memory_limit() -> None:
     hog = [sys.executable, "-c", "b = []\nwhile True: b.append(bytearray(2**20))"]
     with runtime(workers=1, containment="cgroup") as rt:
-        _, child, me = _family(rt, limits={"memory_mb": 64})
+        _, child, me = family(rt, limits={"memory_mb": 64})
         rt.send(child, "hog", authority=me, data=steps({"op": "tool", "argv": hog}))
         rt.wait(child, until=("idle", "parked"), timeout=30.0)
         [rec] = rt.turns(child)
@@ -597,7 +591,7 @@ def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn_which_ends_crashed_pids_
                 time.sleep(0.001)
     """)
     with runtime(workers=1, containment="cgroup") as rt:
-        _, child, me = _family(rt, limits={"pids": 40})
+        _, child, me = family(rt, limits={"pids": 40})
         argv = [sys.executable, "-c", bomb]
         rt.send(child, "bomb", authority=me, data=steps({"op": "tool", "argv": argv}))
         turn = rt.wait(child, until="running").turn
@@ -646,7 +640,7 @@ def test_a_turn_whose_tool_hit_its_pids_limit_and_exited_ends_crashed_pids_limit
     each turn races the watch."""
     tool = [sys.executable, "-c", REFUSED, "60"]
     with runtime(workers=1, containment="cgroup") as rt:
-        _, child, me = _family(rt, limits={"pids": 24})
+        _, child, me = family(rt, limits={"pids": 24})
         for i in range(10):
             rt.send(child, f"fork {i}", authority=me, data=steps({"op": "tool", "argv": tool}))
             rt.wait(child, until=("idle", "parked"), timeout=30.0)  # idle: it completed
@@ -669,7 +663,7 @@ def test_a_cpu_limit_throttles_the_turns_whole_tree() -> None:
         "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.0: pass",
     ]
     with runtime(workers=1, containment="cgroup") as rt:
-        _, child, me = _family(rt, limits={"cpu": 0.1})
+        _, child, me = family(rt, limits={"cpu": 0.1})
         rt.send(child, "spin", authority=me, data=steps({"op": "tool", "argv": spin}))
         turn = rt.wait(child, until="running").turn
         assert turn is not None

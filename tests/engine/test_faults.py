@@ -36,6 +36,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    family,
     kill_token,
     refilled,
     runtime,
@@ -49,13 +50,6 @@ from tether import User
 
 SH_TREE = ["sh", "-c", "sleep 30 & sleep 30; wait"]
 MIB = 1024 * 1024
-
-
-def _family(rt: tether.Runtime) -> tuple[str, str, User]:
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, SCRIPTED, slug="child")
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
 
 
 def _logged(logs: list[dict[str, Any]], event: str) -> bool:
@@ -100,7 +94,7 @@ def test_an_abort_that_fails_for_lack_of_descriptors_is_retried_until_the_tree_i
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     rt.send(child, "tree", authority=me, data=steps({"op": "tool", "argv": SH_TREE}))
     tree = tree_of(worker_with_tool(rt, "sleep", count=2))
 
@@ -182,7 +176,7 @@ def _no_new_threads() -> Iterator[None]:
 def test_an_abort_at_the_thread_limit_ends_the_turn_and_the_pool_refills_later() -> None:
     with runtime(workers=1, grace=1.0) as rt:
         rec = Recorder(rt)
-        _root, child, me = _family(rt)
+        _root, child, me = family(rt, slug="child")
         rt.send(child, "hang", authority=me, data=HANG)
         rt.wait(child, until="running", timeout=5.0)
         with _no_new_threads():
@@ -212,7 +206,7 @@ def test_abort_under_process_churn_kills_every_setsid_escapee_before_reporting_a
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     survived: list[int] = []
     for i in range(30):
         token = f"tether-esc-{uuid.uuid4().hex}"
@@ -240,7 +234,7 @@ def test_an_escapee_dies_with_a_worker_that_was_sigkilled(rt: tether.Runtime) ->
     that walk (or the launcher's children then) for the whole tree ended the turn with
     the escapee alive, about once in 300 tries without the test-walk's cgroup."""
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     survived = []
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
@@ -337,7 +331,7 @@ def test_a_stopped_worker_with_a_full_socket_is_aborted_at_once_and_the_host_sta
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    root, child, me = _family(rt)
+    root, child, me = family(rt, slug="child")
     other = rt.spawn(root, SCRIPTED, slug="other")
     assert isinstance(other, str)
     rt.send(
@@ -383,7 +377,7 @@ def test_run_command_returns_when_the_command_exits_though_a_background_child_ho
     rt: tether.Runtime,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     rt.send(
         child,
         "bg",
@@ -401,7 +395,7 @@ def test_run_command_returns_when_the_command_exits_though_a_background_child_ho
 
 def test_a_preempt_after_the_command_exited_writes_no_preempted_marker(rt: tether.Runtime) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     for i in range(3):
         token = f"tether-bg-{uuid.uuid4().hex}"
         argv = ["sh", "-c", "sleep 31.7 & echo hi", token]

@@ -25,12 +25,12 @@ from drivers import (
     escapee,
     escapee_procs,
     eventually,
+    family,
     refilled,
     runtime,
     steps,
     turn_reports,
 )
-from tether import User
 from tether.testing.escapee import escapee_loop
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,13 +40,6 @@ def _launcher(rt: tether.Runtime) -> psutil.Process:
     pool: Any = rt._pool  # type: ignore[attr-defined]
     pid = eventually(lambda: pool.launcher.pid, what="the launcher started")
     return psutil.Process(pid)
-
-
-def _family(rt: tether.Runtime) -> tuple[str, str, User]:
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, SCRIPTED)
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
 
 
 def _shared_descriptors(a: int, b: int) -> set[str]:
@@ -102,7 +95,7 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
     token = f"tether-orphan-{uuid.uuid4().hex[:10]}"
     try:
         with runtime(workers=1, grace=1.0, containment="walk") as rt, turn_reports() as overs:
-            _, child, me = _family(rt)
+            _, child, me = family(rt)
             rt.send(
                 child,
                 "go",
@@ -139,7 +132,7 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
 def test_a_sigkilled_launcher_is_replaced_and_the_next_turns_run_with_nothing_left() -> None:
     with runtime(workers=1, grace=1.0) as rt:
         rec = Recorder(rt)
-        _, child, me = _family(rt)
+        _, child, me = family(rt)
         refilled(rt, size=2)
         old = _launcher(rt)
         seen = {*rt.worker_pids}

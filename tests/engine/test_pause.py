@@ -19,6 +19,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    family,
     frozen,
     steps,
     texts,
@@ -32,13 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 # A tool tree that outlives a short pause: sh, then a sleep under it.
 SLOW_TOOL = ["sh", "-c", "sleep 1; echo out-of-the-tool; exit 3"]
-
-
-def _family(rt: tether.Runtime, scripted: str, **spawn: object) -> tuple[str, str, User]:
-    root = rt.open_session(scripted)
-    child = rt.spawn(root, scripted, **spawn)  # type: ignore[arg-type]
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
 
 
 def _stopped(procs: list[psutil.Process]) -> bool:
@@ -62,7 +56,7 @@ def test_pause_mid_tool_stops_every_process_and_resume_finishes_the_turn_intact(
     scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, scripted)
+    _root, child, me = family(rt, scripted)
     data = steps({"op": "tool", "argv": SLOW_TOOL}, {"op": "say", "text": "after the tool"})
     rt.send(child, "work", authority=me, data=data)
     worker = worker_with_tool(rt, "sleep")
@@ -130,7 +124,7 @@ def test_steers_and_a_cancel_sent_while_paused_take_effect_after_resume(
     scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, scripted)
+    _root, child, me = family(rt, scripted)
     rt.send(child, "hang", authority=me, data=HANG)
     rt.wait(child, until="running")
     turn = rt.status(child).turn
@@ -161,7 +155,7 @@ def test_abort_of_a_paused_turn_kills_the_frozen_tree_at_once(
     rt: tether.Runtime, scripted: str
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, scripted)
+    _root, child, me = family(rt, scripted)
     rt.send(child, "tool", authority=me, data=steps({"op": "tool", "argv": SLOW_TOOL}))
     worker = worker_with_tool(rt, "sleep")
     tree = tree_of(worker)
@@ -176,8 +170,8 @@ def test_abort_of_a_paused_turn_kills_the_frozen_tree_at_once(
 
 def test_dispose_and_close_leave_no_process_of_a_paused_turn(db_path: str, scripted: str) -> None:
     with tether.Runtime(db_path, workers=2, grace=1.0) as rt:
-        _root, child, me = _family(rt, scripted)
-        _r2, other, me2 = _family(rt, scripted)
+        _root, child, me = family(rt, scripted)
+        _r2, other, me2 = family(rt, scripted)
         for sid, auth in ((child, me), (other, me2)):
             rt.send(sid, "t", authority=auth, data=steps({"op": "tool", "argv": SLOW_TOOL}))
         worker_with_tool(rt, "sleep", count=1)
@@ -201,7 +195,7 @@ def test_pausing_an_idle_parked_or_absent_target_is_an_accepted_no_op(
     rt: tether.Runtime,
     scripted: str,
 ) -> None:
-    root, child, me = _family(rt, scripted)
+    root, child, me = family(rt, scripted)
     assert rt.pause(child, authority=me) == []  # idle
     rt.send(child, "x", authority=me, wake=False)
     assert rt.status(child).state == "parked"
@@ -213,7 +207,7 @@ def test_pausing_an_idle_parked_or_absent_target_is_an_accepted_no_op(
 
 
 def test_pause_authority_is_the_interrupts(rt: tether.Runtime, scripted: str) -> None:
-    root, child, me = _family(rt, scripted)
+    root, child, me = family(rt, scripted)
     sibling = str(rt.spawn(root, scripted))
     rt.send(child, "hang", authority=me, data=HANG)
     rt.wait(child, until="running")
@@ -245,7 +239,7 @@ def test_a_stalled_turn_is_nudged_then_cancelled_then_aborted_each_with_its_mark
     scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, scripted, stall=STALL)
+    _root, child, me = family(rt, scripted, stall=STALL)
     # a call that blocks the driver (for an async one: its loop): no cancel can land
     # (an awaited hang takes the watchdog's cancel at once: tests/agents/test_async_drivers.py)
     rt.send(child, "stall", authority=me, data=steps({"op": "block", "seconds": 30}))
@@ -264,7 +258,7 @@ def test_a_nudged_turn_that_wraps_up_at_its_next_boundary_is_left_alone(
     scripted: str,
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, scripted, stall=STALL | {"nudge": "say where you are"})
+    _root, child, me = family(rt, scripted, stall=STALL | {"nudge": "say where you are"})
     data = steps({"op": "sleep", "seconds": 0.7}, {"op": "work", "steps": 60, "every": 0.02})
     rt.send(child, "slow start", authority=me, data=data)
     ended = rec.turn_ended(child, timeout=10.0)
@@ -278,7 +272,7 @@ def test_a_nudged_turn_that_wraps_up_at_its_next_boundary_is_left_alone(
 
 def test_a_paused_turn_is_never_stepped_by_the_watchdog(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(rt, scripted, stall=STALL)
+    _root, child, me = family(rt, scripted, stall=STALL)
     rt.send(child, "hang", authority=me, data=HANG)
     rt.wait(child, until="running")
     rt.pause(child, authority=me)
@@ -295,7 +289,7 @@ def test_a_loop_of_identical_tool_calls_counts_as_no_progress(
     rt: tether.Runtime, scripted: str
 ) -> None:
     rec = Recorder(rt)
-    _root, child, me = _family(
+    _root, child, me = family(
         rt, scripted, stall=STALL | {"repeat": 3, "steps": ["cancel", "abort"]}
     )
     rt.send(child, "loop", authority=me, data=steps({"op": "loop", "argv": ["true"]}))
@@ -334,7 +328,7 @@ def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(
 def test_a_pause_guarded_by_an_ended_turn_freezes_nothing(
     rt: tether.Runtime, scripted: str
 ) -> None:
-    _root, child, me = _family(rt, scripted)
+    _root, child, me = family(rt, scripted)
     rt.send(child, "first", authority=me, data=HANG)
     rt.wait(child, until="running")
     first = rt.status(child).turn

@@ -42,6 +42,7 @@ from drivers import (
     eventually,
     refilled,
     runtime,
+    spawn_child,
     steps,
     texts,
     wait_entry,
@@ -100,12 +101,6 @@ def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-
-
-def _child(rt: tether.Runtime, parent: str, **kwargs: Any) -> str:
-    sid = rt.spawn(parent, SCRIPTED, **kwargs)
-    assert isinstance(sid, str)
-    return sid
 
 
 def _open(rt: tether.Runtime, sid: str) -> set[str]:
@@ -183,7 +178,7 @@ def test_release_racing_a_waking_send_never_leaves_an_ownerless_turn(
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
     for i in range(200):
-        c = _child(rt, root, slug=f"c{i}")
+        c = spawn_child(rt, root, slug=f"c{i}")
         released, sent = _race(
             lambda c=c: _release_and_look(rt, c), lambda c=c: rt.send(c, "a", authority=me)
         )
@@ -215,7 +210,7 @@ def test_a_waking_send_racing_release_is_never_stranded_and_runs_once_in_fifo_or
     me = User(parent=root)
     api = ApiGaps()
     for i in range(200):
-        c = _child(rt, root, slug=f"c{i}")
+        c = spawn_child(rt, root, slug=f"c{i}")
         _, first, second = _race(
             lambda c=c: rt.release(c),
             lambda c=c: rt.send(c, "a1", authority=me),
@@ -263,7 +258,7 @@ def test_a_disposed_session_never_comes_back_or_runs_a_turn_after_dispose_return
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
     for i in range(500):
-        c = _child(rt, root, slug=f"c{i}")
+        c = spawn_child(rt, root, slug=f"c{i}")
 
         def dispose_and_look(c: str = c) -> tuple[str, list[tether.TurnRecord]]:
             rt.dispose(c, authority=me)
@@ -303,7 +298,7 @@ def test_no_child_stays_live_under_a_settled_parent_even_one_spawned_during_disp
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
     for round_ in range(3):
-        a = _child(rt, root, slug=f"a{round_}")
+        a = spawn_child(rt, root, slug=f"a{round_}")
         spawns = [
             op
             for j in range(1, 200)
@@ -434,7 +429,7 @@ def test_a_stop_racing_a_turns_natural_end_lands_on_that_turn_or_changes_nothing
     rng = random.Random(8)
     landed_on: dict[str, int] = {}
     for i in range(200):
-        c = _child(rt, root, slug=f"c{i}")
+        c = spawn_child(rt, root, slug=f"c{i}")
         _queue_three(rt, c, me)
         t1 = starts.first(c)
         _spin(rng.uniform(0.0, 0.004))
@@ -459,7 +454,7 @@ def test_a_stop_guarded_by_turn_never_stops_the_next_turn(
     me = User(parent=root)
 
     # Plainly: T1 has ended, T2 runs; the guard for T1 is a no-op that changes nothing.
-    c = _child(rt, root, slug="plain")
+    c = spawn_child(rt, root, slug="plain")
     rt.send(c, "quick", authority=me)
     rt.wait(c, until="idle", timeout=10.0)
     [t1] = [t.id for t in rt.turns(c)]
@@ -477,7 +472,7 @@ def test_a_stop_guarded_by_turn_never_stops_the_next_turn(
     api = ApiGaps()
     rng = random.Random(7)
     for i in range(200):
-        c = _child(rt, root, slug=f"c{i}")
+        c = spawn_child(rt, root, slug=f"c{i}")
         _queue_three(rt, c, me)
         t1 = starts.first(c)
         _spin(rng.uniform(0.0, 0.004))
@@ -540,12 +535,12 @@ def test_a_spawn_racing_a_subtree_stop_is_stopped_with_the_subtree_or_refused(
     landed = refused = 0
     for i in range(_SUBTREE_TRIES):
         where = f"{op} race {i}/{_SUBTREE_TRIES}"
-        kid = _child(rt, root, slug=f"kid{i}")
+        kid = spawn_child(rt, root, slug=f"kid{i}")
         for j in range(4):  # idle sessions: the walk takes a few steps
-            _child(rt, kid, slug=f"idle{j}")
+            spawn_child(rt, kid, slug=f"idle{j}")
 
         def spawn(kid: str = kid) -> str:
-            return _child(rt, kid, slug="late", prompt="go", data=HANG)
+            return spawn_child(rt, kid, slug="late", prompt="go", data=HANG)
 
         def stop(kid: str = kid) -> list[str]:
             _spin(random.uniform(0, 0.003))
@@ -593,7 +588,7 @@ def test_a_grace_timer_racing_a_natural_end_records_forced_only_when_it_killed(
     was not. A reader thread keeps the store busy, as on a loaded host."""
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
-    big = _child(rt, root, slug="big")  # a long transcript: reading it holds the store
+    big = spawn_child(rt, root, slug="big")  # a long transcript: reading it holds the store
     rt.send(big, "say a lot", authority=me, data=steps(*[{"op": "say", "text": "x" * 80}] * 400))
     rt.wait(big, until="idle", timeout=30.0)
     stop_load = threading.Event()
@@ -697,7 +692,7 @@ def test_an_unencodable_reason_is_invalid_params_and_records_nothing(
 ) -> None:
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
-    c = _child(rt, root)
+    c = spawn_child(rt, root)
     rt.send(c, "work", authority=me, data=HANG)
     turn = rt.wait(c, until="running", timeout=10.0).turn
     before = rt.transcript(c)
@@ -725,7 +720,7 @@ def test_unencodable_content_data_or_slug_is_invalid_params_and_records_nothing(
 ) -> None:
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
-    c = _child(rt, root, slug="kid")
+    c = spawn_child(rt, root, slug="kid")
     rt.send(c, "first", authority=me)
     rt.wait(c, until="idle", timeout=10.0)
     # The child's turn-end notice wakes the idle root: let that turn end too, or it
@@ -811,8 +806,8 @@ def test_a_session_denied_run_command_cannot_get_a_child_that_runs_commands(
 
     # Through the host API: asking for "allow" under a deny does not widen it.
     boss2 = rt.open_session(SCRIPTED, slug="boss2", permissions=deny)
-    widened = _child(rt, boss2, slug="w", permissions={"run_command": "allow"})
-    grandkid = _child(rt, widened, slug="g")
+    widened = spawn_child(rt, boss2, slug="w", permissions={"run_command": "allow"})
+    grandkid = spawn_child(rt, widened, slug="g")
     for sid, parent in ((widened, boss2), (grandkid, widened)):
         rt.send(sid, "try", authority=User(parent=parent), data=kid_script)
         _quiet(rt, sid)
@@ -1166,8 +1161,10 @@ def test_a_childs_turn_ending_during_its_parents_disposal_never_raises_or_strand
     for i in range(120):
         where = f"race {i}/120"
         busy_parent = rng.random() < 0.5
-        p = _child(rt, root, slug=f"p{i}", **({"prompt": "p", "data": HANG} if busy_parent else {}))
-        k = _child(rt, p, slug="k", prompt="k", data=HANG)
+        p = spawn_child(
+            rt, root, slug=f"p{i}", **({"prompt": "p", "data": HANG} if busy_parent else {})
+        )
+        k = spawn_child(rt, p, slug="k", prompt="k", data=HANG)
         rt.wait(k, until="running", timeout=10.0)
         if busy_parent:
             rt.wait(p, until="running", timeout=10.0)
@@ -1196,7 +1193,7 @@ def test_fifty_thousand_idle_sessions_need_no_thread_each() -> None:
         roots = [rt.open_session(SCRIPTED, slug=f"root{r}") for r in range(5)]
         made = 0
         for n in range(50_000):
-            _child(rt, roots[n % 5])
+            spawn_child(rt, roots[n % 5])
             made += 1
             if n % 500 == 0:
                 threads = (threading.active_count(), me.num_threads())
@@ -1233,12 +1230,12 @@ def test_steers_sent_before_dispatch_are_in_force_at_the_first_boundary(
     only once the driver had passed it."""
     root = rt.open_session(SCRIPTED)
     me = User(parent=root)
-    blockers = [_child(rt, root, slug=f"b{i}") for i in range(2)]
+    blockers = [spawn_child(rt, root, slug=f"b{i}") for i in range(2)]
     for b in blockers:
         rt.send(b, "hold", authority=me, data=steps({"op": "hang"}))
         rt.wait(b, until="running", timeout=10.0)
     for i in range(20):
-        c = _child(rt, root, slug=f"late{i}")
+        c = spawn_child(rt, root, slug=f"late{i}")
         rt.send(c, "go", authority=me, data=steps({"op": "say", "text": "first step"}))
         assert rt.status(c).dispatched is False
         turn = rt.interrupt(c, authority=me, kind="steer", reason=f"before dispatch {i}")

@@ -21,7 +21,17 @@ import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED, alive, eventually, runtime, steps, tree_of, worker_with_tool
+from drivers import (
+    SCRIPTED,
+    alive,
+    eventually,
+    family,
+    runtime,
+    spawn_child,
+    steps,
+    tree_of,
+    worker_with_tool,
+)
 from tether import Ancestor, User
 from tether_server import TETHER, running_server
 
@@ -30,17 +40,6 @@ HANG = steps(HANG_OP)
 SH_TREE = ["sh", "-c", "sleep 300 & sleep 300; wait"]
 CALLER = "test_tools:ToolCaller"  # plays a model: makes the tool calls its message lists
 NO_PROCS = "this executor does not report how it killed a tree (TurnOver.via): cgroup branch"
-
-
-def _child(rt: tether.Runtime, parent: str, driver: str = SCRIPTED, **kw: Any) -> str:
-    sid = rt.spawn(parent, driver, **kw)
-    assert isinstance(sid, str)
-    return sid
-
-
-def _family(rt: tether.Runtime, **kw: Any) -> tuple[str, str, User]:
-    root = rt.open_session(SCRIPTED, slug="lead")
-    return root, _child(rt, root, slug="kid", **kw), User(parent=root)
 
 
 def _ended(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
@@ -75,7 +74,7 @@ def _check_times(r: tether.StopReport) -> None:
 def test_a_cancel_taken_at_a_boundary_reports_when_it_landed_and_the_tool_it_found_open(
     rt: tether.Runtime,
 ) -> None:
-    root, kid, me = _family(rt)
+    root, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(kid, "go", authority=me, data=steps({"op": "tool", "argv": ["sleep", "1.5"]}, HANG_OP))
     worker_with_tool(rt, "sleep")  # the command runs: the cancel finds it open
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="wrong approach")
@@ -107,7 +106,7 @@ def test_a_cancel_taken_at_a_boundary_reports_when_it_landed_and_the_tool_it_fou
 def test_a_force_broken_cancel_reports_the_kill_as_its_effect_not_the_boundary_it_ignored(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(
         kid,
         "stubborn",
@@ -137,7 +136,7 @@ def test_a_force_broken_cancel_reports_the_kill_as_its_effect_not_the_boundary_i
 def _forced_async_cancel(rt: tether.Runtime, driver: str, data: dict[str, Any]) -> None:
     """An async turn whose cancel reaches it at an await held by a shield that outlasts
     the grace: the report names the kill, not the moment the cancel reached the await."""
-    _, kid, me = _family(rt, driver=driver)
+    _, kid, me = family(rt, driver, root_driver=SCRIPTED, root_slug="lead", slug="kid")
     rt.send(kid, "work", authority=me, data=data)
     said = "calling" if driver == "drivers:AsyncPreemptable" else "shielded"
     eventually(lambda: any(e.text == said for e in rt.transcript(kid)), what=said)
@@ -171,7 +170,9 @@ def test_a_forced_cancel_of_a_shield_reports_the_kill_not_the_await(rt: tether.R
 def test_a_cancel_a_never_call_held_back_reports_its_effect_when_the_call_returned(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt, driver="drivers:AsyncPreemptable")
+    _, kid, me = family(
+        rt, "drivers:AsyncPreemptable", root_driver=SCRIPTED, root_slug="lead", slug="kid"
+    )
     rt.send(kid, "work", authority=me, data={"preempt": "never", "seconds": 0.8})
     eventually(lambda: any(e.text == "calling" for e in rt.transcript(kid)), what="calling")
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="later", grace=10.0)
@@ -196,7 +197,7 @@ def test_a_cancel_a_never_call_held_back_reports_its_effect_when_the_call_return
 def test_a_cancel_escalated_by_its_deadline_reports_the_kill_as_its_effect(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     # Wedged in a command: no boundary comes before the deadline.
     rt.send(kid, "wedge", authority=me, data=steps({"op": "tool", "argv": ["sleep", "60"]}))
     worker_with_tool(rt, "sleep")
@@ -211,7 +212,7 @@ def test_a_cancel_escalated_by_its_deadline_reports_the_kill_as_its_effect(
 
 
 def test_an_abort_reports_the_tool_call_it_killed(rt: tether.Runtime) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(kid, "wedge", authority=me, data=steps({"op": "tool", "argv": SH_TREE}))
     worker_with_tool(rt, "sleep", count=2)
     turn = rt.interrupt(kid, authority=me, kind="abort", reason="stuck")
@@ -226,7 +227,7 @@ def test_an_abort_reports_the_tool_call_it_killed(rt: tether.Runtime) -> None:
 def test_an_abort_lists_every_process_the_test_started_and_each_is_dead(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(kid, "wedge", authority=me, data=steps({"op": "tool", "argv": SH_TREE}))
     worker = worker_with_tool(rt, "sleep", count=2)
     procs = tree_of(worker)  # the worker, sh and its two sleeps
@@ -251,7 +252,7 @@ def test_an_abort_lists_every_process_the_test_started_and_each_is_dead(
 def test_a_preempt_reports_the_tool_call_it_cut_and_the_turn_goes_on(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(
         kid,
         "go",
@@ -278,7 +279,7 @@ def test_a_preempt_reports_the_tool_call_it_cut_and_the_turn_goes_on(
 
 def test_a_watchdog_step_leaves_a_report_of_origin_watchdog(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
-    kid = _child(rt, root, stall={"after": 0.3, "steps": ["cancel"]})
+    kid = spawn_child(rt, root, stall={"after": 0.3, "steps": ["cancel"]})
     me = User(parent=root)
     # No progress for a second (the watchdog cancels), then a boundary that takes it.
     rt.send(kid, "go", authority=me, data=steps({"op": "sleep", "seconds": 1.0}, HANG_OP))
@@ -301,7 +302,7 @@ def test_a_watchdog_step_leaves_a_report_of_origin_watchdog(rt: tether.Runtime) 
 def test_a_stop_racing_a_turns_natural_end_always_leaves_a_complete_report(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
@@ -331,7 +332,7 @@ def test_a_stop_racing_a_turns_natural_end_always_leaves_a_complete_report(
 
 
 def test_no_report_for_a_turn_no_stop_reached(rt: tether.Runtime) -> None:
-    _, kid, me = _family(rt)
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(kid, "plain", authority=me)
     rt.wait(kid)
     done = rt.turns(kid)[-1]
@@ -355,7 +356,7 @@ def test_no_report_for_a_turn_no_stop_reached(rt: tether.Runtime) -> None:
 
 def test_a_stop_report_survives_a_restart_on_the_same_store(db_path: str) -> None:
     with runtime(db_path, workers=1, grace=1.0) as rt:
-        _, kid, me = _family(rt)
+        _, kid, me = family(rt, root_slug="lead", slug="kid")
         rt.send(kid, "wedge", authority=me, data=steps({"op": "tool", "argv": ["sleep", "300"]}))
         worker_with_tool(rt, "sleep")
         turn = rt.interrupt(kid, authority=me, kind="abort", reason="before the restart")
@@ -417,9 +418,9 @@ def _calls(*calls: tuple[str, dict[str, Any]]) -> dict[str, Any]:
 
 def test_the_stop_report_tool_reads_only_the_callers_own_subtree(rt: tether.Runtime) -> None:
     root = rt.open_session(CALLER, slug="root")
-    a = _child(rt, root, CALLER, slug="a")
-    b = _child(rt, root, CALLER, slug="b")
-    a1 = _child(rt, a, CALLER, slug="a1")
+    a = spawn_child(rt, root, CALLER, slug="a")
+    b = spawn_child(rt, root, CALLER, slug="b")
+    a1 = spawn_child(rt, a, CALLER, slug="a1")
     wedge = _calls(("run_command", {"argv": ["sleep", "300"]}))
     rt.send(a1, "wedge", authority=User(parent=a), data=wedge)
     worker_with_tool(rt, "sleep")
@@ -447,10 +448,10 @@ def test_the_stop_report_tool_reads_only_the_callers_own_subtree(rt: tether.Runt
 def _tree(rt: tether.Runtime, me_root: str) -> dict[str, str]:
     """root ─ a ─ a1, root ─ b ─ b1: each running a command (a sh with two sleeps)."""
     ids = {"root": me_root}
-    ids["a"] = _child(rt, me_root, slug="a")
-    ids["b"] = _child(rt, me_root, slug="b")
-    ids["a1"] = _child(rt, ids["a"], slug="a1")
-    ids["b1"] = _child(rt, ids["b"], slug="b1")
+    ids["a"] = spawn_child(rt, me_root, slug="a")
+    ids["b"] = spawn_child(rt, me_root, slug="b")
+    ids["a1"] = spawn_child(rt, ids["a"], slug="a1")
+    ids["b1"] = spawn_child(rt, ids["b"], slug="b1")
     return ids
 
 
@@ -518,9 +519,9 @@ def test_a_subtree_abort_of_a_three_level_tree_stops_every_running_turn_and_leav
 def test_a_subtree_cancel_binds_each_stop_to_its_own_turn_and_skips_idle_sessions(
     rt: tether.Runtime,
 ) -> None:
-    _, kid, me = _family(rt)
-    grand = _child(rt, kid, slug="grand")
-    idle = _child(rt, kid, slug="idle")
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
+    grand = spawn_child(rt, kid, slug="grand")
+    idle = spawn_child(rt, kid, slug="idle")
     rt.send(kid, "go", authority=me, data=HANG)
     rt.send(grand, "go", authority=User(parent=kid), data=HANG)
     mine = rt.wait(kid, until="running").turn
@@ -542,8 +543,8 @@ def test_a_subtree_cancel_binds_each_stop_to_its_own_turn_and_skips_idle_session
 
 
 def test_a_subtree_stop_is_authorized_once_at_its_top(rt: tether.Runtime) -> None:
-    root, kid, me = _family(rt)
-    grand = _child(rt, kid, slug="grand")
+    root, kid, me = family(rt, root_slug="lead", slug="kid")
+    grand = spawn_child(rt, kid, slug="grand")
     with pytest.raises(tether.Unauthorized):
         rt.interrupt(kid, authority=User(parent=grand), kind="abort", scope="subtree")
     with pytest.raises(tether.Unauthorized):  # a session cannot stop its own subtree
@@ -566,8 +567,8 @@ def test_a_subtree_stop_is_authorized_once_at_its_top(rt: tether.Runtime) -> Non
 def test_the_interrupt_agent_tool_stops_a_subtree() -> None:
     with runtime(workers=3, grace=1.0) as rt:  # two wedged turns and the caller's
         root = rt.open_session(CALLER, slug="root")
-        a = _child(rt, root, CALLER, slug="a")
-        a1 = _child(rt, a, CALLER, slug="a1")
+        a = spawn_child(rt, root, CALLER, slug="a")
+        a1 = spawn_child(rt, a, CALLER, slug="a1")
         wedge = _calls(("run_command", {"argv": ["sleep", "300"]}))
         rt.send(a, "wedge", authority=User(parent=root), data=wedge)
         rt.send(a1, "wedge", authority=User(parent=a), data=wedge)

@@ -32,6 +32,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    family,
     frozen,
     kill_token,
     refilled,
@@ -57,13 +58,6 @@ def ray_rt(ray_session: Any) -> Iterator[tether.Runtime]:
         workers=2, grace=1.0, backend="ray", ray_options={"abort_timeout": ABORT_TIMEOUT}
     ) as runtime:
         yield runtime
-
-
-def _family(rt: tether.Runtime) -> tuple[str, str, User]:
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, SCRIPTED, slug="child")
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
 
 
 def _slot_of(worker: psutil.Process) -> psutil.Process:
@@ -93,7 +87,7 @@ def test_abort_with_a_setsid_escapee_reports_aborted_only_once_every_process_is_
 ) -> None:
     rt = ray_rt
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ESCAPEE_TREE}))
     worker = worker_with_tool(rt, "sleep", count=2)
     tree = tree_of(worker)
@@ -120,7 +114,7 @@ def test_a_slot_frozen_with_sigstop_still_ends_aborted_in_time_and_the_next_turn
 ) -> None:
     rt = ray_rt
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ["sleep", "30"]}))
     worker = worker_with_tool(rt, "sleep")
     slot = _slot_of(worker)
@@ -154,7 +148,7 @@ def test_an_abort_whose_reaper_is_frozen_is_reported_only_once_a_new_reaper_saw_
 ) -> None:
     rt = ray_rt
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ESCAPEE_TREE}))
     worker = worker_with_tool(rt, "sleep", count=2)
     tree = tree_of(worker)
@@ -178,7 +172,7 @@ def test_a_slot_killed_mid_turn_ends_the_turn_crashed_runs_its_step_once_and_is_
 ) -> None:
     rt = ray_rt
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     refilled(rt)
     rt.send(
         child,
@@ -215,7 +209,7 @@ def test_a_slot_killed_mid_turn_ends_the_turn_crashed_runs_its_step_once_and_is_
 def test_fifty_steers_back_to_back_arrive_in_order(ray_rt: tether.Runtime) -> None:
     rt = ray_rt
     rec = Recorder(rt)
-    _root, child, me = _family(rt)
+    _root, child, me = family(rt, slug="child")
     rt.send(child, "A", authority=me, data=steps({"op": "say", "text": "up"}, {"op": "hang"}))
     eventually(lambda: "up" in texts(rt, child, "assistant"), timeout=5.0, what="the turn")
     for i in range(50):
@@ -257,7 +251,7 @@ def test_pause_freezes_the_turn_tree_on_its_node_and_resume_thaws_it(
 ) -> None:
     rt = ray_rt
     rec = Recorder(rt)
-    root, child, me = _family(rt)
+    root, child, me = family(rt, slug="child")
     rt.send(child, "A", authority=me, data=steps({"op": "tool", "argv": ESCAPEE_TREE}))
     worker = worker_with_tool(rt, "sleep", count=2)
     tree = tree_of(worker)
@@ -285,7 +279,7 @@ def test_with_no_spare_a_new_driver_is_checked_beside_a_busy_slot_and_an_abort_r
 ) -> None:
     with tether.Runtime(workers=1, grace=1.0, backend="ray", ray_options={"spare": 0}) as rt:
         rec = Recorder(rt)
-        root, busy, me = _family(rt)
+        root, busy, me = family(rt, slug="child")
         assert len(rt.worker_pids) == 1  # the one slot, no spare
         rt.send(busy, "hold the only slot", authority=me, data=HANG)
         eventually(lambda: rt.status(busy).dispatched, timeout=5.0, what="busy to dispatch")

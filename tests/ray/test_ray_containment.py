@@ -18,13 +18,13 @@ import pytest
 
 import tether
 from drivers import (
-    SCRIPTED,
     Recorder,
     alive,
     cgroup_probe,
     escapee,
     escapee_procs,
     eventually,
+    family,
     frozen,
     leaf_of,
     steps,
@@ -48,13 +48,6 @@ def _ray_runtime(containment: str) -> tether.Runtime:
     )
 
 
-def _family(rt: tether.Runtime) -> tuple[str, User]:
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, SCRIPTED, slug="child")
-    assert isinstance(child, str)
-    return child, User(parent=root)
-
-
 def _turn_child(rt: tether.Runtime, turn: str) -> psutil.Process:
     """The turn child running ``turn`` (the slot actor's child on this one-node cluster)."""
     pool: Any = rt._pool  # type: ignore[attr-defined]
@@ -65,7 +58,7 @@ def _turn_child(rt: tether.Runtime, turn: str) -> psutil.Process:
 
 
 def _run_escapee(rt: tether.Runtime, token: str) -> tuple[str, str, User, psutil.Process]:
-    child, me = _family(rt)
+    _, child, me = family(rt, slug="child")
     argv = ["sh", "-c", escapee(token)]
     rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": argv}))
     turn = rt.wait(child, until="running", timeout=30.0).turn
