@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import psutil
 
@@ -32,6 +32,9 @@ from tether.runtime._procs import exiting
 # re-exported: tests import them from here
 from tether.testing.escapee import escapee as escapee
 from tether.testing.escapee import escapee_procs as escapee_procs
+
+if TYPE_CHECKING:
+    import subprocess
 
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
@@ -305,6 +308,26 @@ def family(
     return root, spawn_child(rt, root, driver, **spawn), tether.User(parent=root)
 
 
+def ended_turn(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
+    """The record of ``sid``'s ``turn`` once it has ended (its outcome set)."""
+
+    def done() -> tether.TurnRecord | None:
+        rec = next((t for t in rt.turns(sid) if t.id == turn), None)
+        return rec if rec is not None and rec.outcome is not None else None
+
+    return eventually(done, timeout=15.0, what=f"turn {turn} to end")
+
+
+def final_report(rt: tether.Runtime, turn: str) -> tether.StopReport:
+    """The stop report of ``turn`` once it is complete (its turn has ended: ``outcome`` set)."""
+
+    def complete() -> tether.StopReport | None:
+        r = rt.stop_report(turn)
+        return r if r is not None and r.outcome is not None else None
+
+    return eventually(complete, timeout=15.0, what=f"the complete stop report of {turn}")
+
+
 def eventually(
     predicate: Callable[[], T | None], *, timeout: float = 5.0, what: str = "condition"
 ) -> T:
@@ -374,6 +397,10 @@ def texts(rt: tether.Runtime, sid: str, kind: str) -> list[str]:
     return [e.text for e in entries(rt, sid, kind)]
 
 
+def marker_actions(rt: tether.Runtime, sid: str) -> list[str | None]:
+    return [e.action for e in entries(rt, sid, "marker")]
+
+
 def wait_entry(
     rt: tether.Runtime, sid: str, kind: str, text: str, *, timeout: float = 5.0
 ) -> tether.Entry:
@@ -414,6 +441,38 @@ def frozen(proc: psutil.Process) -> bool:
             return "frozen 1" in f.read()
     except OSError:
         return False
+
+
+def all_frozen(procs: list[psutil.Process]) -> bool:
+    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
+    return all(frozen(p) for p in procs)
+
+
+def none_frozen(procs: list[psutil.Process]) -> bool:
+    return not any(frozen(p) for p in procs)
+
+
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that are running and not zombies."""
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def line_from(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The next line ``proc`` prints on its stdout, waited for ``timeout`` seconds at most."""
+    box: list[str] = []
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box or not box[0]:
+        raise AssertionError(f"the subprocess printed nothing in {timeout:g}s")
+    return box[0]
 
 
 def worker_with_tool(rt: tether.Runtime, name: str, *, count: int = 1) -> psutil.Process:

@@ -24,6 +24,8 @@ from drivers import (
     entries,
     eventually,
     family,
+    final_report,
+    marker_actions,
     refilled,
     steps,
     texts,
@@ -32,10 +34,6 @@ from drivers import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _actions(rt: tether.Runtime, sid: str) -> list[str | None]:
-    return [e.action for e in entries(rt, sid, "marker")]
 
 
 def test_a_cancel_lands_at_an_await_in_a_long_sleep_within_a_second(rt: tether.Runtime) -> None:
@@ -77,7 +75,7 @@ def test_a_driver_that_catches_the_cancel_ends_cancelled_with_its_wrap_up_in_the
     ended = rec.turn_ended(child)
     assert (ended["outcome"], ended["forced"]) == ("cancelled", False)
     assert texts(rt, child, "assistant")[-1] == "wrapped up: out of time"
-    assert _actions(rt, child) == ["cancelled"]
+    assert marker_actions(rt, child) == ["cancelled"]
     # the parent's ChildTurnEnded notice carries the final text
     eventually(lambda: entries(rt, root, "notice"), what="the parent's notice")
     [notice] = entries(rt, root, "notice")
@@ -129,7 +127,7 @@ def test_a_shield_that_outlasts_grace_is_force_broken(rt: tether.Runtime) -> Non
     ended = rec.turn_ended(child, timeout=10.0)
     assert time.monotonic() - start >= 0.9 * rt.grace
     assert (ended["outcome"], ended["forced"]) == ("cancelled", True)
-    assert _actions(rt, child) == ["cancelled", "forced"]
+    assert marker_actions(rt, child) == ["cancelled", "forced"]
     refilled(rt)
 
 
@@ -159,7 +157,7 @@ def test_a_preempt_of_a_never_tool_is_a_no_op_and_the_call_finishes(rt: tether.R
     ended = rec.turn_ended(child, timeout=5.0)
     assert ended["outcome"] == "completed"
     assert texts(rt, child, "assistant")[-2:] == ["tool finished", "went on"]
-    assert _actions(rt, child) == []  # nothing was preempted
+    assert marker_actions(rt, child) == []  # nothing was preempted
 
 
 def test_a_cancel_during_a_never_tool_waits_for_the_call(rt: tether.Runtime) -> None:
@@ -202,7 +200,7 @@ def test_a_cancel_deadline_escalates_when_an_async_driver_blocks_its_loop(
     rt.interrupt(child, authority=me, kind="cancel", reason="wrap up", deadline=0.3)
     ended = rec.turn_ended(child, timeout=5.0)
     assert (ended["outcome"], ended["escalated"], ended["forced"]) == ("aborted", True, False)
-    assert _actions(rt, child) == ["cancelled", "escalated"]
+    assert marker_actions(rt, child) == ["cancelled", "escalated"]
     refilled(rt)
 
 
@@ -215,7 +213,7 @@ def test_the_watchdogs_cancel_lands_at_the_await_of_a_stalled_async_turn(
     rt.send(child, "stall", authority=me, data=steps({"op": "sleep", "seconds": 30}))
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("cancelled", "system", "watchdog")
-    assert _actions(rt, child) == ["cancelled"]
+    assert marker_actions(rt, child) == ["cancelled"]
     assert texts(rt, child, "assistant")[-1].startswith("cancelled after")
 
 
@@ -233,7 +231,7 @@ def test_peeking_at_pending_steers_neither_takes_them_nor_hides_a_stall_from_the
     rt.send(child, "watch", authority=me)
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("cancelled", "system", "watchdog")
-    assert _actions(rt, child) == ["cancelled"]  # the steer was seen, never delivered
+    assert marker_actions(rt, child) == ["cancelled"]  # the steer was seen, never delivered
     [peeked] = [t for t in texts(rt, child, "assistant") if t.startswith("peeked: ")]
     assert [t.endswith("still there?") for t in json.loads(peeked.removeprefix("peeked: "))] == [
         True
@@ -296,7 +294,7 @@ def test_a_cancel_racing_an_async_turns_start_always_lands_on_that_turn(
     finally:
         sys.setswitchinterval(old)
     assert all(t.outcome == "cancelled" for t in rt.turns(child))
-    assert _actions(rt, child) == ["cancelled"] * 60
+    assert marker_actions(rt, child) == ["cancelled"] * 60
 
 
 @pytest.mark.timeout(180)
@@ -316,17 +314,9 @@ def test_a_deadline_racing_the_delivery_at_an_await_ends_the_turn_one_way_or_the
         assert (ended["outcome"], ended["escalated"]) in (("cancelled", False), ("aborted", True))
         seen.add(ended["outcome"])
         refilled(rt)
-    actions = _actions(rt, child)
+    actions = marker_actions(rt, child)
     assert actions.count("escalated") == sum(t.outcome == "aborted" for t in rt.turns(child))
     print(f"\noutcomes seen: {sorted(seen)}")
-
-
-def _report(rt: tether.Runtime, turn: str) -> tether.StopReport:
-    def complete() -> tether.StopReport | None:
-        r = rt.stop_report(turn)
-        return r if r is not None and r.outcome is not None else None
-
-    return eventually(complete, timeout=15.0, what=f"the complete stop report of {turn}")
 
 
 def test_a_cancel_at_an_await_is_reported_cancel_at_await_with_the_command_it_cut(
@@ -338,7 +328,7 @@ def test_a_cancel_at_an_await_is_reported_cancel_at_await_with_the_command_it_cu
     worker_with_tool(rt, "sleep")
     turn = rt.interrupt(child, authority=me, kind="cancel", reason="stop")
     assert turn is not None and rec.turn_ended(child)["outcome"] == "cancelled"
-    report = _report(rt, turn)
+    report = final_report(rt, turn)
     assert (report.via, report.outcome) == ("cancel-at-await", "cancelled")
     assert [(t.name, t.fate) for t in report.tools] == [("run_command", "cancelled")]
 
@@ -350,7 +340,7 @@ def test_a_preempted_tool_await_is_reported_with_its_fate(rt: tether.Runtime) ->
     wait_entry(rt, child, "assistant", "calling")
     turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
     assert turn is not None and rec.turn_ended(child)["outcome"] == "completed"
-    report = _report(rt, turn)
+    report = final_report(rt, turn)
     assert (report.kind, report.via) == ("preempt", "cancel-at-await")
     assert [(t.name, t.fate) for t in report.tools] == [("slow", "preempted")]
 

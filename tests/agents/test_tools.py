@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import psutil
 import pytest
 from jsonschema import Draft202012Validator, ValidationError
 
 import tether
-from drivers import eventually, frozen, tree_of, worker_with_tool
+from drivers import all_frozen, eventually, none_frozen, tree_of, worker_with_tool
 
 NAMES = [
     "spawn_agent",
@@ -143,7 +142,7 @@ def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
     rt.wait(root, until="idle")
     assert _results(rt, root)[-1] == {"accepted": True, "turns": [turn]}
     assert rt.status(kid).state == "paused"
-    eventually(lambda: _stopped(procs), what="the child's processes stopped")
+    eventually(lambda: all_frozen(procs), what="the child's processes stopped")
     [marker] = [e for e in rt.transcript(kid) if e.kind == "marker"]
     assert (marker.action, marker.origin, marker.by, marker.reason) == (
         "paused",
@@ -156,7 +155,7 @@ def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
     rt.wait(root, until="idle")
     assert _results(rt, root)[-1] == {"accepted": True, "turns": [turn]}
     assert rt.status(kid).state == "running"
-    eventually(lambda: not any(_stopped([p]) for p in procs), what="the processes thawed")
+    eventually(lambda: none_frozen(procs), what="the processes thawed")
     rt.interrupt(kid, authority=tether.User(parent=root), kind="abort")
     rt.wait(kid)
 
@@ -166,8 +165,3 @@ def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
     rt.prompt(denied, "try", data={"calls": calls})
     rt.wait(denied, until="idle")
     assert [r["error"] for r in _results(rt, denied)] == ["subagent-unauthorized"] * 2
-
-
-def _stopped(procs: list[psutil.Process]) -> bool:
-    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
-    return all(frozen(p) for p in procs)

@@ -34,6 +34,7 @@ from drivers import (
     SCRIPTED,
     TESTS,
     cgroup_probe,
+    ended_turn,
     escapee,
     escapee_procs,
     eventually,
@@ -42,6 +43,7 @@ from drivers import (
     leaf_of,
     runtime,
     steps,
+    still_running,
     turn_reports,
 )
 from tether import InvalidParams, User
@@ -85,15 +87,6 @@ def _escapee_loop(found: list[psutil.Process], token: str) -> psutil.Process:
     return loop
 
 
-def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-    return out
-
-
 def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> str:
     """Start a turn whose tool runs ``script``; its id, once a worker runs it."""
     rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", script]}))
@@ -109,13 +102,6 @@ def _worker_pid(rt: tether.Runtime, turn: str) -> int:
     pool: Any = rt._pool  # type: ignore[attr-defined]
     pid: int = eventually(lambda: pool.turns.worker(turn), what="the turn on a worker").pid
     return pid
-
-
-def _ended(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
-    rt.wait(sid, until=("idle", "parked"), timeout=15.0)
-    rec = next(t for t in rt.turns(sid) if t.id == turn)
-    assert rec.outcome is not None
-    return rec
 
 
 # ---- aborts ------------------------------------------------------------------------
@@ -136,10 +122,10 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
             assert leaf_of(esc.pid) == leaf_of(_worker_pid(rt, turn))
 
         assert rt.interrupt(child, authority=me, kind="abort") == turn
-        rec = _ended(rt, child, turn)
+        rec = ended_turn(rt, child, turn)
 
         assert rec.outcome == "aborted"
-        assert _live(found) == [] and escapee_procs(token) == []
+        assert still_running(found) == [] and escapee_procs(token) == []
         # what the stop report shows: how, and every process with its fate
         report = eventually(lambda: rt.stop_report(turn), what="the stop report")
         assert report.via == containment
@@ -189,7 +175,7 @@ def test_an_abort_racing_a_fork_bomb_of_200_forks_leaves_nothing(
         eventually(lambda: len(escapee_procs(token)) >= 20, what="the bomb under way")
         go.touch()  # 180 more forks, 10 ms apart: the abort lands among them
         rt.interrupt(child, authority=me, kind="abort")
-        assert _ended(rt, child, turn).outcome == "aborted"
+        assert ended_turn(rt, child, turn).outcome == "aborted"
         assert escapee_procs(token) == []
         assert 20 <= count.stat().st_size < 200  # the abort raced the forks
 
@@ -208,9 +194,9 @@ def test_sigkill_of_the_turns_worker_leaves_no_process_of_the_turn(
         found = eventually(lambda: escapee_procs(token), what="the escapee running")
         esc = _escapee_loop(found, token)
         os.kill(_worker_pid(rt, turn), signal.SIGKILL)
-        rec = _ended(rt, child, turn)
+        rec = ended_turn(rt, child, turn)
         assert rec.outcome == "crashed"
-        assert _live(found) == [] and escapee_procs(token) == []  # reported only once dead
+        assert still_running(found) == [] and escapee_procs(token) == []  # reported only once dead
         # the turn's end says how its tree was killed, and that the escapee was among it
         assert overs[turn].via == containment
         assert esc.pid in {f.pid for f in overs[turn].processes}
@@ -496,7 +482,7 @@ def test_a_pause_freezes_every_process_of_the_turn_even_one_forked_just_before(
             leaf = leaf_of(worker.pid)
             assert leaf is not None
             assert "frozen 1" in Path(leaf, "cgroup.events").read_text()
-        eventually(lambda: all(frozen(p) for p in _live(tree)), what="every process frozen")
+        eventually(lambda: all(frozen(p) for p in still_running(tree)), what="every process frozen")
         size = out.stat().st_size
         time.sleep(0.3)  # a frozen tree writes nothing: a window to show it, not a sync
         assert out.stat().st_size == size
@@ -506,8 +492,8 @@ def test_a_pause_freezes_every_process_of_the_turn_even_one_forked_just_before(
 
         rt.pause(child, authority=me)
         rt.interrupt(child, authority=me, kind="abort")  # of a frozen turn
-        assert _ended(rt, child, turn).outcome == "aborted"
-        assert _live([worker, *tree]) == []
+        assert ended_turn(rt, child, turn).outcome == "aborted"
+        assert still_running([worker, *tree]) == []
 
 
 # ---- accounting and limits ------------------------------------------------------------
@@ -598,7 +584,7 @@ def test_a_pids_limit_stops_a_fork_bomb_inside_the_turn_which_ends_crashed_pids_
         assert turn is not None
         worker = psutil.Process(_worker_pid(rt, turn))
         leaf = leaf_of(worker.pid)
-        ended = _ended(rt, child, turn)
+        ended = ended_turn(rt, child, turn)
         assert (ended.outcome, ended.error) == ("crashed", "pids limit")
         eventually(lambda: not Path(leaf).exists(), what="the bomb's leaf emptied and removed")
         assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    line_from,
     refilled,
     runtime,
     steps,
@@ -288,18 +288,6 @@ def test_list_agents_walks_a_three_level_tree_in_pre_order(rt: tether.Runtime) -
 # ---- recovery -----------------------------------------------------------------------------
 
 
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    box: list[str] = []
-    assert proc.stdout is not None
-    stdout = proc.stdout
-    reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not box or not box[0]:
-        raise AssertionError(f"the host subprocess printed nothing in {timeout:g}s")
-    return box[0]
-
-
 @contextlib.contextmanager
 def _crashed_host(db_path: str) -> Iterator[tuple[dict[str, str], list[psutil.Process]]]:
     """Run ``host_child.py`` on ``db_path`` and SIGKILL it mid-turn.
@@ -316,7 +304,7 @@ def _crashed_host(db_path: str) -> Iterator[tuple[dict[str, str], list[psutil.Pr
             text=True,
         ) as proc:
             try:
-                ready = json.loads(_read_line(proc, timeout=20.0))
+                ready = json.loads(line_from(proc, timeout=20.0))
                 tree = psutil.Process(proc.pid).children(recursive=True)
                 os.kill(proc.pid, signal.SIGKILL)
                 assert proc.wait(timeout=5.0) == -signal.SIGKILL

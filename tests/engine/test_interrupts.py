@@ -20,6 +20,7 @@ from drivers import (
     entries,
     eventually,
     family,
+    marker_actions,
     refilled,
     spawn_child,
     steps,
@@ -45,10 +46,6 @@ def _ignoring(rt: tether.Runtime, sid: str, auth: tether.User | tether.Ancestor)
         data=steps({"op": "ignore_cancel"}, {"op": "say", "text": "ignoring"}, {"op": "hang"}),
     )
     wait_entry(rt, sid, "assistant", "ignoring")
-
-
-def _actions(rt: tether.Runtime, sid: str) -> list[str | None]:
-    return [e.action for e in entries(rt, sid, "marker")]
 
 
 def _dead(procs: list[psutil.Process]) -> bool:
@@ -169,7 +166,7 @@ def test_abort_kills_the_whole_tool_tree_within_two_seconds(
 
     ended = rec.turn_ended(child)
     assert (ended["outcome"], ended["cause"], ended["reason"]) == ("aborted", "user", "runaway")
-    assert _actions(rt, child) == ["aborted"]
+    assert marker_actions(rt, child) == ["aborted"]
     assert worker.pid not in rt.worker_pids
 
     rt.send(child, "next", authority=me)
@@ -199,7 +196,7 @@ def test_cancel_ignored_by_the_driver_is_force_broken_after_grace(
         "user",
         "please stop",
     )
-    assert _actions(rt, child) == ["cancelled", "forced"]
+    assert marker_actions(rt, child) == ["cancelled", "forced"]
     assert not any(t.startswith("cancelled after") for t in texts(rt, child, "assistant"))
     refilled(rt)
 
@@ -225,12 +222,12 @@ def test_deadline_escalates_a_cancel_stuck_in_a_tool_to_an_abort(
             False,
             False,
         )
-        assert _actions(rt, child) == ["cancelled"]
+        assert marker_actions(rt, child) == ["cancelled"]
         eventually(lambda: _dead(tools), timeout=2.0, what="the cancelled tool to die")
         return
     assert (ended["outcome"], ended["escalated"], ended["forced"]) == ("aborted", True, False)
     assert (ended["cause"], ended["reason"]) == ("user", "wrap up")
-    assert _actions(rt, child) == ["cancelled", "escalated"]
+    assert marker_actions(rt, child) == ["cancelled", "escalated"]
     assert _dead(tools)
     refilled(rt)
 
@@ -254,7 +251,7 @@ def test_a_cancel_without_a_deadline_ends_a_driver_stuck_in_a_blocking_call_by_t
     elapsed = time.monotonic() - start
     assert elapsed >= 0.9 * rt.cancel_deadline, "escalated before the default deadline"
     assert (ended["outcome"], ended["escalated"], ended["forced"]) == ("aborted", True, False)
-    assert _actions(rt, child) == ["cancelled", "escalated"]
+    assert marker_actions(rt, child) == ["cancelled", "escalated"]
     assert turn is not None
     report = rt.stop_report(turn)
     assert report is not None
@@ -417,7 +414,7 @@ def test_a_stop_discards_pending_and_later_steers(rt: tether.Runtime, scripted: 
     rt.interrupt(child, authority=me, kind="preempt", reason="release the boundary")
 
     assert rec.turn_ended(child)["outcome"] == "cancelled"
-    assert "steered" not in _actions(rt, child)
+    assert "steered" not in marker_actions(rt, child)
     said = texts(rt, child, "assistant")
     assert not any("advice" in t for t in said)
     assert said[-1].startswith("cancelled after") and said[-1].endswith(": stop")
@@ -441,7 +438,7 @@ def test_a_second_cancel_is_an_idempotent_no_op(rt: tether.Runtime, scripted: st
         "alice",
         "first",
     )
-    assert _actions(rt, child) == ["cancelled", "forced"]
+    assert marker_actions(rt, child) == ["cancelled", "forced"]
     refilled(rt)
 
 
@@ -465,7 +462,7 @@ def test_abort_overrides_a_pending_cancel_with_its_own_cause_and_reason(
         "hard",
     )
     assert ended["forced"] is False
-    assert _actions(rt, child) == ["cancelled", "aborted"]
+    assert marker_actions(rt, child) == ["cancelled", "aborted"]
     refilled(rt)
 
 
@@ -661,7 +658,7 @@ def test_preempt_without_a_running_tool_is_an_accepted_no_op(
     rt.interrupt(child, authority=me, kind="steer", reason="barrier")
     wait_entry(rt, child, "assistant", "barrier")  # the preempt was handled before this
     assert rt.status(child).turn == turn
-    assert _actions(rt, child) == ["steered"]
+    assert marker_actions(rt, child) == ["steered"]
     rt.interrupt(child, authority=me, kind="cancel")
     assert rec.turn_ended(child)["outcome"] == "cancelled"
 

@@ -17,6 +17,7 @@ from drivers import (
     HANG,
     Recorder,
     alive,
+    all_frozen,
     entries,
     eventually,
     family,
@@ -33,11 +34,6 @@ pytestmark = pytest.mark.timeout(60)
 
 # A tool tree that outlives a short pause: sh, then a sleep under it.
 SLOW_TOOL = ["sh", "-c", "sleep 1; echo out-of-the-tool; exit 3"]
-
-
-def _stopped(procs: list[psutil.Process]) -> bool:
-    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
-    return all(frozen(p) for p in procs)
 
 
 def _running(procs: list[psutil.Process]) -> bool:
@@ -65,12 +61,12 @@ def test_pause_mid_tool_stops_every_process_and_resume_finishes_the_turn_intact(
 
     running = rt.status(child).turn
     assert rt.pause(child, authority=me, reason="let me look") == [running]
-    eventually(lambda: _stopped(tree), timeout=2.0, what="every process of the tree stopped")
+    eventually(lambda: all_frozen(tree), timeout=2.0, what="every process of the tree stopped")
     assert rt.status(child).state == "paused"
     seen = len(rt.transcript(child))
     # Longer than the tool's own sleep: a thawed tree would have finished by now.
     time.sleep(1.3)
-    assert _stopped(tree)
+    assert all_frozen(tree)
     assert len(rt.transcript(child)) == seen, "the frozen turn wrote to its transcript"
 
     assert rt.resume(child, authority=me) == [running]
@@ -160,7 +156,7 @@ def test_abort_of_a_paused_turn_kills_the_frozen_tree_at_once(
     worker = worker_with_tool(rt, "sleep")
     tree = tree_of(worker)
     rt.pause(child, authority=me)
-    eventually(lambda: _stopped(tree), timeout=2.0, what="the tree stopped")
+    eventually(lambda: all_frozen(tree), timeout=2.0, what="the tree stopped")
 
     rt.interrupt(child, authority=me, kind="abort", reason="enough")
     eventually(lambda: not any(alive(p) for p in tree), timeout=2.0, what="the tree dead")

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 import tether
-from drivers import TESTS
+from drivers import TESTS, line_from
 from tether import User
 from tether.actors.host import StatusOp, _Call, _Reply
 from tether.wire.errors import StoreLocked, StoreUnavailable
@@ -46,17 +46,6 @@ db.execute("ROLLBACK")
 """
 
 
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    box: list[str] = []
-    assert proc.stdout is not None
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    reader.join(timeout)
-    if not box or not box[0]:
-        raise AssertionError(f"the subprocess printed nothing in {timeout:g}s")
-    return box[0]
-
-
 @contextlib.contextmanager
 def write_locked(path: str) -> Iterator[subprocess.Popen[str]]:
     """Another process holds the store's write lock for the length of the block."""
@@ -67,7 +56,7 @@ def write_locked(path: str) -> Iterator[subprocess.Popen[str]]:
         text=True,
     )
     try:
-        assert _read_line(proc, 20.0).strip() == "locked"
+        assert line_from(proc, 20.0).strip() == "locked"
         yield proc
     finally:
         assert proc.stdin is not None
@@ -88,7 +77,7 @@ def host_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, 
     )
     tree: list[psutil.Process] = []
     try:
-        ready = json.loads(_read_line(proc, 60.0))
+        ready = json.loads(line_from(proc, 60.0))
         tree = psutil.Process(proc.pid).children(recursive=True)
         yield proc, ready
     finally:

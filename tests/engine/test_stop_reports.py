@@ -24,8 +24,10 @@ import tether
 from drivers import (
     SCRIPTED,
     alive,
+    ended_turn,
     eventually,
     family,
+    final_report,
     runtime,
     spawn_child,
     steps,
@@ -40,26 +42,6 @@ HANG = steps(HANG_OP)
 SH_TREE = ["sh", "-c", "sleep 300 & sleep 300; wait"]
 CALLER = "test_tools:ToolCaller"  # plays a model: makes the tool calls its message lists
 NO_PROCS = "this executor does not report how it killed a tree (TurnOver.via): cgroup branch"
-
-
-def _ended(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
-    """Wait for ``turn`` to have its end record; return it."""
-
-    def done() -> tether.TurnRecord | None:
-        rec = next((t for t in rt.turns(sid) if t.id == turn), None)
-        return rec if rec is not None and rec.outcome is not None else None
-
-    return eventually(done, timeout=15.0, what=f"turn {turn} to end")
-
-
-def _final(rt: tether.Runtime, turn: str) -> tether.StopReport:
-    """The report once it is complete (its turn has ended: ``outcome`` set)."""
-
-    def complete() -> tether.StopReport | None:
-        r = rt.stop_report(turn)
-        return r if r is not None and r.outcome is not None else None
-
-    return eventually(complete, timeout=15.0, what=f"the complete stop report of {turn}")
 
 
 def _check_times(r: tether.StopReport) -> None:
@@ -90,8 +72,8 @@ def test_a_cancel_taken_at_a_boundary_reports_when_it_landed_and_the_tool_it_fou
     )
     assert first.outcome is None and first.effective_at is None
 
-    record = _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    record = ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     assert (r.turn, r.session, r.outcome, r.via) == (turn, kid, "cancelled", "boundary")
     assert not r.forced and not r.escalated and r.processes == []
     assert r.requested_at == first.requested_at
@@ -116,8 +98,8 @@ def test_a_force_broken_cancel_reports_the_kill_as_its_effect_not_the_boundary_i
     eventually(lambda: any(e.text == "ignoring" for e in rt.transcript(kid)), what="ignoring")
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="stop", grace=0.3)
     assert turn is not None
-    record = _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    record = ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     assert (r.outcome, r.forced, r.escalated) == ("cancelled", True, False)
     assert record.forced
     _check_times(r)
@@ -142,8 +124,8 @@ def _forced_async_cancel(rt: tether.Runtime, driver: str, data: dict[str, Any]) 
     eventually(lambda: any(e.text == said for e in rt.transcript(kid)), what=said)
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="stop", grace=0.5)
     assert turn is not None
-    record = _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    record = ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     assert (r.outcome, r.forced, r.escalated) == ("cancelled", True, False)
     assert record.forced
     _check_times(r)
@@ -177,8 +159,8 @@ def test_a_cancel_a_never_call_held_back_reports_its_effect_when_the_call_return
     eventually(lambda: any(e.text == "calling" for e in rt.transcript(kid)), what="calling")
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="later", grace=10.0)
     assert turn is not None
-    record = _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    record = ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     assert (r.outcome, r.forced, r.escalated, r.via) == (
         "cancelled",
         False,
@@ -203,8 +185,8 @@ def test_a_cancel_escalated_by_its_deadline_reports_the_kill_as_its_effect(
     worker_with_tool(rt, "sleep")
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="late", deadline=0.3)
     assert turn is not None
-    _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     assert (r.kind, r.outcome, r.escalated, r.forced) == ("cancel", "aborted", True, False)
     _check_times(r)
     assert r.latency_ms is not None and r.latency_ms >= 300
@@ -217,8 +199,8 @@ def test_an_abort_reports_the_tool_call_it_killed(rt: tether.Runtime) -> None:
     worker_with_tool(rt, "sleep", count=2)
     turn = rt.interrupt(kid, authority=me, kind="abort", reason="stuck")
     assert turn is not None
-    _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     assert (r.kind, r.outcome, r.reason) == ("abort", "aborted", "stuck")
     _check_times(r)
     assert [(t.name, t.fate) for t in r.tools] == [("run_command", "killed")]
@@ -234,8 +216,8 @@ def test_an_abort_lists_every_process_the_test_started_and_each_is_dead(
     started = {p.pid: p.create_time() for p in procs}
     turn = rt.interrupt(kid, authority=me, kind="abort", reason="stuck")
     assert turn is not None
-    _ended(rt, kid, turn)
-    r = _final(rt, turn)
+    ended_turn(rt, kid, turn)
+    r = final_report(rt, turn)
     if r.via is None:
         pytest.skip(NO_PROCS)
     assert r.via in ("cgroup", "walk")
@@ -262,9 +244,9 @@ def test_a_preempt_reports_the_tool_call_it_cut_and_the_turn_goes_on(
     worker_with_tool(rt, "sleep")
     turn = rt.interrupt(kid, authority=me, kind="preempt", reason="too slow")
     assert turn is not None
-    record = _ended(rt, kid, turn)
+    record = ended_turn(rt, kid, turn)
     assert record.outcome == "completed"
-    r = _final(rt, turn)
+    r = final_report(rt, turn)
     assert (r.kind, r.origin, r.reason, r.via, r.outcome) == (
         "preempt",
         "user",
@@ -286,7 +268,7 @@ def test_a_watchdog_step_leaves_a_report_of_origin_watchdog(rt: tether.Runtime) 
     info = rt.wait(kid, until="parked", timeout=15.0)
     assert info.state == "parked"
     turn = rt.turns(kid)[-1].id
-    r = _final(rt, turn)
+    r = final_report(rt, turn)
     assert (r.kind, r.origin, r.by, r.outcome, r.via) == (
         "cancel",
         "watchdog",
@@ -318,7 +300,7 @@ def test_a_stop_racing_a_turns_natural_end_always_leaves_a_complete_report(
                 assert last.outcome == "completed"
             else:
                 bound += 1
-                r = _final(rt, turn)
+                r = final_report(rt, turn)
                 assert (r.kind, r.reason) == (kind, f"race {n}")
                 assert r.outcome == ("cancelled" if kind == "cancel" else "aborted")
                 assert r.outcome == last.outcome and last.id == turn
@@ -361,7 +343,7 @@ def test_a_stop_report_survives_a_restart_on_the_same_store(db_path: str) -> Non
         worker_with_tool(rt, "sleep")
         turn = rt.interrupt(kid, authority=me, kind="abort", reason="before the restart")
         assert turn is not None
-        before = _final(rt, turn)
+        before = final_report(rt, turn)
     with runtime(db_path, workers=1, grace=1.0) as again:
         assert again.stop_report(turn) == before
         assert before.reason == "before the restart" and before.outcome == "aborted"
@@ -426,7 +408,7 @@ def test_the_stop_report_tool_reads_only_the_callers_own_subtree(rt: tether.Runt
     worker_with_tool(rt, "sleep")
     turn = rt.interrupt(a1, authority=User(parent=a), kind="abort", reason="cut")
     assert turn is not None
-    report = msgspec.to_builtins(_final(rt, turn))
+    report = msgspec.to_builtins(final_report(rt, turn))
     ask = _calls(("stop_report", {"turn": turn}), ("stop_report", {"turn": "t_none"}))
     for sid, parent in ((a, root), (b, root), (a1, a)):
         rt.send(sid, "read", authority=User(parent=parent), data=ask)
@@ -500,14 +482,14 @@ def test_a_subtree_abort_of_a_three_level_tree_stops_every_running_turn_and_leav
         assert sorted(turns) == sorted(t for t in running.values() if t is not None)
         for sid, turn in running.items():
             assert turn is not None
-            rec = _ended(rt, sid, turn)
+            rec = ended_turn(rt, sid, turn)
             assert (rec.outcome, rec.cause, rec.by, rec.reason) == (
                 "aborted",
                 "user",
                 root,
                 "all of it",
             )
-            r = _final(rt, turn)
+            r = final_report(rt, turn)
             assert (r.kind, r.session, r.outcome) == ("abort", sid, "aborted")
             assert [(t.name, t.fate) for t in r.tools] == [("run_command", "killed")]
         eventually(lambda: not any(alive(p) for p in sleeps), what="every sleep dead")
@@ -536,8 +518,8 @@ def test_a_subtree_cancel_binds_each_stop_to_its_own_turn_and_skips_idle_session
     assert turns == [mine, theirs2]
     for sid, turn in ((kid, mine), (grand, theirs), (grand, theirs2)):
         assert turn is not None
-        assert _ended(rt, sid, turn).outcome == "cancelled"
-        assert _final(rt, turn).via == "boundary"
+        assert ended_turn(rt, sid, turn).outcome == "cancelled"
+        assert final_report(rt, turn).via == "boundary"
     assert rt.status(idle).state == "idle"
     assert rt.interrupt(kid, authority=me, kind="abort", scope="subtree") == []
 
@@ -560,7 +542,7 @@ def test_a_subtree_stop_is_authorized_once_at_its_top(rt: tether.Runtime) -> Non
     got = rt.interrupt(kid, authority=Ancestor(rt.agent_ref(root)), kind="abort", scope="subtree")
     assert got == [turn]
     assert turn is not None
-    r = _final(rt, turn)
+    r = final_report(rt, turn)
     assert (r.origin, r.by) == ("parent", root)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 import tether.serve.web
 from console_page import BROWSERS, LAUNCH_ARGS, browser_path, item, select
-from drivers import ROOT, TESTS, frozen
+from drivers import ROOT, TESTS, all_frozen, none_frozen
 from tether_server import LiveServer, running_server, settle, shared_server, wait_until
 
 try:
@@ -323,15 +323,6 @@ def test_abort_of_a_child_wedged_in_sleep_kills_its_processes(
     assert server.call("subagent.turns", {"session": kid})["turns"][0]["outcome"] == "aborted"
 
 
-def _stopped(procs: list[psutil.Process]) -> bool:
-    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
-    return all(frozen(p) for p in procs)
-
-
-def _thawed(procs: list[psutil.Process]) -> bool:
-    return not any(frozen(p) for p in procs)
-
-
 def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     loopback: LiveServer, page: Page
 ) -> None:
@@ -362,7 +353,7 @@ def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     expect(page.locator("#badge")).to_be_hidden()
     expect(item(page, "held").locator(":scope > .row .badge")).to_be_hidden()
     expect(transcript(page)).to_contain_text(f"‖ Paused by user ({root}): let me look")
-    wait_until(lambda: _stopped(procs), what="the worker and its sleep to be stopped")
+    wait_until(lambda: all_frozen(procs), what="the worker and its sleep to be stopped")
     assert server.call("subagent.status", {"session": kid})["state"] == "paused"
 
     # Paused: Stop offers Resume (it asks no reason) instead of Pause.
@@ -374,7 +365,7 @@ def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     expect(state(page)).to_have_text("running")
     expect(row_state(page, "held")).to_have_text("running")
     expect(transcript(page)).to_contain_text(f"▶ Resumed by user ({root})")
-    wait_until(lambda: _thawed(procs), what="the worker and its sleep to run again")
+    wait_until(lambda: none_frozen(procs), what="the worker and its sleep to run again")
     stop(page, "Abort", "done looking")
     expect(state(page)).to_have_text("parked")
 

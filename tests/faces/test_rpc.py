@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from drivers import frozen
+from drivers import all_frozen, none_frozen
 from tether.serve.sse import EventHub
 from tether_server import (
     TETHER,
@@ -459,15 +459,6 @@ def _tool_tree(server: LiveServer) -> list[psutil.Process]:
     return [worker, *worker.children(recursive=True)]
 
 
-def _all_stopped(procs: list[psutil.Process]) -> bool:
-    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
-    return all(frozen(p) for p in procs)
-
-
-def _none_stopped(procs: list[psutil.Process]) -> bool:
-    return not any(frozen(p) for p in procs)
-
-
 @pytest.mark.timeout(60)
 def test_pause_over_rpc_freezes_the_tree_and_resume_thaws_it(server: LiveServer) -> None:
     root = server.call("session.open", {"driver": "tether:Scripted", "slug": "root"})["session"]
@@ -493,12 +484,12 @@ def test_pause_over_rpc_freezes_the_tree_and_resume_thaws_it(server: LiveServer)
         assert _error(server.rpc(method, bad_scope)) == (-32602, "invalid-params")
     one_shot = {"address": _address(kid, root, "one-shot")}
     assert _error(server.rpc("subagent.pause", one_shot)) == (-32602, "invalid-params")
-    assert _none_stopped(procs)
+    assert none_frozen(procs)
 
     with EventReader(server, session=root) as events:
         paused = server.call("subagent.pause", {"address": me, "reason": "let me <look>"})
         assert paused == {"accepted": True, "turns": [turn]}
-        wait_until(lambda: _all_stopped(procs), what="every process of the tree stopped")
+        wait_until(lambda: all_frozen(procs), what="every process of the tree stopped")
         assert server.call("subagent.status", {"session": kid})["state"] == "paused"
         events.wait_for(
             lambda e: (
@@ -520,16 +511,16 @@ def test_pause_over_rpc_freezes_the_tree_and_resume_thaws_it(server: LiveServer)
 
         resumed = server.call("subagent.resume", {"address": me})
         assert resumed == {"accepted": True, "turns": [turn]}
-        wait_until(lambda: _none_stopped(procs), what="every process of the tree thawed")
+        wait_until(lambda: none_frozen(procs), what="every process of the tree thawed")
         assert server.call("subagent.status", {"session": kid})["state"] == "running"
         events.nth("marker", 2)
 
     # A subtree pause from the root freezes the running child; a subtree resume thaws it.
     subtree = {"address": idle, "scope": "subtree"}
     assert server.call("subagent.pause", subtree) == {"accepted": True, "turns": [turn]}
-    wait_until(lambda: _all_stopped(procs), what="the subtree's processes stopped")
+    wait_until(lambda: all_frozen(procs), what="the subtree's processes stopped")
     assert server.call("subagent.resume", subtree) == {"accepted": True, "turns": [turn]}
-    wait_until(lambda: _none_stopped(procs), what="the subtree's processes thawed")
+    wait_until(lambda: none_frozen(procs), what="the subtree's processes thawed")
     assert server.call("subagent.interrupt", {"address": me, "kind": "abort"})["turn"] == turn
     server.wait_state(kid, "parked")
     actions = [

@@ -23,6 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from drivers import still_running
+
 _HOST = textwrap.dedent(
     """
     import json, os, sys, threading, tether
@@ -55,15 +57,6 @@ def _tagged(tag: str) -> list[psutil.Process]:
     return out
 
 
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-    return out
-
-
 @pytest.mark.timeout(60)
 def test_paused_turn_dies_with_its_host(tmp_path: Path) -> None:
     tag = f"soakfind-{os.getpid()}-{time.monotonic_ns()}"
@@ -85,12 +78,12 @@ def test_paused_turn_dies_with_its_host(tmp_path: Path) -> None:
         os.kill(host.pid, signal.SIGKILL)
         host.wait(10)
         deadline = time.monotonic() + 10.0
-        while (left := _tagged(tag) + _alive(workers)) and time.monotonic() < deadline:
+        while (left := _tagged(tag) + still_running(workers)) and time.monotonic() < deadline:
             time.sleep(0.05)
         states = [f"{p.pid}:{p.status()}" for p in left if p.is_running()]
         assert not left, f"tagged processes of the killed host still alive: {states}"
     finally:
-        for p in _tagged(tag) + _alive(workers):
+        for p in _tagged(tag) + still_running(workers):
             with contextlib.suppress(psutil.NoSuchProcess):
                 # the frozen worker holds the tools; kill the lot (they are ours, tagged)
                 for q in [*p.parents()[:1], p]:
