@@ -16,7 +16,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 
 from console_page import LAUNCH_ARGS, browser_path, item, select
 from drivers import ROOT
-from tether_server import LiveServer, running_server
+from tether_server import LiveServer, rpc_address, running_server
 
 DOCS = ROOT / "docs"
 
@@ -27,10 +27,6 @@ def _spawn(server: LiveServer, parent: str, slug: str, prompt: str, *steps: Any)
         "session"
     ]
     return child
-
-
-def _address(session: str, parent: str) -> dict[str, str]:
-    return {"session": session, "parent": parent, "mode": "continuable"}
 
 
 def _scene(server: LiveServer) -> dict[str, str]:
@@ -65,7 +61,7 @@ def _scene(server: LiveServer) -> dict[str, str]:
     server.call(
         "subagent.interrupt",
         {
-            "address": _address(ids["researcher"], root),
+            "address": rpc_address(ids["researcher"], root),
             "kind": "steer",
             "reason": "Focus on the flaky retry test, not the network.",
         },
@@ -73,7 +69,7 @@ def _scene(server: LiveServer) -> dict[str, str]:
     server.call(
         "subagent.interrupt",
         {
-            "address": _address(ids["coder"], root),
+            "address": rpc_address(ids["coder"], root),
             "kind": "cancel",
             "reason": "Wrong approach: keep the client, fix the retry policy.",
         },
@@ -81,7 +77,10 @@ def _scene(server: LiveServer) -> dict[str, str]:
     server.wait_state(ids["coder"], "parked")
     server.call(
         "subagent.send",
-        {"address": _address(ids["researcher"], root), "content": "Also check the retry settings."},
+        {
+            "address": rpc_address(ids["researcher"], root),
+            "content": "Also check the retry settings.",
+        },
     )
     return ids
 

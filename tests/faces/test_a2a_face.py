@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +29,7 @@ from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Struct, Value
 
-from tether_server import LiveServer, running_server, settle, shared_server, wait_until
+from tether_server import LiveServer, await_until, running_server, shared_server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -43,14 +42,6 @@ _ids = iter(range(1, 1 << 30))
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with shared_server(tmp_path_factory.mktemp("a2a"), "--cancel-deadline", "2") as live:
         yield live
-
-
-@pytest.fixture
-def server(shared: LiveServer) -> Iterator[LiveServer]:
-    """The module's server; each task is a context of its own, and what a test leaves
-    running is aborted (and the server's processes checked) before the next."""
-    yield shared
-    settle(shared)
 
 
 @asynccontextmanager
@@ -115,17 +106,6 @@ async def get(client: Client, task: str) -> Task:
     return await client.get_task(GetTaskRequest(id=task))
 
 
-async def until(check: Callable[[], Awaitable[T | None]], what: str, timeout: float = 20.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(0.02)
-
-
 def texts(task: Task) -> list[tuple[str, str]]:
     return [(Role.Name(m.role), m.parts[0].text) for m in task.history]
 
@@ -135,7 +115,7 @@ async def working_with(client: Client, task: str, text: str) -> Task:
         t = await get(client, task)
         return t if any(text in said for _, said in texts(t)) else None
 
-    found = await until(look, f"{text!r} in task {task}")
+    found = await await_until(look, f"{text!r} in task {task}")
     assert found.status.state == TaskState.TASK_STATE_WORKING
     return found
 
@@ -303,7 +283,7 @@ def test_subscribe_to_task_streams_a_working_task_until_it_ends(server: LiveServ
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(follow)
-                await until(lambda: _async(bool(seen)), "the subscription's first event")
+                await await_until(lambda: _async(bool(seen)), "the subscription's first event")
                 await client.cancel_task(CancelTaskRequest(id=task))
             assert seen[0].task.id == task
             assert seen[-1].status_update.status.state == TaskState.TASK_STATE_CANCELED
@@ -557,7 +537,7 @@ def test_list_tasks_filters_by_state_and_by_time(server: LiveServer) -> None:
         async with a2a(server) as client:
             (answer,) = await send(client, message("work", steps=HANG), immediately=True)
             task, context = answer.task.id, answer.task.context_id
-            await until(lambda: get(client, task), "the task")
+            await await_until(lambda: get(client, task), "the task")
             done = raw(server, "SendMessage", {"message": text_message("quick")})["result"]["task"]
             working = raw(server, "ListTasks", {"status": "TASK_STATE_WORKING"})["result"]
             listed = {t["id"] for t in working["tasks"]}

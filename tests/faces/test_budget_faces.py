@@ -5,34 +5,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Iterator
 
 import pytest
 
 import tether
 from drivers import SCRIPTED, entries, eventually, steps
-from tether_server import TETHER, LiveServer, settle, shared_server
+from tether_server import LiveServer, tether_cli
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("budget")) as live:
-        yield live
-
-
-@pytest.fixture
-def server(shared: LiveServer) -> Iterator[LiveServer]:
-    yield shared
-    settle(shared)
-
-
-def _cli(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [TETHER, *args, "--url", server.url], capture_output=True, text=True, timeout=30
-    )
 
 
 def test_rpc_opens_reads_and_raises_a_budget(server: LiveServer) -> None:
@@ -68,22 +48,22 @@ def test_rpc_opens_reads_and_raises_a_budget(server: LiveServer) -> None:
 
 
 def test_the_cli_sets_and_shows_a_budget(server: LiveServer) -> None:
-    opened = _cli(server, "open", "--budget", "turns=1,on_soft=none")
+    opened = tether_cli(server, "open", "--budget", "turns=1,on_soft=none")
     assert opened.returncode == 0, opened.stderr
     root = opened.stdout.strip()
-    assert _cli(server, "prompt", root, "one").returncode == 0
+    assert tether_cli(server, "prompt", root, "one").returncode == 0
     server.wait_state(root, "idle")
-    shown = _cli(server, "budget", root)
+    shown = tether_cli(server, "budget", root)
     assert shown.returncode == 0, shown.stderr
     assert f"budget of {root}: exhausted" in shown.stdout
     assert "1 of 1 turns" in shown.stdout
-    spawned = _cli(server, "spawn", root, "--prompt", "hi")
+    spawned = tether_cli(server, "spawn", root, "--prompt", "hi")
     assert spawned.returncode == 1 and "budget-exhausted" in spawned.stderr
-    raised = _cli(server, "budget", root, "--set", "turns=10,tokens=5000", "--json")
+    raised = tether_cli(server, "budget", root, "--set", "turns=10,tokens=5000", "--json")
     assert raised.returncode == 0, raised.stderr
     status = json.loads(raised.stdout)["budget"]
     assert status["state"] == "ok" and status["limits"] == {"tokens": 5000, "turns": 10}
-    wrong = _cli(server, "open", "--budget", "tokens=lots")
+    wrong = tether_cli(server, "open", "--budget", "tokens=lots")
     assert wrong.returncode == 2 and "tokens" in wrong.stderr
 
 

@@ -11,39 +11,24 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tether_server import TETHER, LiveServer, running_server, settle, shared_server, wait_until
+from tether_server import (
+    TETHER,
+    LiveServer,
+    running_server,
+    tether_cli,
+    wait_until,
+)
 
 HANG = json.dumps([{"op": "hang"}])
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("cli")) as live:
-        yield live
-
-
-@pytest.fixture
-def server(shared: LiveServer) -> Iterator[LiveServer]:
-    """The module's server; each test opens its own sessions, and what it leaves running
-    is aborted (and the server's processes checked) before the next."""
-    yield shared
-    settle(shared)
-
-
-def tether(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [TETHER, *args, "--url", server.url], capture_output=True, text=True, timeout=30
-    )
-
-
 def ok(server: LiveServer, *args: str) -> str:
-    done = tether(server, *args)
+    done = tether_cli(server, *args)
     assert done.returncode == 0, (args, done.stderr)
     return done.stdout.strip()
 
@@ -149,7 +134,7 @@ def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
     assert server.call("subagent.turns", {"session": a})["turns"][-1]["outcome"] == "cancelled"
     assert server.call("subagent.status", {"session": a1})["state"] == "running"  # no cascade
 
-    refused = tether(server, "abort", a1, "--parent", root)  # root is not a1's parent
+    refused = tether_cli(server, "abort", a1, "--parent", root)  # root is not a1's parent
     assert refused.returncode == 1
     assert "subagent-unauthorized" in refused.stderr
     assert server.call("subagent.status", {"session": a1})["state"] == "running"
@@ -158,15 +143,15 @@ def test_steer_cancel_abort_and_their_exit_codes(server: LiveServer) -> None:
     server.wait_state(a1, "parked")
     assert server.call("subagent.turns", {"session": a1})["turns"][-1]["outcome"] == "aborted"
 
-    assert tether(server, "cancel").returncode == 2  # no target: usage
-    assert tether(server, "steer", a1).returncode == 2  # a steer without guidance
+    assert tether_cli(server, "cancel").returncode == 2  # no target: usage
+    assert tether_cli(server, "steer", a1).returncode == 2  # a steer without guidance
     # A root's owner holds the root's own address; the root is idle: an accepted no-op.
     assert ok(server, "cancel", root) == "no-op: no running turn"
     assert ok(server, "steer", root, "hi") == "no-op: no running turn, or it is stopping"
     assert json.loads(ok(server, "abort", root, "--json")) == {"accepted": True, "turn": None}
-    stranger = tether(server, "cancel", root, "--parent", a)
+    stranger = tether_cli(server, "cancel", root, "--parent", a)
     assert stranger.returncode == 1 and "subagent-unauthorized" in stranger.stderr
-    missing = tether(server, "tree", "s_nobody")
+    missing = tether_cli(server, "tree", "s_nobody")
     assert missing.returncode == 1 and "not-found" in missing.stderr
 
 
@@ -208,7 +193,7 @@ def test_send_prompt_and_inbox(server: LiveServer) -> None:
     listed = json.loads(ok(server, "inbox", kid, "--json"))["messages"]
     assert [m["id"] for m in listed] == [first, second["message"]]
     assert listed[1]["preview"] == "x" * 200
-    missing = tether(server, "inbox", "s_nobody")
+    missing = tether_cli(server, "inbox", "s_nobody")
     assert missing.returncode == 1 and "not-found" in missing.stderr
     prompted = ok(server, "prompt", root, "hello")
     assert prompted.startswith("m_")
@@ -347,7 +332,7 @@ def test_help_and_usage(server: LiveServer) -> None:
         assert done.returncode == 0 and "example:" in done.stdout
     assert subprocess.run([TETHER], capture_output=True, timeout=30).returncode == 2
     assert subprocess.run([TETHER, "explode"], capture_output=True, timeout=30).returncode == 2
-    bad_json = tether(server, "prompt", "s_x", "hi", "--data", "{nope")
+    bad_json = tether_cli(server, "prompt", "s_x", "hi", "--data", "{nope")
     assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
 
 
@@ -363,7 +348,7 @@ def test_unreachable_server_is_a_refusal(tmp_path: Path) -> None:
 
 def test_token_from_flag_or_environment(tmp_path: Path) -> None:
     with running_server(tmp_path, "--token", "t0ken") as server:
-        denied = tether(server, "open")
+        denied = tether_cli(server, "open")
         assert denied.returncode == 1 and "unauthorized" in denied.stderr
         assert ok(server, "open", "--token", "t0ken").startswith("s_")
         from_env = subprocess.run(
@@ -411,7 +396,7 @@ def test_pause_and_resume_print_their_turns(server: LiveServer) -> None:
     assert lines[2] == f"    {a1}  helper  running  pending=0"  # a session pause: a alone
     marker = server.call("subagent.transcript", {"session": a})["entries"][-1]
     assert (marker["action"], marker["reason"]) == ("paused", "let me look")
-    refused = tether(server, "pause", a1, "--parent", root)  # root is not a1's parent
+    refused = tether_cli(server, "pause", a1, "--parent", root)  # root is not a1's parent
     assert refused.returncode == 1 and "subagent-unauthorized" in refused.stderr
     assert ok(server, "resume", a) == f"resumed {a_turn}"
     assert server.call("subagent.status", {"session": a})["state"] == "running"

@@ -25,7 +25,7 @@ import pytest
 import tether.serve.web
 from console_page import BROWSERS, LAUNCH_ARGS, browser_path, item, select
 from drivers import ROOT, TESTS, all_frozen, none_frozen
-from tether_server import LiveServer, running_server, settle, shared_server, wait_until
+from tether_server import LiveServer, rpc_address, running_server, settle, shared_server, wait_until
 
 try:
     from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
@@ -147,10 +147,6 @@ def spawn(server: LiveServer, parent: str, slug: str, data: Any = HANG) -> str:
     return child
 
 
-def address(session: str, parent: str) -> dict[str, str]:
-    return {"session": session, "parent": parent, "mode": "continuable"}
-
-
 def console(page: Page, server: LiveServer, root: str | None = None) -> None:
     """Open the console (on ``root`` if given), giving the token when the server has one."""
     page.goto(server.url + "/" + (f"#root={root}" if root else ""))
@@ -244,7 +240,7 @@ def test_tree_shows_a_root_and_three_children_live(fresh_server: LiveServer, pag
     # A state change made elsewhere shows without a reload, with its marker.
     server.call(
         "subagent.interrupt",
-        {"address": address(kids["coder"], root), "kind": "cancel", "reason": "from elsewhere"},
+        {"address": rpc_address(kids["coder"], root), "kind": "cancel", "reason": "from elsewhere"},
     )
     expect(row_state(page, "coder")).to_have_text("parked")
     expect(item(page, "coder")).to_contain_text("⊘ Cancelled by user")
@@ -416,10 +412,12 @@ def test_a_stale_stop_stops_nothing_and_says_so(server: LiveServer, page: Page) 
 
     # ... meanwhile that turn ends and a new one starts.
     server.call(
-        "subagent.interrupt", {"address": address(kid, root), "kind": "cancel", "turn": first}
+        "subagent.interrupt", {"address": rpc_address(kid, root), "kind": "cancel", "turn": first}
     )
     server.wait_state(kid, "parked")
-    server.call("subagent.send", {"address": address(kid, root), "content": "again", "data": HANG})
+    server.call(
+        "subagent.send", {"address": rpc_address(kid, root), "content": "again", "data": HANG}
+    )
 
     def second_turn() -> str | None:
         info = server.call("subagent.status", {"session": kid})
@@ -613,12 +611,14 @@ def test_a_turn_no_worker_has_taken_reads_waiting_for_a_worker_in_the_tree(
         expect(row_state(page, "first")).to_have_text("running")
         expect(row_state(page, "second")).to_have_text("waiting for a worker")
         server.call(
-            "subagent.interrupt", {"address": address(first, root), "kind": "abort", "reason": "x"}
+            "subagent.interrupt",
+            {"address": rpc_address(first, root), "kind": "abort", "reason": "x"},
         )
         expect(row_state(page, "first")).to_have_text("parked")
         expect(row_state(page, "second")).to_have_text("running")
         server.call(
-            "subagent.interrupt", {"address": address(second, root), "kind": "abort", "reason": "x"}
+            "subagent.interrupt",
+            {"address": rpc_address(second, root), "kind": "abort", "reason": "x"},
         )
         server.wait_state(second, "parked")
 
@@ -652,7 +652,7 @@ def test_a_budget_bar_shows_spent_of_the_limit_amber_past_soft_and_red_once_exha
 
     # The child spends 1,200 tokens: the tree is past its soft threshold (50%).
     spend = {"tokens": 400, "steps": 3, "every": 0.01}
-    server.call("subagent.send", {"address": address(kid, root), "content": "s", "data": spend})
+    server.call("subagent.send", {"address": rpc_address(kid, root), "content": "s", "data": spend})
     expect(bar).to_have_text("1,200 of 2,000 tokens · soft")
     expect(bar).to_have_attribute("aria-valuenow", "1200")
     expect(bar.locator(".budget-fill")).to_have_css("background-color", AMBER)
@@ -664,7 +664,7 @@ def test_a_budget_bar_shows_spent_of_the_limit_amber_past_soft_and_red_once_exha
     # Spending on until the limit: the budget cancels the turn, and the tree is exhausted.
     server.call(
         "subagent.send",
-        {"address": address(kid, root), "content": "s", "data": {"tokens": 400, "every": 0.05}},
+        {"address": rpc_address(kid, root), "content": "s", "data": {"tokens": 400, "every": 0.05}},
     )
     expect(bar).to_have_text(re.compile(r"^2,[0-9]00 of 2,000 tokens · exhausted$"))
     expect(bar.locator(".budget-fill")).to_have_css("background-color", RED)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from drivers import eventually
 from tether.wire.rpc import MAX_DEPTH, METHODS, RPC_ERROR_CODES
-from tether_server import LiveServer, settle, shared_server
+from tether_server import LiveServer, settle
 
 pytestmark = pytest.mark.unit  # starts no process: make test-unit
 
@@ -34,12 +34,6 @@ FUZZ = settings(
     database=None,  # nothing written to the work tree; failures print their example
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("fuzz")) as server:
-        yield server
 
 
 @pytest.fixture

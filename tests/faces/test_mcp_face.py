@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx2
@@ -22,31 +22,16 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from drivers import TESTS
-from tether_server import TETHER, LiveServer, running_server, settle, shared_server
+from tether_server import TETHER, LiveServer, await_until, running_server
 
 pytestmark = pytest.mark.timeout(90)
 
 HANG = {"steps": [{"op": "hang"}]}
-T = TypeVar("T")
 _ENV = {
     "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
     "TETHER_LOG": "info",
     "TETHER_LOG_FORMAT": "json",
 }
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("mcp")) as server:
-        yield server
-
-
-@pytest.fixture
-def server(shared: LiveServer) -> Iterator[LiveServer]:
-    """A plain ``tether serve`` for the module: each MCP client sees only the agents it
-    opened, and what a test leaves running is aborted before the next."""
-    yield shared
-    settle(shared)
 
 
 @asynccontextmanager
@@ -98,24 +83,13 @@ async def ok(session: ClientSession, tool: str, **arguments: Any) -> dict[str, A
     return out
 
 
-async def until(check: Callable[[], Awaitable[T | None]], what: str, timeout: float = 20.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(0.02)
-
-
 async def running_turn(session: ClientSession, root: str, agent: str) -> str:
     async def look() -> str | None:
         agents = (await ok(session, "list_agents", agent=root, scope="descendants"))["agents"]
         info = next(a for a in agents if a["id"] == agent)
         return info["turn"] if info["state"] == "running" else None
 
-    return await until(look, f"{agent} to run")
+    return await await_until(look, f"{agent} to run")
 
 
 async def entries(session: ClientSession, agent: str) -> list[dict[str, Any]]:
@@ -162,7 +136,7 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
             async def steered() -> bool:
                 return any("go left</steer>" in e["text"] for e in await entries(mcp, child))
 
-            await until(steered, "the steer to reach a boundary")
+            await await_until(steered, "the steer to reach a boundary")
 
             paused = await ok(mcp, "pause_agent", agent=child, reason="let me look")
             assert paused == {"accepted": True, "turns": [turn]}
@@ -309,7 +283,7 @@ def test_cancelling_a_waiting_mcp_call_ends_the_wait_and_not_the_agent(tmp_path:
             async def ended() -> bool:
                 return logged()
 
-            await until(ended, "the server to end the waiting call")
+            await await_until(ended, "the server to end the waiting call")
             assert notes and all(isinstance(n, str) for n in notes)
             # The wait ended; the agent did not, and the server still answers.
             info = (await ok(mcp, "list_agents"))["agents"][0]
@@ -555,7 +529,7 @@ def test_a_waited_message_queued_behind_a_running_turn_says_so_in_its_progress(
         async with stdio_session(tmp_path / "state.db") as mcp:
             root = (await ok(mcp, "spawn_agent"))["agent"]
             await ok(mcp, "send_message", to=root, text="first", data=HANG)
-            turn = await until(
+            turn = await await_until(
                 lambda: _running(mcp), "the first turn to run"
             )  # two workers: the second message has one free, and still waits its turn
             notes: list[str | None] = []

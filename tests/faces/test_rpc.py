@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +19,13 @@ from tether_server import (
     TETHER,
     EventReader,
     LiveServer,
+    rpc_address,
+    rpc_error,
     running_server,
-    settle,
-    shared_server,
     wait_until,
 )
 
 HANG = {"steps": [{"op": "hang"}]}
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("rpc")) as live:
-        yield live
-
-
-@pytest.fixture
-def server(shared: LiveServer) -> Iterator[LiveServer]:
-    """The module's server; each test opens its own sessions, and what it leaves running
-    is aborted (and the server's processes checked) before the next."""
-    yield shared
-    settle(shared)
 
 
 def _tree(server: LiveServer) -> dict[str, str]:
@@ -59,15 +44,6 @@ def _tree(server: LiveServer) -> dict[str, str]:
     return ids
 
 
-def _error(answer: dict[str, Any]) -> tuple[int, str]:
-    assert "result" not in answer, answer
-    return answer["error"]["code"], answer["error"]["data"]["code"]
-
-
-def _address(session: str, parent: str, mode: str = "continuable") -> dict[str, str]:
-    return {"session": session, "parent": parent, "mode": mode}
-
-
 def test_interrupt_over_rpc_reaches_events(server: LiveServer) -> None:
     ids = _tree(server)
     agents = server.call("subagent.list", {"root": ids["root"], "scope": "descendants"})["agents"]
@@ -80,7 +56,11 @@ def test_interrupt_over_rpc_reaches_events(server: LiveServer) -> None:
         assert events.status == 200
         answer = server.call(
             "subagent.interrupt",
-            {"address": _address(ids["a"], ids["root"]), "kind": "cancel", "reason": "stop <now>"},
+            {
+                "address": rpc_address(ids["a"], ids["root"]),
+                "kind": "cancel",
+                "reason": "stop <now>",
+            },
         )
         assert answer == {"accepted": True, "turn": running["turn"]}
         marker = events.wait_for(
@@ -111,24 +91,27 @@ def test_authority_and_schema_refusals(server: LiveServer) -> None:
     interrupt = "subagent.interrupt"
     # The grandchild's durable parent is a, not root: a User address must name a.
     for parent in (ids["root"], "s_nobody"):
-        answer = server.rpc(interrupt, {"address": _address(ids["a1"], parent), "kind": "abort"})
-        assert _error(answer) == (-32000, "subagent-unauthorized")
-    one_shot = {"address": _address(ids["a"], ids["root"], "one-shot"), "kind": "cancel"}
-    assert _error(server.rpc(interrupt, one_shot)) == (-32602, "invalid-params")
-    bad_kind = {"address": _address(ids["a"], ids["root"]), "kind": "explode"}
-    assert _error(server.rpc(interrupt, bad_kind)) == (-32602, "invalid-params")
-    empty_steer = {"address": _address(ids["a"], ids["root"]), "kind": "steer", "reason": ""}
-    assert _error(server.rpc(interrupt, empty_steer)) == (-32602, "invalid-params")
-    typo = {"address": _address(ids["a"], ids["root"]), "knd": "cancel"}
-    assert _error(server.rpc(interrupt, typo)) == (-32602, "invalid-params")
+        answer = server.rpc(interrupt, {"address": rpc_address(ids["a1"], parent), "kind": "abort"})
+        assert rpc_error(answer) == (-32000, "subagent-unauthorized")
+    one_shot = {"address": rpc_address(ids["a"], ids["root"], "one-shot"), "kind": "cancel"}
+    assert rpc_error(server.rpc(interrupt, one_shot)) == (-32602, "invalid-params")
+    bad_kind = {"address": rpc_address(ids["a"], ids["root"]), "kind": "explode"}
+    assert rpc_error(server.rpc(interrupt, bad_kind)) == (-32602, "invalid-params")
+    empty_steer = {"address": rpc_address(ids["a"], ids["root"]), "kind": "steer", "reason": ""}
+    assert rpc_error(server.rpc(interrupt, empty_steer)) == (-32602, "invalid-params")
+    typo = {"address": rpc_address(ids["a"], ids["root"]), "knd": "cancel"}
+    assert rpc_error(server.rpc(interrupt, typo)) == (-32602, "invalid-params")
     running = server.call("subagent.status", {"session": ids["a"]})["turn"]
     for bad_turn in (7, "", [running], {"id": running}, True, "t" * 257):
-        guarded = {"address": _address(ids["a"], ids["root"]), "kind": "abort", "turn": bad_turn}
-        assert _error(server.rpc(interrupt, guarded)) == (-32602, "invalid-params"), bad_turn
+        guarded = {"address": rpc_address(ids["a"], ids["root"]), "kind": "abort", "turn": bad_turn}
+        assert rpc_error(server.rpc(interrupt, guarded)) == (-32602, "invalid-params"), bad_turn
     for bad_inbox in ({}, {"session": 7}, {"session": ids["a"], "limit": 1}):
-        assert _error(server.rpc("subagent.inbox", bad_inbox)) == (-32602, "invalid-params")
-    assert _error(server.rpc("subagent.inbox", {"session": "s_nobody"})) == (-32000, "not-found")
-    assert _error(server.rpc("subagent.status", {"session": "s_nobody"})) == (-32000, "not-found")
+        assert rpc_error(server.rpc("subagent.inbox", bad_inbox)) == (-32602, "invalid-params")
+    assert rpc_error(server.rpc("subagent.inbox", {"session": "s_nobody"})) == (-32000, "not-found")
+    assert rpc_error(server.rpc("subagent.status", {"session": "s_nobody"})) == (
+        -32000,
+        "not-found",
+    )
     # None of the refused calls touched the target.
     assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
     assert server.call("subagent.status", {"session": ids["a"]})["stopping"] is None
@@ -136,7 +119,7 @@ def test_authority_and_schema_refusals(server: LiveServer) -> None:
 
 def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
     ids = _tree(server)
-    address = _address(ids["a"], ids["root"])
+    address = rpc_address(ids["a"], ids["root"])
     first = server.call("subagent.status", {"session": ids["a"]})["turn"]
     # A guard naming a turn that never ran here: an accepted no-op, the turn goes on.
     answer = server.call("subagent.interrupt", {"address": address, "turn": "t_unknown"})
@@ -159,7 +142,7 @@ def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
     entries = server.call("subagent.transcript", {"session": ids["a"]})["entries"]
     assert [e["turn"] for e in entries if e["kind"] == "marker"] == [first]
     # An idle target: an accepted no-op too.
-    idle = {"address": _address(ids["b"], ids["root"]), "kind": "abort"}
+    idle = {"address": rpc_address(ids["b"], ids["root"]), "kind": "abort"}
     assert server.call("subagent.interrupt", idle) == {"accepted": True, "turn": None}
 
 
@@ -173,7 +156,7 @@ def test_a_turn_waiting_for_a_worker(server: LiveServer) -> None:
     dispatched = [(x["slug"], x["dispatched"]) for x in listed]
     assert dispatched == [("a", True), ("b", False), ("c", False)]
     # Bound to the claimed turn even though no worker has it yet.
-    abort = {"address": _address(c, ids["root"]), "kind": "abort"}
+    abort = {"address": rpc_address(c, ids["root"]), "kind": "abort"}
     assert server.call("subagent.interrupt", abort) == {"accepted": True, "turn": info["turn"]}
     server.wait_state(c, "parked")
     turns = server.call("subagent.turns", {"session": c})["turns"]
@@ -184,7 +167,7 @@ def test_send_returns_the_message_id_and_inbox_lists_it(server: LiveServer) -> N
     root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
     b = server.call("subagent.spawn", {"parent": root, "driver": "tether:Scripted"})["session"]
     ids = {"root": root, "b": b}
-    address = _address(ids["b"], ids["root"])
+    address = rpc_address(ids["b"], ids["root"])
     assert server.call("subagent.inbox", {"session": ids["b"]}) == {"messages": []}
     sent = []
     for text in ("hi", "x" * 300):
@@ -213,13 +196,13 @@ def test_send_returns_the_message_id_and_inbox_lists_it(server: LiveServer) -> N
 
 def test_send_needs_a_live_parent(server: LiveServer) -> None:
     ids = _tree(server)
-    address = _address(ids["b"], ids["root"])
+    address = rpc_address(ids["b"], ids["root"])
     answer = server.call("subagent.send", {"address": address, "content": "hi", "wake": False})
     assert answer["accepted"] is True
     assert server.call("subagent.status", {"session": ids["b"]})["pending"] == 1
     server.call("session.release", {"session": ids["root"]})
     answer = server.rpc("subagent.send", {"address": address, "content": "again"})
-    assert _error(answer) == (-32000, "parent-offline")
+    assert rpc_error(answer) == (-32000, "parent-offline")
 
 
 def test_transcript_pages_with_after(server: LiveServer) -> None:
@@ -242,16 +225,19 @@ def test_transcript_pages_with_after(server: LiveServer) -> None:
 
 def test_protocol_errors(server: LiveServer) -> None:
     unknown = server.rpc("subagent.explode", {})
-    assert _error(unknown) == (-32601, "not-found")
+    assert rpc_error(unknown) == (-32601, "not-found")
     # debug.fail exists only with fault injection on.
-    assert _error(server.rpc("debug.fail")) == (-32601, "not-found")
+    assert rpc_error(server.rpc("debug.fail")) == (-32601, "not-found")
 
     status, body = server.request("POST", "/rpc", b'{"jsonrpc": "2.0", "method": ')
-    assert status == 200 and _error(json.loads(body)) == (-32700, "invalid-params")
-    assert _error(server.post({"id": 3, "method": "subagent.list"})) == (-32600, "invalid-params")
-    assert _error(server.post([])) == (-32600, "invalid-params")
+    assert status == 200 and rpc_error(json.loads(body)) == (-32700, "invalid-params")
+    assert rpc_error(server.post({"id": 3, "method": "subagent.list"})) == (
+        -32600,
+        "invalid-params",
+    )
+    assert rpc_error(server.post([])) == (-32600, "invalid-params")
     params_array = {"jsonrpc": "2.0", "id": 4, "method": "subagent.status", "params": ["x"]}
-    assert _error(server.post(params_array)) == (-32602, "invalid-params")
+    assert rpc_error(server.post(params_array)) == (-32602, "invalid-params")
 
     root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
     batch = [
@@ -263,8 +249,8 @@ def test_protocol_errors(server: LiveServer) -> None:
     answers = server.post(batch)
     assert [a["id"] for a in answers] == ["a", "c", None]
     assert answers[0]["result"]["id"] == root
-    assert _error(answers[1]) == (-32601, "not-found")
-    assert _error(answers[2]) == (-32600, "invalid-params")
+    assert rpc_error(answers[1]) == (-32601, "not-found")
+    assert rpc_error(answers[2]) == (-32600, "invalid-params")
     only_notifications = [
         {"jsonrpc": "2.0", "method": "subagent.status", "params": {"session": root}}
     ]
@@ -278,7 +264,7 @@ def test_protocol_errors(server: LiveServer) -> None:
 def test_internal_error_carries_an_id_and_no_text(tmp_path: Path) -> None:
     with running_server(tmp_path, env={"TETHER_RPC_FAULT_INJECTION": "1"}) as server:
         answer = server.rpc("debug.fail")
-        code, data_code = _error(answer)
+        code, data_code = rpc_error(answer)
         assert (code, data_code) == (-32000, "internal")
         error_id = answer["error"]["data"]["error_id"]
         assert error_id.startswith("err_")
@@ -319,7 +305,7 @@ def test_token_is_required_when_set(tmp_path: Path) -> None:
         wrong = {"Authorization": "Bearer s3cres"}
         assert server.request("POST", "/rpc", doc, wrong, auth=False)[0] == 401
         assert server.request("GET", "/events", None, auth=False)[0] == 401
-        assert _error(server.rpc("subagent.status", {"session": "x"})) == (-32000, "not-found")
+        assert rpc_error(server.rpc("subagent.status", {"session": "x"})) == (-32000, "not-found")
 
 
 def test_loopback_server_refuses_foreign_host_and_origin(server: LiveServer) -> None:
@@ -354,7 +340,7 @@ def test_event_filter_is_a_subtree(server: LiveServer) -> None:
     with EventReader(server, session=ids["a"]) as sub:
         for target, parent in ((ids["b"], ids["root"]), (ids["a1"], ids["a"])):
             server.call(
-                "subagent.interrupt", {"address": _address(target, parent), "kind": "abort"}
+                "subagent.interrupt", {"address": rpc_address(target, parent), "kind": "abort"}
             )
         sub.wait_for(
             lambda e: e["event"] == "turn.ended" and e["data"]["session"] == ids["a1"],
@@ -469,21 +455,21 @@ def test_pause_over_rpc_freezes_the_tree_and_resume_thaws_it(server: LiveServer)
     )["session"]
     procs = _tool_tree(server)
     turn = server.wait_state(kid, "running")["turn"]
-    me = _address(kid, root)
+    me = rpc_address(kid, root)
 
     # An idle target (the root) is an accepted no-op, and so is resuming what runs.
-    idle = _address(root, root)
+    idle = rpc_address(root, root)
     assert server.call("subagent.pause", {"address": idle}) == {"accepted": True, "turns": []}
     assert server.call("subagent.resume", {"address": me}) == {"accepted": True, "turns": []}
     # Authority as for an interrupt: the address's parent must be the target's parent.
     for method in ("subagent.pause", "subagent.resume"):
         for parent in (kid, "s_nobody"):
-            answer = server.rpc(method, {"address": _address(kid, parent)})
-            assert _error(answer) == (-32000, "subagent-unauthorized"), (method, parent)
+            answer = server.rpc(method, {"address": rpc_address(kid, parent)})
+            assert rpc_error(answer) == (-32000, "subagent-unauthorized"), (method, parent)
         bad_scope = {"address": me, "scope": "everything"}
-        assert _error(server.rpc(method, bad_scope)) == (-32602, "invalid-params")
-    one_shot = {"address": _address(kid, root, "one-shot")}
-    assert _error(server.rpc("subagent.pause", one_shot)) == (-32602, "invalid-params")
+        assert rpc_error(server.rpc(method, bad_scope)) == (-32602, "invalid-params")
+    one_shot = {"address": rpc_address(kid, root, "one-shot")}
+    assert rpc_error(server.rpc("subagent.pause", one_shot)) == (-32602, "invalid-params")
     assert none_frozen(procs)
 
     with EventReader(server, session=root) as events:
@@ -588,7 +574,7 @@ def test_a_bad_stall_policy_is_invalid_params_and_creates_nothing(server: LiveSe
         {"after": 1, "surprise": True},
     ):
         opened = server.rpc("session.open", {"driver": "tether:Scripted", "stall": bad})
-        assert _error(opened) == (-32602, "invalid-params"), bad
+        assert rpc_error(opened) == (-32602, "invalid-params"), bad
         spawn = {"parent": root, "driver": "tether:Scripted", "stall": bad}
-        assert _error(server.rpc("subagent.spawn", spawn)) == (-32602, "invalid-params"), bad
+        assert rpc_error(server.rpc("subagent.spawn", spawn)) == (-32602, "invalid-params"), bad
     assert server.call("subagent.list", {"root": root})["agents"] == []

@@ -23,7 +23,14 @@ import psutil
 import pytest
 
 import tether
-from tether_server import EventReader, LiveServer, running_server, wait_until
+from tether_server import (
+    EventReader,
+    LiveServer,
+    rpc_address,
+    rpc_error,
+    running_server,
+    wait_until,
+)
 
 SCRIPTED = "tether:Scripted"
 HANG = {"steps": [{"op": "hang"}]}
@@ -37,15 +44,6 @@ def _nofile(soft: int, hard: int) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     return lower
-
-
-def _address(session: str, parent: str) -> dict[str, str]:
-    return {"session": session, "parent": parent, "mode": "continuable"}
-
-
-def _error(answer: dict[str, Any]) -> tuple[int, str]:
-    assert "result" not in answer, answer
-    return answer["error"]["code"], answer["error"]["data"]["code"]
 
 
 class _RawStream:
@@ -119,11 +117,11 @@ def _hanging_child(server: LiveServer) -> tuple[str, str]:
 def _abort_converges_and_a_new_turn_runs(server: LiveServer, root: str, child: str) -> None:
     """An abort is accepted and converges; a respawned worker then runs the next turn."""
     answer = server.call(
-        "subagent.interrupt", {"address": _address(child, root), "kind": "abort", "reason": "x"}
+        "subagent.interrupt", {"address": rpc_address(child, root), "kind": "abort", "reason": "x"}
     )
     assert answer["accepted"] is True and answer["turn"] is not None
     server.wait_state(child, "parked", timeout=20.0)  # a stopped turn parks (semantics §4)
-    server.call("subagent.send", {"address": _address(child, root), "content": "again"})
+    server.call("subagent.send", {"address": rpc_address(child, root), "content": "again"})
 
     def second_turn_done() -> bool:
         turns = server.call("subagent.turns", {"session": child})["turns"]
@@ -277,7 +275,7 @@ def test_deeply_nested_json_gets_a_json_rpc_error_not_a_500(tmp_path: Path) -> N
             status, answer = _post_raw(server, body)
             assert status == 200, (what, status, answer[:200])
             doc = json.loads(answer)
-            assert _error(doc) == (-32600, "invalid-params") and doc["id"] is None, what
+            assert rpc_error(doc) == (-32600, "invalid-params") and doc["id"] is None, what
         # Within the decoder's own guard the id is known and answered; past it (5,000)
         # the body cannot be decoded at all, so the id is null (as for a parse error).
         for depth, rid in ((100, 7), (500, 7), (5000, None)):
@@ -288,17 +286,17 @@ def test_deeply_nested_json_gets_a_json_rpc_error_not_a_500(tmp_path: Path) -> N
             status, answer = _post_raw(server, call.encode())
             assert status == 200, (depth, status, answer[:200])
             doc = json.loads(answer)
-            assert _error(doc) == (-32600, "invalid-params") and doc["id"] == rid, (depth, doc)
+            assert rpc_error(doc) == (-32600, "invalid-params") and doc["id"] == rid, (depth, doc)
             batch = f'[{call}, {{"jsonrpc":"2.0","id":8,"method":"subagent.turns","params":'
             batch += f'{{"session":"{root}"}}}}]'
             status, answer = _post_raw(server, batch.encode())
             assert status == 200, (depth, status, answer[:200])
             doc = json.loads(answer)
             if rid is None:
-                assert _error(doc) == (-32600, "invalid-params") and doc["id"] is None
+                assert rpc_error(doc) == (-32600, "invalid-params") and doc["id"] is None
                 continue
             first, second = doc
-            assert _error(first) == (-32600, "invalid-params") and first["id"] == 7
+            assert rpc_error(first) == (-32600, "invalid-params") and first["id"] == 7
             assert second["id"] == 8 and second["result"]["turns"] == []
         # Nothing was recorded by the refused calls, and nesting within the limit is fine.
         assert server.call("subagent.turns", {"session": root})["turns"] == []
@@ -340,7 +338,7 @@ def test_interrupt_is_answered_at_once_while_disposals_wait(tmp_path: Path) -> N
         with EventReader(server, session=root) as events:
             sent = threading.Semaphore(0)
             answers: list[Any] = []
-            params = {"address": _address(stubborn, root)}
+            params = {"address": rpc_address(stubborn, root)}
             threads = [_dispose_in_thread(server, params, sent, answers) for _ in range(48)]
             for _ in threads:
                 assert sent.acquire(timeout=30.0)
@@ -358,7 +356,7 @@ def test_interrupt_is_answered_at_once_while_disposals_wait(tmp_path: Path) -> N
                     "jsonrpc": "2.0",
                     "id": 2,
                     "method": "subagent.interrupt",
-                    "params": {"address": _address(other, root), "kind": "abort"},
+                    "params": {"address": rpc_address(other, root), "kind": "abort"},
                 }
             ).encode()
             status, answer = server.request("POST", "/rpc", body, timeout=5.0)
@@ -384,18 +382,18 @@ def test_dispose_over_rpc_returns_once_accepted(tmp_path: Path) -> None:
             {"parent": root, "driver": SCRIPTED, "prompt": "work", "data": STUBBORN},
         )["session"]
         server.wait_state(child, "running")
-        wrong = server.rpc("subagent.dispose", {"address": _address(child, "s_nobody")})
-        assert _error(wrong) == (-32000, "subagent-unauthorized")
-        missing = server.rpc("subagent.dispose", {"address": _address("s_nobody", root)})
-        assert _error(missing) == (-32000, "not-found")
+        wrong = server.rpc("subagent.dispose", {"address": rpc_address(child, "s_nobody")})
+        assert rpc_error(wrong) == (-32000, "subagent-unauthorized")
+        missing = server.rpc("subagent.dispose", {"address": rpc_address("s_nobody", root)})
+        assert rpc_error(missing) == (-32000, "not-found")
         start = time.monotonic()
-        answer = server.call("subagent.dispose", {"address": _address(child, root)})
+        answer = server.call("subagent.dispose", {"address": rpc_address(child, root)})
         assert answer == {"accepted": True}
         assert time.monotonic() - start < 2.0
         # Accepted, not finished: the cancel waits out its grace, then escalates.
         assert server.call("subagent.status", {"session": child})["state"] == "disposing"
         server.wait_state(child, "settled", timeout=20.0)
         # A second disposal of a settled session is accepted too (nothing left to do).
-        assert server.call("subagent.dispose", {"address": _address(child, root)}) == {
+        assert server.call("subagent.dispose", {"address": rpc_address(child, root)}) == {
             "accepted": True
         }

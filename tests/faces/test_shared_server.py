@@ -7,7 +7,6 @@ running and see the server's process tree back to its idle shape, and it must fa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -18,12 +17,6 @@ from tether_server import SHARED, LiveServer, settle, shared_server, wait_until
 SCRIPTED = "tether:Scripted"
 HANG = {"steps": [{"op": "hang"}]}
 SLEEP = {"steps": [{"op": "tool", "argv": ["sleep", "60"]}]}
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with shared_server(tmp_path_factory.mktemp("shared")) as server:
-        yield server
 
 
 def _sleeps(server: LiveServer) -> list[psutil.Process]:
