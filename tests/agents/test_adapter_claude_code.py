@@ -40,20 +40,13 @@ from tether.testing.mcp_server import read_log
 
 pytest.importorskip("claude_agent_sdk")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("api_key")]
 
 AGENT = "tether.adapters.claude_code:ClaudeCodeAgent"
 MODEL = "claude-sonnet-4-5"  # the CLI refuses model names it does not know
 KEY_ENV = "TETHER_TEST_ANTHROPIC_KEY"
 SECRET = "sk-ant-tether-test-0123456789"
 TIMEOUT = 60.0  # a CLI starts in a second or two, more on a loaded machine
-
-
-@pytest.fixture(scope="module", autouse=True)
-def api_key() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEY_ENV, SECRET)
-        yield SECRET
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ own script, chosen by the model name it configures.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,25 +23,11 @@ from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("api_key")]
 
 OAI = "tether.adapters.openai_agents:OpenAIAgentsAgent"
 KEY_ENV = "TETHER_TEST_OAI_KEY"
 SECRET = "sk-tether-oai-0123456789abcdef"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def api_key() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEY_ENV, SECRET)
-        yield SECRET
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ModelServer]:
-    # A process of its own: it notices a client's disconnect at once (see test_chat_agent)
-    with ModelServer(process=True, realtime=True) as s:
-        yield s
 
 
 def _config(server: ModelServer, script: str, **extra: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +24,12 @@ from tether.testing.mcp_server import read_log
 
 pytest.importorskip("pydantic_ai")
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("api_key")]
 
 ADAPTER = "tether.adapters.pydantic_ai:PydanticAIAgent"
 FACTORY = "adapter_agents:pydantic_ai_agent"
 KEY_ENV = "TETHER_TEST_PYD_KEY"
 SECRET = "sk-tether-pyd-0123456789abcdef"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def api_key() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEY_ENV, SECRET)
-        yield SECRET
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ModelServer]:
-    # a process of its own: it sees a client's disconnect at once (see test_chat_agent)
-    with ModelServer(process=True, realtime=True) as s:
-        yield s
 
 
 def _config(server: ModelServer, script: str, **extra: Any) -> dict[str, Any]:

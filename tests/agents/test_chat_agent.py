@@ -45,27 +45,11 @@ from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import LOG_ENV, read_log
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("api_key")]
 
 CHAT = "tether.agents:ChatAgent"
 KEY_ENV = "TETHER_TEST_MODEL_KEY"
 SECRET = "sk-tether-test-0123456789abcdef"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def api_key() -> Iterator[str]:
-    """The key in this process's environment (so every worker's) while these tests run."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEY_ENV, SECRET)
-        yield SECRET
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ModelServer]:
-    # A process of its own: it notices a client's disconnect at once, never waiting for
-    # this process's GIL behind the runtime's threads (the tests compare the two times).
-    with ModelServer(process=True, realtime=True) as s:
-        yield s
 
 
 def _config(server: ModelServer, script: str, **extra: Any) -> dict[str, Any]:

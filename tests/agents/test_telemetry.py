@@ -33,12 +33,6 @@ KEY_ENV = "TETHER_TEST_TRACE_KEY"
 SECRET = "sk-tether-trace-0123456789abcdef"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ModelServer]:
-    with ModelServer(process=True, realtime=True) as s:
-        yield s
-
-
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     with OtlpReceiver() as r:
