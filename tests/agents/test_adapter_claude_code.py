@@ -27,6 +27,7 @@ from drivers import (
     escapee,
     escapee_procs,
     eventually,
+    family,
     frozen,
     runtime,
     texts,
@@ -73,10 +74,7 @@ def _agent(
     rt: tether.Runtime, server: ModelServer, home: Path, replies: list[dict[str, Any]]
 ) -> tuple[str, str, User]:
     server.script(MODEL, replies)
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, AGENT, slug="claude", config=_config(server, home))
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
+    return family(rt, AGENT, root_driver=SCRIPTED, slug="claude", config=_config(server, home))
 
 
 def _bash(command: str) -> dict[str, Any]:

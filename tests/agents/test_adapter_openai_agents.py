@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-agents]")
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, eventually, runtime, texts
+from drivers import SCRIPTED, Recorder, entries, eventually, family, runtime, texts
 from model_helpers import CUT_REPLIES, all_read, cut_every_time, mcp_files
 from tether import User
 from tether.testing import ModelServer
@@ -43,10 +43,9 @@ def _agent(
     **extra: Any,
 ) -> tuple[str, str, User]:
     server.script(script, replies)
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, OAI, slug="agent", config=_config(server, script, **extra))
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
+    return family(
+        rt, OAI, root_driver=SCRIPTED, slug="agent", config=_config(server, script, **extra)
+    )
 
 
 def _roles(request: Any) -> list[str]:

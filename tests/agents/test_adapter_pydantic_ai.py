@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, eventually, frozen, runtime, texts
+from drivers import SCRIPTED, Recorder, entries, eventually, family, frozen, runtime, texts
 from model_helpers import CUT_REPLIES, all_read, cut_every_time, last_notice, mcp_files, talking_to
 from tether import User
 from tether.testing import ModelServer
@@ -45,10 +45,9 @@ def _agent(
     **extra: Any,
 ) -> tuple[str, str, User]:
     server.script(script, replies)
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, ADAPTER, slug="agent", config=_config(server, script, **extra))
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
+    return family(
+        rt, ADAPTER, root_driver=SCRIPTED, slug="agent", config=_config(server, script, **extra)
+    )
 
 
 def _said(rt: tether.Runtime, sid: str) -> list[tuple[str, str]]:

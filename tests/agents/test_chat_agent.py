@@ -34,6 +34,7 @@ from drivers import (
     alive,
     entries,
     eventually,
+    family,
     frozen,
     refilled,
     texts,
@@ -72,10 +73,9 @@ def _agent(
     **extra: Any,
 ) -> tuple[str, str, User]:
     server.script(script, replies)
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, CHAT, slug="agent", config=_config(server, script, **extra))
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
+    return family(
+        rt, CHAT, root_driver=SCRIPTED, slug="agent", config=_config(server, script, **extra)
+    )
 
 
 def test_a_turn_calls_run_command_and_completes_with_replies_tool_entries_usage_and_no_key(

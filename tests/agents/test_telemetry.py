@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import tether
-from drivers import HANG, SCRIPTED, Recorder, worker_with_tool
+from drivers import HANG, SCRIPTED, Recorder, family, worker_with_tool
 from otlp_receiver import OtlpReceiver, Receiver, Span
 from tether import User
 from tether.testing import ModelServer
@@ -63,10 +63,9 @@ def _agent(
     key: str | None = None,
 ) -> tuple[str, str, User]:
     server.script(script, replies)
-    root = rt.open_session(SCRIPTED)
-    child = rt.spawn(root, CHAT, slug="agent", config=_config(server, script, tools, key))
-    assert isinstance(child, str)
-    return root, child, User(parent=root)
+    return family(
+        rt, CHAT, root_driver=SCRIPTED, slug="agent", config=_config(server, script, tools, key)
+    )
 
 
 def _one(spans: list[Span], name: str, **attrs: Any) -> Span:
