@@ -52,19 +52,20 @@ test-unit: $(STAMP)
 # containment where the machine allows it (root in CI does), this covers the fallback.
 test-walk: $(STAMP)
 	TETHER_CONTAINMENT=walk $(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster" \
-	  tests/test_interrupts.py tests/test_pause.py tests/test_faults.py tests/test_containment.py
+	  tests/engine/test_interrupts.py tests/engine/test_pause.py \
+	  tests/engine/test_faults.py tests/engine/test_containment.py
 
 $(RAY_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude,otel,ray]'
 	touch $(RAY_STAMP)
 
-# Every Ray case: the interrupt and core suites on Ray, tests/test_ray.py (one Ray
+# Every Ray case: the interrupt and core suites on Ray, tests/ray/test_ray.py (one Ray
 # instance for the session: ray.init takes seconds), and the two-node cluster tests
-# (tests/test_ray_cluster.py, a ray.cluster_utils.Cluster of their own). CI runs it.
+# (tests/ray/test_ray_cluster.py, a ray.cluster_utils.Cluster of their own). CI runs it.
 test-ray: $(RAY_STAMP)
 	$(BIN)/python -m pytest -m "ray or ray_cluster"
 
-# Debian's headless Chromium for the browser tests (tests/test_console.py). Playwright
+# Debian's headless Chromium for the browser tests (tests/faces/test_console.py). Playwright
 # drives it through executable_path: `playwright install` cannot download browsers here.
 # Idempotent: apt runs only when the package is missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

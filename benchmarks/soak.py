@@ -812,7 +812,7 @@ class Soak:
         with self._llock:
             self.gate.clear()
         # A host may die with a turn paused: its frozen worker is continued by the
-        # kernel when the launcher goes, and sweeps (tests/test_soak_findings.py).
+        # kernel when the launcher goes, and sweeps (tests/soak/test_soak_findings.py).
         host = self.host
         assert host is not None
         r = self.call("worker_pids")

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED_BY_KIND, cgroup_probe, escapee_procs, ray_idle_worker
+from drivers import SCRIPTED_BY_KIND, TESTS, cgroup_probe, escapee_procs, ray_idle_worker
 from tether_server import SHARED, shared_trees
 
 _LEAK_TIMEOUT = 5.0
@@ -109,10 +109,18 @@ def no_leaked_processes() -> Iterator[None]:
 RAY_MISSING = "the Ray backend needs the extra tether[ray] (pip install -e '.[ray]')"
 
 
+def _installed(name: str) -> bool:
+    """Whether the package ``name`` is installed. ``find_spec`` alone would say yes for
+    ``ray`` without Ray: tests/ is on sys.path, and its folder tests/ray (no __init__.py)
+    passes for a namespace package of that name, which has no origin."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
     """One Ray instance for the whole test session (ray.init takes seconds)."""
-    if importlib.util.find_spec("ray") is None:
+    if not _installed("ray"):
         pytest.skip(RAY_MISSING)
     import ray  # installed: an error here is a broken install, and fails the test
 
@@ -121,8 +129,7 @@ def ray_session() -> Iterator[Any]:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     # The test drivers (tests/drivers.py) must import on the cluster too, as a user's
     # drivers must: here through the job's runtime_env.
-    tests = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     started = ensure_ray(
         runtime_env={"env_vars": {"PYTHONPATH": path}},
         init_options={"num_cpus": 2, "object_store_memory": 100 * 2**20},
@@ -140,9 +147,9 @@ def ray_cluster() -> Iterator[dict[str, Any]]:
     """A two-node ``ray.cluster_utils.Cluster`` (tests/cluster_child.py, in its own
     process): ``{"address", "nodes": [head, worker], "launcher": pid}``. Each node has one
     unit of the resource ``tether_slot``."""
-    if importlib.util.find_spec("ray") is None:
+    if not _installed("ray"):
         pytest.skip(RAY_MISSING)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_child.py")
+    script = str(TESTS / "cluster_child.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env

@@ -14,10 +14,11 @@ from typing import Any
 
 from playwright.sync_api import Page, expect, sync_playwright
 
-from test_console import LAUNCH_ARGS, _browser_path, item, select
-from tether_server import LiveServer, running_server
+from console_page import LAUNCH_ARGS, browser_path, item, select
+from drivers import ROOT
+from tether_server import LiveServer, rpc_address, running_server
 
-DOCS = Path(__file__).parents[1] / "docs"
+DOCS = ROOT / "docs"
 
 
 def _spawn(server: LiveServer, parent: str, slug: str, prompt: str, *steps: Any) -> str:
@@ -26,10 +27,6 @@ def _spawn(server: LiveServer, parent: str, slug: str, prompt: str, *steps: Any)
         "session"
     ]
     return child
-
-
-def _address(session: str, parent: str) -> dict[str, str]:
-    return {"session": session, "parent": parent, "mode": "continuable"}
 
 
 def _scene(server: LiveServer) -> dict[str, str]:
@@ -64,7 +61,7 @@ def _scene(server: LiveServer) -> dict[str, str]:
     server.call(
         "subagent.interrupt",
         {
-            "address": _address(ids["researcher"], root),
+            "address": rpc_address(ids["researcher"], root),
             "kind": "steer",
             "reason": "Focus on the flaky retry test, not the network.",
         },
@@ -72,7 +69,7 @@ def _scene(server: LiveServer) -> dict[str, str]:
     server.call(
         "subagent.interrupt",
         {
-            "address": _address(ids["coder"], root),
+            "address": rpc_address(ids["coder"], root),
             "kind": "cancel",
             "reason": "Wrong approach: keep the client, fix the retry policy.",
         },
@@ -80,7 +77,10 @@ def _scene(server: LiveServer) -> dict[str, str]:
     server.wait_state(ids["coder"], "parked")
     server.call(
         "subagent.send",
-        {"address": _address(ids["researcher"], root), "content": "Also check the retry settings."},
+        {
+            "address": rpc_address(ids["researcher"], root),
+            "content": "Also check the retry settings.",
+        },
     )
     return ids
 
@@ -92,7 +92,7 @@ def _shoot(page: Page, name: str) -> None:
 
 
 def main() -> None:
-    path = _browser_path()
+    path = browser_path()
     assert path, "no Chromium: run `make browser`"
     with (
         tempfile.TemporaryDirectory() as tmp,

@@ -1,4 +1,4 @@
-"""A Tether host in its own process whose turn starts an escapee (tests/test_containment.py).
+"""A Tether host in its own process whose turn starts an escapee (tests/engine/test_containment.py).
 
 Usage: ``python containment_host.py DB_PATH CONTAINMENT TOKEN [pause]``. It opens a root
 session on a file store, runs a turn whose tool starts the env-cleared ``setsid``

@@ -18,7 +18,8 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import psutil
 
@@ -32,9 +33,17 @@ from tether.runtime._procs import exiting
 from tether.testing.escapee import escapee as escapee
 from tether.testing.escapee import escapee_procs as escapee_procs
 
+if TYPE_CHECKING:
+    import subprocess
+
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
 SCRIPTED_BY_KIND = {"sync": SCRIPTED, "async": ASYNC_SCRIPTED}
+
+# This folder, whichever layer's folder (tests/unit, tests/engine, ...) a test sits in: the
+# helper scripts that tests start by path live here, and it goes on a child's PYTHONPATH.
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the repository: src/, docs/, README.md
 
 # ---- drivers (run in worker processes) ------------------------------------------------
 
@@ -277,6 +286,48 @@ def steps(*ops: dict[str, Any]) -> dict[str, Any]:
 HANG = steps({"op": "hang"})
 
 
+def spawn_child(rt: tether.Runtime, parent: str, driver: str = SCRIPTED, **spawn: Any) -> str:
+    """A continuable child of ``parent`` running ``driver``: its id."""
+    sid = rt.spawn(parent, driver, **spawn)
+    assert isinstance(sid, str)
+    return sid
+
+
+def family(
+    rt: tether.Runtime,
+    driver: str = SCRIPTED,
+    *,
+    root_driver: str | None = None,
+    root_slug: str | None = None,
+    **spawn: Any,
+) -> tuple[str, str, tether.User]:
+    """A root (running ``root_driver``, by default ``driver``) and one child of it running
+    ``driver`` (spawned with ``spawn``): the root's id, the child's, and the root user's
+    authority."""
+    root = rt.open_session(root_driver or driver, slug=root_slug)
+    return root, spawn_child(rt, root, driver, **spawn), tether.User(parent=root)
+
+
+def ended_turn(rt: tether.Runtime, sid: str, turn: str) -> tether.TurnRecord:
+    """The record of ``sid``'s ``turn`` once it has ended (its outcome set)."""
+
+    def done() -> tether.TurnRecord | None:
+        rec = next((t for t in rt.turns(sid) if t.id == turn), None)
+        return rec if rec is not None and rec.outcome is not None else None
+
+    return eventually(done, timeout=15.0, what=f"turn {turn} to end")
+
+
+def final_report(rt: tether.Runtime, turn: str) -> tether.StopReport:
+    """The stop report of ``turn`` once it is complete (its turn has ended: ``outcome`` set)."""
+
+    def complete() -> tether.StopReport | None:
+        r = rt.stop_report(turn)
+        return r if r is not None and r.outcome is not None else None
+
+    return eventually(complete, timeout=15.0, what=f"the complete stop report of {turn}")
+
+
 def eventually(
     predicate: Callable[[], T | None], *, timeout: float = 5.0, what: str = "condition"
 ) -> T:
@@ -346,6 +397,10 @@ def texts(rt: tether.Runtime, sid: str, kind: str) -> list[str]:
     return [e.text for e in entries(rt, sid, kind)]
 
 
+def marker_actions(rt: tether.Runtime, sid: str) -> list[str | None]:
+    return [e.action for e in entries(rt, sid, "marker")]
+
+
 def wait_entry(
     rt: tether.Runtime, sid: str, kind: str, text: str, *, timeout: float = 5.0
 ) -> tether.Entry:
@@ -386,6 +441,38 @@ def frozen(proc: psutil.Process) -> bool:
             return "frozen 1" in f.read()
     except OSError:
         return False
+
+
+def all_frozen(procs: list[psutil.Process]) -> bool:
+    """Every one frozen: SIGSTOPped (walk) or in a frozen cgroup (cgroup containment)."""
+    return all(frozen(p) for p in procs)
+
+
+def none_frozen(procs: list[psutil.Process]) -> bool:
+    return not any(frozen(p) for p in procs)
+
+
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that are running and not zombies."""
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def line_from(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The next line ``proc`` prints on its stdout, waited for ``timeout`` seconds at most."""
+    box: list[str] = []
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box or not box[0]:
+        raise AssertionError(f"the subprocess printed nothing in {timeout:g}s")
+    return box[0]
 
 
 def worker_with_tool(rt: tether.Runtime, name: str, *, count: int = 1) -> psutil.Process:
@@ -453,7 +540,7 @@ def refilled(rt: tether.Runtime, size: int = 3) -> None:
     eventually(lambda: len(rt.worker_pids) >= size, timeout=10.0, what="the pool to refill")
 
 
-# ---- fault-handling drivers and helpers (tests/test_faults.py) --------------------------
+# ---- fault-handling drivers and helpers (tests/engine/test_faults.py) --------------------
 
 
 class DeepFrame:
@@ -564,7 +651,7 @@ class Hostile:
         return "survived"
 
 
-# ---- async drivers (tests/test_async_drivers.py, semantics §15.1) -----------------------------
+# ---- async drivers (tests/agents/test_async_drivers.py, semantics §15.1) -----------------
 
 
 class AsyncWrapUp:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,10 +38,14 @@ __all__ = [
     "TETHER",
     "EventReader",
     "LiveServer",
+    "await_until",
+    "rpc_address",
+    "rpc_error",
     "running_server",
     "settle",
     "shared_server",
     "shared_trees",
+    "tether_cli",
     "wait_until",
 ]
 
@@ -59,6 +63,40 @@ def wait_until(check: Callable[[], T], *, timeout: float = 15.0, what: str = "co
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+async def await_until(
+    check: Callable[[], Awaitable[T | None]], what: str, timeout: float = 20.0
+) -> T:
+    """``wait_until`` for an async ``check`` (an MCP or A2A client's call), in a task."""
+    import anyio  # the MCP and A2A clients' own event loop library
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await anyio.sleep(0.02)
+
+
+def rpc_address(session: str, parent: str, mode: str = "continuable") -> dict[str, str]:
+    """The ``address`` param of the ``subagent.*`` calls."""
+    return {"session": session, "parent": parent, "mode": mode}
+
+
+def rpc_error(answer: dict[str, Any]) -> tuple[int, str]:
+    """A refused call's JSON-RPC code and Tether's own code."""
+    assert "result" not in answer, answer
+    return answer["error"]["code"], answer["error"]["data"]["code"]
+
+
+def tether_cli(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``tether`` command against ``server``, run to its end."""
+    return subprocess.run(
+        [TETHER, *args, "--url", server.url], capture_output=True, text=True, timeout=30
+    )
 
 
 class LiveServer:
