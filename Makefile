@@ -59,9 +59,9 @@ $(RAY_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude,otel,ray]'
 	touch $(RAY_STAMP)
 
-# Every Ray case: the interrupt and core suites on Ray, tests/ray/test_ray.py (one Ray
+# Every Ray case: the interrupt and core suites on Ray, tests/on_ray/test_ray.py (one Ray
 # instance for the session: ray.init takes seconds), and the two-node cluster tests
-# (tests/ray/test_ray_cluster.py, a ray.cluster_utils.Cluster of their own). CI runs it.
+# (tests/on_ray/test_ray_cluster.py, a ray.cluster_utils.Cluster of their own). CI runs it.
 test-ray: $(RAY_STAMP)
 	$(BIN)/python -m pytest -m "ray or ray_cluster"
 

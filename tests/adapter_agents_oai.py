@@ -1,4 +1,4 @@
-"""Agents SDK agents for tests/agents/test_adapter_openai_agents.py, built in the worker from the
+"""Agents SDK agents for tests/agent/test_adapter_openai_agents.py, built in the worker from the
 session config (``"agent": "adapter_agents_oai:name"``). Workers import it by name, as
 they import ``tests/drivers.py``."""
 

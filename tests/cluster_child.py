@@ -1,5 +1,5 @@
 """A two-node Ray cluster (``ray.cluster_utils.Cluster``) in its own process, for
-``tests/ray/test_ray_cluster.py`` (run as a script).
+``tests/on_ray/test_ray_cluster.py`` (run as a script).
 
 Kept out of the test process, which may already be the driver of the test session's own
 Ray. Each node has one CPU and one unit of the custom resource ``tether_slot``. Prints

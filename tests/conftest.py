@@ -110,9 +110,9 @@ RAY_MISSING = "the Ray backend needs the extra tether[ray] (pip install -e '.[ra
 
 
 def _installed(name: str) -> bool:
-    """Whether the package ``name`` is installed. ``find_spec`` alone would say yes for
-    ``ray`` without Ray: tests/ is on sys.path, and its folder tests/ray (no __init__.py)
-    passes for a namespace package of that name, which has no origin."""
+    """Whether the package ``name`` is installed: a module with an origin (a folder on
+    sys.path named like it, with no __init__.py, is a namespace package without one).
+    The test folders are named so that none is (tests/on_ray, tests/agent)."""
     spec = importlib.util.find_spec(name)
     return spec is not None and spec.origin is not None
 

@@ -651,7 +651,7 @@ class Hostile:
         return "survived"
 
 
-# ---- async drivers (tests/agents/test_async_drivers.py, semantics §15.1) -----------------
+# ---- async drivers (tests/agent/test_async_drivers.py, semantics §15.1) -----------------
 
 
 class AsyncWrapUp:

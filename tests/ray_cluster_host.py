@@ -1,5 +1,5 @@
 """A Tether host on a two-node Ray cluster, in its own process, for
-``tests/ray/test_ray_cluster.py`` (run as a script).
+``tests/on_ray/test_ray_cluster.py`` (run as a script).
 
 Usage: ``TOKEN=... python ray_cluster_host.py ADDRESS``. Two slots and no spare, each slot
 claiming the one ``tether_slot`` of a node, so each node has exactly one slot. A root

@@ -216,7 +216,7 @@ def test_deadline_escalates_a_cancel_stuck_in_a_tool_to_an_abort(
     if scripted == ASYNC_SCRIPTED:
         # semantics §15.1: an async turn is never stuck at a tool's await: the cancel lands
         # there at once, the tool is killed, and the deadline has nothing to escalate
-        # (tests/agents/test_async_drivers.py escalates an async turn that blocks its loop).
+        # (tests/agent/test_async_drivers.py escalates an async turn that blocks its loop).
         assert (ended["outcome"], ended["escalated"], ended["forced"]) == (
             "cancelled",
             False,

@@ -237,7 +237,7 @@ def test_a_stalled_turn_is_nudged_then_cancelled_then_aborted_each_with_its_mark
     rec = Recorder(rt)
     _root, child, me = family(rt, scripted, stall=STALL)
     # a call that blocks the driver (for an async one: its loop): no cancel can land
-    # (an awaited hang takes the watchdog's cancel at once: tests/agents/test_async_drivers.py)
+    # (an awaited hang takes the watchdog's cancel at once: tests/agent/test_async_drivers.py)
     rt.send(child, "stall", authority=me, data=steps({"op": "block", "seconds": 30}))
     ended = rec.turn_ended(child, timeout=10.0)
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("aborted", "system", "watchdog")
