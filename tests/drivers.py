@@ -476,6 +476,20 @@ def line_from(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 @contextlib.contextmanager
+def switching_fast(interval: float = 1e-5) -> Iterator[None]:
+    """Threads switch every ``interval`` seconds meanwhile (CPython's default: 5 ms), so
+    that racing calls interleave finely."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+@contextlib.contextmanager
 def sigkilled_host(
     argv: list[str], *, cwd: Path | None = None, timeout: float = 20.0
 ) -> Iterator[tuple[dict[str, Any], list[psutil.Process]]]:

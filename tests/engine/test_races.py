@@ -44,6 +44,7 @@ from drivers import (
     sigkilled_host,
     spawn_child,
     steps,
+    switching_fast,
     texts,
     wait_entry,
 )
@@ -59,12 +60,8 @@ STOP_ACTIONS = ("cancelled", "aborted")
 @pytest.fixture
 def switchy() -> Iterator[None]:
     """Switch threads as often as CPython allows, so that races interleave finely."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with switching_fast(1e-6):
         yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _race(*calls: Callable[[], Any], timeout: float = 15.0) -> list[tuple[str, Any]]:
