@@ -12,13 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 import tether
-from drivers import switching_fast
+from drivers import HANG, switching_fast
 from tether import Ancestor, User
 
 pytestmark = pytest.mark.timeout(180)
 
 TRIES = 200
-HANG = {"steps": [{"op": "hang"}]}
 
 
 @pytest.fixture
