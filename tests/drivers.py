@@ -475,6 +475,53 @@ def line_from(proc: subprocess.Popen[str], timeout: float) -> str:
     return box[0]
 
 
+@contextlib.contextmanager
+def switching_fast(interval: float = 1e-5) -> Iterator[None]:
+    """Threads switch every ``interval`` seconds meanwhile (CPython's default: 5 ms), so
+    that racing calls interleave finely."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+@contextlib.contextmanager
+def sigkilled_host(
+    argv: list[str], *, cwd: Path | None = None, timeout: float = 20.0
+) -> Iterator[tuple[dict[str, Any], list[psutil.Process]]]:
+    """Run a host (``argv``) until it prints its first line (JSON), then SIGKILL it.
+
+    Yields that line, decoded, and a snapshot of the host's process tree taken just
+    before the kill. On exit, whatever of that tree still runs is killed: the old host's
+    workers are no longer our children, so the leak check would not see them.
+    """
+    import signal
+    import subprocess
+
+    tree: list[psutil.Process] = []
+    try:
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=cwd) as proc:
+            try:
+                ready: dict[str, Any] = json.loads(line_from(proc, timeout))
+                tree = psutil.Process(proc.pid).children(recursive=True)
+                os.kill(proc.pid, signal.SIGKILL)
+                assert proc.wait(timeout=5.0) == -signal.SIGKILL
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        yield ready, tree
+    finally:
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=5.0)
+
+
 def worker_with_tool(rt: tether.Runtime, name: str, *, count: int = 1) -> psutil.Process:
     """The worker process that has at least ``count`` live descendants named ``name``."""
 

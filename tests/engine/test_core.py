@@ -10,12 +10,9 @@ import ast
 import contextlib
 import itertools
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -32,9 +29,9 @@ from drivers import (
     alive,
     entries,
     eventually,
-    line_from,
     refilled,
     runtime,
+    sigkilled_host,
     steps,
     texts,
     tree_of,
@@ -288,42 +285,10 @@ def test_list_agents_walks_a_three_level_tree_in_pre_order(rt: tether.Runtime) -
 # ---- recovery -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _crashed_host(db_path: str) -> Iterator[tuple[dict[str, str], list[psutil.Process]]]:
-    """Run ``host_child.py`` on ``db_path`` and SIGKILL it mid-turn.
-
-    Yields what the host printed and a snapshot of its process tree taken just before the
-    kill. On exit, whatever of that tree still runs is killed: the old host's workers are
-    no longer our children, so the leak check would not see them.
-    """
-    tree: list[psutil.Process] = []
-    try:
-        with subprocess.Popen(
-            [sys.executable, str(TESTS / "host_child.py"), db_path],
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as proc:
-            try:
-                ready = json.loads(line_from(proc, timeout=20.0))
-                tree = psutil.Process(proc.pid).children(recursive=True)
-                os.kill(proc.pid, signal.SIGKILL)
-                assert proc.wait(timeout=5.0) == -signal.SIGKILL
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        yield ready, tree
-    finally:
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(tree, timeout=5.0)
-
-
 def test_host_killed_mid_turn_reopens_with_crashed_turn_and_runs_queue_in_order(
     db_path: str,
 ) -> None:
-    with _crashed_host(db_path) as (ready, _tree):
+    with sigkilled_host([sys.executable, str(TESTS / "host_child.py"), db_path]) as (ready, _tree):
         pass  # the whole old host is gone (the machine "crashed") before the reopen
 
     root, open_turn = ready["root"], ready["turn"]
@@ -344,7 +309,7 @@ def test_host_killed_mid_turn_reopens_with_crashed_turn_and_runs_queue_in_order(
 
 def test_workers_of_a_killed_host_do_not_outlive_it(db_path: str) -> None:
     """A worker whose host died mid-turn must not keep running its turn (and tools) forever."""
-    with _crashed_host(db_path) as (_ready, tree):
+    with sigkilled_host([sys.executable, str(TESTS / "host_child.py"), db_path]) as (_ready, tree):
         assert len(tree) >= 3  # the launcher and its workers
         deadline = time.monotonic() + 3.0
         while any(alive(p) for p in tree) and time.monotonic() < deadline:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import random
 import signal
 import subprocess
@@ -42,8 +41,10 @@ from drivers import (
     eventually,
     refilled,
     runtime,
+    sigkilled_host,
     spawn_child,
     steps,
+    switching_fast,
     texts,
     wait_entry,
 )
@@ -59,12 +60,8 @@ STOP_ACTIONS = ("cancelled", "aborted")
 @pytest.fixture
 def switchy() -> Iterator[None]:
     """Switch threads as often as CPython allows, so that races interleave finely."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with switching_fast(1e-6):
         yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _race(*calls: Callable[[], Any], timeout: float = 15.0) -> list[tuple[str, Any]]:
@@ -926,44 +923,10 @@ sys.exit(1)
 """
 
 
-@contextlib.contextmanager
-def _killed_host(db_path: str) -> Iterator[dict[str, str]]:
-    """Run ``_DYING_HOST`` on ``db_path``, SIGKILL it mid-turn, and clean up its tree."""
-    tree: list[psutil.Process] = []
-    try:
-        with subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_DYING_HOST), db_path],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=TESTS,
-        ) as proc:
-            try:
-                box: list[str] = []
-                reader = threading.Thread(
-                    target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""),
-                    daemon=True,
-                )
-                reader.start()
-                reader.join(30.0)
-                assert box and box[0].strip(), "the host printed nothing in 30 s"
-                ready = json.loads(box[0])
-                tree = psutil.Process(proc.pid).children(recursive=True)
-                os.kill(proc.pid, signal.SIGKILL)
-                assert proc.wait(timeout=5.0) == -signal.SIGKILL
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        yield ready
-    finally:
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(tree, timeout=5.0)
-
-
 def test_a_turn_crashed_at_recovery_still_gives_its_parent_the_notice(db_path: str) -> None:
-    with _killed_host(db_path) as ready:
+    with sigkilled_host(
+        [sys.executable, "-c", textwrap.dedent(_DYING_HOST), db_path], cwd=TESTS, timeout=30.0
+    ) as (ready, _tree):
         pass
     root, kid, turn = ready["root"], ready["kid"], ready["turn"]
     api = ApiGaps()
@@ -1013,7 +976,9 @@ def _host_killed_by_its_fault(script: str, db_path: str) -> str:
 
 
 def test_a_host_killed_during_recovery_loses_no_crashed_turns_notice(db_path: str) -> None:
-    with _killed_host(db_path) as ready:
+    with sigkilled_host(
+        [sys.executable, "-c", textwrap.dedent(_DYING_HOST), db_path], cwd=TESTS, timeout=30.0
+    ) as (ready, _tree):
         pass
     root, kid, turn = ready["root"], ready["kid"], ready["turn"]
     _host_killed_by_its_fault(_HOST_DYING_IN_RECOVERY, db_path)

@@ -7,28 +7,23 @@ looped a couple of hundred times with a small switch interval.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 import tether
+from drivers import HANG, switching_fast
 from tether import Ancestor, User
 
 pytestmark = pytest.mark.timeout(180)
 
 TRIES = 200
-HANG = {"steps": [{"op": "hang"}]}
 
 
 @pytest.fixture
 def fast_switches() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
+    with switching_fast():
         yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _tree(rt: tether.Runtime) -> tuple[str, str, str]:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -28,6 +26,7 @@ from drivers import (
     frozen,
     runtime,
     steps,
+    switching_fast,
     wait_entry,
     worker_with_tool,
 )
@@ -52,16 +51,6 @@ pytestmark = pytest.mark.timeout(120)
 
 # The largest steer a caller can send: REASON_CAP characters of 4 bytes each in UTF-8.
 BIG = "\U0001f600" * 2000
-
-
-@contextlib.contextmanager
-def switching_fast() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _family(rt: tether.Runtime, n: int) -> tuple[list[str], User]:

@@ -25,14 +25,13 @@ import psutil
 import pytest
 
 import tether
-from drivers import TESTS, line_from
+from drivers import HANG, TESTS, line_from
 from tether import User
 from tether.actors.host import StatusOp, _Call, _Reply
 from tether.wire.errors import StoreLocked, StoreUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 
-HANG = {"steps": [{"op": "hang"}]}
 BUSY = 5.0  # the store's SQLite busy timeout: what one commit may wait for a lock
 
 # Holds the store's write lock until told to let go (a line on stdin).

@@ -8,10 +8,8 @@ queue that started by itself).
 from __future__ import annotations
 
 import tether
-from drivers import eventually
+from drivers import HANG, eventually
 from tether import User
-
-HANG = {"steps": [{"op": "hang"}]}
 
 
 def test_a_turn_names_the_waking_send_that_started_it_and_a_follow_on_turn_names_none(

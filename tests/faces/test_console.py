@@ -24,7 +24,7 @@ import pytest
 
 import tether.serve.web
 from console_page import BROWSERS, LAUNCH_ARGS, browser_path, item, select
-from drivers import ROOT, TESTS, all_frozen, none_frozen
+from drivers import HANG, ROOT, TESTS, all_frozen, none_frozen
 from tether_server import LiveServer, rpc_address, running_server, settle, shared_server, wait_until
 
 try:
@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover - the dev extra installs it
 
 pytestmark = pytest.mark.timeout(60)
 
-HANG = {"steps": [{"op": "hang"}]}
 HOSTILE = "<img src=x onerror=alert(1)>"
 TOKEN = "console-test-token"
 WAIT_MS = 15_000

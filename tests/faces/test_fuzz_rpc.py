@@ -21,13 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drivers import eventually
+from drivers import SCRIPTED, eventually
 from tether.wire.rpc import MAX_DEPTH, METHODS, RPC_ERROR_CODES
 from tether_server import LiveServer, settle
 
 pytestmark = pytest.mark.unit  # starts no process: make test-unit
 
-SCRIPTED = "tether:Scripted"
 FUZZ = settings(
     max_examples=150,
     deadline=None,

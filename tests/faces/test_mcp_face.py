@@ -21,12 +21,11 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
-from drivers import TESTS
+from drivers import HANG, TESTS
 from tether_server import TETHER, LiveServer, await_until, running_server
 
 pytestmark = pytest.mark.timeout(90)
 
-HANG = {"steps": [{"op": "hang"}]}
 _ENV = {
     "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
     "TETHER_LOG": "info",

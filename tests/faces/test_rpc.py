@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from drivers import all_frozen, none_frozen
+from drivers import HANG, all_frozen, none_frozen
 from tether.serve.sse import EventHub
 from tether_server import (
     TETHER,
@@ -24,8 +24,6 @@ from tether_server import (
     running_server,
     wait_until,
 )
-
-HANG = {"steps": [{"op": "hang"}]}
 
 
 def _tree(server: LiveServer) -> dict[str, str]:

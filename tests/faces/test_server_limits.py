@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 import tether
+from drivers import HANG, SCRIPTED
 from tether_server import (
     EventReader,
     LiveServer,
@@ -32,8 +33,6 @@ from tether_server import (
     wait_until,
 )
 
-SCRIPTED = "tether:Scripted"
-HANG = {"steps": [{"op": "hang"}]}
 STUBBORN = {"steps": [{"op": "ignore_cancel"}, {"op": "hang"}]}
 
 

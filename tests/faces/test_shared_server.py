@@ -12,10 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from drivers import HANG, SCRIPTED
 from tether_server import SHARED, LiveServer, settle, shared_server, wait_until
 
-SCRIPTED = "tether:Scripted"
-HANG = {"steps": [{"op": "hang"}]}
 SLEEP = {"steps": [{"op": "tool", "argv": ["sleep", "60"]}]}
 
 
