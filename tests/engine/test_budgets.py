@@ -23,7 +23,7 @@ import pytest
 import tether
 from drivers import SCRIPTED, TESTS, entries, eventually, steps
 from tether import User
-from tether.actors.budget import STATE, Governor
+from tether.actors.budget import Governor, StateStep, Step, TurnStep
 from tether.runtime.store import Store
 from tether.testing import ModelServer
 from tether.wire.budget import Budget
@@ -368,12 +368,25 @@ def test_spent_counters_are_the_same_after_a_host_restart_a_crashed_turn_include
 # ---- the governor under load ---------------------------------------------------------
 
 
+STATE = "state"  # a flat step's kind for a tree's state change
+
+
+def _flat(step: Step) -> tuple[str, str, str, str]:
+    """(session, turn, kind, text) of a governor's step; a state change is ("", STATE)."""
+    match step:
+        case TurnStep(session=session, turn=turn, kind=kind, text=text):
+            return session, turn, kind, text
+        case StateStep(session=session, state=state):
+            return session, "", STATE, state
+
+
 def _race(store: Store, attempt: int) -> None:
     stopped: dict[str, int] = {}
     crossings: set[str] = set()
     lock = threading.Lock()
 
-    def act(step: tuple[str, str, str, str]) -> None:
+    def act(it: Step) -> None:
+        step = _flat(it)
         if step[2] == STATE:
             return  # the tree's state, for observers
         with lock:
@@ -432,7 +445,7 @@ def test_each_threshold_acts_on_the_report_that_reaches_it_however_far_below_the
     (a lowered limit) is acted on at once."""
     steps: list[tuple[str, str, str, str]] = []
     store = Store()
-    gov = Governor(store=store, act=steps.append, subtree=lambda sid: [])
+    gov = Governor(store=store, act=lambda step: steps.append(_flat(step)), subtree=lambda sid: [])
     try:
         budget = Budget(tokens=1000, cost_usd=0.001, turns=3, soft=0.5, on_hard="cancel")
         gov.admit("s_r", (), budget)

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 
 from tether.actors._ids import new_id
-from tether.actors.budget import Governor
+from tether.actors.budget import Governor, StepKind
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.outcomes import StopFacts, TurnFacts, TurnOutcome, decide_outcome
 from tether.actors.ports import (
@@ -569,7 +569,7 @@ class Session:
 
     # ---- budgets (semantics §16.2) ------------------------------------------------------------
 
-    def budget_step(self, turn: str, kind: str, text: str) -> None:
+    def budget_step(self, turn: str, kind: StepKind, text: str) -> None:
         """The governor's step for ``turn``: a steer, a pause, a cancel or an abort of
         origin ``budget``, bound to that turn (a no-op once it is over). A stop the turn
         already has stands (semantics §5: one pending stop per turn)."""

@@ -28,16 +28,16 @@ import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import structlog
 
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.ports import Durable
-from tether.wire.budget import Budget, BudgetStatus, limit_text, spent_text
+from tether.wire.budget import Budget, BudgetState, BudgetStatus, limit_text, spent_text
 from tether.wire.errors import BudgetExhausted, InvalidParams
 
-__all__ = ["STATE", "Governor", "Spent", "SpentStore", "Step"]
+__all__ = ["Governor", "Spent", "SpentStore", "StateStep", "Step", "StepKind", "TurnStep"]
 
 log = structlog.get_logger("tether.budget")
 
@@ -99,10 +99,29 @@ class _Tree:
     marks: tuple[float, float, float] | None = None
 
 
-# (session, turn, kind, text): one step for the session's host to take on that turn;
-# kind STATE (no turn): the session's budget state changed to ``text`` (an event).
-Step = tuple[str, str, str, str]
-STATE = "state"
+StepKind = Literal["steer", "pause", "cancel", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStep:
+    """A budget's step (``on_soft`` or ``on_hard``) for ``turn`` of ``session``, origin
+    ``budget``, told to the session's host; a no-op there if that turn is over."""
+
+    session: str
+    turn: str
+    kind: StepKind
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class StateStep:
+    """The budget state of ``session``'s tree changed: an event for observers."""
+
+    session: str
+    state: BudgetState
+
+
+Step = TurnStep | StateStep
 
 
 # A crossing found by ``_check_locked``: a limit reached (key, value, limit), or a soft
@@ -330,7 +349,7 @@ class Governor:
                 steps += self._check_locked(session, now)
             mine = self._trees.get(session)
             state = "ok" if mine is None else self._state_locked(session, mine, now)
-            steps.append((session, "", STATE, state))
+            steps.append(StateStep(session, state))
             if self._timed:
                 self._reschedule_locked()
             ticket = self._store.set_budget(session, budget)  # queued in this order
@@ -356,7 +375,8 @@ class Governor:
                 spent = self._spent_dict(session, total, now, set(ids))
             limits = tree.budget.limits() if tree is not None else {}
             remaining = {k: max(limit - spent[k], 0.0) for k, limit in limits.items()}
-            state, decided = "ok", None
+            state: BudgetState = "ok"
+            decided: str | None = None
             for b in (session, *reversed(lineage)):
                 t = self._trees.get(b)
                 if t is None:
@@ -369,7 +389,7 @@ class Governor:
                 limits=dict(limits),
                 spent=spent,
                 remaining=remaining,
-                state=state,  # type: ignore[arg-type]
+                state=state,
                 decided_by=decided,
                 budget=tree.budget if tree is not None else None,
             )
@@ -478,8 +498,8 @@ class Governor:
             "turns": spent.turns,
         }
 
-    def _state_locked(self, b: str, tree: _Tree, now: float) -> str:
-        state = "ok"
+    def _state_locked(self, b: str, tree: _Tree, now: float) -> BudgetState:
+        state: BudgetState = "ok"
         for key, limit in tree.budget.limits().items():
             value = self._value_locked(b, tree, key, now)
             if value >= limit:
@@ -531,10 +551,10 @@ class Governor:
         if hard:
             key, value, limit = hard[0]
             log.warning("budget.exhausted", session=b, limit=key, spent=value, of=limit)
-            changed = [(b, "", STATE, "exhausted")]
+            changed = [StateStep(b, "exhausted")]
         elif soft:
             log.info("budget.soft", session=b, limit=soft[0][0])
-            changed = [(b, "", STATE, "exhausted" if tree.hard else "soft")]
+            changed = [StateStep(b, "exhausted" if tree.hard else "soft")]
         if stops:
             key, value, limit = stops[0]
             where = spent_text(key, value, limit)
@@ -545,7 +565,7 @@ class Governor:
             return changed + self._targets(b, budget.on_soft, text, stop=False)
         return changed
 
-    def _targets(self, b: str, kind: str, what: str, *, stop: bool) -> list[Step]:
+    def _targets(self, b: str, kind: StepKind, what: str, *, stop: bool) -> list[Step]:
         """One step per running turn of ``b``'s tree (a stop: those not stopped yet)."""
         steps: list[Step] = []
         for turn, r in self._runs.items():
@@ -559,7 +579,7 @@ class Governor:
                 r.paused = True
             where = "this tree" if r.session == b else f"the tree of {b}"
             text = f"{what} spent in {where}" + ("" if stop else "; wrap up")
-            steps.append((r.session, turn, kind, text))
+            steps.append(TurnStep(r.session, turn, kind, text))
         return steps
 
     def _issue(self, steps: list[Step]) -> None:
@@ -567,7 +587,7 @@ class Governor:
             try:
                 self._act(step)
             except Exception:  # one host gone (closing) must not spare the others
-                log.exception("budget.step_failed", session=step[0], turn=step[1])
+                log.exception("budget.step_failed", step=step)
 
     def _reschedule_locked(self) -> None:
         """Arm the one clock for the next turn-seconds threshold of any tree."""

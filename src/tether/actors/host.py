@@ -40,7 +40,7 @@ from tether.actors.agent import (
     make_info,
 )
 from tether.actors.authority import Authority, Host
-from tether.actors.budget import Governor
+from tether.actors.budget import Governor, TurnStep
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor, TurnOver
 from tether.actors.states import AgentState
@@ -52,7 +52,6 @@ from tether.wire.vocab import Kind
 
 __all__ = [
     "Adopt",
-    "BudgetStep",
     "Dispatcher",
     "DisposeOp",
     "Enqueued",
@@ -124,18 +123,6 @@ class PauseOp:
     resume: bool = False
     turn: str | None = None  # the guard: act only if this is still the running turn
     trace: str | None = None  # the caller's trace context (telemetry on)
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetStep:
-    """Told by the governor (``actors.budget``): a budget's step (``steer``, ``pause``,
-    ``cancel``, ``abort``) for ``turn`` of ``session``, origin ``budget``; a no-op if that
-    turn is over."""
-
-    session: str
-    turn: str
-    kind: str
-    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,7 +451,7 @@ class SessionHost(pykka.ThreadingActor):
                 self._on(sid, lambda s: s.ended(over))
             case _Timer(session=sid, turn=turn, which=which, gen=gen):
                 self._on(sid, lambda s: s.timer(turn, which, gen))
-            case BudgetStep(session=sid, turn=turn, kind=kind, text=text):
+            case TurnStep(session=sid, turn=turn, kind=kind, text=text):
                 self._on(sid, lambda s: s.budget_step(turn, kind, text))
             case DisposeOp():
                 self._dispose(message)

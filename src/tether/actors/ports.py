@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from tether.actors.outcomes import TurnOutcome
 from tether.wire.frames import (
@@ -27,6 +27,7 @@ from tether.wire.frames import (
 )
 from tether.wire.records import (
     EntryKind,
+    KillVia,
     MarkerAction,
     Message,
     ProcessFate,
@@ -35,15 +36,12 @@ from tether.wire.records import (
     StopReport,
 )
 
-KillVia = Literal["cgroup", "walk"]
-
 __all__ = [
     "AgentStore",
     "Durable",
     "EndRecord",
     "EventSink",
     "Executor",
-    "KillVia",
     "ParentNotice",
     "TurnOver",
     "TurnSink",

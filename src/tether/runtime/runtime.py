@@ -23,10 +23,9 @@ import structlog
 from tether.actors._ids import new_id
 from tether.actors._timers import TimerQueue
 from tether.actors.authority import Authority, Host, sender_of
-from tether.actors.budget import STATE, Governor, Step
+from tether.actors.budget import Governor, StateStep, Step, TurnStep
 from tether.actors.directory import Directory
 from tether.actors.host import (
-    BudgetStep,
     Dispatcher,
     Enqueued,
     InterruptOp,
@@ -577,13 +576,13 @@ class Runtime:
     def _budget_step(self, step: Step) -> None:
         """The governor's step, to the host of the session it is for; a state change is
         an event (``budget``, data ``{"state"}``) for observers (the console's bar)."""
-        session, _, kind, text = step
-        if kind == STATE:
-            if self._events.wants("budget") and session in self._dir.catalog.nodes:
-                lineage = self._dir.catalog.lineage(session)
-                self._events.emit("budget", session, lineage, {"state": text})
-            return
-        self._dispatcher.tell(session, BudgetStep(*step))
+        match step:
+            case StateStep(session=session, state=state):
+                if self._events.wants("budget") and session in self._dir.catalog.nodes:
+                    lineage = self._dir.catalog.lineage(session)
+                    self._events.emit("budget", session, lineage, {"state": state})
+            case TurnStep(session=session):
+                self._dispatcher.tell(session, step)
 
     def _below(self, session: str) -> list[str]:
         """Every session below ``session`` (none for one not in the catalog yet)."""

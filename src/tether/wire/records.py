@@ -23,6 +23,7 @@ __all__ = [
     "Entry",
     "EntryKind",
     "Event",
+    "KillVia",
     "MarkerAction",
     "Message",
     "Mode",
@@ -54,6 +55,7 @@ MarkerAction = Literal[
 # How a stop took effect: the driver took it at a boundary, or at an await it was in;
 # or its tree was killed, whole by its cgroup or by the walk.
 Via = Literal["boundary", "cancel-at-await", "cgroup", "walk"]
+KillVia = Literal["cgroup", "walk"]  # the kill's share of Via
 EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
 
 

@@ -18,7 +18,7 @@ from typing import Generic, Protocol, TypeVar
 
 import structlog
 
-from tether.actors.ports import KillVia, TurnOver, TurnSpec
+from tether.actors.ports import TurnOver, TurnSpec
 from tether.runtime.backends._held import Held
 from tether.wire.errors import DriverNotFound, FrameError, TetherError
 from tether.wire.frames import (
@@ -37,7 +37,7 @@ from tether.wire.frames import (
     Usage,
     WorkerFrame,
 )
-from tether.wire.records import ProcessFate
+from tether.wire.records import KillVia, ProcessFate
 
 __all__ = [
     "DriverChecks",
