@@ -292,7 +292,7 @@ def test_the_largest_accepted_durations_are_accepted(bed: tuple[tether.Runtime, 
     rt, root, _ = bed
     kid = rt.spawn(root, "tether:Scripted", stall={"after": MAX_SECONDS, "every": 0.5})
     assert isinstance(kid, str)
-    assert rt._dir.catalog.nodes[kid].header.stall["after"] == MAX_SECONDS
+    assert rt._dir.catalog.nodes[kid].header.stall.after == MAX_SECONDS
     rt.dispose(kid, authority=User(parent=root))
 
 

@@ -94,6 +94,7 @@ from tether.wire.frames import (
     TurnEnd,
 )
 from tether.wire.records import Entry, Message, SessionHeader, StopReport
+from tether.wire.vocab import StallPolicy
 
 pytestmark = pytest.mark.unit  # starts no process: make test-unit
 
@@ -483,7 +484,7 @@ class SessionMachine(RuleBasedStateMachine):
             mode="one-shot" if one_shot else "continuable",
             slug="kid",
             driver="tests:Fake",
-            stall=stall,
+            stall=None if stall is None else msgspec.convert(stall, StallPolicy),
         )
         services = SessionServices(
             store=self.store,  # type: ignore[arg-type]
@@ -882,7 +883,7 @@ class SessionMachine(RuleBasedStateMachine):
         if t is None or stall is None:
             raise Violation("a watchdog step with no turn or no policy")
         idle = self.clock.mono - t.last_progress
-        if idle + EPS < float(stall["after"]):
+        if idle + EPS < stall.after:
             raise Violation(f"a watchdog step after {idle}s without progress")
 
     @invariant()
@@ -927,7 +928,7 @@ class SessionMachine(RuleBasedStateMachine):
             stall is not None
             and not t.paused
             and not s.disposing
-            and t.step < len(stall["steps"])
+            and t.step < len(stall.steps)
             and not self.timers.armed(t.id, "watchdog")
         ):
             raise Violation("the watchdog's clock is not armed while its ladder has steps left")

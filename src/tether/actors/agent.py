@@ -236,8 +236,7 @@ class Session:
     ) -> None:
         self._host = host
         self.header = header
-        # the watchdog's policy, typed once (the header keeps it as the JSON it stores)
-        self.stall = None if header.stall is None else msgspec.convert(header.stall, StallPolicy)
+        self.stall = header.stall
         self.lineage = lineage  # ancestor ids, root first, fixed at materialization
         self.depth = depth
         self.epoch = epoch

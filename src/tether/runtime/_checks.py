@@ -255,7 +255,7 @@ _NUDGE = (
 )
 
 
-def check_stall(stall: object) -> dict[str, Any]:
+def check_stall(stall: object) -> StallPolicy:
     """The stall watchdog's policy, validated and completed (semantics §14.5).
 
     ``after`` (seconds, required) without progress takes the first of ``steps``
@@ -274,13 +274,8 @@ def check_stall(stall: object) -> dict[str, Any]:
     if not nudge.strip():
         raise InvalidParams("stall.nudge must be a non-empty string")
     check_text("stall.nudge", nudge)
-    out: dict[str, Any] = {
-        "after": policy.after,
-        "every": policy.every if policy.every is not None else policy.after,
-        "steps": list(policy.steps),
-        "nudge": cap(nudge),
-        "repeat": policy.repeat,
-    }
-    if policy.grace is not None:
-        out["grace"] = policy.grace
-    return out
+    return msgspec.structs.replace(
+        policy,
+        every=policy.every if policy.every is not None else policy.after,
+        nudge=cap(nudge),
+    )

@@ -44,6 +44,7 @@ from tether.wire.records import (
     TurnRecord,
     message_key,
 )
+from tether.wire.vocab import StallPolicy
 
 __all__ = ["MAX_PAGE", "Store"]
 
@@ -414,7 +415,7 @@ class Store:
             _dump(row.config),
             _dump(row.permissions),
             row.created_at,
-            _dump(row.stall),
+            None if row.stall is None else _enc.encode(row.stall),
             _dump(row.limits),
             None if row.budget is None else _enc.encode(row.budget),
         )
@@ -444,7 +445,7 @@ class Store:
                 permissions=_load(r[6]),
                 created_at=r[7],
                 settled=bool(r[8]),
-                stall=_load(r[9]),
+                stall=None if r[9] is None else msgspec.json.decode(r[9], type=StallPolicy),
                 limits=_load(r[10]),
                 budget=None if r[11] is None else msgspec.json.decode(r[11], type=Budget),
             )

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from tether.wire.budget import Budget
+from tether.wire.vocab import StallPolicy
 
 __all__ = [
     "STATES",
@@ -199,9 +200,9 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     permissions: dict[str, Any] | None = None
     created_at: float = 0.0
     settled: bool = False
-    # The stall watchdog's policy (semantics §14.5), or None: {"after", "every", "steps",
-    # "nudge", "repeat"}; a child without one inherits its parent's.
-    stall: dict[str, Any] | None = None
+    # The stall watchdog's policy (semantics §14.5), completed by its check (``every`` and
+    # ``nudge`` filled in), or None; a child without one inherits its parent's.
+    stall: StallPolicy | None = None
     # Per-turn limits enforced by the turn's cgroup (semantics §15.5), or None:
     # {"memory_mb", "pids", "cpu"}; a child without its own inherits its parent's.
     limits: dict[str, float] | None = None
