@@ -221,7 +221,7 @@ def test_a_batch_that_keeps_failing_fails_the_engine_and_refuses_every_ticket_wa
     else:
         e.read_only(True)
         bad = insert("y")
-    ops = [bad] if alone else [insert("a"), bad, insert("b")]
+    ops: list[Op] = [bad] if alone else [insert("a"), bad, insert("b")]
     batch = [e.submit(op, waited=True) for op in ops]
     with pytest.raises(StoreUnavailable):
         e.engine.flush()

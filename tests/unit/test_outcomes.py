@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import pytest
 
 from tether.actors.outcomes import StopFacts, TurnFacts, TurnOutcome, decide_outcome
+from tether.wire.records import StopOrigin
 
 pytestmark = pytest.mark.unit  # starts no process: make test-unit
 
 
-def cancel(origin: str = "user", by: str = "s_parent", reason: str = "wrap up") -> StopFacts:
+def cancel(origin: StopOrigin = "user", by: str = "s_parent", reason: str = "wrap up") -> StopFacts:
     return StopFacts("cancel", origin, by, reason)
 
 
-def abort(origin: str = "user", by: str = "s_parent", reason: str = "stuck") -> StopFacts:
+def abort(origin: StopOrigin = "user", by: str = "s_parent", reason: str = "stuck") -> StopFacts:
     return StopFacts("abort", origin, by, reason)
 
 

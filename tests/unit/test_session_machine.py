@@ -57,7 +57,7 @@ import random
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import pytest
@@ -93,8 +93,8 @@ from tether.wire.frames import (
     ToolMark,
     TurnEnd,
 )
-from tether.wire.records import Entry, Message, SessionHeader, StopReport
-from tether.wire.vocab import StallPolicy
+from tether.wire.records import Entry, Message, SessionHeader, StopOrigin, StopReport
+from tether.wire.vocab import Kind, StallPolicy
 
 pytestmark = pytest.mark.unit  # starts no process: make test-unit
 
@@ -387,6 +387,9 @@ class FakeExecutor:
 
     def dispatched(self, turn: str) -> bool:
         return self._live(turn).dispatched
+
+    def disposed(self, sessions: list[str]) -> None:
+        """Part of ``Executor``; only the host calls it (a session settled), never a session."""
 
 
 class Events:
@@ -702,6 +705,7 @@ class SessionMachine(RuleBasedStateMachine):
         if failed:
             end = TurnEnd(turn=turn, outcome="failed", error="ValueError: boom")
         else:
+            outcome: Literal["cancelled", "completed"]
             outcome = "cancelled" if w.cancel is not None else "completed"
             end = TurnEnd(turn=turn, outcome=outcome, final="done")
         self.outbox.append((turn, end, None))
@@ -761,13 +765,13 @@ class SessionMachine(RuleBasedStateMachine):
     # -- interrupts (semantics §5, §14.2) -------------------------------------------------------
 
     @rule(kind=KINDS, args=INTERRUPTS)
-    def an_interrupt(self, kind: str, args: tuple[Any, ...]) -> None:
+    def an_interrupt(self, kind: Kind, args: tuple[Any, ...]) -> None:
         self.interrupt(kind, *args)
 
     def interrupt(
         self,
-        kind: str,
-        who: tuple[str, str],
+        kind: Kind,
+        who: tuple[StopOrigin, str],
         reason: str,
         grace: float,
         deadline: float | None,
