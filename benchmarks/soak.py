@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,9 @@ class ProcessesSeen:
 
 
 class Soak:
+    sweeps: list[float]  # each host kill's sweep, in seconds (set by run)
+    last_audit: dict[str, Any]  # the last audit the checker passed (set by run)
+
     def __init__(
         self,
         seconds: float,
@@ -945,8 +949,8 @@ class Soak:
             time.sleep(1.0)  # let in-flight notices land (bounded: 3 retries)
 
     def run(self) -> SoakResult:
-        self.sweeps: list[float] = []
-        self.last_audit: dict[str, Any] = {}
+        self.sweeps = []
+        self.last_audit = {}
         t_start = time.time()
         self.start_host()
         rng = random.Random(self.seed)
@@ -1472,7 +1476,7 @@ def table(runs: list[dict[str, Any]]) -> str:
             and (wrong or ".wrong_authority." not in k)
         )
 
-    rows = [
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("seed", lambda f: str(f["seed"])),
         ("date", lambda f: f["date"]),
         ("chaos / total", lambda f: f"{f['chaos_s'] / 60:g} min / {f['duration_s']:.0f} s"),

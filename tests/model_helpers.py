@@ -69,7 +69,11 @@ def cut_every_time(
         after = max((e.seq for e in rt.transcript(child)), default=0)
         rt.send(child, "go", authority=me)
         server.wait_requests(i + 1, script=script, timeout=60.0)
-        server.wait_for(lambda s, i=i: s.requests_for(script)[i].hanging, what="the hang")
+
+        def hanging(s: ModelServer, i: int = i) -> bool:
+            return s.requests_for(script)[i].hanging
+
+        server.wait_for(hanging, what="the hang")
         eventually(lambda: all_read(server), timeout=10.0, what="the agent to read the reply")
         rt.interrupt(child, authority=me, kind="cancel", reason=f"try {i}")
         ended = rec.turn_ended(child, count=i + 1, timeout=30.0)

@@ -53,7 +53,9 @@ TETHER = str(Path(sys.executable).with_name("tether"))
 T = TypeVar("T")
 
 
-def wait_until(check: Callable[[], T], *, timeout: float = 15.0, what: str = "condition") -> T:
+def wait_until(
+    check: Callable[[], T | None], *, timeout: float = 15.0, what: str = "condition"
+) -> T:
     """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
