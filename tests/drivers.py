@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import psutil
 
@@ -35,6 +35,8 @@ from tether.testing.escapee import escapee_procs as escapee_procs
 
 if TYPE_CHECKING:
     import subprocess
+
+    from tether.runtime.backends.pool import Pool
 
 SCRIPTED = "tether:Scripted"
 ASYNC_SCRIPTED = "tether:AsyncScripted"
@@ -329,9 +331,13 @@ def final_report(rt: tether.Runtime, turn: str) -> tether.StopReport:
 
 
 def eventually(
-    predicate: Callable[[], T | None], *, timeout: float = 5.0, what: str = "condition"
+    predicate: Callable[[], T | Literal[False] | None],
+    *,
+    timeout: float = 5.0,
+    what: str = "condition",
 ) -> T:
-    """Poll ``predicate`` (OS or store state that has no event) until truthy, with a deadline."""
+    """Poll ``predicate`` (OS or store state that has no event) until truthy, with a deadline.
+    Its value (``a is not None and b and value`` is typed as ``value``'s type)."""
     deadline = time.monotonic() + timeout
     pause = 0.002
     while True:
@@ -546,6 +552,22 @@ def _named(p: psutil.Process, name: str) -> bool:
     with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
         return p.name() == name
     return False
+
+
+def local_pool(rt: tether.Runtime) -> Pool:
+    """The local backend's worker pool, for the tests that look inside it."""
+    from tether.runtime.backends.pool import Pool  # the test process only: workers never need it
+
+    pool = rt._pool
+    assert isinstance(pool, Pool), pool
+    return pool
+
+
+def host_cgroups(rt: tether.Runtime) -> Cgroups:
+    """The host's cgroup group, for the tests of a runtime with cgroup containment."""
+    cgroups = rt._cgroups
+    assert cgroups is not None, "the runtime has no cgroup containment"
+    return cgroups
 
 
 @contextlib.contextmanager

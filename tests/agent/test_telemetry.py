@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import tether
-from drivers import HANG, SCRIPTED, Recorder, family, worker_with_tool
+from drivers import HANG, SCRIPTED, Recorder, family, local_pool, worker_with_tool
 from otlp_receiver import OtlpReceiver, Receiver, Span
 from tether import User
 from tether.testing import ModelServer
@@ -449,7 +449,7 @@ def test_content_is_recorded_only_when_asked_for(receiver: Receiver, server: Mod
 def _launcher_maps_protobuf(rt: tether.Runtime) -> bool:
     """The pool's launcher has the protobuf runtime's extension mapped (the OTLP
     exporter's encoder): what it imported, as the OS sees it."""
-    pid = rt._pool.launcher.pid  # type: ignore[attr-defined]
+    pid = local_pool(rt).launcher.pid
     assert pid is not None
     with open(f"/proc/{pid}/maps") as f:
         return "_upb" in f.read()
@@ -501,7 +501,7 @@ print(json.dumps({{"host": host, "worker": worker}}))
         _turn_span(receiver, turn.id)
         # its workers' launcher loaded the SDK's exporter before forking them (they share
         # it), and started no thread: each worker makes its own provider and thread
-        launcher = rt._pool.launcher.pid  # type: ignore[attr-defined]
+        launcher = local_pool(rt).launcher.pid
         assert _launcher_maps_protobuf(rt)
         assert os.listdir(f"/proc/{launcher}/task") == [str(launcher)]
     assert "tether-otel-export" in worker["threads"]  # the worker's one exporter thread

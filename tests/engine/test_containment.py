@@ -40,7 +40,9 @@ from drivers import (
     eventually,
     family,
     frozen,
+    host_cgroups,
     leaf_of,
+    local_pool,
     runtime,
     steps,
     still_running,
@@ -92,14 +94,14 @@ def _run_tool(rt: tether.Runtime, child: str, me: User, script: str) -> str:
     rt.send(child, "go", authority=me, data=steps({"op": "tool", "argv": ["sh", "-c", script]}))
     turn = rt.wait(child, until="running").turn
     assert turn is not None
-    pool: Any = rt._pool  # type: ignore[attr-defined]
+    pool = local_pool(rt)
     # a claimed turn reaches a worker once its claim is durable
     eventually(lambda: pool.turns.worker(turn), what="the turn on a worker")
     return turn
 
 
 def _worker_pid(rt: tether.Runtime, turn: str) -> int:
-    pool: Any = rt._pool  # type: ignore[attr-defined]
+    pool = local_pool(rt)
     pid: int = eventually(lambda: pool.turns.worker(turn), what="the turn on a worker").pid
     return pid
 
@@ -137,7 +139,7 @@ def test_an_abort_kills_a_renamed_env_cleared_setsid_escapee_that_ignores_sigter
             assert rec.resources is not None and rec.resources["cpu_ms"] > 0
         else:
             assert rec.resources is None
-        group = None if rt._cgroups is None else rt._cgroups.base  # type: ignore[attr-defined]
+        group = None if rt._cgroups is None else rt._cgroups.base
     if group is not None:  # closed: every leaf and the host's group are removed
         assert not os.path.exists(group)
 
@@ -270,7 +272,7 @@ def _only_this_hosts(rt: tether.Runtime, group: str) -> bool:
     gone)."""
     leaves = {n for n in os.listdir(group) if os.path.isdir(os.path.join(group, n))}
     mine = {os.path.basename(leaf_of(pid) or "") for pid in rt.worker_pids}
-    mark = rt._cgroups.prefix + "owner"  # type: ignore[attr-defined]
+    mark = host_cgroups(rt).prefix + "owner"
     return leaves <= mine | {mark}
 
 
@@ -297,7 +299,7 @@ def test_a_later_host_of_another_store_removes_the_empty_group_a_sigkilled_host_
         )
         assert _children(group) == old
         with runtime(str(tmp_path / "other.db"), workers=1, containment="cgroup") as rt:
-            assert rt._cgroups.base != group  # type: ignore[attr-defined]
+            assert host_cgroups(rt).base != group
             assert not os.path.exists(group), _children(group)
 
 
@@ -309,7 +311,7 @@ def test_a_host_making_its_store_group_while_another_host_sweeps_it_keeps_it() -
     from tether.runtime import _cgroup
 
     with runtime(workers=1, containment="cgroup") as rt:
-        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+        top = os.path.dirname(host_cgroups(rt).base)
     group = os.path.join(top, f"s-race{uuid.uuid4().hex[:12]}")
     prefix = _cgroup._owner_prefix()
     mark = os.path.join(group, prefix + "owner")
@@ -348,10 +350,10 @@ def test_a_later_host_of_another_store_never_removes_a_live_hosts_group(
     db_path: str, tmp_path: Path
 ) -> None:
     with runtime(db_path, workers=1, containment="cgroup") as live:
-        group = live._cgroups.base  # type: ignore[attr-defined]
+        group = host_cgroups(live).base
         root = live.open_session(SCRIPTED)
         before = _children(group)
-        assert live._cgroups.prefix + "owner" in before  # type: ignore[attr-defined]
+        assert host_cgroups(live).prefix + "owner" in before
         with runtime(str(tmp_path / "other.db"), workers=1, containment="cgroup"):
             assert _children(group) == before
         live.prompt(root, "still here")
@@ -528,7 +530,7 @@ def test_a_limit_the_kernel_cannot_enforce_here_is_invalid_params(containment: s
         for key, controller in LIMIT_CONTROLLERS.items():
             if containment == "cgroup" and controller in _CONTROLLERS:
                 continue
-            limits = {key: 1}
+            limits: dict[str, float] = {key: 1}
             with pytest.raises(InvalidParams) as exc:
                 rt.spawn(root, SCRIPTED, limits=limits)
             expected = controller if containment == "cgroup" else "cgroup containment"
@@ -787,7 +789,7 @@ def test_the_walks_orphan_sweep_never_takes_a_worker_being_started() -> None:
 
     try:
         with runtime(workers=1, containment="walk") as rt:
-            pool: Any = rt._pool  # type: ignore[attr-defined]
+            pool = local_pool(rt)
 
             def sweep() -> None:
                 while not stop.is_set():
@@ -801,10 +803,11 @@ def test_the_walks_orphan_sweep_never_takes_a_worker_being_started() -> None:
                     spare = eventually(lambda: pool._spare, what="a spare worker")
                     started.add(spare.pid)
                     os.kill(spare.pid, signal.SIGKILL)
-                    eventually(
-                        lambda s=spare: pool._spare is not None and pool._spare is not s,
-                        what="the spare replaced",
-                    )
+
+                    def replaced(s: object = spare) -> bool:
+                        return pool._spare is not None and pool._spare is not s
+
+                    eventually(replaced, what="the spare replaced")
                 started.update(rt.worker_pids)
             finally:
                 stop.set()
@@ -821,7 +824,7 @@ def test_a_gone_in_memory_hosts_cgroup_is_emptied_and_removed_by_any_new_host() 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     with runtime(workers=1, containment="cgroup") as rt:
-        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+        top = os.path.dirname(host_cgroups(rt).base)
     group = os.path.join(top, f"m-{gone.pid}-1-0")
     leaf = os.path.join(group, "w-left")
     os.makedirs(leaf)
@@ -862,7 +865,7 @@ def test_empty_leaves_a_killed_host_left_on_a_store_nobody_reopens_are_removed()
     """Its workers killed their own leaves as their host went, but could not remove them;
     any later host removes an empty leaf once it is old, and never a populated one."""
     with runtime(workers=1, containment="cgroup") as rt:
-        top = os.path.dirname(rt._cgroups.base)  # type: ignore[attr-defined]
+        top = os.path.dirname(host_cgroups(rt).base)
     group = os.path.join(top, f"s-{uuid.uuid4().hex[:16]}")
     empty, busy = os.path.join(group, "w-empty"), os.path.join(group, "w-busy")
     os.makedirs(empty)

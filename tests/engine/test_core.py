@@ -13,7 +13,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -38,6 +40,7 @@ from drivers import (
     worker_with_tool,
 )
 from tether import Ancestor, User
+from tether.actors.authority import Authority
 
 SRC = ROOT / "src" / "tether"
 BACKENDS = ("local", "ray")  # every test taking `rt` runs on both (conftest.py)
@@ -583,7 +586,7 @@ def test_oversized_content_is_invalid_params_and_changes_nothing(rt: tether.Runt
 def test_unknown_session_id_is_not_found(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     ghost = "s_00000000000000000000000000"
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "status": lambda: rt.status(ghost),
         "prompt": lambda: rt.prompt(ghost, "hi"),
         "send": lambda: rt.send(ghost, "hi", authority=User(parent=root)),
@@ -612,7 +615,7 @@ def test_send_without_authority_is_unauthorized_and_changes_nothing(rt: tether.R
     assert isinstance(a1, str)
     other_root = rt.open_session(SCRIPTED)
 
-    refused = [
+    refused: list[tuple[str, Authority]] = [
         (a, User(parent="s_somebody_else")),
         (a, User(parent=sib)),  # a sibling's address is not the parent's
         (a, User(parent=a)),
@@ -724,7 +727,7 @@ def test_logs_use_stable_event_names(rt: tether.Runtime) -> None:
         rt.send(child, "work", authority=me, data=HANG)
         rt.interrupt(child, authority=me, kind="cancel", reason="enough")
         rt.wait(child, until="parked", timeout=5.0)
-    by_name: dict[str, list[dict[str, object]]] = {}
+    by_name: dict[str, list[MutableMapping[str, Any]]] = {}
     for e in logs:
         by_name.setdefault(str(e["event"]), []).append(e)
     [accepted] = [e for e in by_name.get("interrupt.accepted", []) if e.get("session") == child]

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import psutil
@@ -38,6 +38,7 @@ from drivers import (
     eventually,
     family,
     kill_token,
+    local_pool,
     refilled,
     runtime,
     steps,
@@ -52,11 +53,11 @@ SH_TREE = ["sh", "-c", "sleep 30 & sleep 30; wait"]
 MIB = 1024 * 1024
 
 
-def _logged(logs: list[dict[str, Any]], event: str) -> bool:
+def _logged(logs: list[MutableMapping[str, Any]], event: str) -> bool:
     return any(e["event"] == event for e in list(logs))
 
 
-def _wait_logged(logs: list[dict[str, Any]], event: str, timeout: float) -> bool:
+def _wait_logged(logs: list[MutableMapping[str, Any]], event: str, timeout: float) -> bool:
     """Wait (with a deadline) for a log event; False if it never came."""
     try:
         eventually(lambda: _logged(logs, event), timeout=timeout, what=event)
@@ -122,7 +123,7 @@ def _workers_cannot_start(rt: tether.Runtime) -> Iterator[None]:
     Every worker starts a reader thread (an 8 MiB stack); with the launcher capped just
     above its own size, each child it forks fails there and exits.
     """
-    fs = psutil.Process(rt._pool.launcher.pid)  # type: ignore[attr-defined]
+    fs = psutil.Process(local_pool(rt).launcher.pid)
     before = fs.rlimit(psutil.RLIMIT_AS)
     fs.rlimit(psutil.RLIMIT_AS, (fs.memory_info().vms + 2 * MIB, before[1]))
     try:
@@ -217,7 +218,11 @@ def test_abort_under_process_churn_kills_every_setsid_escapee_before_reporting_a
                 authority=me,
                 data=steps({"op": "tool", "argv": _churn_with_escapee(token)}),
             )
-            eventually(lambda t=token: len(token_procs(t)) == 2, timeout=10.0, what="the escapees")
+
+            def both_escapees(t: str = token) -> bool:
+                return len(token_procs(t)) == 2
+
+            eventually(both_escapees, timeout=10.0, what="the escapees")
             rt.interrupt(child, authority=me, kind="abort", reason=f"churn {i}")
             assert rec.turn_ended(child, count=i + 1, timeout=10.0)["outcome"] == "aborted"
             if token_procs(token):
@@ -353,10 +358,12 @@ def test_a_stopped_worker_with_a_full_socket_is_aborted_at_once_and_the_host_sta
         assert not steering.is_alive(), "steers block on a stopped worker's socket"
 
         aborted = threading.Event()
-        threading.Thread(
-            target=lambda: (rt.interrupt(child, authority=me, kind="abort"), aborted.set()),
-            daemon=True,
-        ).start()
+
+        def abort() -> None:
+            rt.interrupt(child, authority=me, kind="abort")
+            aborted.set()
+
+        threading.Thread(target=abort, daemon=True).start()
         assert aborted.wait(5.0), "the abort call blocked"
         assert rec.turn_ended(child, timeout=5.0)["outcome"] == "aborted"
         assert not alive(worker)
@@ -410,9 +417,11 @@ def test_a_preempt_after_the_command_exited_writes_no_preempted_marker(rt: tethe
 
         eventually(exited, timeout=5.0, what="the command to exit")
         rt.interrupt(child, authority=me, kind="preempt", reason="late")
-        eventually(
-            lambda n=i: len(texts(rt, child, "tool")) > n, timeout=5.0, what="the tool entry"
-        )
+
+        def entered(n: int = i) -> bool:
+            return len(texts(rt, child, "tool")) > n
+
+        eventually(entered, timeout=5.0, what="the tool entry")
         rt.interrupt(child, authority=me, kind="cancel")
         rec.turn_ended(child, count=i + 1, timeout=5.0)
     assert [e.action for e in entries(rt, child, "marker")] == ["cancelled"] * 3

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tether
-from drivers import HANG, SCRIPTED, eventually, runtime
+from drivers import HANG, SCRIPTED, eventually, local_pool, runtime
 from tether import User
 from tether.wire.codec import MAX_FRAME
 from tether.wire.frames import (
@@ -390,7 +390,7 @@ def test_a_repeated_ready_from_a_busy_worker_is_rejected(fresh: Harness) -> None
     assert turn.outcome == "completed"
     assert _rejections(logs, pid), "the repeated Ready was not logged as frame.rejected"
     assert pid in rt.worker_pids, "the worker that repeated Ready was shut down"
-    assert rt._pool._starting >= 0
+    assert local_pool(rt)._starting >= 0
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ and real tool subprocesses, and waits on events and state with deadlines.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -30,6 +31,7 @@ from drivers import (
     worker_with_tool,
 )
 from tether import Ancestor, User
+from tether.actors.authority import Authority
 
 GHOST = "s_00000000000000000000000000"
 SH_TREE = ["sh", "-c", "sleep 30 & sleep 30; wait"]
@@ -122,7 +124,7 @@ def test_waking_send_during_convergence_resumes_the_queue_without_another_send(
     else:
         # well inside the 1 s grace: the turn must end by itself, not be force-broken
         # (a tool of a whole second was force-broken once under a loaded CI)
-        tool = {"op": "tool", "argv": ["sleep", "0.4"]}
+        tool: dict[str, Any] = {"op": "tool", "argv": ["sleep", "0.4"]}
         if scripted == ASYNC_SCRIPTED:
             # an async turn takes a cancel at the tool's await at once: only a shielded
             # tool keeps the stop converging (for the rest of the tool's run)
@@ -498,7 +500,7 @@ def test_sibling_self_stranger_descendant_and_wrong_user_parent_are_refused(
     rt.send(target, "A", authority=me, data=HANG)
     turn = rt.wait(target, until="running").turn
 
-    refused = [
+    refused: list[Authority] = [
         Ancestor(rt.agent_ref(sibling)),
         Ancestor(rt.agent_ref(target)),  # itself
         Ancestor(rt.agent_ref(stranger)),
@@ -675,7 +677,7 @@ def test_bad_interrupt_input_is_invalid_params(rt: tether.Runtime, scripted: str
         {"kind": "cancel", "deadline": -1.0},
     ):
         with pytest.raises(tether.InvalidParams):
-            rt.interrupt(child, authority=me, **kwargs)  # type: ignore[arg-type]
+            rt.interrupt(child, authority=me, **kwargs)
     info = rt.status(child)
     assert (info.state, info.turn, info.stopping) == ("running", turn, None)
     assert entries(rt, child, "marker") == []

@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import uuid
-from typing import Any
 
 import psutil
 import pytest
@@ -26,6 +25,7 @@ from drivers import (
     escapee_procs,
     eventually,
     family,
+    local_pool,
     refilled,
     runtime,
     steps,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _launcher(rt: tether.Runtime) -> psutil.Process:
-    pool: Any = rt._pool  # type: ignore[attr-defined]
+    pool = local_pool(rt)
     pid = eventually(lambda: pool.launcher.pid, what="the launcher started")
     return psutil.Process(pid)
 
@@ -103,9 +103,10 @@ def test_a_sigkilled_workers_orphans_go_to_the_launcher_and_are_killed_from_ther
                 data=steps({"op": "tool", "argv": ["sh", "-c", escapee(token)]}),
             )
             turn = rt.wait(child, until="running", timeout=10.0).turn
+            assert turn is not None
             found = eventually(lambda: escapee_procs(token), what="the escapee running")
             [esc] = escapee_loop(found, token)
-            pool: Any = rt._pool  # type: ignore[attr-defined]
+            pool = local_pool(rt)
             launcher = _launcher(rt)
             worker = eventually(lambda: pool.turns.worker(turn), what="the turn on a worker")
             # The pool's lock held: the worker's end is not handled (no walk of its tree
@@ -147,7 +148,7 @@ def test_a_sigkilled_launcher_is_replaced_and_the_next_turns_run_with_nothing_le
         assert rec.turn_ended(child, count=2, timeout=15.0)["outcome"] == "aborted"
         rt.send(child, "after", authority=me)
         assert rec.turn_ended(child, count=3, timeout=15.0)["outcome"] == "completed"
-        pool: Any = rt._pool  # type: ignore[attr-defined]
+        pool = local_pool(rt)
         eventually(lambda: pool.launcher.pid != old.pid, what="a new launcher")
         new = _launcher(rt)
         eventually(

@@ -98,7 +98,11 @@ def _subtree(rt: tether.Runtime, scripted: str) -> None:
     # the sibling writes to its transcript all the time (each failing command is an entry)
     rt.send(b, "busy", authority=me, data=steps({"op": "loop", "argv": ["false"]}))
     for sid in (a, a1, b):
-        eventually(lambda sid=sid: rt.status(sid).dispatched, what=f"{sid} on a worker")
+
+        def dispatched(sid: str = sid) -> bool:
+            return rt.status(sid).dispatched
+
+        eventually(dispatched, what=f"{sid} on a worker")
     turns = {sid: rt.status(sid).turn for sid in (a, a1, b)}
 
     frozen = rt.pause(a, authority=me, scope="subtree", reason="inspect a's subtree")

@@ -23,7 +23,8 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,7 @@ def test_release_racing_a_waking_send_never_leaves_an_ownerless_turn(
     for i in range(200):
         c = spawn_child(rt, root, slug=f"c{i}")
         released, sent = _race(
-            lambda c=c: _release_and_look(rt, c), lambda c=c: rt.send(c, "a", authority=me)
+            partial(_release_and_look, rt, c), partial(rt.send, c, "a", authority=me)
         )
         where = f"race {i}/200"
         assert sent[0] == "ok", f"{where}: the waking send failed: {sent[1]!r}"
@@ -209,9 +210,9 @@ def test_a_waking_send_racing_release_is_never_stranded_and_runs_once_in_fifo_or
     for i in range(200):
         c = spawn_child(rt, root, slug=f"c{i}")
         _, first, second = _race(
-            lambda c=c: rt.release(c),
-            lambda c=c: rt.send(c, "a1", authority=me),
-            lambda c=c: rt.send(c, "a2", authority=me),
+            partial(rt.release, c),
+            partial(rt.send, c, "a1", authority=me),
+            partial(rt.send, c, "a2", authority=me),
         )
         where = f"race {i}/200"
         assert first[0] == "ok" and second[0] == "ok", f"{where}: {first!r} {second!r}"
@@ -219,9 +220,13 @@ def test_a_waking_send_racing_release_is_never_stranded_and_runs_once_in_fifo_or
             if not isinstance(r[1], str):
                 api.note(f"send() returned {r[1]!r}, not the message id")
         # Both waking sends were accepted: both messages run, with no further send.
+
+        def both_claimed(c: str = c) -> bool:
+            return len(texts(rt, c, "user")) == 2
+
         try:
             eventually(
-                lambda c=c: len(texts(rt, c, "user")) == 2,
+                both_claimed,
                 timeout=10.0,
                 what="both raced messages to be claimed",
             )
@@ -261,7 +266,7 @@ def test_a_disposed_session_never_comes_back_or_runs_a_turn_after_dispose_return
             rt.dispose(c, authority=me)
             return rt.status(c).state, rt.turns(c)
 
-        disposed, sent = _race(dispose_and_look, lambda c=c: rt.send(c, "x", authority=me))
+        disposed, sent = _race(dispose_and_look, partial(rt.send, c, "x", authority=me))
         where = f"race {i}/500"
         assert disposed[0] == "ok", f"{where}: dispose raised {disposed[1]!r}"
         state, turns_at_return = disposed[1]
@@ -507,7 +512,8 @@ class _SupervisorOrder:
             self.seen.append(("on" if w.on else "off", w.root))
             return walk(w)
 
-        actor._create, actor._walk = spied_create, spied_walk
+        # spies on the actor's own calls, for this test's actor only
+        actor._create, actor._walk = spied_create, spied_walk  # type: ignore[method-assign]
 
     def where(self, sid: str, root: str) -> str:
         """``before`` the walk of ``root`` began, ``inside`` it, or ``after`` it ended."""
@@ -555,7 +561,7 @@ def test_a_spawn_racing_a_subtree_stop_is_stopped_with_the_subtree_or_refused(
             refused += 1
         else:
             late = spawned[1]
-            first = eventually(lambda late=late: rt.turns(late), what=f"{where}: a turn")[0]
+            first = eventually(partial(rt.turns, late), what=f"{where}: a turn")[0]
             fell = order.where(late, kid)
             assert fell != "inside", f"{where}: {late} was spawned while the {op} walked"
             if fell == "before":
@@ -1122,13 +1128,12 @@ def test_a_childs_turn_ending_during_its_parents_disposal_never_raises_or_strand
     me = User(parent=root)
     api = ApiGaps()
     rng = random.Random(17)
-    bad_events: list[dict[str, Any]] = []
+    bad_events: list[MutableMapping[str, Any]] = []
     for i in range(120):
         where = f"race {i}/120"
         busy_parent = rng.random() < 0.5
-        p = spawn_child(
-            rt, root, slug=f"p{i}", **({"prompt": "p", "data": HANG} if busy_parent else {})
-        )
+        busy: dict[str, Any] = {"prompt": "p", "data": HANG} if busy_parent else {}
+        p = spawn_child(rt, root, slug=f"p{i}", **busy)
         k = spawn_child(rt, p, slug="k", prompt="k", data=HANG)
         rt.wait(k, until="running", timeout=10.0)
         if busy_parent:
@@ -1214,7 +1219,11 @@ def test_steers_sent_before_dispatch_are_in_force_at_the_first_boundary(
         rt.wait(b, until="parked", timeout=10.0)
         rt.send(b, "hold", authority=me, data=steps({"op": "hang"}))
         rt.wait(b, until="running", timeout=10.0)
-        eventually(lambda b=b: rt.status(b).dispatched, what="the blocker back on a worker")
+
+        def dispatched(b: str = b) -> bool:
+            return rt.status(b).dispatched
+
+        eventually(dispatched, what="the blocker back on a worker")
     for b in blockers:
         rt.interrupt(b, authority=me, kind="abort")
         rt.wait(b, timeout=10.0)

@@ -30,8 +30,9 @@ def _tree(rt: tether.Runtime) -> tuple[str, str, str]:
     """A root, its child ``parent`` and that one's child ``child``, all idle."""
     root = rt.open_session("tether:Scripted")
     parent = rt.spawn(root, "tether:Scripted")
+    assert isinstance(parent, str)
     child = rt.spawn(parent, "tether:Scripted")
-    assert isinstance(parent, str) and isinstance(child, str)
+    assert isinstance(child, str)
     return root, parent, child
 
 

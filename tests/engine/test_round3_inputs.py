@@ -153,8 +153,9 @@ def test_after_refused_bad_durations_another_sessions_grace_force_break_still_fi
         wait_until(lambda: [e for e in rt.transcript(b) if e.text == "deaf"], what="b deaf")
         for bad in (1e10, INF, NAN, 10**400):
             for field in ("deadline", "grace"):
+                duration: dict[str, Any] = {field: bad}  # a keyword named at run time
                 with pytest.raises(tether.InvalidParams):
-                    rt.interrupt(a, authority=me, kind="cancel", **{field: bad})
+                    rt.interrupt(a, authority=me, kind="cancel", **duration)
         # Nothing of those was applied: `a` still runs, unstopped, with no marker.
         info = rt.status(a)
         assert (info.state, info.stopping) == ("running", None)
@@ -292,7 +293,8 @@ def test_the_largest_accepted_durations_are_accepted(bed: tuple[tether.Runtime, 
     rt, root, _ = bed
     kid = rt.spawn(root, "tether:Scripted", stall={"after": MAX_SECONDS, "every": 0.5})
     assert isinstance(kid, str)
-    assert rt._dir.catalog.nodes[kid].header.stall.after == MAX_SECONDS
+    stall = rt._dir.catalog.nodes[kid].header.stall
+    assert stall is not None and stall.after == MAX_SECONDS
     rt.dispose(kid, authority=User(parent=root))
 
 

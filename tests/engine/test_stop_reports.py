@@ -413,7 +413,11 @@ def test_the_stop_report_tool_reads_only_the_callers_own_subtree(rt: tether.Runt
     for sid, parent in ((a, root), (b, root), (a1, a)):
         rt.send(sid, "read", authority=User(parent=parent), data=ask)
     for sid in (a, b, a1):
-        eventually(lambda s=sid: len(_said(rt, s)) == 2, timeout=10.0, what=f"{sid}'s answers")
+
+        def answered(s: str = sid) -> bool:
+            return len(_said(rt, s)) == 2
+
+        eventually(answered, timeout=10.0, what=f"{sid}'s answers")
     got_a, none_a = _said(rt, a)
     assert got_a["report"]["turn"] == turn and got_a["report"]["kind"] == "abort"
     assert got_a["report"]["tools"] == [{"name": "run_command", "fate": "killed", "call": None}]
