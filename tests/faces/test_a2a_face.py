@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -150,7 +150,7 @@ def test_an_a2a_message_creates_a_task_that_completes_with_its_history(
 
 def test_a_streaming_a2a_message_yields_the_turns_events(server: LiveServer) -> None:
     async def body() -> None:
-        steps = [
+        steps: list[dict[str, Any]] = [
             {"op": "work", "steps": 2, "every": 0.05},
             {"op": "say", "text": "one"},
             {"op": "work", "steps": 3, "every": 0.05},
@@ -216,7 +216,10 @@ def test_cancel_task_escalates_to_an_abort_when_no_boundary_comes_by_the_deadlin
 ) -> None:
     async def body() -> None:
         async with a2a(server) as client:
-            steps = [{"op": "say", "text": "sleeping"}, {"op": "tool", "argv": ["sleep", "60"]}]
+            steps: list[dict[str, Any]] = [
+                {"op": "say", "text": "sleeping"},
+                {"op": "tool", "argv": ["sleep", "60"]},
+            ]
             (answer,) = await send(client, message("work", steps=steps), immediately=True)
             task = answer.task.id
             await working_with(client, task, "sleeping")
@@ -272,6 +275,7 @@ def test_subscribe_to_task_streams_a_working_task_until_it_ends(server: LiveServ
                 configuration=SendMessageConfiguration(return_immediately=True),
             )
             stream = client.send_message(request)
+            assert isinstance(stream, AsyncGenerator)  # declared an AsyncIterator; closed below
             first = await anext(stream)
             await stream.aclose()
             task = first.task.id
@@ -505,7 +509,7 @@ def test_list_tasks_pages_a_contexts_tasks_newest_first(server: LiveServer) -> N
     context = first["contextId"]
     ids = [first["id"]]
     for text in ("two", "three"):
-        params = {"message": text_message(text, contextId=context)}
+        params: dict[str, Any] = {"message": text_message(text, contextId=context)}
         ids.append(raw(server, "SendMessage", params)["result"]["task"]["id"])
     page = raw(server, "ListTasks", {"contextId": context, "pageSize": 2})["result"]
     assert [t["id"] for t in page["tasks"]] == ids[::-1][:2]

@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -280,7 +281,7 @@ def test_transcript_names_the_calls_of_a_reply_that_is_only_tool_calls(server: L
     with ModelServer() as model:
         call = {"name": "run_command", "arguments": {"argv": ["echo", "hi"]}}
         model.script("cli", [{"tool_calls": [call]}, {"text": "done"}])
-        config = {"model": {"base_url": model.url, "name": "cli", "retries": 0}}
+        config: dict[str, Any] = {"model": {"base_url": model.url, "name": "cli", "retries": 0}}
         config["tools"] = ["run_command"]
         root = ok(
             server, "open", "--driver", "tether.agents:ChatAgent", "--config", json.dumps(config)

@@ -28,9 +28,11 @@ from drivers import HANG, ROOT, TESTS, all_frozen, none_frozen
 from tether_server import LiveServer, rpc_address, running_server, settle, shared_server, wait_until
 
 try:
-    from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
+    from playwright.sync_api import Browser, Dialog, Page, Playwright, expect, sync_playwright
+
+    HAVE_PLAYWRIGHT = True
 except ImportError:  # pragma: no cover - the dev extra installs it
-    sync_playwright = None
+    HAVE_PLAYWRIGHT = False
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +48,7 @@ def playwright() -> Iterator[tuple[Playwright, str]]:
     """Playwright's driver for this module, and the Chromium it launches."""
     path = browser_path()
     missing = None
-    if sync_playwright is None:
+    if not HAVE_PLAYWRIGHT:
         missing = "playwright is not installed (pip install -e '.[dev]')"
     elif path is None:
         missing = f"no Chromium ({' or '.join(BROWSERS)}): run `make browser`"
@@ -77,7 +79,12 @@ def page(browser: Browser) -> Iterator[Page]:
     pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
-    pg.on("dialog", lambda d: (errors.append(f"a {d.type} opened: {d.message}"), d.dismiss()))
+
+    def on_dialog(d: Dialog) -> None:
+        errors.append(f"a {d.type} opened: {d.message}")
+        d.dismiss()
+
+    pg.on("dialog", on_dialog)
     try:
         yield pg
     finally:

@@ -86,8 +86,8 @@ def _value(t: mi.Type, name: str, ids: list[str]) -> st.SearchStrategy[Any]:
         low = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else -(2**40))
         return st.integers(low, t.le if t.le is not None else 2**63 - 1)
     if isinstance(t, mi.FloatType):
-        low = t.ge if t.ge is not None else (t.gt if t.gt is not None else -1e6)
-        return st.floats(low, 30.0, exclude_min=t.gt is not None, allow_nan=False)
+        floor = t.ge if t.ge is not None else (t.gt if t.gt is not None else -1e6)
+        return st.floats(floor, 30.0, exclude_min=t.gt is not None, allow_nan=False)
     if isinstance(t, mi.BoolType):
         return st.booleans()
     if isinstance(t, mi.LiteralType):

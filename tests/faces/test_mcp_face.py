@@ -252,12 +252,14 @@ def test_cancelling_a_waiting_mcp_call_ends_the_wait_and_not_the_agent(tmp_path:
     async def body() -> None:
         async with stdio_session(tmp_path / "state.db", errlog=errlog) as mcp:
             root = (await ok(mcp, "spawn_agent"))["agent"]
-            progress = anyio.Event()
+            progressed = anyio.Event()
             notes: list[str | None] = []
 
-            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            async def on_progress(
+                progress: float, total: float | None, message: str | None
+            ) -> None:
                 notes.append(message)
-                progress.set()
+                progressed.set()
 
             async def waiting_call() -> None:
                 await mcp.call_tool(
@@ -269,7 +271,7 @@ def test_cancelling_a_waiting_mcp_call_ends_the_wait_and_not_the_agent(tmp_path:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(waiting_call)
                 with anyio.fail_after(20):
-                    await progress.wait()  # progress notifications while it waits
+                    await progressed.wait()  # progress notifications while it waits
                 tg.cancel_scope.cancel()  # the client sends notifications/cancelled
 
             def logged() -> bool:
@@ -533,7 +535,9 @@ def test_a_waited_message_queued_behind_a_running_turn_says_so_in_its_progress(
             )  # two workers: the second message has one free, and still waits its turn
             notes: list[str | None] = []
 
-            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            async def on_progress(
+                progress: float, total: float | None, message: str | None
+            ) -> None:
                 notes.append(message)
 
             result = await mcp.call_tool(
