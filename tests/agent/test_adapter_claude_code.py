@@ -114,7 +114,7 @@ def _tool_result(request: Any) -> str:
 def test_a_turn_runs_bash_and_answers_and_the_next_turn_continues_it_also_after_a_restart(
     server: ModelServer, db_path: str, tmp_path: Path
 ) -> None:
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"text": "Let me look.", "tool_calls": [_bash("echo hello-from-bash")]},
         {"text": "Bash said hello-from-bash."},
         {"text": "Second answer."},
@@ -364,7 +364,7 @@ def test_a_steer_sent_while_the_model_streams_reaches_the_next_model_request(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "text": "Working on the slow path, step by step, slowly.",
             "tool_calls": [_bash("echo slow-path")],
@@ -390,7 +390,7 @@ def test_a_preempt_of_a_running_bash_command_stops_only_it_and_the_model_is_told
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [_bash("echo started; sleep 30; echo never")]},
         {"text": "That took too long; moving on."},
     ]
@@ -445,7 +445,7 @@ def test_a_pause_freezes_the_cli_and_its_command_and_resume_lets_the_turn_comple
 ) -> None:
     with runtime(workers=1, grace=1.0, containment="cgroup") as rt:
         rec = Recorder(rt)
-        replies = [
+        replies: list[dict[str, Any]] = [
             {"tool_calls": [_bash("echo started; sleep 1.5; echo finished")]},
             {"text": "It finished."},
         ]
@@ -494,7 +494,7 @@ def test_claude_code_with_tethers_tools_spawns_a_child_and_stops_it(
         _CHILD_HAS_READ.format(log=f"{server.root}/_tether/log", port=server_port(server))
     )
     wait = f"until {sys.executable} {ready}; do sleep 0.05; done"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [_tool("spawn_agent", {"slug": "kid", "prompt": "work hard"})]},
         {"tool_calls": [_bash(f"{wait}; echo child-running")]},
         {"text": "The child is working on it", "hang": True},  # the child's reply
@@ -538,7 +538,7 @@ def test_a_steer_sent_while_the_last_reply_streams_gets_a_reply_of_its_own_in_th
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"text": "A slow final answer, streaming along at its own pace.", "chunk": 2, "pace": 0.04},
         {"text": "Taking your steer into account."},
     ]
@@ -583,7 +583,7 @@ def test_a_steer_sent_while_bash_runs_reaches_the_request_after_the_command(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [_bash("echo working; sleep 1.5; echo worked")]},
         {"text": "Noted your steer."},
     ]
@@ -628,7 +628,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "from-mcp"}}]},
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
@@ -692,7 +692,7 @@ def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_mo
 ) -> None:
     from otlp_receiver import OtlpReceiver
 
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"text": "Let me look.", "tool_calls": [_bash("echo hello-from-bash")]},
         {"text": "Bash said hello-from-bash."},
     ]
@@ -713,7 +713,7 @@ def test_each_response_counts_against_a_budget_as_it_streams_so_a_budget_stops_t
 ) -> None:
     rec = Recorder(rt)
     spend = {"input_tokens": 900, "output_tokens": 100}
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [_bash("echo one")], "usage": spend},
         {"text": "still going " * 20, "chunk": 4, "hang": True},  # never asked for
     ]

@@ -55,7 +55,7 @@ def _roles(request: Any) -> list[str]:
 def test_a_turn_with_a_tool_call_records_replies_tool_entries_and_usage_and_the_next_turn_continues_it_after_a_restart(  # noqa: E501
     server: ModelServer, db_path: str
 ) -> None:
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "text": "Let me look.",
             "tool_calls": [{"name": "lookup", "arguments": {"topic": "owls"}}],
@@ -104,7 +104,10 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
 ) -> None:
     rec = Recorder(rt)
     text = "I am halfway through a long answer"
-    replies = [{"text": text, "chunk": 4, "hang": True}, {"text": "Going on from there."}]
+    replies: list[dict[str, Any]] = [
+        {"text": text, "chunk": 4, "hang": True},
+        {"text": "Going on from there."},
+    ]
     root, child, me = _agent(rt, server, "oai-cut", replies)
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script="oai-cut", timeout=60.0)
@@ -140,7 +143,7 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_and_stays_in_the_later
 ) -> None:
     rec = Recorder(rt)
     look = [{"name": "lookup", "arguments": {"topic": "paths"}}]
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "text": "Working on the slow path, step by step.",
             "tool_calls": look,
@@ -176,7 +179,7 @@ def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_resu
 ) -> None:
     rec = Recorder(rt)
     probe = tmp_path / "probe-started"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "slow_probe", "arguments": {"target": "db"}}]},
         {"text": "The probe took too long; moving on."},
     ]
@@ -205,7 +208,7 @@ def test_after_a_handoff_the_new_agent_is_watched_its_tool_preempted_and_its_rep
 ) -> None:
     rec = Recorder(rt)
     probe = tmp_path / "probe-started"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "transfer_to_prober", "arguments": {}}]},
         {"tool_calls": [{"name": "slow_probe", "arguments": {"target": "db"}}]},
         {"text": "The probe took too long; moving on."},
@@ -234,7 +237,7 @@ def test_the_framework_agent_spawns_a_child_with_spawn_agent_and_stops_it_with_i
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "spawn_agent", "arguments": {"slug": "kid"}}]},
         {"text": "Spawned kid."},
         {"text": "kid is working on it", "hang": True},  # the kid's turn
@@ -274,7 +277,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_framework_agent
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
     ]
@@ -326,7 +329,7 @@ def test_a_cancel_during_a_function_tool_stops_it_and_the_next_turn_sees_the_cal
 ) -> None:
     rec = Recorder(rt)
     probe = tmp_path / "probe-started"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "slow_probe", "arguments": {"target": "db"}}]},
         {"text": "Fine, no probe then."},
     ]
@@ -360,7 +363,7 @@ def test_429_and_500_are_retried_by_the_client_and_the_turn_completes(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
-    replies = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
+    replies: list[dict[str, Any]] = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
     _root, child, me = _agent(rt, server, "oai-flaky", replies)
     rt.send(child, "try", authority=me)
     assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
@@ -386,7 +389,7 @@ def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_mo
     from otlp_receiver import OtlpReceiver
 
     script = "oai-traced"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "text": "Let me look.",
             "tool_calls": [{"name": "lookup", "arguments": {"topic": "owls"}}],

@@ -58,7 +58,7 @@ def test_a_turn_keeps_its_replies_tool_results_and_usage_and_the_next_turn_conti
     server: ModelServer, db_path: str
 ) -> None:
     script = "pyd-tool-turn"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"text": "Let me look.", "tool_calls": [{"name": "lookup", "arguments": {"key": "k1"}}]},
         {"text": "The value is value-of-k1.", "chunk": 3},
         {"text": "You asked about k1 before."},
@@ -113,7 +113,10 @@ def test_a_cancel_mid_stream_closes_the_connection_and_keeps_the_partial_reply(
 ) -> None:
     rec = Recorder(rt)
     text = "I am halfway through a long answer"
-    replies = [{"text": text, "chunk": 4, "hang": True}, {"text": "Picking up where I was cut."}]
+    replies: list[dict[str, Any]] = [
+        {"text": text, "chunk": 4, "hang": True},
+        {"text": "Picking up where I was cut."},
+    ]
     root, child, me = _agent(rt, server, "pyd-cut", replies)
     rt.send(child, "tell me everything", authority=me)
     [request] = server.wait_requests(1, script="pyd-cut", timeout=60.0)
@@ -149,7 +152,10 @@ def test_a_cancel_while_a_tool_runs_ends_the_turn_and_the_next_turn_sees_the_cal
     rec = Recorder(rt)
     started = tmp_path / "search.started"
     call = {"name": "slow_search", "arguments": {"query": "q", "started": str(started)}}
-    replies = [{"text": "Searching.", "tool_calls": [call]}, {"text": "Fine, no search."}]
+    replies: list[dict[str, Any]] = [
+        {"text": "Searching.", "tool_calls": [call]},
+        {"text": "Fine, no search."},
+    ]
     _root, child, me = _agent(rt, server, "pyd-cancel-tool", replies)
     rt.send(child, "search", authority=me)
     eventually(started.exists, timeout=60.0, what="the tool to run")
@@ -174,7 +180,7 @@ def test_a_steer_sent_while_the_model_streams_reaches_the_next_request(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "text": "Working on the slow path, step by step.",
             "tool_calls": [{"name": "lookup", "arguments": {"key": "k2"}}],
@@ -205,7 +211,10 @@ def test_a_preempt_of_a_running_tool_stops_only_that_tool_and_the_model_gets_the
     rec = Recorder(rt)
     started = tmp_path / "search.started"
     call = {"name": "slow_search", "arguments": {"query": "q", "started": str(started)}}
-    replies = [{"tool_calls": [call]}, {"text": "The search was too slow; moving on."}]
+    replies: list[dict[str, Any]] = [
+        {"tool_calls": [call]},
+        {"text": "The search was too slow; moving on."},
+    ]
     root, child, me = _agent(rt, server, "pyd-preempt", replies)
     rt.send(child, "search", authority=me)
     eventually(started.exists, timeout=60.0, what="the tool to run")
@@ -251,7 +260,7 @@ def test_the_agent_spawns_a_child_with_tethers_tools_and_stops_it(
     rec = Recorder(rt)
     script = "pyd-family"
     wait = [sys.executable, "-c", _WAIT_FOR_CHILD, server.root, script]
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "tool_calls": [
                 {"name": "spawn_agent", "arguments": {"slug": "kid", "prompt": "work on it"}},
@@ -275,7 +284,8 @@ def test_the_agent_spawns_a_child_with_tethers_tools_and_stops_it(
     # sent it all; the child may not have read it all yet)
     said = texts(rt, str(kid.id), "assistant")
     assert len(said) <= 1 and all("kid: working...".startswith(t) for t in said), said
-    names = [(e.data or {}).get("name") for e in entries(rt, parent, "tool")]
+    # the entries' JSON data: a name is Any (None where one has none)
+    names: list[Any] = [(e.data or {}).get("name") for e in entries(rt, parent, "tool")]
     assert sorted(names[:2]) == ["run_command", "spawn_agent"] and names[2] == "interrupt_agent"
     stopped = json.loads(entries(rt, parent, "tool")[2].text)
     assert stopped["accepted"] is True and stopped["turn"] == rt.turns(str(kid.id))[0].id
@@ -316,7 +326,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "from-mcp"}}]},
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
@@ -394,7 +404,7 @@ def test_a_steer_sent_while_the_final_reply_streams_is_taken_by_the_framework_an
     # loop: the steer is the framework's to take (Pydantic AI's end-of-run redirect), and
     # its marker is written when the framework delivers it, after the reply it followed.
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"text": "Here is the slow answer, word by word.", "chunk": 2, "pace": 0.05},
         {"text": "Switched to the short answer."},
     ]
@@ -418,7 +428,7 @@ def test_with_telemetry_each_model_request_is_a_chat_span_under_the_turn_with_mo
     from otlp_receiver import OtlpReceiver
 
     script = "pyd-traced"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"text": "Let me look.", "tool_calls": [{"name": "lookup", "arguments": {"key": "k1"}}]},
         {"text": "The value is value-of-k1."},
     ]

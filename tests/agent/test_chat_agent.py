@@ -168,7 +168,7 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "text": "Working on the slow path, step by step.",
             "tool_calls": [{"name": "run_command", "arguments": {"argv": ["true"]}}],
@@ -195,7 +195,7 @@ def test_a_steer_between_two_tool_calls_keeps_both_results_in_the_history_and_th
     rec = Recorder(rt)
     go = tmp_path / "go"
     wait_go = f"while [ ! -e {go} ]; do sleep 0.01; done; echo first-result"
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "tool_calls": [
                 {"name": "run_command", "arguments": {"argv": ["sh", "-c", wait_go]}},
@@ -244,7 +244,7 @@ def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_th
 ) -> None:
     rec = Recorder(rt)
     hung = {"argv": ["sh", "-c", "echo started; sleep 30"]}
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "run_command", "arguments": hung}]},
         {"text": "That took too long; moving on."},
     ]
@@ -269,7 +269,7 @@ def test_a_run_command_past_its_max_duration_is_preempted_by_system_and_the_turn
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "run_command", "arguments": {"argv": ["sleep", "30"]}}]},
         {"text": "Gave up on the slow command."},
     ]
@@ -289,7 +289,7 @@ def test_429_and_500_are_retried_with_backoff_and_the_turn_completes(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
-    replies = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
+    replies: list[dict[str, Any]] = [{"status": 429}, {"status": 500}, {"text": "third time lucky"}]
     _root, child, me = _agent(rt, server, "flaky", replies)
     rt.send(child, "try", authority=me)
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
@@ -364,13 +364,12 @@ def test_a_bad_config_ends_the_turn_failed_with_one_line_and_a_missing_key_too(
 ) -> None:
     rec = Recorder(rt)
     root = rt.open_session(SCRIPTED)
-    for i, config in enumerate(
-        (
-            {"model": {"base_url": server.url, "api_key": "sk-literal"}},
-            {"model": {"base_url": server.url}, "tools": ["rm_rf"]},
-            {"model": {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}},
-        )
-    ):
+    configs: list[dict[str, Any]] = [
+        {"model": {"base_url": server.url, "api_key": "sk-literal"}},
+        {"model": {"base_url": server.url}, "tools": ["rm_rf"]},
+        {"model": {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}},
+    ]
+    for i, config in enumerate(configs):
         sid = str(rt.spawn(root, CHAT, slug=f"bad{i}", config=config, prompt="hi"))
         ended = rec.turn_ended(sid, timeout=30.0)
         assert ended["outcome"] == "failed" and "\n" not in ended["error"]
@@ -415,7 +414,7 @@ def test_a_turn_calls_run_command_and_an_mcp_tool_and_completes(
 ) -> None:
     rec = Recorder(rt)
     mcp, _log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "tool_calls": [
                 {"name": "run_command", "arguments": {"argv": ["echo", "from-the-shell"]}},
@@ -443,7 +442,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_turn_goes_on(
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
     ]
@@ -499,7 +498,7 @@ def test_an_mcp_call_past_its_max_duration_is_a_preempt_of_origin_system(
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "Too slow; moving on."},
     ]
@@ -580,7 +579,7 @@ def test_one_mcp_server_that_will_not_start_leaves_the_turn_with_the_others_tool
     rec = Recorder(rt)
     mcp, _log = mcp_files(tmp_path)
     mcp["servers"]["broken"] = {"command": ["/nonexistent/mcp-server"]}
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "still-here"}}]},
         {"text": "Done without the broken one."},
     ]
@@ -629,7 +628,7 @@ def test_a_worker_keeps_the_stdio_servers_of_at_most_four_mcp_configs(
         for i, env in enumerate(["0", "1", "2", "3", "0", "4", "5"]):
             mcp, _log = mcp_files(tmp_path)
             mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
-            replies = [
+            replies: list[dict[str, Any]] = [
                 {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
                 {"text": "ok"},
             ]
@@ -658,7 +657,7 @@ def test_a_user_preempt_of_an_mcp_call_gives_the_model_its_progress_so_far(
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "tool_calls": [
                 {"name": "mcp__files__progress", "arguments": {"steps": 6000, "every": 0.01}}
@@ -691,7 +690,7 @@ def test_an_mcp_call_stopped_by_its_idle_timeout_or_max_duration_leaves_a_preemp
 ) -> None:
     rec = Recorder(rt)
     mcp, _log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "tool_calls": [
                 {"name": "mcp__files__hang", "arguments": {"seconds": 60}},
@@ -715,7 +714,7 @@ def test_a_cancelled_mcp_call_leaves_a_tool_entry_saying_so_and_the_report_a_nul
 ) -> None:
     rec = Recorder(rt)
     mcp, log = mcp_files(tmp_path)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "Starting over."},
     ]
@@ -755,7 +754,7 @@ def _echo_turn(
     one completed turn of it that called the server's echo tool."""
     mcp, _log = mcp_files(tmp_path)
     mcp["servers"]["files"]["env"]["TETHER_TEST_SET"] = env
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": env}}]},
         {"text": "ok"},
     ]
@@ -792,7 +791,7 @@ def test_disposing_a_session_closes_the_stdio_servers_its_worker_opened_for_it_a
         eventually(lambda: not alive(srv_a), timeout=30.0, what="a's server to be closed")
         assert alive(srv_b) and sorted(_servers_by_set(one)) == ["b"]
         assert worker in one.worker_pids  # the same worker: nothing was killed
-        replies = [
+        replies: list[dict[str, Any]] = [
             {"tool_calls": [{"name": "mcp__files__echo", "arguments": {"text": "again"}}]},
             {"text": "still ok"},
         ]
@@ -840,7 +839,7 @@ def test_a_disposal_while_the_worker_runs_a_paused_turn_waits_for_it_and_never_d
         [srv_a] = _servers_by_set(one)["a"]
         go = tmp_path / "go"
         wait_go = f"while [ ! -e {go} ]; do sleep 0.01; done; echo released"
-        replies = [
+        replies: list[dict[str, Any]] = [
             {"tool_calls": [{"name": "run_command", "arguments": {"argv": ["sh", "-c", wait_go]}}]},
             {"text": "b is done"},
         ]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import openai
 import pytest
@@ -75,7 +76,7 @@ def test_a_client_that_closes_right_after_done_is_not_a_disconnect() -> None:
 
 
 def test_tool_calls_stream_and_plain_replies_work_unstreamed() -> None:
-    script = [
+    script: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "run_command", "arguments": {"argv": ["echo", "hi"]}}]},
         {"text": "done"},
     ]
@@ -103,7 +104,11 @@ def test_tool_calls_stream_and_plain_replies_work_unstreamed() -> None:
 
 
 def test_errors_are_answered_count_times_then_the_script_goes_on() -> None:
-    script = [{"status": 429, "count": 2}, {"status": 500}, {"text": "finally"}]
+    script: list[dict[str, Any]] = [
+        {"status": 429, "count": 2},
+        {"status": 500},
+        {"text": "finally"},
+    ]
     with ModelServer(script) as server:
         client = _client(server)
         for status in (429, 429, 500):

@@ -112,7 +112,7 @@ def test_a_chat_agent_turn_with_a_tool_call_is_one_trace_with_its_spawned_childs
 ) -> None:
     rt = traced
     rec = Recorder(rt)
-    replies = [
+    replies: list[dict[str, Any]] = [
         {
             "tool_calls": [
                 {
@@ -307,7 +307,7 @@ def test_a_preempt_ends_the_cut_tool_call_as_preempted_and_the_turn_goes_on(
     rt = traced
     rec = Recorder(rt)
     hung = {"argv": ["sh", "-c", "echo started; sleep 30"]}
-    replies = [
+    replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "run_command", "arguments": hung, "id": "call_hung"}]},
         {"text": "moving on"},
     ]
@@ -342,7 +342,10 @@ def test_a_budget_stop_ends_the_turn_as_budget_and_its_control_span_says_budget(
     rec = Recorder(rt)
     call = {"name": "run_command", "arguments": {"argv": ["true"]}}
     spend = {"prompt_tokens": 900, "completion_tokens": 100}
-    replies = [{"tool_calls": [call], "usage": spend}, {"text": "more " * 40, "hang": True}]
+    replies: list[dict[str, Any]] = [
+        {"tool_calls": [call], "usage": spend},
+        {"text": "more " * 40, "hang": True},
+    ]
     server.script("traced-budget", replies)
     root = rt.open_session(SCRIPTED)
     config = _config(server, "traced-budget", ["run_command"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from jsonschema import Draft202012Validator, ValidationError
@@ -42,7 +42,7 @@ def _results(rt: tether.Runtime, session: str) -> list[dict[str, Any]]:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("style", ["openai", "anthropic"])
-def test_schemas_are_valid_json_schema(style: str) -> None:
+def test_schemas_are_valid_json_schema(style: Literal["openai", "anthropic"]) -> None:
     tools = tether.tools.schemas(style)
     if style == "openai":
         assert all(t["type"] == "function" for t in tools)

@@ -98,10 +98,10 @@ def _started(proc: subprocess.Popen[str], cluster: dict[str, Any], token: str) -
     return info
 
 
-def _nodes_of(escapees: list[psutil.Process]) -> set[str] | None:
+def _nodes_of(escapees: list[psutil.Process]) -> set[str | None] | None:
     """The nodes the four escapee processes run on (their TETHER_NODE), once all four
     exist and each has its environment (a process that has just forked may not yet)."""
-    nodes = set()
+    nodes: set[str | None] = set()
     for p in escapees:
         with contextlib.suppress(psutil.Error):
             nodes.add(p.environ().get("TETHER_NODE"))

@@ -50,7 +50,10 @@ def _ray_runtime(containment: str) -> tether.Runtime:
 
 def _turn_child(rt: tether.Runtime, turn: str) -> psutil.Process:
     """The turn child running ``turn`` (the slot actor's child on this one-node cluster)."""
-    pool: Any = rt._pool  # type: ignore[attr-defined]
+    from tether.runtime.backends.ray import RayBackend
+
+    pool = rt._pool
+    assert isinstance(pool, RayBackend), pool
     pid: int = eventually(
         lambda: (s := pool.turns.worker(turn)) is not None and s.child, what="the turn on a slot"
     )
