@@ -50,6 +50,7 @@ from tether.wire.frames import (
     TurnEnd,
     WorkerFrame,
 )
+from tether.wire.records import Stop
 
 DEADLINE = 10.0  # seconds for anything that must converge
 _decoder = msgspec.msgpack.Decoder(WorkerFrame)
@@ -319,7 +320,7 @@ def _wrong_turn_frames(draw: st.DrawFn, turns: list[str]) -> bytes:
                 ToolCall(turn=turn, call=1, name="send_message", args={"to": "x", "text": "y"}),
                 ToolCall(turn=turn, call=2, name="interrupt_agent", args={"agent_id": "x"}),
                 Delivered(turn=turn, steers=[Steer("planted", "user", "mallory")], cancel=True),
-                ToolKilled(turn=turn, reason="planted", origin="user", by="mallory"),
+                ToolKilled(turn=turn, stop=Stop("preempt", "user", "mallory", "planted")),
                 TurnEnd(turn=turn, outcome="completed", final="planted"),
                 TurnEnd(turn=turn, outcome="cancelled"),
                 Progress(turn=turn),

@@ -13,18 +13,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from tether.actors.outcomes import StopFacts, TurnFacts, TurnOutcome, decide_outcome
-from tether.wire.records import StopOrigin
+from tether.actors.outcomes import TurnFacts, TurnOutcome, decide_outcome
+from tether.wire.records import Stop, StopOrigin
 
 pytestmark = pytest.mark.unit  # starts no process: make test-unit
 
 
-def cancel(origin: StopOrigin = "user", by: str = "s_parent", reason: str = "wrap up") -> StopFacts:
-    return StopFacts("cancel", origin, by, reason)
+def cancel(origin: StopOrigin = "user", by: str = "s_parent", reason: str = "wrap up") -> Stop:
+    return Stop("cancel", origin, by, reason)
 
 
-def abort(origin: StopOrigin = "user", by: str = "s_parent", reason: str = "stuck") -> StopFacts:
-    return StopFacts("abort", origin, by, reason)
+def abort(origin: StopOrigin = "user", by: str = "s_parent", reason: str = "stuck") -> Stop:
+    return Stop("abort", origin, by, reason)
 
 
 @dataclass(frozen=True)

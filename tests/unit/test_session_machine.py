@@ -342,7 +342,7 @@ class FakeExecutor:
             log.steers_sent.append(frame.steer)
             if frame.steer.origin == "watchdog":
                 self.m.check_watchdog_waited()
-        if isinstance(frame, Preempt) and frame.origin == "watchdog":
+        if isinstance(frame, Preempt) and frame.stop.origin == "watchdog":
             self.m.check_watchdog_waited()
         if w.gone:
             return  # the worker is dead: nothing reads it
@@ -646,7 +646,7 @@ class SessionMachine(RuleBasedStateMachine):
                     self.outbox.append(
                         Progress(turn=turn, beat=False, tools=[ToolMark(number, fate="preempted")])
                     )
-                    self.outbox.append(ToolKilled(turn, frame.reason, frame.origin, frame.by))
+                    self.outbox.append(ToolKilled(turn, frame.stop))
             case Escalate():
                 answer = not w.cancel_delivered
                 w.escalating = answer

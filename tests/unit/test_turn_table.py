@@ -48,7 +48,7 @@ from tether.wire.frames import (
     TurnEnd,
     Usage,
 )
-from tether.wire.records import Message
+from tether.wire.records import Message, Stop
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -253,7 +253,9 @@ class TableContract(RuleBasedStateMachine):
     def cancel(self, turn: str) -> None:
         m = self.model[turn]
         waiting = m.worker is None and not self._reported(turn)
-        self.table.signal(turn, CancelFrame(turn, Cancel("r", "user", "u")))  # never refused
+        self.table.signal(
+            turn, CancelFrame(turn, Cancel(Stop("cancel", "user", "u", "r")))
+        )  # never refused
         if waiting:
             m.cancelled = True
 

@@ -27,7 +27,7 @@ import structlog
 from tether.actors._ids import new_id
 from tether.actors.budget import Governor, StepKind
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
-from tether.actors.outcomes import StopFacts, TurnFacts, TurnOutcome, decide_outcome
+from tether.actors.outcomes import TurnFacts, TurnOutcome, decide_outcome
 from tether.actors.ports import (
     AgentStore,
     Durable,
@@ -64,7 +64,7 @@ from tether.wire.records import (
     MarkerAction,
     Message,
     SessionHeader,
-    StopKind,
+    Stop,
     StopOrigin,
     StopReport,
     ToolFate,
@@ -123,15 +123,15 @@ class Interrupt:
 
 @dataclass(slots=True)
 class _Stop:
-    kind: Literal["cancel", "abort"]
-    origin: StopOrigin
-    by: str
-    reason: str
+    """The turn's pending stop (a cancel or an abort), with what the session keeps of it."""
+
+    stop: Stop
     grace: float
     at: float = 0.0  # wall clock at acceptance: the report's requested_at
 
-    def facts(self) -> StopFacts:
-        return StopFacts(self.kind, self.origin, self.by, self.reason)
+    @property
+    def kind(self) -> Literal["cancel", "abort"]:
+        return "abort" if self.stop.kind == "abort" else "cancel"  # only these two pend
 
 
 @dataclass(slots=True)
@@ -177,12 +177,12 @@ class _Turn:
     in_tool: bool = False
     # For the stop report (semantics §15.6): the tool calls open now (number -> name, call),
     # those the stop found open, when and how the cancel reached the driver, and the
-    # preempts issued and not yet seen to land (origin, by, reason, accepted at).
+    # preempts issued and not yet seen to land (each with when it was accepted).
     tools: dict[int, tuple[str, str | None]] | None = None
     cut: dict[int, _Cut] | None = None
     delivered_at: float | None = None
     delivered_via: str = "boundary"
-    preempts: list[tuple[str, str, str, float]] | None = None
+    preempts: list[tuple[Stop, float]] | None = None
     preempted: list[ToolFate] | None = None  # calls a preempt cut, for its ToolKilled
     preempt_report: StopReport | None = None
     # A worker has taken the turn (the executor said so, or its first report came): the
@@ -197,7 +197,7 @@ class _Turn:
 @dataclass(slots=True)
 class _Controls:
     steers: deque[ControlSpan]
-    preempts: list[tuple[tuple[str, str, str], ControlSpan]]
+    preempts: list[tuple[Stop, ControlSpan]]
     stop: ControlSpan | None = None
 
 
@@ -422,24 +422,26 @@ class Session:
         return True
 
     def _preempt(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
-        self._host.executor.signal(t.id, Preempt(t.id, i.reason, i.origin, i.by))
+        stop = Stop("preempt", i.origin, i.by, i.reason)
+        self._host.executor.signal(t.id, Preempt(t.id, stop))
         if t.preempts is None:
             t.preempts = []
-        t.preempts.append((i.origin, i.by, i.reason, self._host.clock.now()))
+        t.preempts.append((stop, self._host.clock.now()))
         del t.preempts[:-_PREEMPTS_KEPT]  # those that found no command stay no-ops
         if ctl is not None:
-            self._controls(t).preempts.append(((i.origin, i.by, i.reason), ctl))
+            self._controls(t).preempts.append((stop, ctl))
         return True
 
     def _cancel(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
         if t.stop is not None:
             self._control_ended(ctl, "no-op", t)
             return False  # one pending stop per turn: the first one stands
-        t.stop = _Stop("cancel", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
+        stop = Stop("cancel", i.origin, i.by, i.reason)
+        t.stop = _Stop(stop, i.grace, self._host.clock.now())
         self._stop_control(t, ctl)
         # the signal first, the bookkeeping after
-        self._host.executor.signal(t.id, CancelFrame(t.id, Cancel(i.reason, i.origin, i.by)))
-        self._marker(t, "cancelled", i.origin, i.by, i.reason)
+        self._host.executor.signal(t.id, CancelFrame(t.id, Cancel(stop)))
+        self._stop_marker(t, "cancelled", stop)
         self._stop_accepted(t, t.stop)
         deadline = i.deadline if i.deadline is not None else self._host.cancel_deadline
         if deadline is not None:
@@ -450,12 +452,13 @@ class Session:
         if t.stop is not None and t.stop.kind == "abort":
             self._control_ended(ctl, "no-op", t)
             return False
-        t.stop = _Stop("abort", i.origin, i.by, i.reason, i.grace, self._host.clock.now())
+        stop = Stop("abort", i.origin, i.by, i.reason)
+        t.stop = _Stop(stop, i.grace, self._host.clock.now())
         self._stop_control(t, ctl)
         self._cancel_timer(t)
         t.stopped_clock = None
         self._host.executor.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
-        self._marker(t, "aborted", i.origin, i.by, i.reason)
+        self._stop_marker(t, "aborted", stop)
         self._stop_accepted(t, t.stop)
         return True
 
@@ -508,10 +511,10 @@ class Session:
     def tool_killed(self, frame: ToolKilled) -> None:
         t = self.turn
         if t is not None and t.id == frame.turn:
-            self._marker(t, "preempted", frame.origin, frame.by, frame.reason)
+            self._stop_marker(t, "preempted", frame.stop)
             self._preempt_report(t, frame)
             if t.controls is not None:
-                self._preempt_landed(t, t.controls, (frame.origin, frame.by, frame.reason))
+                self._preempt_landed(t, t.controls, frame.stop)
 
     def escalating(self, frame: Escalating) -> None:
         """The worker will never hand the cancel over now: escalate to an abort."""
@@ -583,9 +586,8 @@ class Session:
                     # A pause that stands for a stop (``on_hard: pause``) says so as a
                     # stop would (semantics §15.6); a cancel or abort later replaces it.
                     now = self._host.clock.now()
-                    report = self._report(
-                        t, "pause", "budget", "budget", text, now, effective_at=now, latency_ms=0.0
-                    )
+                    stop = Stop("pause", "budget", "budget", text)
+                    report = self._report(t, stop, now, effective_at=now, latency_ms=0.0)
                     self._host.store.put_stop_report(report)
                 case "steer" | "cancel" | "abort" as stop:
                     grace = self._host.grace
@@ -755,27 +757,18 @@ class Session:
             t.cut = {}
         for number, (name, call) in (t.tools or {}).items():
             t.cut.setdefault(number, _Cut(name, call))
-        self._host.store.put_stop_report(
-            self._report(t, stop.kind, stop.origin, stop.by, stop.reason, stop.at)
-        )
+        self._host.store.put_stop_report(self._report(t, stop.stop, stop.at))
 
-    def _report(
-        self,
-        t: _Turn,
-        kind: StopKind,
-        origin: StopOrigin,
-        by: str,
-        reason: str,
-        at: float,
-        **more: Any,
-    ) -> StopReport:
+    def _report(self, t: _Turn, stop: Stop, at: float, **more: Any) -> StopReport:
+        """The report of ``stop`` on ``t`` (requested at ``at``): the one place a stop
+        becomes its report's fields."""
         return StopReport(
             turn=t.id,
             session=self.header.id,
-            kind=kind,
-            origin=origin,
-            by=by,
-            reason=reason,
+            kind=stop.kind,
+            origin=stop.origin,
+            by=stop.by,
+            reason=stop.reason,
             requested_at=at,
             **more,
         )
@@ -787,8 +780,8 @@ class Session:
         now = self._host.clock.now()
         at = now
         pending = t.preempts or []
-        for n, (origin, by, reason, when) in enumerate(pending):
-            if (origin, by, reason) == (frame.origin, frame.by, frame.reason):
+        for n, (issued, when) in enumerate(pending):
+            if issued == frame.stop:
                 at = when
                 del pending[: n + 1]  # the ones before it were no-ops, or the same tool's
                 break
@@ -796,10 +789,7 @@ class Session:
             return
         report = self._report(
             t,
-            "preempt",
-            frame.origin,
-            frame.by,
-            frame.reason,
+            frame.stop,
             at,
             effective_at=now,
             latency_ms=_ms(now - at),
@@ -844,10 +834,7 @@ class Session:
             tools.append(ToolFate(name=cut.name, fate=fate, call=cut.call))
         report = self._report(
             t,
-            stop.kind,
-            stop.origin,
-            stop.by,
-            stop.reason,
+            stop.stop,
             stop.at,
             effective_at=effective,
             latency_ms=_ms(effective - stop.at),
@@ -878,6 +865,11 @@ class Session:
         )
         if self._host.events.wants("marker"):
             self._emit("marker", {"entry": msgspec.to_builtins(entry)})
+
+    def _stop_marker(self, t: _Turn, action: MarkerAction, stop: Stop) -> None:
+        """A stop's marker names the stop as its report does (a steer's, a resume's and
+        the system's own markers are not stops: they go to ``_marker`` directly)."""
+        self._marker(t, action, stop.origin, stop.by, stop.reason)
 
     # ---- turn end -----------------------------------------------------------------
 
@@ -943,7 +935,7 @@ class Session:
         end, stop = over.end, t.stop
         decided = decide_outcome(
             TurnFacts(
-                stop=None if stop is None else stop.facts(),
+                stop=None if stop is None else stop.stop,
                 end="died" if end is None else end.outcome,
                 force_requested=t.force,
                 escalate_requested=t.escalate,
@@ -1092,7 +1084,7 @@ class Session:
             self._control_ended(c.stop, "no-op", t)
         c.stop = ctl
 
-    def _preempt_landed(self, t: _Turn, c: _Controls, key: tuple[str, str, str]) -> None:
+    def _preempt_landed(self, t: _Turn, c: _Controls, key: Stop) -> None:
         """A preempt took effect: the first issued with its origin, by and reason (those
         before it found no command: no-ops), as ``_preempt_report`` dates it."""
         for n, (named, span) in enumerate(c.preempts):
@@ -1131,7 +1123,7 @@ class Session:
             outcome=decided.outcome,
             cause=decided.cause,
             by=decided.by,
-            origin=t.stop.origin if t.stop is not None else None,
+            origin=t.stop.stop.origin if t.stop is not None else None,
             reason=decided.reason,
             error=decided.error,
             final=final if final is not None else t.last_say,

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tether.wire.records import Origin, Outcome, StopOrigin
+from tether.wire.records import Origin, Outcome, Stop, StopOrigin
 
-__all__ = ["StopFacts", "TurnFacts", "TurnOutcome", "WorkerEnd", "decide_outcome"]
+__all__ = ["TurnFacts", "TurnOutcome", "WorkerEnd", "decide_outcome"]
 
 # What the worker reported at the end: ``TurnEnd.outcome``, or ``died`` when no end came
 # (its tree was killed, on purpose or not, or it crashed).
@@ -27,18 +27,8 @@ WorkerEnd = Literal["completed", "cancelled", "failed", "died"]
 
 
 @dataclass(frozen=True, slots=True)
-class StopFacts:
-    """The stop that stands at the turn's end."""
-
-    kind: Literal["cancel", "abort"]
-    origin: StopOrigin
-    by: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class TurnFacts:
-    stop: StopFacts | None
+    stop: Stop | None  # the stop that stands at the turn's end: a cancel or an abort
     end: WorkerEnd
     # The grace after the cancel's delivery ran out and the session asked for a kill.
     force_requested: bool = False

@@ -28,7 +28,7 @@ from tether.driver.tools import TOOLS, schemas
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Cancel, Preempt, Steer
-from tether.wire.records import Entry
+from tether.wire.records import Entry, Stop
 from tether.wire.text import render_frame
 
 __all__ = ["ChatAgent", "ModelError", "openai_client"]
@@ -553,12 +553,8 @@ def _max_duration(ctx: AsyncTurnContext, cfg: _Config, name: str) -> asyncio.Tim
     limit = policy.get("max_duration")
     if limit is None:
         return None
-    frame = Preempt(
-        turn=ctx.turn,
-        reason=f"max_duration {float(limit):g} s exceeded",
-        origin="system",
-        by="policy",
-    )
+    why = f"max_duration {float(limit):g} s exceeded"
+    frame = Preempt(ctx.turn, Stop("preempt", "system", "policy", why))
     return asyncio.get_running_loop().call_later(float(limit), ctx.preempt_now, frame)
 
 

@@ -34,7 +34,7 @@ from tether.wire.frames import (
     ToolReply,
     TurnEnd,
 )
-from tether.wire.records import AgentInfo, Entry, StopOrigin, StopReport
+from tether.wire.records import AgentInfo, Entry, Stop, StopOrigin, StopReport
 
 __all__ = ["AsyncTurnContext", "PreemptPolicy", "run_async_turn"]
 
@@ -465,7 +465,7 @@ class AsyncTurnContext(BaseContext):
         ``max_duration``): the host writes the ``preempted`` marker and a stop report as
         for any preempt; returns the ``Preempted`` to describe it (``started`` is the
         call's ``time.monotonic()`` start)."""
-        frame = Preempt(turn=self.turn, reason=reason, origin=origin, by=by)
+        frame = Preempt(self.turn, Stop("preempt", origin, by, reason))
         return self._preempted(frame, tool, started, partial.encode(), via="cancel-at-await")
 
     def preempt_now(self, frame: Preempt) -> None:

@@ -33,7 +33,7 @@ from tether.wire.frames import (
     ToolKilled,
     Usage,
 )
-from tether.wire.records import AgentInfo, Entry, Message, StopReport
+from tether.wire.records import AgentInfo, Entry, Message, StopReport, Via
 
 __all__ = ["BaseContext", "CommandResult", "TurnContext"]
 
@@ -177,25 +177,18 @@ class BaseContext:
         out: bytes | bytearray = b"",
         err: bytes | bytearray = b"",
         *,
-        via: str = "walk",
+        via: Via = "walk",
     ) -> Preempted:
         """Report a preempt that took effect (the host writes its marker) and build the
         error the driver sees, with what the tool wrote until then."""
-        self._worker.send(
-            ToolKilled(
-                turn=self.turn,
-                reason=preempt.reason,
-                origin=preempt.origin,
-                by=preempt.by,
-                via=via,
-            )
-        )
+        self._worker.send(ToolKilled(turn=self.turn, stop=preempt.stop, via=via))
+        stop = preempt.stop
         partial = (out.decode(errors="replace") + err.decode(errors="replace"))[-_PARTIAL_CAP:]
         return Preempted(
-            preempt.reason or f"{tool} was preempted",
-            origin=preempt.origin,
-            by=preempt.by,
-            reason=preempt.reason,
+            stop.reason or f"{tool} was preempted",
+            origin=stop.origin,
+            by=stop.by,
+            reason=stop.reason,
             elapsed=time.monotonic() - started,
             partial=partial,
         )

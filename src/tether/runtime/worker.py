@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import msgspec
 import structlog
 
-from tether.actors.outcomes import StopFacts, TurnFacts, decide_outcome
+from tether.actors.outcomes import TurnFacts, decide_outcome
 from tether.driver._command import COMMAND_ENV
 from tether.driver._turn import _TurnState, end_of
 from tether.driver.context import TurnContext
@@ -355,7 +355,7 @@ def _end_turn_span(end: TurnEnd, state: _TurnState) -> None:
     saw: its end, and the cancel that reached it. (A stop that reached the host only as
     the turn ended on its own, which the worker never saw, is not on it.)"""
     cancel = state.cancel
-    stop = None if cancel is None else StopFacts("cancel", cancel.origin, cancel.by, cancel.reason)
+    stop = None if cancel is None else cancel.stop
     o = decide_outcome(TurnFacts(stop=stop, end=end.outcome, error=end.error))
     spans.turn_ended(
         outcome=o.outcome,

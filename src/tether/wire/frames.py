@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.wire.records import Message, ProcessFate, StopOrigin
+from tether.wire.records import Message, ProcessFate, Stop, StopKind, StopOrigin, Via
 from tether.wire.text import render_frame
 
 __all__ = [
@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 
+def _check_kind(stop: Stop, kind: StopKind) -> None:
+    # A ValueError here is a ValidationError when decoding: a worker's frame that names
+    # another kind of stop is refused as any malformed frame is.
+    if stop.kind != kind:
+        raise ValueError(f"expected a {kind} stop, got {stop.kind!r}")
+
+
 class Steer(msgspec.Struct, frozen=True):
     """A correction delivered at a boundary; the driver continues."""
 
@@ -57,11 +64,25 @@ class Steer(msgspec.Struct, frozen=True):
 
 
 class Cancel(msgspec.Struct, frozen=True):
-    """A stop delivered at a boundary; the driver must wrap up and return."""
+    """A stop delivered at a boundary; the driver must wrap up and return. A driver reads
+    who asked and why as ``reason``, ``origin``, ``by``; ``stop`` is the record itself."""
 
-    reason: str
-    origin: StopOrigin
-    by: str
+    stop: Stop
+
+    def __post_init__(self) -> None:
+        _check_kind(self.stop, "cancel")
+
+    @property
+    def reason(self) -> str:
+        return self.stop.reason
+
+    @property
+    def origin(self) -> StopOrigin:
+        return self.stop.origin
+
+    @property
+    def by(self) -> str:
+        return self.stop.by
 
     def render(self) -> str:
         return render_frame("cancel", self.origin, self.by, self.reason)
@@ -120,9 +141,10 @@ class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
 
 class Preempt(msgspec.Struct, frozen=True, tag="preempt"):
     turn: str
-    reason: str
-    origin: StopOrigin
-    by: str
+    stop: Stop
+
+    def __post_init__(self) -> None:
+        _check_kind(self.stop, "preempt")
 
 
 class ToolReply(msgspec.Struct, frozen=True, tag="reply"):
@@ -230,11 +252,12 @@ class ToolKilled(msgspec.Struct, frozen=True, tag="tool_killed"):
     worker noted it."""
 
     turn: str
-    reason: str
-    origin: StopOrigin
-    by: str
-    via: str = "walk"
+    stop: Stop  # the preempt's, as its Preempt carried it
+    via: Via = "walk"
     processes: list[ProcessFate] = []
+
+    def __post_init__(self) -> None:
+        _check_kind(self.stop, "preempt")
 
 
 class TurnEnd(msgspec.Struct, frozen=True, tag="end"):

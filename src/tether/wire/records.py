@@ -33,6 +33,7 @@ __all__ = [
     "PendingMessage",
     "ProcessFate",
     "SessionHeader",
+    "Stop",
     "StopKind",
     "StopOrigin",
     "StopReport",
@@ -243,6 +244,21 @@ class ToolFate(msgspec.Struct, frozen=True, kw_only=True):
     call: str | None = None  # the tool call's id where it has one (an MCP request id)
 
 
+class Stop(msgspec.Struct, frozen=True):
+    """One stop as it was accepted: what (``kind``), who (``origin``, ``by``) and why.
+
+    The one shape of a stop: the frames that carry it to a worker, the worker's answer that
+    it took effect, the outcome's facts and the stop report are made from it, so the
+    marker's text and the report's fields name the same stop. Hashable: a preempt in
+    flight is found again by it when its worker answers.
+    """
+
+    kind: StopKind
+    origin: StopOrigin
+    by: str
+    reason: str = ""
+
+
 class StopReport(msgspec.Struct, frozen=True, kw_only=True):
     """What one stop did to one turn, durable (semantics §15.6): ``rt.stop_report(turn)``.
 
@@ -269,3 +285,8 @@ class StopReport(msgspec.Struct, frozen=True, kw_only=True):
     processes: list[ProcessFate] = []
     tools: list[ToolFate] = []
     partial: str | None = None
+
+    @property
+    def stop(self) -> Stop:
+        """The stop this reports on."""
+        return Stop(self.kind, self.origin, self.by, self.reason)
