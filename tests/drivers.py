@@ -50,6 +50,18 @@ ROOT = TESTS.parent  # the repository: src/, docs/, README.md
 # ---- drivers (run in worker processes) ------------------------------------------------
 
 
+class ToolCaller:
+    """A driver that plays a model: it makes the tool calls its message lists.
+
+    ``data["calls"]`` is a list of ``[name, arguments]``; each result is said as JSON, so
+    the transcript shows exactly what a model would have been handed back.
+    """
+
+    def run(self, ctx: tether.TurnContext) -> None:
+        for name, arguments in (ctx.message.data or {}).get("calls", []):
+            ctx.say(json.dumps(ctx.call_tool(name, arguments)))
+
+
 class Flaky:
     """Raises when the message starts with ``boom``; otherwise answers ``fine: <content>``."""
 

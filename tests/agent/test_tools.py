@@ -24,18 +24,6 @@ NAMES = [
 ]
 
 
-class ToolCaller:
-    """A driver that plays a model: it makes the tool calls its message lists.
-
-    ``data["calls"]`` is a list of ``[name, arguments]``; each result is said as JSON, so
-    the transcript shows exactly what a model would have been handed back.
-    """
-
-    def run(self, ctx: tether.TurnContext) -> None:
-        for name, arguments in (ctx.message.data or {}).get("calls", []):
-            ctx.say(json.dumps(ctx.call_tool(name, arguments)))
-
-
 def _results(rt: tether.Runtime, session: str) -> list[dict[str, Any]]:
     return [json.loads(e.text) for e in rt.transcript(session) if e.kind == "assistant"]
 
@@ -79,7 +67,7 @@ def test_schemas_are_valid_json_schema(style: Literal["openai", "anthropic"]) ->
 
 
 def test_call_tool_rejects_malformed_arguments_without_side_effect(rt: tether.Runtime) -> None:
-    root = rt.open_session("test_tools:ToolCaller")
+    root = rt.open_session("drivers:ToolCaller")
     malformed: list[list[Any]] = [
         ["spawn_agent", '{"slug": "kid", '],  # truncated JSON
         ["spawn_agent", '["kid"]'],  # not an object
@@ -124,7 +112,7 @@ def test_call_tool_rejects_malformed_arguments_without_side_effect(rt: tether.Ru
 def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
     rt: tether.Runtime,
 ) -> None:
-    root = rt.open_session("test_tools:ToolCaller")
+    root = rt.open_session("drivers:ToolCaller")
     # The child runs its parent's driver: its one call is a long command.
     sleep = {"calls": [["run_command", {"argv": ["sleep", "30"]}]]}
     rt.prompt(
@@ -160,7 +148,7 @@ def test_a_drivers_pause_agent_call_freezes_its_child_and_resume_agent_thaws_it(
     rt.wait(kid)
 
     # Gated by the interrupt permission, like interrupt_agent.
-    denied = rt.open_session("test_tools:ToolCaller", permissions={"interrupt": "deny"})
+    denied = rt.open_session("drivers:ToolCaller", permissions={"interrupt": "deny"})
     calls = [["pause_agent", {"agent": "kid"}], ["resume_agent", {"agent": "kid"}]]
     rt.prompt(denied, "try", data={"calls": calls})
     rt.wait(denied, until="idle")

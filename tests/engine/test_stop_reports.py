@@ -40,7 +40,7 @@ from tether_server import TETHER, running_server
 HANG_OP = {"op": "hang"}
 HANG = steps(HANG_OP)
 SH_TREE = ["sh", "-c", "sleep 300 & sleep 300; wait"]
-CALLER = "test_tools:ToolCaller"  # plays a model: makes the tool calls its message lists
+CALLER = "drivers:ToolCaller"  # plays a model: makes the tool calls its message lists
 NO_PROCS = "this executor does not report how it killed a tree (TurnOver.via): cgroup branch"
 
 
