@@ -36,7 +36,6 @@ def main() -> None:
     rt = tether.Runtime(path, workers=1, grace=1.0, containment=containment)
     root = rt.open_session("tether:Scripted", slug="contained")
     child = rt.spawn(root, "tether:Scripted", slug="tool")
-    assert isinstance(child, str)
     me = User(parent=root)
     rt.send(
         child, "go", authority=me, data={"steps": [{"op": "tool", "argv": ["sh", "-c", script]}]}

@@ -303,7 +303,7 @@ HANG = steps({"op": "hang"})
 def spawn_child(rt: tether.Runtime, parent: str, driver: str = SCRIPTED, **spawn: Any) -> str:
     """A continuable child of ``parent`` running ``driver``: its id."""
     sid = rt.spawn(parent, driver, **spawn)
-    assert isinstance(sid, str)
+    assert isinstance(sid, str), "spawn_child is for a continuable child"
     return sid
 
 

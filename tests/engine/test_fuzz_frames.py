@@ -137,7 +137,6 @@ class Harness:
         self.root = rt.open_session(SCRIPTED)
         self.me = User(parent=self.root)
         witness = rt.spawn(self.root, SCRIPTED)
-        assert isinstance(witness, str)
         self.witness = witness
         self.n = 0
 
@@ -145,7 +144,6 @@ class Harness:
         """Run one hostile turn; returns (session, its ended turn, its worker pid, logs)."""
         rt = self.rt
         bad = rt.spawn(self.root, "drivers:Hostile")
-        assert isinstance(bad, str)
         self.n += 1
         with structlog.testing.capture_logs() as logs:
             rt.send(bad, "go", authority=self.me, data=data)
@@ -338,7 +336,6 @@ def test_a_valid_frame_for_another_turn_changes_nothing(harness: Harness) -> Non
     rt = harness.rt
     # A bystander whose turn is live while the hostile frames name it.
     bystander = rt.spawn(harness.root, SCRIPTED, prompt="hang", data=HANG)
-    assert isinstance(bystander, str)
     rt.wait(bystander, until="running")
     live = rt.status(bystander).turn
     assert live is not None
@@ -374,7 +371,6 @@ def test_a_deeply_nested_frame_is_rejected_and_the_turn_still_ends(fresh: Harnes
     assert _decodes(payload) == "rejected"
     rt = fresh.rt
     bad = rt.spawn(fresh.root, "drivers:Hostile")
-    assert isinstance(bad, str)
     with structlog.testing.capture_logs() as logs:
         rt.send(bad, "go", authority=fresh.me, data={"how": "framed", "hex": payload.hex()})
         turn = fresh.ended(bad, timeout=10.0)

@@ -51,7 +51,6 @@ def test_a_send_that_latches_during_a_stop_and_one_that_wakes_a_dormant_session_
     assert [t.woken_by for t in rt.turns(root)][1] == latched
 
     child = rt.spawn(root, "tether:Scripted", slug="kid")
-    assert isinstance(child, str)
     rt.release(child)
     woke = rt.send(child, "wake up", authority=me)
     rt.wait(child, until="idle")

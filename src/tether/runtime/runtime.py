@@ -370,6 +370,59 @@ class Runtime:
         check_message(content, data)
         return self._send(session_id, content, None, data, True)
 
+    # A continuable spawn returns the child's id, a one-shot its handle: typed by the mode
+    # when it is a literal; a mode only known at run time (checked below) gets the union.
+    @overload
+    def spawn(
+        self,
+        parent: str,
+        driver: str,
+        *,
+        mode: Literal["continuable"] = ...,
+        prompt: str | None = ...,
+        data: dict[str, Any] | None = ...,
+        slug: str | None = ...,
+        config: dict[str, Any] | None = ...,
+        permissions: Mapping[str, str] | None = ...,
+        stall: dict[str, Any] | StallPolicy | None = ...,
+        limits: dict[str, float] | None = ...,
+        budget: dict[str, Any] | Budget | None = ...,
+    ) -> str: ...
+
+    @overload
+    def spawn(
+        self,
+        parent: str,
+        driver: str,
+        *,
+        mode: Literal["one-shot"],
+        prompt: str | None = ...,
+        data: dict[str, Any] | None = ...,
+        slug: str | None = ...,
+        config: dict[str, Any] | None = ...,
+        permissions: Mapping[str, str] | None = ...,
+        stall: dict[str, Any] | StallPolicy | None = ...,
+        limits: dict[str, float] | None = ...,
+        budget: dict[str, Any] | Budget | None = ...,
+    ) -> OneShot: ...
+
+    @overload
+    def spawn(
+        self,
+        parent: str,
+        driver: str,
+        *,
+        mode: str = ...,
+        prompt: str | None = ...,
+        data: dict[str, Any] | None = ...,
+        slug: str | None = ...,
+        config: dict[str, Any] | None = ...,
+        permissions: Mapping[str, str] | None = ...,
+        stall: dict[str, Any] | StallPolicy | None = ...,
+        limits: dict[str, float] | None = ...,
+        budget: dict[str, Any] | Budget | None = ...,
+    ) -> str | OneShot: ...
+
     def spawn(
         self,
         parent: str,
