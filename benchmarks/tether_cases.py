@@ -407,6 +407,19 @@ class _Countdown:
             return self._count
 
 
+def _alternated(base: Callable[[], float], other: Callable[[], float], rounds: int) -> list[float]:
+    """``other``'s figure over ``base``'s, one ratio per round of batches in the order
+    base, other, other, base: a drift in the machine's load (other processes on these 2
+    cores) hits both sides alike, which one base-then-other pair per sample did not."""
+    ratios = []
+    for _ in range(rounds):
+        b = base()
+        o = other() + other()
+        b += base()
+        ratios.append(o / b)
+    return ratios
+
+
 def turns(cfg: Cfg) -> Iterator[Samples]:
     """Trivial turns on a file store, 2 workers, 8 root sessions prompted round-robin
     (each session runs its queue one turn at a time; 8 keep both workers fed). Timed
@@ -715,7 +728,9 @@ def pause_resume(cfg: Cfg) -> Iterator[Samples]:
 def watchdog_overhead(cfg: Cfg) -> Iterator[Samples]:
     """Trivial turns per second with a stall policy on every session vs none, the two
     runtimes measured alternately in the same process (as `turns`: file store, 2
-    workers, 8 roots). The figure is the relative loss, in percent."""
+    workers, 8 roots). The figure is the relative loss, in percent; a sample is one
+    round of ``_alternated`` batches (half a batch of the single-pair sample it replaced
+    each, so a repetition still runs ``n`` turns a side)."""
     n, sessions = cfg.n(1500, 6000), 8
     with (
         tempfile.TemporaryDirectory(prefix="bench-watchdog-") as d,
@@ -743,10 +758,11 @@ def watchdog_overhead(cfg: Cfg) -> Iterator[Samples]:
 
         for rt, roots, ended in setups:
             rate(rt, roots, ended, 200)  # warm-up
+        plain_batch = functools.partial(rate, *setups[0], n // 2)
+        watched_batch = functools.partial(rate, *setups[1], n // 2)
         while True:
-            base = rate(*setups[0], n)
-            with_policy = rate(*setups[1], n)
-            yield {"overhead_pct": [(1 - with_policy / base) * 100]}
+            ratios = _alternated(plain_batch, watched_batch, 1)
+            yield {"overhead_pct": [(1 - r) * 100 for r in ratios]}
 
 
 # ---------------------------------------------------------------- telemetry (issue 30)
@@ -772,9 +788,8 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
     (as ``watchdog_overhead``). The figure is the extra host CPU, in percent. Skipped
     without the extra tether[otel].
 
-    Each sample is one round of short batches in the order off, on, on, off, so that a
-    drift in the machine's load (other processes on these 2 cores) hits both sides
-    alike; a repetition is several rounds, and the figure their pooled median. A round's
+    Each sample is one round of ``_alternated`` short batches (off, on, on, off); a
+    repetition is several rounds, and the figure their pooled median. A round's
     ratio moves by ±10-20 % on a quiet machine (the host's batching follows the workers'
     timing), so a repetition takes 12 rounds (20 in a full run), not 6: the median of 6
     straddled the 5 % target run to run (0.71 % then 6.16 %)."""
@@ -817,14 +832,11 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
 
             for setup in setups:
                 cpu_per_turn(*setup, 100)  # warm-up
+            plain_batch = functools.partial(cpu_per_turn, *setups[0], n)
+            traced_batch = functools.partial(cpu_per_turn, *setups[1], n)
             while True:
-                pct = []
-                for _ in range(rounds):
-                    base = cpu_per_turn(*setups[0], n)
-                    traced_cpu = cpu_per_turn(*setups[1], n) + cpu_per_turn(*setups[1], n)
-                    base += cpu_per_turn(*setups[0], n)
-                    pct.append((traced_cpu / base - 1) * 100)
-                yield {"overhead_pct": pct}
+                ratios = _alternated(plain_batch, traced_batch, rounds)
+                yield {"overhead_pct": [(r - 1) * 100 for r in ratios]}
     finally:
         sink.kill()
         sink.wait()
@@ -1101,7 +1113,8 @@ def usage_overhead(cfg: Cfg) -> Iterator[Samples]:
     this process only) for turns of 3 model-like replies (a boundary and an assistant
     entry each) with a usage report per reply, under a budget, vs the same turns
     reporting none: two runtimes measured alternately in the same process. The figure is
-    the relative extra CPU, in percent."""
+    the relative extra CPU, in percent; a sample is one round of ``_alternated``
+    batches of ``n / 2`` turns (``usage_cpu_us``: the usage side's CPU per turn in it)."""
     n, sessions = cfg.n(1500, 6000), 8
     with (
         tempfile.TemporaryDirectory(prefix="bench-usage-") as d,
@@ -1136,7 +1149,17 @@ def usage_overhead(cfg: Cfg) -> Iterator[Samples]:
 
         for setup in setups:
             cpu(*setup, 200)  # warm-up
+        seen: list[float] = []
+
+        def counted_batch() -> float:
+            seen.append(cpu(*setups[1], n // 2))
+            return seen[-1]
+
+        plain_batch = functools.partial(cpu, *setups[0], n // 2)
         while True:
-            base = cpu(*setups[0], n)
-            with_usage = cpu(*setups[1], n)
-            yield {"overhead_pct": [(with_usage / base - 1) * 100], "usage_cpu_us": [with_usage]}
+            seen.clear()
+            ratios = _alternated(plain_batch, counted_batch, 1)
+            yield {
+                "overhead_pct": [(r - 1) * 100 for r in ratios],
+                "usage_cpu_us": [sum(seen) / len(seen)],
+            }
