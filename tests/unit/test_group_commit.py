@@ -351,6 +351,147 @@ def test_an_urgent_write_is_committed_without_the_writers_linger(
     assert len(commits) == 1  # the lone urgent statement autocommits; the two share one
 
 
+def _recorder(where: list[str], prefix: str = "") -> Op:
+    """An insert (label: ``prefix`` and a count) that records the name of the thread
+    that committed it."""
+
+    def op(db: sqlite3.Connection) -> object:
+        where.append(threading.current_thread().name)
+        return db.execute("INSERT INTO t (label) VALUES (?)", (f"{prefix}{len(where)}",))
+
+    return op
+
+
+def _on_thread(name: str, fn: Callable[[], None]) -> None:
+    t = threading.Thread(target=fn, name=name)
+    t.start()
+    t.join(DEADLINE)
+    assert not t.is_alive()
+
+
+def test_a_thread_that_owns_its_writes_commits_them_itself_and_wakes_no_writer(
+    make: Callable[..., Engine],
+) -> None:
+    """A host's writes: queued with no wake of the writer thread (nothing commits them
+    meanwhile), committed by ``commit_own`` on the thread that queued them, in one
+    commit, callbacks included; another thread's writes still wake the writer."""
+    e = make()
+    where: list[str] = []
+    commits: list[str] = []
+    e.db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    tickets: list[Ticket] = []
+    committed = threading.Event()
+    ran: list[str] = []
+
+    def queue() -> None:
+        e.engine.own_writes()
+        tickets.extend(e.submit(_recorder(where)) for _ in range(3))
+        tickets[-1].then(lambda error: committed.set())
+        tickets[-1].then(lambda error: ran.append(threading.current_thread().name))
+
+    _on_thread("host", queue)
+    assert not committed.wait(0.3), "the writer thread committed an owned write"
+    assert where == []
+
+    def commit() -> None:
+        e.engine.own_writes()  # the same thread, as a host's is: this is its mark
+        e.engine.commit_own()
+
+    _on_thread("host", commit)  # a thread of the same name: own_writes is per thread
+    assert where == []  # a thread that queued nothing commits nothing
+    e.engine.own_writes()
+    tickets.append(e.submit(_recorder(where)))
+    e.engine.commit_own()
+    assert where == [threading.current_thread().name] * 4
+    assert ran == [threading.current_thread().name]
+    assert len(commits) == 1
+    e.settle_all(tickets)
+    plain: list[str] = []
+    theirs = threading.Thread(target=lambda: tickets.append(e.submit(_recorder(plain, "plain "))))
+    theirs.start()
+    theirs.join(DEADLINE)
+    e.settle_all(tickets)
+    assert plain == ["tether-store"]
+
+
+def test_owned_writes_queued_during_another_commit_are_committed_by_that_committer(
+    make: Callable[..., Engine],
+) -> None:
+    """``commit_own`` while a commit is under way returns at once, and the committer
+    takes the handed-over writes before it lets go of the commit lock: no thread is
+    woken for them, and none is left uncommitted."""
+    e = make()
+    inside, release = threading.Event(), threading.Event()
+    where: list[str] = []
+
+    def blocking(db: sqlite3.Connection) -> object:
+        inside.set()
+        assert release.wait(DEADLINE)
+        return db.execute("INSERT INTO t (label) VALUES ('first')")
+
+    first = e.submit(blocking, waited=True)
+    committer = threading.Thread(target=first.wait, args=(DEADLINE,), name="committer")
+    committer.start()
+    assert inside.wait(DEADLINE)
+    e.engine.own_writes()
+    owned = e.submit(_recorder(where))
+    e.engine.commit_own()  # the lock is held: it must not block here
+    assert where == []
+    release.set()
+    committer.join(DEADLINE)
+    e.settle_all([first, owned])
+    assert where == ["committer"]
+    assert e.rows() == ["first", "1"]
+
+
+def test_owned_writes_queued_while_the_store_is_down_are_committed_by_the_writers_retry(
+    make: Callable[..., Engine],
+) -> None:
+    e = make(give_up=60.0)
+    e.read_only(True)
+    failing = e.submit(insert("kept"))
+    deadline = time.monotonic() + DEADLINE
+    while not e.engine.down:
+        assert time.monotonic() < deadline, "the store never went down"
+        time.sleep(0.005)
+    e.engine.own_writes()
+    where: list[str] = []
+    owned = e.submit(_recorder(where))
+    e.engine.commit_own()  # down: left to the writer's retry, in order
+    assert where == []
+    e.read_only(False)
+    e.settle_all([failing, owned])
+    assert where == ["tether-store"]
+    assert e.rows() == ["kept", "1"]
+
+
+def test_an_owned_commit_never_waits_for_another_connections_lock(
+    make: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """A host must not wait for SQLite: with the database's write lock held by another
+    connection, ``commit_own`` returns at once (SQLite's busy wait is 5 s), its writes go
+    to the writer thread, which commits them once the lock is let go, and the store
+    never counts as down for it."""
+    path = tmp_path / "state.db"
+    e = make(path)
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    e.engine.own_writes()
+    owned = e.submit(insert("owned"), urgent=True)
+    settled_on: list[str] = []
+    owned.then(lambda error: settled_on.append(threading.current_thread().name))
+    started = time.monotonic()
+    e.engine.commit_own()
+    assert time.monotonic() - started < 1.0, "a host's commit waited for the lock"
+    assert settled_on == [] and not e.engine.down
+    other.execute("COMMIT")
+    other.close()
+    e.settle_all([owned])
+    assert settled_on == ["tether-store"]
+    assert e.rows() == ["owned"]
+    assert e.settled[id(owned)] == [None]
+
+
 def test_close_commits_every_accepted_write(make: Callable[..., Engine], tmp_path: Path) -> None:
     """Writes nobody committed yet (waited for, so the writer was never woken, and some
     nobody waits for) are committed by ``close``, in order; nothing is taken after."""

@@ -332,6 +332,9 @@ def simple_inbox() -> Any:
     return queue.SimpleQueue()
 
 
+_OWN_BATCH = 32  # messages a host handles at most before it commits what they queued
+
+
 class SessionHost(pykka.ThreadingActor):
     """Hosts the live sessions whose ids route here."""
 
@@ -361,6 +364,7 @@ class SessionHost(pykka.ThreadingActor):
         self._events = events
         self._timers = timers
         self._live: dict[str, Session] = {}  # the sessions hosted here
+        self._handled = 0  # messages handled since this host last committed its writes
         ref = self.actor_ref
         self._services = SessionServices(
             store=self._store,
@@ -384,7 +388,22 @@ class SessionHost(pykka.ThreadingActor):
         timer = _Timer(session, turn, which, gen)
         return self._timers.after(delay, lambda: _tell(ref, timer))
 
+    def on_start(self) -> None:
+        self._store.own_writes()
+
     def on_receive(self, message: Any) -> Any:
+        try:
+            return self._receive(message)
+        finally:
+            # The writes a burst of messages queued (entries, ends, claims) commit on
+            # this thread once the mailbox runs dry, in one commit, instead of waking
+            # the store's writer thread: a claim's dispatch follows that commit here.
+            self._handled += 1
+            if self._handled >= _OWN_BATCH or self.actor_inbox.empty():
+                self._handled = 0
+                self._store.commit_own()
+
+    def _receive(self, message: Any) -> Any:
         if isinstance(message, _Call):
             op = message.message
             if isinstance(op, StatusOp) and op.session not in self._live:
@@ -615,6 +634,7 @@ class SessionHost(pykka.ThreadingActor):
         return s
 
     def _pause(self, op: PauseOp) -> str | None:
+        self._store.commit_own()  # a pause may wait for the tree to stop: not these writes
         verb = "resume" if op.resume else "pause"
         s = self._authorized(verb, op.session, op.authority, op.turn, op.trace)
         if s is None:

@@ -184,6 +184,14 @@ class AgentStore(Protocol):
     def failed(self) -> bool:
         """A commit failed for good: no claim can be made durable, so no turn starts."""
 
+    def own_writes(self) -> None:
+        """The calling thread (a host's) commits the writes it queues, with
+        ``commit_own``, rather than waking the store's writer thread for each."""
+
+    def commit_own(self) -> None:
+        """Commit what this thread queued since its last call (or hand it to the
+        writer thread when that cannot be done at once)."""
+
     def create_session(self, row: SessionHeader) -> Durable: ...
     def append_message(
         self,

@@ -15,7 +15,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -34,6 +34,7 @@ _LINGER = 0.0005  # seconds the writer thread waits before committing what it wa
 _RETRY_FIRST = 0.05  # seconds before the first retry of a failed batch ...
 _RETRY_MAX = 2.0  # ... doubling up to this
 _GIVE_UP = 60.0  # seconds a batch may keep failing before the store fails for good
+_BUSY_MS = 5000  # how long a (patient) committer waits for another connection's lock
 
 Op = Callable[[sqlite3.Connection], object]
 
@@ -64,9 +65,17 @@ def configure(db: sqlite3.Connection, path: str | None, durability: str, wal_lim
         # the truncating one that bounds the WAL (see _maybe_truncate).
         db.execute("PRAGMA wal_autocheckpoint=0")
         db.execute(f"PRAGMA journal_size_limit={wal_limit}")
-        db.execute("PRAGMA busy_timeout=5000")
+        db.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
     sync = "FULL" if durability == "full" else "NORMAL"
     db.execute(f"PRAGMA synchronous={sync}")
+
+
+def _busy(error: BaseException) -> bool:
+    """``error`` is SQLite's: another connection holds the lock."""
+    return isinstance(error, sqlite3.OperationalError) and error.sqlite_errorcode in (
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+    )
 
 
 class Ticket:
@@ -189,6 +198,10 @@ class GroupCommit:
         self._urgent = False  # a turn waits for what is queued: commit without lingering
         self._wal_checked = 0.0
         self._unchecked = 0
+        # Threads that commit their own writes (``own_writes``): a write they queue sets
+        # their ``dirty`` instead of waking the writer thread.
+        self._own = threading.local()
+        self._handoff = False  # an owning thread left its writes to the current committer
         self._writer = threading.Thread(target=self._write_loop, name="tether-store", daemon=True)
         self._writer.start()
         self._stop_checkpoints = threading.Event()
@@ -245,8 +258,50 @@ class GroupCommit:
         if urgent:
             self._urgent = True
         if not waited and not self._wake_pending:
+            own = self._own
+            if getattr(own, "on", False):
+                own.dirty = True  # committed by ``commit_own`` on this thread
+                return
             self._wake_pending = True  # one wake-up for however many writes queue meanwhile
             self.queue_lock.notify()
+
+    def own_writes(self) -> None:
+        """From now on, the calling thread commits the writes it queues itself, when it
+        calls ``commit_own``, instead of waking the writer thread for them. For an actor
+        that queues a few writes per message: it commits once its mailbox runs dry,
+        without the wake-up of another thread (and the hand-over of the GIL) per write.
+        """
+        self._own.on = True
+        self._own.dirty = False
+
+    def commit_own(self) -> None:
+        """Commit what this thread queued since its last call, here. When another
+        commit is under way, its committer takes these writes too before it lets go
+        (no thread is woken for them); while the store is down, the writer's retry
+        does."""
+        own = self._own
+        if not getattr(own, "dirty", False) or self._stopping:
+            return  # nothing queued, or ``close`` commits it
+        own.dirty = False
+        if self._down is not None:
+            return  # the writer thread's retry takes the backlog and the queue
+        if not self._commit_lock.acquire(blocking=False):
+            self._handoff = True
+            # The committer may have let go before it saw the flag: try once more.
+            if not self._commit_lock.acquire(blocking=False):
+                return  # it, or whoever holds the lock now, sees the flag
+        try:
+            self._attempt(patient=False)  # a failure is kept for the writer's retry
+        finally:
+            self._release(patient=False)
+
+    def _release(self, *, patient: bool = True) -> None:
+        """Let go of the commit lock, first committing what a thread handed over
+        meanwhile (``commit_own``)."""
+        while self._handoff and self._down is None:
+            self._handoff = False
+            self._attempt(patient=patient)
+        self._commit_lock.release()
 
     def due_locked(self, when: float) -> None:
         """Call ``on_due`` at ``when`` (monotonic) or soon after, unless an earlier time
@@ -267,7 +322,8 @@ class GroupCommit:
         backoff): a refusable ticket is withdrawn and refused, any other waits for the
         retry, and a flush raises ``StoreUnavailable``.
         """
-        with self._commit_lock:
+        self._commit_lock.acquire()
+        try:
             if ticket is not None and ticket.done:
                 return  # another committer took it while we waited for our turn
             if self._down is not None:
@@ -280,12 +336,18 @@ class GroupCommit:
                     ticket.set(self._unavailable())
                 return
             error = self._attempt()
+        finally:
+            self._release()
         if error is not None and ticket is None:
             raise error
 
-    def _attempt(self) -> StoreUnavailable | None:
+    def _attempt(self, *, patient: bool = True) -> StoreUnavailable | None:
         """Commit the backlog and the queue as one batch (the caller holds the commit
-        lock); on failure keep it, in order, for the writer's retry."""
+        lock); on failure keep it, in order, for the writer's retry.
+
+        Not ``patient`` (a host's own commit): it never waits for another connection's
+        write lock; a batch that finds it held goes back, first in line, to the writer
+        thread, which waits for the lock as every other committer does."""
         with self.queue_lock:
             entries = self._backlog + self._queue if self._backlog else self._queue
             self._backlog = []
@@ -296,8 +358,11 @@ class GroupCommit:
         if not batch and self._down is None:
             return None
         ops = [e.op for e in batch] or [self._probe]
-        error = self._commit(ops)
+        error = self._commit(ops, patient)
         if error is not None:
+            if not patient and _busy(error):
+                self._hand_back(batch)
+                return None
             return self._failed_batch(batch, error)
         if self._down is not None:
             log.warning(
@@ -308,8 +373,17 @@ class GroupCommit:
         for e in batch:
             if e.ticket is not None:
                 e.ticket.set()
-        self._maybe_truncate(len(batch))
+        self._maybe_truncate(len(batch), patient)
         return None
+
+    def _hand_back(self, batch: list[_Entry]) -> None:
+        """An impatient commit found the store locked: its batch, first in line (no
+        other committer ran meanwhile: this one holds the commit lock), to the writer."""
+        with self.queue_lock:
+            self._backlog = batch
+            self._urgent = True  # it may hold a claim a turn waits for
+            self._wake_pending = True
+            self.queue_lock.notify()
 
     def _failed_batch(self, batch: list[_Entry], error: BaseException) -> StoreUnavailable:
         now = time.monotonic()
@@ -383,11 +457,14 @@ class GroupCommit:
             # commit, and a caller about to wait commits its own write without a hop.
             if linger:
                 time.sleep(_LINGER)
-            with self._commit_lock:
+            self._commit_lock.acquire()
+            try:
                 self._attempt()
+            finally:
+                self._release()
 
-    def _commit(self, batch: list[Op]) -> BaseException | None:
-        with self.lock:
+    def _commit(self, batch: list[Op], patient: bool = True) -> BaseException | None:
+        with self.lock, self._waiting(patient):
             try:
                 if len(batch) == 1 and isinstance(batch[0], Statement):
                     batch[0](self._db)  # autocommit: one statement is its own transaction
@@ -402,7 +479,19 @@ class GroupCommit:
                     self._db.execute("ROLLBACK")
                 return exc
 
-    def _maybe_truncate(self, ops: int) -> None:
+    @contextlib.contextmanager
+    def _waiting(self, patient: bool) -> Iterator[None]:
+        """SQLite's busy wait, off for an impatient committer (under ``lock``)."""
+        if patient or self._path is None:
+            yield
+            return
+        self._db.execute("PRAGMA busy_timeout=0")
+        try:
+            yield
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
+
+    def _maybe_truncate(self, ops: int, patient: bool = True) -> None:
         """Look at the WAL's size every so many writes (or so often): cheap, and soon
         enough that it never runs far past the limit."""
         self._unchecked += ops
@@ -418,7 +507,7 @@ class GroupCommit:
         except OSError:
             return
         if size > self._wal_limit:
-            with self.lock, contextlib.suppress(sqlite3.Error):
+            with self.lock, self._waiting(patient), contextlib.suppress(sqlite3.Error):
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 log.info("store.wal_truncated", bytes=size)
 

@@ -289,6 +289,14 @@ class Store:
         with self._cond:
             self._submit_locked(op, None)
 
+    def own_writes(self) -> None:
+        """The calling thread commits its own writes (``GroupCommit.own_writes``)."""
+        self._commits.own_writes()
+
+    def commit_own(self) -> None:
+        """Commit what this thread queued since its last call (``GroupCommit.commit_own``)."""
+        self._commits.commit_own()
+
     def flush(self) -> None:
         """Commit everything queued so far, running turns' usage included (a reader sees
         every earlier write); ``StoreUnavailable`` if the store cannot."""
