@@ -101,6 +101,9 @@ class BudgetCrosser:
             time.sleep(0.001)
 
 
+_USAGE = {"prompt_tokens": 120, "completion_tokens": 30}
+
+
 class Responder:
     """``data["responses"]`` model-like replies: a boundary, the reply's assistant entry and
     (with ``data["usage"]``) the usage report a model reply brings, as ChatAgent does."""
@@ -110,7 +113,6 @@ class Responder:
         usage = bool(data.get("usage"))
         for i in range(int(data.get("responses", 1))):
             ctx.checkpoint()
-            if usage:
-                ctx.add_usage({"prompt_tokens": 120, "completion_tokens": 30})
-            ctx.say(f"reply {i}")
+            # as ChatAgent reports a response: its usage in its reply's frame
+            ctx.say(f"reply {i}", usage=_USAGE if usage else None)
         return "ok"

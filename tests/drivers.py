@@ -210,9 +210,10 @@ class Obedient:
 
 
 class Spender:
-    """Reports ``data["tokens"]`` prompt tokens (``ctx.add_usage``) per step, a boundary
-    before each, ``data["every"]`` seconds apart, for ``data["steps"]`` steps (for ever
-    without). A steer it is given becomes an assistant entry; a cancel ends the turn."""
+    """Reports ``data["tokens"]`` prompt tokens (``ctx.add_usage``, or with ``data["said"]``
+    in a reply's frame, ``ctx.say(..., usage=...)``) per step, a boundary before each,
+    ``data["every"]`` seconds apart, for ``data["steps"]`` steps (for ever without). A
+    steer it is given becomes an assistant entry; a cancel ends the turn."""
 
     def run(self, ctx: Any) -> str:
         if ctx.message.kind == "notice":
@@ -225,7 +226,11 @@ class Spender:
                 if isinstance(frame, tether.Cancel):
                     return f"cancelled after {n} steps"
                 ctx.say(frame.render())
-            ctx.add_usage({"prompt_tokens": int(data.get("tokens", 100))})
+            usage = {"prompt_tokens": int(data.get("tokens", 100))}
+            if data.get("said"):
+                ctx.say(f"step {n}", usage=usage)
+            else:
+                ctx.add_usage(usage)
             n += 1
             time.sleep(float(data.get("every", 0.01)))
         return f"spent {n} steps"

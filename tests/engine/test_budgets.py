@@ -291,16 +291,20 @@ def test_a_budget_stop_and_a_watchdog_step_on_one_turn_are_one_stop(rt: tether.R
 # ---- reading, and durability ---------------------------------------------------------
 
 
-def test_rt_budget_is_the_sum_of_the_subtree_recorded_usage(rt: tether.Runtime) -> None:
+@pytest.mark.parametrize("said", [False, True], ids=["add_usage", "say_with_usage"])
+def test_rt_budget_is_the_sum_of_the_subtree_recorded_usage(rt: tether.Runtime, said: bool) -> None:
+    """Usage reported alone (``ctx.add_usage``) or with a reply (``ctx.say(...,
+    usage=...)``) counts alike, in the budget and in each turn's record."""
     root = rt.open_session(SPENDER)
     child = str(rt.spawn(root, SPENDER, budget={"tokens": 100_000}))
     grandchild = str(rt.spawn(child, SPENDER))
     for sid, n in ((root, 3), (child, 4), (grandchild, 5)):
         if sid == root:
-            rt.prompt(sid, "spend", data={"tokens": 7, "steps": n})
+            rt.prompt(sid, "spend", data={"tokens": 7, "steps": n, "said": said})
         else:
             parent = root if sid == child else child
-            rt.send(sid, "spend", authority=User(parent), data={"tokens": 7, "steps": n})
+            data = {"tokens": 7, "steps": n, "said": said}
+            rt.send(sid, "spend", authority=User(parent), data=data)
     for sid in (root, child, grandchild):
         rt.wait(sid, until="idle", timeout=15)
     assert rt.budget(root).spent["tokens"] == _tokens(rt, [root, child, grandchild]) == 84

@@ -199,26 +199,18 @@ class _Run:
             self._reply(event.response)
 
     def _reply(self, response: Any) -> None:
-        self._usage(getattr(response, "usage", None))
+        usage = _usage(getattr(response, "usage", None))
         items = [o.model_dump(exclude_unset=True, mode="json") for o in response.output]
         text = _output_text(items)
         calls = _function_calls(items)
         if not text and not calls:
+            if usage is not None:
+                self.ctx.add_usage(usage)
             return
         data: dict[str, Any] = {"input_items": items}
         if calls:
             data["tool_calls"] = calls
-        self.ctx.say(text, data=data)
-
-    def _usage(self, usage: Any) -> None:
-        """A reply's token counts, reported unless it has none."""
-        if usage is not None and (usage.input_tokens or usage.output_tokens):
-            self.ctx.add_usage(
-                {
-                    "prompt_tokens": int(usage.input_tokens or 0),
-                    "completion_tokens": int(usage.output_tokens or 0),
-                }
-            )
+        self.ctx.say(text, data=data, usage=usage)  # the usage rides with the reply
 
     def progress(self) -> int:
         return self.events
@@ -475,3 +467,13 @@ def _paired(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(item)
     close()
     return out
+
+
+def _usage(usage: Any) -> dict[str, int] | None:
+    """A reply's token counts as ``ctx.add_usage`` takes them (None: it has none)."""
+    if usage is None or not (usage.input_tokens or usage.output_tokens):
+        return None
+    return {
+        "prompt_tokens": int(usage.input_tokens or 0),
+        "completion_tokens": int(usage.output_tokens or 0),
+    }

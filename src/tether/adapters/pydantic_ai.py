@@ -278,13 +278,10 @@ class _Turn:
         from pydantic_ai.messages import TextPart
 
         self.partial = ""
-        usage = response.usage
-        self.ctx.add_usage(
-            {
-                "prompt_tokens": int(usage.input_tokens or 0),
-                "completion_tokens": int(usage.output_tokens or 0),
-            }
-        )
+        usage = {
+            "prompt_tokens": int(response.usage.input_tokens or 0),
+            "completion_tokens": int(response.usage.output_tokens or 0),
+        }
         chunk = self._unsaved()
         if not chunk or chunk[-1] is not response:
             chunk.append(response)  # the run adds it to its history only after this node
@@ -301,7 +298,7 @@ class _Turn:
                 }
                 for c in calls.values()
             ]
-        self.ctx.say(text, data=data)
+        self.ctx.say(text, data=data, usage=usage)  # the usage rides with the reply
 
     def _tool(self, event: Any, calls: dict[str, Any]) -> None:
         result = event.part

@@ -233,10 +233,14 @@ class ChatAgent:
                     await drained(read(), reply.progress)
                     _answered(span, reply)
             except asyncio.CancelledError:
-                if reply.text:
-                    ctx.say(reply.text, data={"cut": True})  # what arrived is kept
+                if reply.text:  # what arrived is kept
+                    ctx.say(reply.text, data={"cut": True}, usage=_usage(reply))
+                elif reply.usage is not None:
+                    ctx.add_usage(_usage(reply) or {})
                 raise
             except (openai.APIConnectionError, openai.APIStatusError) as exc:
+                if reply.usage is not None:  # a response that failed after its usage
+                    ctx.add_usage(_usage(reply) or {})
                 attempt = await _retry(ctx, cfg, exc, attempt)
                 continue
             finally:
@@ -385,12 +389,23 @@ async def _retry(ctx: AsyncTurnContext, cfg: _Config, exc: Exception, attempt: i
 
 
 def _say_reply(ctx: AsyncTurnContext, reply: _Reply) -> None:
-    """A whole reply into the transcript: its text, and its tool calls if any."""
+    """A whole reply into the transcript: its text, and its tool calls if any, with
+    the response's usage in the same frame (alone when there is nothing to say)."""
     data: dict[str, Any] | None = None
     if reply.calls:
         data = {"tool_calls": reply.tool_calls()}
     if reply.text or data:
-        ctx.say(reply.text, data=data)
+        ctx.say(reply.text, data=data, usage=_usage(reply))
+    elif reply.usage is not None:
+        ctx.add_usage(_usage(reply) or {})
+
+
+def _usage(reply: _Reply) -> dict[str, int] | None:
+    """The response's usage as ``ctx.add_usage`` takes it (None: the stream gave none)."""
+    if reply.usage is None:
+        return None
+    prompt, completion = reply.usage
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
 
 
 def _server(model: _Model) -> dict[str, Any]:
@@ -417,8 +432,7 @@ def _take(ctx: AsyncTurnContext, reply: _Reply, chunk: Any) -> None:
     if usage is not None:
         prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
         completion = int(getattr(usage, "completion_tokens", 0) or 0)
-        ctx.add_usage({"prompt_tokens": prompt, "completion_tokens": completion})
-        reply.usage = (prompt, completion)
+        reply.usage = (prompt, completion)  # counted as the reply is said
     for choice in chunk.choices or ():
         delta = choice.delta
         if delta is not None:

@@ -115,7 +115,15 @@ class BaseContext:
         "completion_tokens": 30}``, and ``cost_microusd`` where a framework reports a
         cost) to the turn's ``TurnRecord.usage``. Sent to the host at once, for the
         tree's budget (semantics §16.2); with ``model.price`` in the config, the tokens'
-        cost is added as ``cost_microusd``."""
+        cost is added as ``cost_microusd``. A response whose reply is said at once can
+        bring its usage with it instead: ``say(text, usage=...)``, one frame, not two."""
+        delta = self._counted(usage)
+        if delta:
+            self._worker.send(Usage(turn=self.turn, usage=delta))
+
+    def _counted(self, usage: Mapping[str, int]) -> dict[str, int] | None:
+        """``usage``'s non-zero counts, priced, added to the turn's total: the delta
+        to send (None when nothing counts)."""
         delta = {
             key: value
             for key, value in usage.items()
@@ -129,15 +137,24 @@ class BaseContext:
                 if cost:
                     delta["cost_microusd"] = cost
         if not delta:
-            return
+            return None
         total = self._state.usage
         for key, value in delta.items():
             total[key] = total.get(key, 0) + value
-        self._worker.send(Usage(turn=self.turn, usage=delta))
+        return delta
 
-    def say(self, text: str, *, data: dict[str, Any] | None = None) -> None:
-        """Append an assistant entry to the transcript."""
-        self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data))
+    def say(
+        self,
+        text: str,
+        *,
+        data: dict[str, Any] | None = None,
+        usage: Mapping[str, int] | None = None,
+    ) -> None:
+        """Append an assistant entry to the transcript; with ``usage``, the model
+        response it is the reply of is counted as ``add_usage`` counts it, in the same
+        frame (a budget sees it as the reply is said)."""
+        delta = None if usage is None else self._counted(usage)
+        self._worker.send(Say(turn=self.turn, kind="assistant", text=text, data=data, usage=delta))
         if spans.content():  # the turn span's reply, when the driver returns none
             spans.said(text)
         self._progress()

@@ -216,6 +216,9 @@ class Say(msgspec.Struct, frozen=True, tag="say"):
     kind: Literal["assistant", "tool"]
     text: str
     data: dict[str, Any] | None = None
+    # The usage of the model response this is the reply of (``ctx.say(..., usage=...)``):
+    # counted as a ``Usage`` frame's, one frame instead of two.
+    usage: dict[str, int] | None = None
 
 
 class ToolCall(msgspec.Struct, frozen=True, tag="call"):

@@ -409,6 +409,8 @@ class TurnTable(Generic[W]):
         sink = spec.sink
         match frame:
             case Say():
+                if frame.usage:
+                    sink.usage(Usage(turn=frame.turn, usage=frame.usage))
                 sink.said(frame)
             case ToolCall():
                 self._answer(w, spec, self.host.on_tool_call(spec, frame))
