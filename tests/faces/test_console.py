@@ -28,7 +28,15 @@ from drivers import HANG, ROOT, TESTS, all_frozen, none_frozen
 from tether_server import LiveServer, rpc_address, running_server, settle, shared_server, wait_until
 
 try:
-    from playwright.sync_api import Browser, Dialog, Page, Playwright, expect, sync_playwright
+    from playwright.sync_api import (
+        Browser,
+        Dialog,
+        Page,
+        Playwright,
+        Route,
+        expect,
+        sync_playwright,
+    )
 
     HAVE_PLAYWRIGHT = True
 except ImportError:  # pragma: no cover - the dev extra installs it
@@ -405,6 +413,36 @@ def test_parent_offline_child_keeps_stop_and_loses_send(
     expect(state(page)).to_have_text("running")
     expect(page.locator("#mode")).to_have_text("one-shot")
     expect(stop_button).to_be_hidden()
+
+
+def test_a_session_picked_while_the_tree_loads_stays_picked(
+    loopback: LiveServer, page: Page
+) -> None:
+    """The console's first load of a root can answer after the event stream has drawn the
+    tree (a re-list): a session the person picked meanwhile stays on screen."""
+    root = open_root(loopback)
+    kid = spawn(loopback, root, "busy")
+    loopback.wait_state(kid, "running")
+    held: list[Route] = []
+
+    def hold_the_first_list(route: Route) -> None:
+        body = route.request.post_data_json
+        if not held and isinstance(body, dict) and body.get("method") == "subagent.list":
+            held.append(route)  # answered below, after the click
+        else:
+            route.continue_()
+
+    page.route("**/rpc", hold_the_first_list)
+    console(page, loopback, root)
+    wait_until(lambda: bool(held), what="the console's first subagent.list")
+    expect(page.get_by_role("tree")).to_have_attribute("aria-busy", "true")
+    spawn(loopback, root, "late")  # its events make the console re-list, past the held load
+    select(page, "busy")
+    held[0].continue_()
+    expect(page.get_by_role("tree")).not_to_have_attribute("aria-busy", "true")
+    expect(page.locator("#view-title")).to_have_text("busy")
+    expect(item(page, "busy")).to_have_attribute("aria-selected", "true")
+    assert f"session={kid}" in page.url
 
 
 def test_a_stale_stop_stops_nothing_and_says_so(server: LiveServer, page: Page) -> None:

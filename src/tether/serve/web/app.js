@@ -29,6 +29,7 @@ const BUDGET_EVENTS = new Set(["turn.started", "turn.ended", "marker", "budget"]
 const stream = new EventStream({ onEvent, onStatus, onGap });
 let treeTimer = null;
 let viewTimer = null;
+let picks = 0; // sessions selected so far: a root's load keeps one picked while it ran
 
 // ---- start-up and auth --------------------------------------------------------------
 
@@ -174,6 +175,9 @@ async function selectRoot(id, sessionId = null) {
   store.root = id;
   store.order = [];
   addRoot(id);
+  const picked = picks;
+  const tree = $("tree");
+  tree.setAttribute("aria-busy", "true");
   try {
     await loadTree();
   } catch (err) {
@@ -181,11 +185,17 @@ async function selectRoot(id, sessionId = null) {
       store.root = null;
       store.roots.delete(id);
       renderPicker();
+      tree.removeAttribute("aria-busy");
     }
     treeNote(`${id}: ${err}`);
     return;
   }
-  selectSession(sessionId && store.sessions.has(sessionId) ? sessionId : id);
+  if (store.root !== id) return; // another root was chosen while this one loaded
+  // The event stream can draw the tree (a re-list) before this first load answers: a
+  // session picked in it meanwhile stays picked, the load's answer does not undo a click.
+  const kept = picks !== picked && (store.selected === id || store.order.includes(store.selected));
+  if (!kept) selectSession(sessionId && store.sessions.has(sessionId) ? sessionId : id);
+  tree.removeAttribute("aria-busy");
 }
 
 async function loadTree() {
@@ -231,6 +241,7 @@ function scheduleView() {
 
 function selectSession(id) {
   if (!store.sessions.has(id)) return;
+  picks += 1;
   const changed = viewing() !== id;
   store.selected = id;
   markSelected();
