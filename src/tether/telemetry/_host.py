@@ -202,7 +202,13 @@ class OtelTelemetry(Telemetry):
     # ---- context ----------------------------------------------------------------------
 
     def current(self) -> str | None:
-        return traceparent_of()
+        # On every send and spawn: read the span's ids and format them as the W3C
+        # propagator does, without its carrier dict and context walk (most senders trace
+        # nothing, and then this is one context lookup).
+        ids = get_current_span().get_span_context()
+        if not ids.is_valid:
+            return None
+        return f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{ids.trace_flags:02x}"
 
     @contextlib.contextmanager
     def attached(self, traceparent: str | None) -> Iterator[None]:
