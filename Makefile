@@ -11,7 +11,7 @@ RAY_STAMP := $(VENV)/.installed-ray
 TEST_WORKERS ?= 2
 XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-.PHONY: demo demo-agent demo-adapters test test-unit test-walk test-ray lint browser bench bench-full bench-ray soak soak-ray clean
+.PHONY: demo demo-agent demo-adapters test test-unit test-walk test-ray lint browser bench bench-full bench-instructions bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,11 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks --json benchmarks/results/latest.json
+
+# The overhead figures (usage, telemetry, watchdog) counted in host instructions under
+# Valgrind's callgrind, which the machine's load does not move (benchmarks/instructions.py).
+bench-instructions: $(STAMP)
+	$(BIN)/python -m benchmarks.instructions --reps 2
 
 # The chaos run of issue 10 (benchmarks/soak.py): 10 minutes, checked against its ledger;
 # figures in benchmarks/results/soak.json. SEED=2 make soak for another seed;
