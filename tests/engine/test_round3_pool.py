@@ -43,7 +43,6 @@ from tether.wire.frames import (
     ToolKilled,
     ToolReply,
     TurnEnd,
-    Usage,
 )
 from tether.wire.records import Message
 
@@ -183,7 +182,7 @@ class _RecordingSink:
     def escalating(self, frame: Escalating) -> None: ...
     def said(self, frame: Say) -> None: ...
 
-    def usage(self, frame: Usage) -> None: ...
+    def usage(self, turn: str, usage: dict[str, int]) -> None: ...
     def started(self, turn: str) -> None: ...
 
     def ended(self, over: TurnOver) -> None:

@@ -108,8 +108,8 @@ class Sink:
     def escalating(self, frame: Escalating) -> None:
         self._add(frame.turn, frame)
 
-    def usage(self, frame: Usage) -> None:
-        self._add(frame.turn, frame)
+    def usage(self, turn: str, usage: dict[str, int]) -> None:
+        self._add(turn, Usage(turn=turn, usage=usage))
 
     def started(self, turn: str) -> None:
         self._add(turn, "started")

@@ -64,9 +64,11 @@ class Spent:
 class SpentStore(Protocol):
     """What the governor needs from the store."""
 
-    def turn_usage(self, turn: str, usage: dict[str, int], *, soon: bool = False) -> None:
-        """The running turn's usage so far, to be written (a crashed turn's counts,
-        semantics §16.2); ``soon``: a budget is near its limit, write it without delay."""
+    def usage_changed(self, *, soon: bool = False) -> None:
+        """Running turns' usage changed since the store last took it (``take_usage``):
+        to be written (a crashed turn's counts, semantics §16.2); ``soon``: a budget is
+        near its limit, write it without delay. Called under the governor's lock, so it
+        must not wait."""
 
     def set_budget(self, session: str, budget: Budget | None) -> Durable:
         """Replace the stored budget; durable once the returned ticket is done."""
@@ -81,7 +83,7 @@ class _Run:
     lineage: tuple[str, ...]
     started: float  # the clock's monotonic time
     own: Spent  # its session's (``Governor._own``)
-    usage: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, int] = field(default_factory=dict)  # reported so far (in place)
     chain: list[str] = field(default_factory=list)  # its budgeted lineage, as of ``gen``
     gen: int = -1
     stopped: bool = False  # a budget's hard step reached it: never twice
@@ -137,11 +139,7 @@ def _below_marks(tree: _Tree) -> bool:
     if marks is None:
         return False
     spent = tree.spent
-    return (
-        float(spent.tokens) < marks[0]
-        and spent.cost / 1_000_000 < marks[1]
-        and float(spent.turns) < marks[2]
-    )
+    return spent.tokens < marks[0] and spent.cost / 1_000_000 < marks[1] and spent.turns < marks[2]
 
 
 def _marks(tree: _Tree, limits: dict[str, float]) -> tuple[float, float, float]:
@@ -179,7 +177,12 @@ class Governor:
         self._own: dict[str, Spent] = {}
         self._trees: dict[str, _Tree] = {}
         self._runs: dict[str, _Run] = {}
-        self._based = False  # the earlier hosts' spending is loaded (``_base_locked``)
+        self._based = False  # the earlier hosts' spending is loaded (``_base``)
+        self._basing = threading.Lock()  # one reader of it
+        # The running turns' usage is kept here alone; the store takes what changed
+        # (``take_usage``) when it writes. ``_told``: the store knows a change is waiting.
+        self._dirty: set[str] = set()
+        self._told = False
         self._timer: Timer | None = None
         self._timed = 0  # budgets with a turn_seconds limit: only then is a clock kept
         self._gen = 0  # bumped whenever a budget comes or goes: runs' chains are stale
@@ -212,43 +215,64 @@ class Governor:
         return allowed
 
     def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
-        """One response's usage (a worker's ``Usage`` frame), on the backend's thread."""
+        """One response's usage (a worker's frame), on the backend's thread. ``delta``'s
+        values are ints: the driver's context keeps only those, and the frame's typed
+        decode checks them again."""
         get = delta.get
-        tokens = int(get("prompt_tokens", 0)) + int(get("completion_tokens", 0))
-        cost = int(get("cost_microusd", 0))
-        steps: list[Step] = []
-        soon = False
+        tokens = get("prompt_tokens", 0) + get("completion_tokens", 0)
+        cost = get("cost_microusd", 0)
+        steps: list[Step] | None = None
         with self._lock:
             run = self._runs.get(turn)
             if run is None or run.session != session:
                 return  # not a turn this host runs (it ended): nothing to count
-            # a fresh dict each report: the store holds the last one until it writes it
-            total = run.usage.copy()
+            total = run.usage
             for key, value in delta.items():
                 total[key] = total.get(key, 0) + value
-            run.usage = total
             own = run.own
             own.tokens += tokens
             own.cost += cost
             if run.gen != self._gen:
                 run.chain, run.gen = self._chain(session, run.lineage), self._gen
+            soon = False
+            trees = self._trees
             for b in run.chain:
-                tree = self._trees[b]
-                tree.spent.tokens += tokens
-                tree.spent.cost += cost
-                steps += self._check_locked(b)
-                soon = soon or bool(tree.soft)
-        # near a limit, what was spent is written with the next batch, not at the end
-        self._store.turn_usage(turn, total, soon=soon)
-        if steps:
+                tree = trees[b]
+                spent = tree.spent
+                spent.tokens += tokens
+                spent.cost += cost
+                if not _below_marks(tree):  # the usual report is below them: no call
+                    crossed = self._check_locked(b)
+                    if crossed:
+                        steps = crossed if steps is None else steps + crossed
+                if tree.soft:
+                    soon = True
+            self._dirty.add(turn)
+            # near a limit, what was spent is written with the next batch, not at the end
+            if soon or not self._told:
+                self._told = True
+                self._store.usage_changed(soon=soon)
+        if steps is not None:
             self._issue(steps)
 
+    def take_usage(self) -> dict[str, dict[str, int]]:
+        """The usage of each running turn that reported since the last take (the
+        store's, when it writes them)."""
+        with self._lock:
+            runs = self._runs
+            taken = {t: runs[t].usage.copy() for t in self._dirty if t in runs}
+            self._dirty.clear()
+            self._told = False
+        return taken
+
     def ended(self, turn: str) -> dict[str, int] | None:
-        """``turn`` ended: its seconds count as ended; returns the usage it reported."""
+        """``turn`` ended: its seconds count as ended; returns the usage it reported
+        (its end's record writes it: the store takes it no more)."""
         with self._lock:
             run = self._runs.pop(turn, None)
             if run is None:
                 return None
+            self._dirty.discard(turn)
             seconds = max(self._clock.monotonic() - run.started, 0.0)
             run.own.seconds += seconds
             if run.gen != self._gen:
@@ -268,11 +292,12 @@ class Governor:
         Its budget, if any, is in force from here on."""
         steps: list[Step] = []
         refused: Exception | None = None
+        if budget is not None:
+            self._base()  # with a budget above, it is loaded already
         with self._lock:
             chain = [b for b in lineage if b in self._trees]
             if not chain and budget is None:
                 return
-            self._base_locked()
             now = self._clock.monotonic()
             for b in chain:
                 steps += self._check_locked(b, now)
@@ -304,11 +329,11 @@ class Governor:
     def restore(self, budgets: Iterable[tuple[str, Budget]]) -> None:
         """The budgets of a store's sessions, at a host's start (no step is taken: no
         turn runs yet)."""
+        items = list(budgets)
+        if not items:
+            return
+        self._base()
         with self._lock:
-            items = list(budgets)
-            if not items:
-                return
-            self._base_locked()
             now = self._clock.monotonic()
             for session, budget in items:
                 self._put_locked(session, budget)
@@ -323,8 +348,8 @@ class Governor:
         as a crossing; one raised lifts the exhaustion, and parked work runs again on a
         waking send."""
         steps: list[Step] = []
+        self._base()
         with self._lock:
-            self._base_locked()
             now = self._clock.monotonic()
             if budget is None:
                 self._drop_locked(session)
@@ -359,8 +384,8 @@ class Governor:
     def status(self, session: str, lineage: tuple[str, ...]) -> BudgetStatus:
         """What ``session``'s subtree spent, against its own budget, and the tightest
         state of its own and its ancestors' budgets."""
+        self._base()
         with self._lock:
-            self._base_locked()
             now = self._clock.monotonic()
             tree = self._trees.get(session)
             if tree is not None:
@@ -421,14 +446,20 @@ class Governor:
             own = self._own[session] = Spent()
         return own
 
-    def _base_locked(self) -> None:
+    def _base(self) -> None:
         """Add what earlier hosts' turns spent (read once, when a budget first needs it:
-        a store with no budget never pays for the read)."""
+        a store with no budget never pays for the read). Not under the lock: a read
+        commits the store's queue, and its usage write takes this lock."""
         if self._based:
             return
-        self._based = True
-        for session, spent in self._store.spent_before().items():
-            self._own_of(session).add(spent)
+        with self._basing:
+            if self._based:
+                return
+            before = self._store.spent_before()  # earlier hosts' rows: they do not change
+            with self._lock:
+                for session, spent in before.items():
+                    self._own_of(session).add(spent)
+                self._based = True
 
     def _put_locked(self, session: str, budget: Budget) -> None:
         old = self._trees.get(session)

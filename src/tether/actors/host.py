@@ -18,7 +18,6 @@ bounded, for the tree to stop, and a waking send to a dormant session reads its 
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from tether.actors.ports import AgentStore, EventSink, Executor, TurnOver
 from tether.actors.states import AgentState
 from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
-from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, Usage
+from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled
 from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader, StopOrigin
 from tether.wire.vocab import Kind
 
@@ -232,9 +231,12 @@ class _Call:
 
 
 def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
-    """Tell from a pool or timer thread; an actor already stopped (at close) is fine."""
-    with contextlib.suppress(pykka.ActorDeadError):
+    """Tell from a pool or timer thread; an actor already stopped (at close) is fine.
+    (A try, not ``contextlib.suppress``: this is on every turn's path several times.)"""
+    try:
         ref.tell(message)
+    except pykka.ActorDeadError:
+        return
 
 
 class _Sink:
@@ -249,9 +251,9 @@ class _Sink:
         self._session = session
         self._gov = gov
 
-    def usage(self, frame: Usage) -> None:
+    def usage(self, turn: str, usage: dict[str, int]) -> None:
         if self._gov is not None:
-            self._gov.usage(self._session, frame.turn, frame.usage)
+            self._gov.usage(self._session, turn, usage)
 
     def said(self, frame: Say) -> None:
         _tell(self._ref, _Frame(self._session, frame))

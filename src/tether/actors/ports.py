@@ -23,7 +23,6 @@ from tether.wire.frames import (
     ToolKilled,
     Trace,
     TurnEnd,
-    Usage,
 )
 from tether.wire.records import (
     EntryKind,
@@ -62,8 +61,9 @@ class TurnSink(Protocol):
     def tool_killed(self, frame: ToolKilled) -> None: ...
     def progress(self, frame: Progress) -> None: ...
     def escalating(self, frame: Escalating) -> None: ...
-    def usage(self, frame: Usage) -> None:
-        """One response's usage, as it was reported (the budgets', semantics §16.2)."""
+    def usage(self, turn: str, usage: dict[str, int]) -> None:
+        """One response's usage, as it was reported (the budgets', semantics §16.2): a
+        ``Usage`` frame's, or a ``Say``'s that brought its response's usage."""
 
     def started(self, turn: str) -> None:
         """A worker took ``turn`` (told only of a turn whose spec is ``watched``)."""

@@ -183,7 +183,11 @@ class GroupCommit:
         self.lock = threading.Lock()  # the connection: one commit or one read at a time
         # The queue; a caller numbering its writes (keys, seqs) does so under it, with
         # ``submit_locked``, so that the numbers follow queue order.
-        self.queue_lock = threading.Condition(threading.Lock())
+        self.queue_mutex = threading.Lock()
+        # Its condition, for the writer's waits and wake-ups; a holder that neither waits
+        # nor notifies takes ``queue_mutex`` itself (a Condition's ``with`` is two more
+        # Python calls, on every write of every turn).
+        self.queue_lock = threading.Condition(self.queue_mutex)
         self._commit_lock = threading.Lock()  # committers take turns: batches stay in order
         self._tickets = threading.Lock()  # tickets' done flags and callbacks
         self._queue: list[_Entry] = []
@@ -243,7 +247,7 @@ class GroupCommit:
         dispatch), so the writer does not linger.
         """
         t = Ticket(self, refusable=refusable)
-        with self.queue_lock:
+        with self.queue_mutex:
             self.submit_locked(op, t, waited, urgent)
         return t
 
@@ -348,7 +352,7 @@ class GroupCommit:
         Not ``patient`` (a host's own commit): it never waits for another connection's
         write lock; a batch that finds it held goes back, first in line, to the writer
         thread, which waits for the lock as every other committer does."""
-        with self.queue_lock:
+        with self.queue_mutex:
             entries = self._backlog + self._queue if self._backlog else self._queue
             self._backlog = []
             self._queue = []
@@ -464,20 +468,27 @@ class GroupCommit:
                 self._release()
 
     def _commit(self, batch: list[Op], patient: bool = True) -> BaseException | None:
-        with self.lock, self._waiting(patient):
-            try:
-                if len(batch) == 1 and isinstance(batch[0], Statement):
-                    batch[0](self._db)  # autocommit: one statement is its own transaction
-                    return None
-                self._db.execute("BEGIN")
-                for op in batch:
-                    op(self._db)
-                self._db.execute("COMMIT")
+        with self.lock:
+            if patient or self._path is None:  # the usual commit: no context manager
+                return self._transaction(batch)
+            with self._waiting(patient):
+                return self._transaction(batch)
+
+    def _transaction(self, batch: list[Op]) -> BaseException | None:
+        """Run ``batch`` as one transaction (under ``lock``); its error, rolled back."""
+        try:
+            if len(batch) == 1 and isinstance(batch[0], Statement):
+                batch[0](self._db)  # autocommit: one statement is its own transaction
                 return None
-            except BaseException as exc:  # a failed batch is kept for a retry
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                return exc
+            self._db.execute("BEGIN")
+            for op in batch:
+                op(self._db)
+            self._db.execute("COMMIT")
+            return None
+        except BaseException as exc:  # a failed batch is kept for a retry
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            return exc
 
     @contextlib.contextmanager
     def _waiting(self, patient: bool) -> Iterator[None]:

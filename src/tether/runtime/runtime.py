@@ -291,6 +291,7 @@ class Runtime:
             subtree=self._below,
             arm=self._timers.after,
         )
+        self._store.take_usage_from(self._gov.take_usage)
         try:
             for _ in range(_HOSTS):
                 self._dispatcher.refs.append(

@@ -143,8 +143,8 @@ def _load(blob: bytes | None) -> dict[str, Any] | None:
 
 
 class _UsageFlush:
-    """The running turns' usage writes held so far, taken (and encoded) when the batch
-    runs (kept for a retry of the same batch)."""
+    """The running turns' usage changed since the last write, taken from the governor
+    (and encoded) when the batch runs (kept for a retry of the same batch)."""
 
     __slots__ = ("_rows", "_store")
 
@@ -230,11 +230,14 @@ class Store:
         self._lock = self._commits.lock  # the connection: one commit or one read at a time
         # The queue's lock: keys, seqs and rows are numbered under it, so they follow
         # queue order (and the usage bookkeeping below is guarded by it).
-        self._cond = self._commits.queue_lock
+        self._mutex = self._commits.queue_mutex
         self._submit_locked = self._commits.submit_locked
         self._open: dict[str, tuple[str, int]] = {}  # turn -> (session, row) until it ends
-        self._usage: dict[int, dict[str, int]] = {}  # row -> a running turn's usage so far
-        self._usage_queued = False  # a _UsageFlush is queued: it takes what is held
+        # Running turns' usage is the governor's (``take_usage``); the store is told when
+        # it changed and takes it when it writes.
+        self._take_usage: Callable[[], dict[str, dict[str, int]]] | None = None
+        self._usage_held = False  # told of a change no write has been queued for
+        self._usage_queued = False  # a _UsageFlush is queued: its take is still to come
         self._usage_due = False  # the engine will call for the held usage's write
         self._closing = False
 
@@ -286,7 +289,7 @@ class Store:
 
     def _queue_op(self, op: Op) -> None:
         """Queue a write nobody waits for."""
-        with self._cond:
+        with self._mutex:
             self._submit_locked(op, None)
 
     def own_writes(self) -> None:
@@ -300,12 +303,12 @@ class Store:
     def flush(self) -> None:
         """Commit everything queued so far, running turns' usage included (a reader sees
         every earlier write); ``StoreUnavailable`` if the store cannot."""
-        with self._cond:
+        with self._mutex:
             self._queue_usage_locked()
         self._commits.flush()
 
     def close(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._queue_usage_locked()  # running turns' usage held: the last write
             self._closing = True
         self._commits.close()
@@ -384,7 +387,7 @@ class Store:
                     told = None if notice is None else notice(session, turn, partial)
                     if told is None:
                         continue
-                    with self._cond:
+                    with self._mutex:
                         key = self._next_key
                         self._next_key += 1
                     self._db.execute(
@@ -467,20 +470,21 @@ class Store:
             Statement("UPDATE sessions SET budget=? WHERE id=?", (blob, session)), waited=True
         )
 
-    def turn_usage(self, turn: str, usage: dict[str, int], *, soon: bool = False) -> None:
-        """The running turn's usage so far (the store keeps this dict: pass a fresh one).
-        Held in memory and written with the turn's end, or ``_USAGE_EVERY`` seconds after
-        the first report held (a crashed turn's reported usage then counts at recovery,
-        semantics §16.2), or, with ``soon`` (a budget near its limit), in the store's next
-        batch. Reports between two writes share one write per turn; a short turn's cost
-        none of their own, its end writes them."""
-        with self._cond:
-            opened = self._open.get(turn)
-            if opened is None or self._closing:
-                return  # its end overtook it (and wrote it), or the store is closed
-            self._usage[opened[1]] = usage
-            if self._usage_queued:
-                return  # a queued write takes this report too
+    def take_usage_from(self, take: Callable[[], dict[str, dict[str, int]]]) -> None:
+        """Where running turns' usage comes from: ``take`` returns each turn's usage so
+        far that changed since its last call (the governor's ``take_usage``)."""
+        self._take_usage = take
+
+    def usage_changed(self, *, soon: bool = False) -> None:
+        """Running turns' reported usage changed (semantics §16.2: a crashed turn's
+        reported usage counts). Written with the turn's end, or ``_USAGE_EVERY``
+        seconds after the first change held (however many follow), or, with ``soon``
+        (a budget near its limit), in the store's next batch. Never waits: the governor
+        calls it under its lock."""
+        with self._mutex:
+            if self._usage_queued or self._closing:
+                return  # a queued write takes it (its take is still to come)
+            self._usage_held = True
             if soon:
                 self._queue_usage_locked()
             elif not self._usage_due:
@@ -490,16 +494,25 @@ class Store:
     def _queue_usage_locked(self) -> None:
         """Queue one write of the usage held so far, with the store's next batch."""
         self._usage_due = False
-        if self._usage and not self._usage_queued:
+        if self._usage_held and not self._usage_queued:
+            self._usage_held = False
             self._usage_queued = True
             self._submit_locked(_UsageFlush(self), None)
 
     def _usage_rows(self) -> list[tuple[bytes | None, int]]:
-        """Take the running turns' usage held so far (``_UsageFlush``)."""
-        with self._cond:
-            held, self._usage = self._usage, {}
+        """Take the running turns' usage changed so far (``_UsageFlush``). A change told
+        from here on is held for a write of its own: the take below may miss it."""
+        with self._mutex:
             self._usage_queued = False
-        return [(_dump(usage), row) for row, usage in held.items()]
+        taken = self._take_usage() if self._take_usage is not None else {}
+        with self._mutex:
+            # a turn whose end was queued meanwhile is gone: its end writes its usage
+            rows = [
+                (usage, opened[1])
+                for turn, usage in taken.items()
+                if (opened := self._open.get(turn))
+            ]
+        return [(_dump(usage), row) for usage, row in rows]
 
     def spent_before(self) -> dict[str, Spent]:
         """What each session's turns of earlier hosts on this store spent: tokens, cost,
@@ -566,7 +579,7 @@ class Store:
         now = time.time()
         blob = _dump(data)
         ticket = Ticket(self._commits, refusable=refusable)
-        with self._cond:
+        with self._mutex:
             key = self._next_key
             self._next_key += 1
             params = (key, session, content, blob, kind, sender, now, trace)
@@ -598,7 +611,7 @@ class Store:
         list or no longer pending; one above it may still be on its way (see
         ``Session.enqueue``). A materialization loads its inbox with this.
         """
-        with self._cond:
+        with self._mutex:
             horizon = self._next_key - 1
         self.flush()
         with self._lock, _readable():
@@ -644,7 +657,7 @@ class Store:
         woke = None if woken_by is None else message_key(woken_by)
         session = message.session
         blob = _dump(message.data)
-        with self._cond:
+        with self._mutex:
             row = next(self._turn_seqs)
             seq = next(self._entry_seqs)
             self._open[turn] = (session, row)
@@ -672,12 +685,11 @@ class Store:
         (None without a notice, or for a turn not open here)."""
         now = time.time()
         o, final, notice = record.outcome, record.final, record.notice
-        with self._cond:
+        with self._mutex:
             opened = self._open.pop(turn, None)
             if opened is None:
                 return None
             session, row = opened
-            self._usage.pop(row, None)  # the end writes the turn's usage itself
             seq = next(self._entry_seqs) if final is not None else None
             msg: Message | None = None
             if notice is not None:
@@ -797,7 +809,7 @@ class Store:
         """Queue a transcript entry; its ``seq`` is known at once."""
         now = time.time()
         blob = _dump(data)
-        with self._cond:
+        with self._mutex:
             seq = next(self._entry_seqs)
             params = (seq, session, turn, kind, text, action, origin, by, reason, blob, now)
             self._submit_locked(

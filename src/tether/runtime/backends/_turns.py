@@ -410,7 +410,7 @@ class TurnTable(Generic[W]):
         match frame:
             case Say():
                 if frame.usage:
-                    sink.usage(Usage(turn=frame.turn, usage=frame.usage))
+                    sink.usage(frame.turn, frame.usage)
                 sink.said(frame)
             case ToolCall():
                 self._answer(w, spec, self.host.on_tool_call(spec, frame))
@@ -419,7 +419,7 @@ class TurnTable(Generic[W]):
             case Progress():
                 sink.progress(frame)
             case Usage():
-                sink.usage(frame)
+                sink.usage(frame.turn, frame.usage)
             case Escalating():
                 sink.escalating(frame)
             case ToolKilled():
