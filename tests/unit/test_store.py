@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.actors.budget import Governor
+from tether.actors.budget import _PENDING_MOST, Governor
 from tether.actors.outcomes import TurnOutcome
 from tether.actors.ports import EndRecord
 from tether.runtime.store import _USAGE_EVERY, Store
@@ -145,6 +145,49 @@ def test_a_read_or_a_close_writes_the_usage_held_for_running_turns(tmp_path: Pat
     gov.usage("s_a", "t_1", {"prompt_tokens": 5, "completion_tokens": 1})
     store.close()
     assert _stored_usage(path, "t_1") == {"prompt_tokens": 9, "completion_tokens": 1}
+
+
+def test_a_turn_that_reports_many_times_between_writes_has_every_report_written(
+    tmp_path: Path,
+) -> None:
+    """The governor keeps a turn's reports unadded until they are read, and adds them up
+    in place once too many wait: the reports added that way are still the store's to
+    take (a flag of their own, not the list of those waiting)."""
+    path = str(tmp_path / "state.db")
+    store = Store(path)
+    gov = _governed(store)
+    try:
+        _running_turn(store, gov, "t_1")
+        for _ in range(_PENDING_MOST):  # the last one adds them all up: none waits
+            gov.usage("s_a", "t_1", {"prompt_tokens": 1, "completion_tokens": 2})
+        (record,) = store.turns("s_a")
+        assert record.usage == {
+            "prompt_tokens": _PENDING_MOST,
+            "completion_tokens": 2 * _PENDING_MOST,
+        }
+    finally:
+        store.close()
+
+
+def test_a_turns_record_has_its_ends_usage_and_a_turn_with_no_end_what_it_reported() -> None:
+    gov = Governor(store=Store(), act=lambda step: None, subtree=lambda sid: [])
+    for turn in ("t_1", "t_2"):
+        assert gov.start("s_a", (), turn)
+        gov.usage("s_a", turn, {"prompt_tokens": 5})
+        gov.usage("s_a", turn, {"prompt_tokens": 6, "cost_microusd": 7})
+    assert gov.ended("t_1", {"prompt_tokens": 11, "completion_tokens": 3}) == {
+        "prompt_tokens": 11,
+        "completion_tokens": 3,
+    }
+    assert gov.ended("t_2") == {"prompt_tokens": 11, "cost_microusd": 7}  # killed: no end
+    assert gov.ended("t_2") is None  # once
+    assert gov.status("s_a", ()).spent["tokens"] == 22
+    # this store never takes the usage: a long turn's reports are added up as they pile
+    assert gov.start("s_a", (), "t_3")
+    for _ in range(3 * _PENDING_MOST):
+        gov.usage("s_a", "t_3", {"prompt_tokens": 1})
+    assert len(gov._runs["t_3"].pending) < _PENDING_MOST  # white-box: the memory bound
+    assert gov.ended("t_3") == {"prompt_tokens": 3 * _PENDING_MOST}
 
 
 def test_reports_racing_the_stores_writes_are_never_lost_nor_seen_out_of_order(

@@ -917,8 +917,8 @@ class Session:
         killed turn sends no end), so a tree's spent always equals the sum of its turns'
         records."""
         gov = self._host.budget
-        reported = gov.ended(t.id) if gov is not None else None
-        return end.usage if end is not None and end.usage is not None else reported
+        usage = end.usage if end is not None else None
+        return gov.ended(t.id, usage) if gov is not None else usage
 
     def _after_end(self, t: _Turn) -> None:
         """Settle (one-shot, disposing), or start the next turn if one may start."""

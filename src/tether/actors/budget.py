@@ -42,6 +42,9 @@ __all__ = ["Governor", "Spent", "SpentStore", "StateStep", "Step", "StepKind", "
 log = structlog.get_logger("tether.budget")
 
 _SEVERITY = {"ok": 0, "soft": 1, "exhausted": 2}
+# A running turn's reports kept unadded at most (``_Run.pending``): the store reads them
+# within its usage window, but one that does not read must not let a long turn's pile up.
+_PENDING_MOST = 256
 
 
 @dataclass(slots=True)
@@ -83,7 +86,11 @@ class _Run:
     lineage: tuple[str, ...]
     started: float  # the clock's monotonic time
     own: Spent  # its session's (``Governor._own``)
-    usage: dict[str, int] = field(default_factory=dict)  # reported so far (in place)
+    usage: dict[str, int] = field(default_factory=dict)  # reported, but for ``pending``
+    # Reports not yet added into ``usage`` (``_merged``, when read): a report appends its
+    # frame's dict, so its cost does not grow with its keys.
+    pending: list[dict[str, int]] = field(default_factory=list)
+    fresh: bool = False  # it reported since the store last took its usage
     chain: list[str] = field(default_factory=list)  # its budgeted lineage, as of ``gen``
     gen: int = -1
     stopped: bool = False  # a budget's hard step reached it: never twice
@@ -142,6 +149,16 @@ def _below_marks(tree: _Tree) -> bool:
     return spent.tokens < marks[0] and spent.cost / 1_000_000 < marks[1] and spent.turns < marks[2]
 
 
+def _merged(run: _Run) -> dict[str, int]:
+    """``run``'s usage with its pending reports added (under the governor's lock)."""
+    total = run.usage
+    for delta in run.pending:
+        for key, value in delta.items():
+            total[key] = total.get(key, 0) + value
+    run.pending.clear()
+    return total
+
+
 def _marks(tree: _Tree, limits: dict[str, float]) -> tuple[float, float, float]:
     """The values (tokens, cost_usd, turns) at which ``_check_locked`` would next find a
     crossing: a limit's soft threshold until it is crossed, then the limit itself."""
@@ -180,8 +197,8 @@ class Governor:
         self._based = False  # the earlier hosts' spending is loaded (``_base``)
         self._basing = threading.Lock()  # one reader of it
         # The running turns' usage is kept here alone; the store takes what changed
-        # (``take_usage``) when it writes. ``_told``: the store knows a change is waiting.
-        self._dirty: set[str] = set()
+        # (``take_usage``: the runs that reported since) when it writes. ``_told``: the
+        # store knows a change is waiting.
         self._told = False
         self._timer: Timer | None = None
         self._timed = 0  # budgets with a turn_seconds limit: only then is a clock kept
@@ -198,17 +215,22 @@ class Governor:
         with self._lock:
             chain = self._chain(session, lineage)
             now = self._clock.monotonic()
+            trees = self._trees
             for b in chain:
-                steps += self._check_locked(b, now)
-            if any(self._trees[b].hard for b in chain):
-                allowed = False
-            else:
+                tree = trees[b]
+                if not _below_marks(tree):  # turn seconds, or not known yet
+                    steps += self._check_locked(b, now)
+                if tree.hard:
+                    allowed = False
+            if allowed:
                 own = self._own_of(session)
                 self._runs[turn] = _Run(session, lineage, now, own, chain=chain, gen=self._gen)
                 own.turns += 1
                 for b in chain:
-                    self._trees[b].spent.turns += 1
-                    steps += self._check_locked(b, now)
+                    tree = trees[b]
+                    tree.spent.turns += 1
+                    if not _below_marks(tree):
+                        steps += self._check_locked(b, now)
                 if self._timed:
                     self._reschedule_locked()
         self._issue(steps)
@@ -216,8 +238,8 @@ class Governor:
 
     def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
         """One response's usage (a worker's frame), on the backend's thread. ``delta``'s
-        values are ints: the driver's context keeps only those, and the frame's typed
-        decode checks them again."""
+        values are ints (the frame's typed decode checked them) and it is not changed
+        after: it is kept as it is until the store or the turn's end adds it up."""
         get = delta.get
         tokens = get("prompt_tokens", 0) + get("completion_tokens", 0)
         cost = get("cost_microusd", 0)
@@ -226,9 +248,11 @@ class Governor:
             run = self._runs.get(turn)
             if run is None or run.session != session:
                 return  # not a turn this host runs (it ended): nothing to count
-            total = run.usage
-            for key, value in delta.items():
-                total[key] = total.get(key, 0) + value
+            run.fresh = True
+            pending = run.pending
+            pending.append(delta)
+            if len(pending) >= _PENDING_MOST:  # a store that does not take (closing)
+                _merged(run)
             own = run.own
             own.tokens += tokens
             own.cost += cost
@@ -241,13 +265,15 @@ class Governor:
                 spent = tree.spent
                 spent.tokens += tokens
                 spent.cost += cost
-                if not _below_marks(tree):  # the usual report is below them: no call
+                # ``_below_marks``, inline (a call a report): the usual report is below
+                # every mark; a report moves no turn count, so tokens and cost decide
+                marks = tree.marks
+                if marks is None or spent.tokens >= marks[0] or spent.cost / 1_000_000 >= marks[1]:
                     crossed = self._check_locked(b)
                     if crossed:
                         steps = crossed if steps is None else steps + crossed
                 if tree.soft:
                     soon = True
-            self._dirty.add(turn)
             # near a limit, what was spent is written with the next batch, not at the end
             if soon or not self._told:
                 self._told = True
@@ -259,20 +285,23 @@ class Governor:
         """The usage of each running turn that reported since the last take (the
         store's, when it writes them)."""
         with self._lock:
-            runs = self._runs
-            taken = {t: runs[t].usage.copy() for t in self._dirty if t in runs}
-            self._dirty.clear()
+            taken: dict[str, dict[str, int]] = {}
+            for turn, run in self._runs.items():
+                if run.fresh:
+                    run.fresh = False
+                    taken[turn] = _merged(run).copy()
             self._told = False
         return taken
 
-    def ended(self, turn: str) -> dict[str, int] | None:
-        """``turn`` ended: its seconds count as ended; returns the usage it reported
-        (its end's record writes it: the store takes it no more)."""
+    def ended(self, turn: str, usage: dict[str, int] | None = None) -> dict[str, int] | None:
+        """``turn`` ended: its seconds count as ended. Returns its record's usage:
+        ``usage``, its end's, when its worker sent an end; else what it reported as it
+        went (a killed turn), so a tree's spent is the sum of its turns' records. The
+        store takes it no more: the end's record writes it."""
         with self._lock:
             run = self._runs.pop(turn, None)
             if run is None:
-                return None
-            self._dirty.discard(turn)
+                return usage
             seconds = max(self._clock.monotonic() - run.started, 0.0)
             run.own.seconds += seconds
             if run.gen != self._gen:
@@ -281,7 +310,9 @@ class Governor:
                 self._trees[b].spent.seconds += seconds
             if self._timed:
                 self._reschedule_locked()
-        return run.usage or None
+        if usage is not None:
+            return usage  # its reports are not added up: nobody reads them now
+        return _merged(run) or None  # popped under the lock: this thread's alone now
 
     # ---- budgets: set, changed, read --------------------------------------------------
 

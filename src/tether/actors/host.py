@@ -18,6 +18,7 @@ bounded, for the tree to stop, and a waking send to a dormant session reads its 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -239,21 +240,25 @@ def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
         return
 
 
+def _ignore_usage(turn: str, usage: dict[str, int]) -> None:
+    """No governor: usage is counted by the turn's record alone."""
+
+
 class _Sink:
     """The executor's view of one turn: every report becomes a message to its host,
     except usage, which goes straight to the governor (its one home, with a lock), so a
     budget's stop is issued by the report's own thread."""
 
-    __slots__ = ("_gov", "_ref", "_session")
+    __slots__ = ("_ref", "_session", "usage")
 
     def __init__(self, ref: pykka.ActorRef[Any], session: str, gov: Governor | None) -> None:
         self._ref = ref
         self._session = session
-        self._gov = gov
-
-    def usage(self, turn: str, usage: dict[str, int]) -> None:
-        if self._gov is not None:
-            self._gov.usage(self._session, turn, usage)
+        # ``TurnSink.usage``: the governor's own method with the session bound (once a
+        # model response: no Python frame of the sink's between the report and the lock)
+        self.usage: Callable[[str, dict[str, int]], None] = (
+            _ignore_usage if gov is None else functools.partial(gov.usage, session)
+        )
 
     def said(self, frame: Say) -> None:
         _tell(self._ref, _Frame(self._session, frame))
