@@ -36,7 +36,7 @@ demo-adapters: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/mypy --strict src tests
+	$(BIN)/mypy --strict src tests benchmarks
 
 # The Ray cases (marker `ray`, `ray_cluster`) run under `make test-ray`, which installs
 # the extra tether[ray]; `make test` leaves them out (without Ray they would only skip).

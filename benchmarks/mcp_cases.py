@@ -72,7 +72,7 @@ async def _one_cancel(tools: McpTools, tail: _Tail) -> float:
     if tools.last_fate != "cancelled":
         raise RuntimeError(f"the call ended {tools.last_fate}, not cancelled")
     got = await tail.until({"method": "notifications/cancelled", "requestId": request["id"]})
-    return (got["t"] - t0) * 1000
+    return float(got["t"] - t0) * 1000
 
 
 async def _one_echo(tools: McpTools) -> float:

@@ -165,7 +165,7 @@ def ray_peer(cfg: Cfg) -> Iterator[Samples]:
             def f(self, x: int) -> int:
                 return x
 
-        @ray.remote(max_retries=0)
+        @ray.remote(max_retries=0)  # type: ignore[untyped-decorator]  # Ray's are Any here
         def wedge(argv: list[str]) -> int:
             return subprocess.run(argv, check=False).returncode
 

@@ -147,7 +147,7 @@ class Host:
         transcript's markers and user entries; plus every notice in the store."""
         out: dict[str, Any] = {}
         for sid in sessions:
-            entries = []
+            entries: list[dict[str, Any]] = []
             after = 0
             while True:
                 page = self.rt.transcript(sid, after=after, limit=1000)

@@ -1070,6 +1070,10 @@ CROSSER = "benchmarks.drivers:BudgetCrosser"
 RESPONDER = "benchmarks.drivers:Responder"
 
 
+def _all_dispatched(rt: tether.Runtime, tree: list[str]) -> bool | None:
+    return all(rt.status(s).dispatched for s in tree) or None
+
+
 def budget_stop(cfg: Cfg) -> Iterator[Samples]:
     """A 10-session tree (a root and nine children) under one token budget, every turn
     running (a boundary every 1 ms): one turn reports the usage that crosses the limit
@@ -1090,7 +1094,7 @@ def budget_stop(cfg: Cfg) -> Iterator[Samples]:
                 for kid in kids:
                     rt.send(kid, "run", authority=tether.User(root))
                 poll_until(
-                    lambda tree=tree: all(rt.status(s).dispatched for s in tree) or None,
+                    functools.partial(_all_dispatched, rt, tree),
                     WAIT,
                     "every turn of the tree running",
                 )
