@@ -69,6 +69,9 @@ _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 _AGREE = 0.05  # a side's two readings in a round further apart than this: run it again
 _WALL = "turns' wall seconds:"
 _WALL_RE = re.compile(_WALL + r" ([\d.e+-]+)")
+# valgrind's own lines (such as its warning for pidfd_open, which it does not emulate)
+# and the side's wall time
+_QUIET = re.compile(r"==\d+==|--\d+--|" + _WALL)
 
 
 def _side(side: str, turns: int, usage_every: float | None = None) -> float:
@@ -144,6 +147,9 @@ def _run_side(
     wall = _WALL_RE.search(done.stderr)
     if done.returncode != 0 or wall is None or (counted and found is None):
         raise SystemExit(f"{side} x{turns} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    said = [ln for ln in done.stderr.splitlines() if not _QUIET.match(ln)]
+    if said:  # the host logged something: shown, since it may be what a reading counted
+        print(f"  {side} x{turns} logged:\n    " + "\n    ".join(said[-40:]), flush=True)
     return (int(found.group(1).replace(",", "")) if found else 0), float(wall.group(1))
 
 
