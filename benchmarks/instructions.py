@@ -74,10 +74,10 @@ _WALL_RE = re.compile(_WALL + r" ([\d.e+-]+)")
 _QUIET = re.compile(r"==\d+==|--\d+--|" + _WALL)
 
 
-def _side(side: str, turns: int, usage_every: float | None = None) -> float:
-    """Run ``turns`` turns of ``side`` in this process (the one callgrind counts); the
-    turns' wall seconds. ``usage_every``: the store's usage write interval instead of
-    its own (see ``_usage_every``)."""
+def _side(side: str, turns: int, usage_every: float | None = None) -> None:
+    """Run ``turns`` turns of ``side`` in this process (the one callgrind counts) and
+    print the turns' wall seconds. ``usage_every``: the store's usage write interval
+    instead of its own (see ``_usage_every``)."""
     import tether
     import tether.runtime.store
     from benchmarks.tether_cases import _SINK
@@ -128,7 +128,6 @@ def _side(side: str, turns: int, usage_every: float | None = None) -> float:
             sink.kill()
             sink.wait()
     print(f"{_WALL} {took}", file=sys.stderr)
-    return took
 
 
 def _run_side(
@@ -183,7 +182,6 @@ def run(case: str, reps: int, *, raw: bool = False) -> dict[str, Any]:
     The usage case keeps the usage write's native rate per turn unless ``raw``."""
     base, other = CASES[case]
     rounds: list[dict[str, Any]] = []
-    pcts: list[float] = []
     every = _usage_every(other) if case == "usage" and not raw else None
     discarded: list[dict[str, Any]] = []
     while len(rounds) < reps:
@@ -199,13 +197,12 @@ def run(case: str, reps: int, *, raw: bool = False) -> dict[str, Any]:
             discarded.append(got)
             continue
         rounds.append(got)
-        pcts.append(pct)
         print(
             f"{case}: base {b1:,.0f} {b2:,.0f}  other {o1:,.0f} {o2:,.0f} instructions/turn"
             f"  overhead {pct:+.2f} %",
             flush=True,
         )
-    median = statistics.median(pcts)
+    median = statistics.median(r["overhead_pct"] for r in rounds)
     figure = FIGURES.get(case)
     verdict = ""
     if figure is not None:
