@@ -18,8 +18,10 @@ the cut reply), not through a network error it would retry. Nothing new is forwa
 after a cut.
 
 The listening side is asyncio streams with ``h11`` (HTTP/1.1 framing, keep-alive); the
-upstream side is ``httpx``. Headers pass through as they came, the key among them; none
-is ever logged, nor is the secret (logs carry the path after it).
+upstream side is ``httpx``. Headers pass through as they came, but for the key: the CLI
+holds only a stand-in (``KEY_STAND_IN``), which the forwarder replaces with the session's
+key, or drops for a server that wants none. No header is ever logged, nor is the secret
+(logs carry the path after it).
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ import h11
 import httpx
 import structlog
 
-__all__ = ["ANTHROPIC", "Forwarder"]
+__all__ = ["ANTHROPIC", "KEY_STAND_IN", "Forwarder"]
 
 log = structlog.get_logger("tether.adapters.forward")
 
 ANTHROPIC = "https://api.anthropic.com"  # the CLI's own default endpoint
+# The key the CLI is given: a key it must have, though not the session's (semantics §17.4)
+KEY_STAND_IN = "tether-forwarder-holds-the-key"
+_KEY_HEADER = b"x-api-key"
 _READ = 65536
 _DRAIN = 0.25  # seconds a cut upstream may take to end before it is closed outright
 # Hop-by-hop headers (RFC 9110 §7.6.1), and those each side frames for itself: h11 on the
@@ -70,8 +75,11 @@ class Forwarder:
     """One turn's forwarder: :meth:`start` it, hand its :attr:`url` to the CLI,
     :meth:`cut` on a cancel, :meth:`aclose` at the turn's end."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, key: str | None = None, stand_in: str = "") -> None:
         self.upstream = upstream.rstrip("/")
+        # the CLI's stand-in key header, and what replaces it upstream (None: nothing)
+        self._stand_in = stand_in.encode()
+        self._key = None if key is None else key.encode()
         self.url = ""
         # The per-turn secret, the path of the CLI's base URL: a request without it is
         # refused before its body is read (the listener is on loopback, open to every
@@ -252,6 +260,13 @@ class Forwarder:
             return None
         return request, path, bytes(body)
 
+    def _with_key(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The CLI's headers with its stand-in key replaced by the session's (or dropped)."""
+        out = [(k, v) for k, v in headers if not (k.lower() == _KEY_HEADER and v == self._stand_in)]
+        if len(out) != len(headers) and self._key is not None:
+            out.append((_KEY_HEADER, self._key))
+        return out
+
     async def _pump(
         self,
         conn: h11.Connection,
@@ -264,6 +279,8 @@ class Forwarder:
         another. A cancel (a cut) closes the upstream connection on its way out."""
         method = request.method.decode("ascii")
         headers = [(k, v) for k, v in request.headers.raw_items() if k.lower() not in _REQUEST_DROP]
+        if self._stand_in:
+            headers = self._with_key(headers)
         upstream = self._client.build_request(
             method, self.upstream + path, headers=headers, content=body
         )

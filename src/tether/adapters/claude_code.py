@@ -25,12 +25,13 @@ from typing import Any
 import psutil
 import structlog
 
-from tether.adapters._forward import ANTHROPIC, Forwarder
+from tether.adapters._forward import ANTHROPIC, KEY_STAND_IN, Forwarder
 from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
 from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
+from tether.driver.toolenv import model_key, tool_user
 from tether.driver.tools import TOOLS, parameters
 from tether.runtime._procs import alive, all_dead, child_pids, kill_tree
 from tether.telemetry import spans
@@ -460,11 +461,20 @@ class ClaudeCodeAgent:
             cfg = _config(ctx.config)
         except TetherError as exc:
             raise ClaudeCodeError(exc.message) from None
+        key = None
+        if cfg.api_key_env:
+            key = model_key(cfg.api_key_env)
+            if not key:
+                raise ClaudeCodeError(
+                    f"the environment variable {cfg.api_key_env} (api_key_env) is not set"
+                )
         history = await ctx.load_history()
-        home = tempfile.mkdtemp(prefix="tether-claude-")
+        home = _home()
         client: Any = None
         turn: _Turn | None = None
-        forwarder = Forwarder(_upstream(cfg))
+        # the key goes upstream from the forwarder alone: the CLI, and every command its
+        # Bash tool runs, hold only a stand-in (semantics §17.4)
+        forwarder = Forwarder(_upstream(cfg), key=key, stand_in=KEY_STAND_IN)
         try:
             await forwarder.start()
             client, turn = await _start(ctx, cfg, history, home, forwarder)
@@ -479,6 +489,16 @@ class ClaudeCodeAgent:
             await _stop(client, turn.before if turn is not None else None)
             await forwarder.aclose()  # after the CLI is gone: it sees no closed connection
             shutil.rmtree(home, ignore_errors=True)
+
+
+def _home() -> str:
+    """The CLI's own directory for this turn (its ``CLAUDE_CONFIG_DIR``), the tool user's
+    where one is set: the CLI runs as that user."""
+    home = tempfile.mkdtemp(prefix="tether-claude-")
+    user = tool_user()
+    if user is not None:
+        os.chown(home, user.uid, user.gid)
+    return home
 
 
 def _upstream(cfg: _Config) -> str:
@@ -511,13 +531,9 @@ async def _start(
         for name in ("NO_PROXY", "no_proxy"):
             given = cfg.env.get(name, os.environ.get(name, ""))
             env[name] = ",".join(p for p in (given, "127.0.0.1") if p)
-    if cfg.api_key_env:
-        key = os.environ.get(cfg.api_key_env)
-        if not key:
-            raise ClaudeCodeError(
-                f"the environment variable {cfg.api_key_env} (api_key_env) is not set"
-            )
-        env["ANTHROPIC_API_KEY"] = key
+    # A key of some kind, or the CLI refuses to start ("Not logged in"); the forwarder
+    # puts the real one in its place, or drops it for a server that wants none.
+    env["ANTHROPIC_API_KEY"] = KEY_STAND_IN
     kwargs: dict[str, Any] = {}
     if saved is not None and saved.get("id") == session and _restore(home, saved):
         kwargs["resume"] = session
@@ -540,7 +556,9 @@ async def _start(
     servers, names = await _mcp_servers(ctx, cfg, told)  # opened before the CLI: not its
     mcp.update(servers)
     allowed += names
+    user = tool_user()
     options = ClaudeAgentOptions(
+        user=None if user is None else user.name,  # semantics §17.4
         model=cfg.model,
         system_prompt=cfg.system_prompt,
         allowed_tools=allowed,

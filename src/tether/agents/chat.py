@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import re
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from tether.agents.drain import drained
 from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.disposal import on_disposed
+from tether.driver.toolenv import model_key
 from tether.driver.tools import TOOLS, schemas
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
@@ -331,7 +331,7 @@ def openai_client(
 
     key = "unused"  # a local server needs none; the client insists on a value
     if api_key_env:
-        found = os.environ.get(api_key_env)
+        found = model_key(api_key_env)  # the host's, for this turn: never in the environment
         if not found:
             raise ModelError(f"the environment variable {api_key_env} (api_key_env) is not set")
         key = found

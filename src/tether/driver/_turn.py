@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tether.driver._command import COMMAND_ENV, command_ids
+from tether.driver.toolenv import spawn_options, tool_env
 from tether.wire.errors import TetherError, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -139,7 +140,8 @@ class _TurnState:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    env={**os.environ, COMMAND_ENV: tag},
+                    env=tool_env(extra={COMMAND_ENV: tag}),
+                    **spawn_options(),
                 )
         except BaseException as exc:
             self.tool_closed(tool)  # it never ran: nothing of it was cut

@@ -8,7 +8,8 @@ asks any actor, in an order that decides which of several bad arguments is repor
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import pwd
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -44,10 +45,12 @@ __all__ = [
     "check_interrupt",
     "check_limits",
     "check_message",
+    "check_secret_env",
     "check_settings",
     "check_slug",
     "check_stall",
     "check_text",
+    "check_tool_user",
     "convert",
 ]
 
@@ -279,3 +282,58 @@ def check_stall(stall: object) -> StallPolicy:
         every=policy.every if policy.every is not None else policy.after,
         nudge=cap(nudge),
     )
+
+
+def check_secret_env(names: object) -> list[str]:
+    """``Runtime(secret_env=...)``: variable names, each a non-empty string."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise InvalidParams("secret_env must be a list of environment variable names")
+    checked = list(names)
+    for name in checked:
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise InvalidParams(f"secret_env: {name!r} is not an environment variable name")
+    return checked
+
+
+# Linux capability bits (capability.h): what switching users takes besides root.
+_CAP_SETGID = 6
+_CAP_SETUID = 7
+
+
+def _may_switch_users() -> bool:
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    want = (1 << _CAP_SETGID) | (1 << _CAP_SETUID)
+    return eff & want == want
+
+
+def check_tool_user(name: object, backend: object) -> str | None:
+    """``Runtime(tool_user=...)`` (semantics §17.4): another user of this machine, whom
+    the host may become, on the local backend."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise InvalidParams("tool_user must be a user name")
+    if backend != "local":
+        raise InvalidParams("tool_user runs tools as another user on the local backend only")
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise InvalidParams(f"tool_user: there is no user {name!r} on this machine") from None
+    if entry.pw_uid == os.geteuid() or entry.pw_uid == 0:
+        who = "root" if entry.pw_uid == 0 else "the host's own user"
+        raise InvalidParams(
+            f"tool_user: {name!r} is {who}; tools run as it would read what the host"
+            " reads: name another user"
+        )
+    if not _may_switch_users():
+        raise InvalidParams(
+            f"tool_user: this host (uid {os.geteuid()}) may not switch users: run it as root,"
+            " or with the capabilities CAP_SETUID and CAP_SETGID"
+        )
+    return name

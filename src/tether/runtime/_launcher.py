@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -108,9 +109,18 @@ class Launcher:
     sends it launch requests one at a time, and knows which of its children are workers.
     """
 
-    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        preload: tuple[str, ...] = (),
+        *,
+        environ: Callable[[], dict[str, str]] | None = None,
+        tool_user: str | None = None,
+    ) -> None:
         # modules the launcher imports before it forks a worker (telemetry's, when on)
         self._preload = list(preload)
+        # the launcher's (so its workers') environment, made when it starts; None: ours
+        self._environ = environ
+        self._tool_user = tool_user  # who the workers' tools run as (None: the worker)
         self._lock = threading.Lock()  # one request at a time; guards the process
         self._proc: subprocess.Popen[bytes] | None = None
         self._ctl: socket.socket | None = None
@@ -140,6 +150,7 @@ class Launcher:
                     "path": sys.path,
                     "cwd": os.getcwd(),
                     "preload": self._preload,
+                    "tool_user": self._tool_user,
                 }
             ).encode()
             with self._lock:
@@ -228,6 +239,7 @@ class Launcher:
                 [sys.executable, "-c", _BOOT, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                env=None if self._environ is None else self._environ(),
                 start_new_session=True,  # the host's terminal signals are the host's
             )
         except BaseException:
@@ -378,7 +390,12 @@ class _Server:
             os.chdir(request["cwd"])
             from tether.runtime.worker import worker_main
 
-            worker_main(socket.socket(fileno=sock_fd), request["token"], request["leaf"])
+            worker_main(
+                socket.socket(fileno=sock_fd),
+                request["token"],
+                request["leaf"],
+                tool_user=request.get("tool_user"),
+            )
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1

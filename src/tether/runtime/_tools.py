@@ -15,6 +15,7 @@ import structlog
 from tether.actors.authority import Ancestor
 from tether.actors.ports import TurnSpec
 from tether.actors.supervisor import Resolve
+from tether.runtime._secrets import Secrets
 from tether.runtime.backend import WorkerHost
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, Unauthorized
@@ -53,8 +54,16 @@ _encoder: Final = msgspec.msgpack.Encoder()
 class HostTools(WorkerHost):
     """The tool calls of every worker of one runtime (the backend's ``WorkerHost``)."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, secrets: Secrets, tool_user: str | None) -> None:
         self._rt = runtime
+        self._secrets = secrets
+        self.tool_user = tool_user
+
+    def turn_secrets(self, spec: TurnSpec) -> tuple[dict[str, str] | None, list[str]]:
+        return self._secrets.for_turn(spec.config)
+
+    def worker_environ(self) -> dict[str, str]:
+        return self._secrets.worker_environ()
 
     def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
         try:

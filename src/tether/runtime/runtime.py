@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, overload
 
 import pykka
@@ -62,15 +62,18 @@ from tether.runtime._checks import (
     check_interrupt,
     check_limits,
     check_message,
+    check_secret_env,
     check_settings,
     check_slug,
     check_stall,
     check_text,
+    check_tool_user,
     convert,
 )
 from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
 from tether.runtime._oneshot import OneShot
+from tether.runtime._secrets import Secrets
 from tether.runtime._tools import HostTools
 from tether.runtime.backend import (
     Backend,
@@ -146,6 +149,8 @@ class Runtime:
         containment: str | None = None,
         cancel_deadline: float | None = None,
         telemetry: bool | dict[str, Any] | None = None,
+        secret_env: Iterable[str] = (),
+        tool_user: str | None = None,
     ) -> None:
         """``backend`` is where turns run (semantics §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
@@ -169,7 +174,16 @@ class Runtime:
         worker (semantics §16.3, the extra ``tether[otel]``): ``True``, or settings
         ``{"endpoint": "http://127.0.0.1:4318", "content": False, "service": "tether"}``;
         None (the default): on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; ``False``:
-        off. The other ``OTEL_*`` variables are read by the SDK."""
+        off. The other ``OTEL_*`` variables are read by the SDK.
+
+        No secret of the host reaches a worker's tools (semantics §17.4): ``TETHER_TOKEN``,
+        any variable a session's config names as a key (``api_key_env``: only that
+        session's model client gets its value), and the variables named in
+        ``secret_env``. ``tool_user`` runs the tools (commands, MCP servers, CLIs) as
+        that user, so they can read neither the host's files nor its memory: the host
+        must be able to switch users (root, or ``CAP_SETUID`` and ``CAP_SETGID``), on
+        the local backend; without it, a tool runs as the host's user and can read what
+        that user can read."""
         configure_logging()
         if subreaper:
             set_subreaper()
@@ -180,7 +194,9 @@ class Runtime:
                 max(CANCEL_DEADLINE_GRACES * grace, CANCEL_DEADLINE_MIN), MAX_SECONDS
             )
         cancel_deadline = convert(cancel_deadline, Seconds, "cancel_deadline")
+        tool_user = check_tool_user(tool_user, backend)
         check_backend(backend, ray_address)
+        self._secrets = Secrets(check_secret_env(secret_env))
         self._tel: Telemetry = make_telemetry(resolve_telemetry(telemetry))
         containment = check_containment(containment)
         self.grace = grace
@@ -188,7 +204,9 @@ class Runtime:
         self._closed = False
         self._events = EventBus()
         catalog = self._open_store(path, containment, backend)
-        self._open_backend(backend, workers, containment, ray_address, ray_options)
+        for header in catalog:  # before a worker starts: none inherits a key they name
+            self._secrets.learn(header.config)
+        self._open_backend(backend, workers, containment, ray_address, ray_options, tool_user)
         self._open_hosts(catalog)
         # Only a process's own runtimes close at its exit: a forked child's copy does not.
         self._pid = os.getpid()
@@ -206,6 +224,7 @@ class Runtime:
         recovery left it."""
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            _private_file(os.fspath(path))
         # One host per store: a store another live host holds is refused here
         # (StoreLocked), before anything in it is read or changed.
         self._store = Store(None if path is None else os.fspath(path))
@@ -256,6 +275,7 @@ class Runtime:
         containment: str,
         ray_address: str | None,
         ray_options: dict[str, Any] | None,
+        tool_user: str | None,
     ) -> None:
         """The timers, the dispatcher, and the backend with its workers."""
         self._timers = TimerQueue()
@@ -264,7 +284,7 @@ class Runtime:
             self._pool: Backend = make_backend(
                 backend,
                 workers,
-                HostTools(self),
+                HostTools(self, self._secrets, tool_user),
                 ray_address=ray_address,
                 ray_options=ray_options,
                 cgroups=self._cgroups,
@@ -962,6 +982,7 @@ class Runtime:
         check_slug(slug)
         perms = check_settings(config, permissions)
         policy = None if stall is None else check_stall(stall)
+        self._secrets.learn(config)  # from now on no worker's tool sees the keys it names
         self._pool.probe(driver)
         return SessionHeader(
             id=new_id("s_"),
@@ -976,6 +997,14 @@ class Runtime:
             limits=checked_limits,
             budget=checked_budget,
         )
+
+
+def _private_file(path: str) -> None:
+    """A new store readable by its owner alone (SQLite gives its journal the same mode):
+    it holds every tree's transcripts, which a tool run as another user must not read
+    (semantics §17.4)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None:

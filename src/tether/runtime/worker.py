@@ -27,6 +27,7 @@ from tether.driver._command import COMMAND_ENV
 from tether.driver._turn import _TurnState, end_of
 from tether.driver.context import TurnContext
 from tether.driver.disposal import disposal_hooks
+from tether.driver.toolenv import enter_turn, set_tool_user
 from tether.runtime._log import configure_logging
 from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.telemetry import spans
@@ -301,6 +302,8 @@ class _Runner:
                     with self.lock:
                         state = self.current
                     assert state is not None and state.turn == item.turn
+                    # before the driver runs: it and its tools never see a hidden secret
+                    enter_turn(item.keys, item.hide)
                     end = self._run(item, state)
                     self.send(end)
                     if item.trace is not None:
@@ -369,8 +372,11 @@ def _end_turn_span(end: TurnEnd, state: _TurnState) -> None:
     )
 
 
-def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> None:
-    """Entry point of a worker process (forked by the pool's launcher, ``_launcher``)."""
+def worker_main(
+    sock: socket.socket, token: str, leaf: str | None = None, *, tool_user: str | None = None
+) -> None:
+    """Entry point of a worker process (forked by the pool's launcher, ``_launcher``).
+    ``tool_user``: the user its tools run as (semantics §17.4)."""
     global _leaf
     if leaf is not None:
         # First, while we have no thread and no child: everything we start from now on
@@ -388,6 +394,7 @@ def worker_main(sock: socket.socket, token: str, leaf: str | None = None) -> Non
     # Inherited by every tool and escapee: if we die by SIGKILL and cannot sweep, the
     # pool finds what our tree left behind by this tag.
     os.environ[TREE_ENV] = token
+    set_tool_user(tool_user)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
     # Drivers log through structlog too (an agent's retries): the host's settings
     # (TETHER_LOG, TETHER_LOG_FORMAT), to stderr, quiet by default.

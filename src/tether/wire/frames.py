@@ -127,6 +127,12 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     # the driver's first boundary.
     held: list[SteerFrame | CancelFrame] = []
     trace: Trace | None = None  # None: telemetry is off
+    # The session's model keys, by the variable names its config gives (semantics
+    # §17.4): for its model client only, so never in the worker's environment.
+    keys: dict[str, str] | None = None
+    # The host's secrets by name, to take out of the worker's environment before the
+    # turn runs: those the host learnt of after the worker started.
+    hide: list[str] = []
 
 
 class SteerFrame(msgspec.Struct, frozen=True, tag="steer"):

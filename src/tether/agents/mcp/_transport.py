@@ -29,6 +29,7 @@ from mcp.shared._stream_protocols import WriteStream
 from mcp.shared.message import SessionMessage
 
 from tether.agents.mcp._config import Http, Stdio
+from tether.driver.toolenv import spawn_options, tool_env
 from tether.runtime import _procs
 
 __all__ = [
@@ -205,12 +206,15 @@ async def kill_conn(conn: Conn) -> None:
 async def stdio_transport(spec: Stdio, conn: Conn) -> AsyncIterator[TransportStreams]:
     """Run the server as our child, in our process group (so a pause's group stop and an
     abort's walk both reach it, as they reach ``run_command``), with the SDK's safe
-    environment, the tree tag and the configured variables."""
-    env = get_default_environment()
+    environment, the tree tag and the configured variables, as the tool user where one
+    is set (semantics §17.4)."""
+    env = tool_env(get_default_environment())  # as the tool user names it, if one is set
     if _procs.TREE_ENV in os.environ:
         env[_procs.TREE_ENV] = os.environ[_procs.TREE_ENV]
     env.update(spec.env)
-    proc = await anyio.open_process(list(spec.command), env=env, cwd=spec.cwd, stderr=None)
+    proc = await anyio.open_process(
+        list(spec.command), env=env, cwd=spec.cwd, stderr=None, **spawn_options()
+    )
     conn.proc = proc
     log.info("mcp.server_started", server=conn.server, pid=proc.pid)
     read_in, read_out = anyio.create_memory_object_stream[SessionMessage | Exception](0)

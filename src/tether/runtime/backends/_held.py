@@ -51,12 +51,15 @@ class Held:
             self.bytes += size
         self.frames.append(frame)
 
-    def start(self, spec: TurnSpec) -> tuple[RunTurn, list[HostFrame]]:
+    def start(
+        self, spec: TurnSpec, keys: dict[str, str] | None = None, hide: list[str] | None = None
+    ) -> tuple[RunTurn, list[HostFrame]]:
         """The frame that starts ``spec`` on a worker, and the held frames that follow
         it, in order; nothing is held after. Steers and a cancel issued before dispatch
         ride inside RunTurn, so the driver has them at its very first boundary (sent
         after it, they could reach the worker's reader only once the driver had passed
-        that boundary)."""
+        that boundary). ``keys`` and ``hide``: the turn's share of the host's secrets
+        (``WorkerHost.turn_secrets``)."""
         ride = [f for f in self.frames if isinstance(f, SteerFrame | CancelFrame)]
         rest: list[HostFrame] = [
             f for f in self.frames if not isinstance(f, SteerFrame | CancelFrame)
@@ -74,5 +77,7 @@ class Held:
             repeat=spec.repeat,
             held=ride,
             trace=spec.trace,
+            keys=keys,
+            hide=hide or [],
         )
         return run, rest

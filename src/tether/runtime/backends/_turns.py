@@ -9,6 +9,7 @@ tree is dead. The transitions and who calls them: docs/design.md, sections 4-6.
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import weakref
 from collections import deque
@@ -59,8 +60,20 @@ class WorkerHost:
     order with its other reports, so that the session's host writes them.
     """
 
+    # The user a worker's tools run as (semantics §17.4); None: the worker's own.
+    tool_user: str | None = None
+
     def on_tool_call(self, spec: TurnSpec, frame: ToolCall) -> ToolReply:
         raise NotImplementedError
+
+    def turn_secrets(self, spec: TurnSpec) -> tuple[dict[str, str] | None, list[str]]:
+        """The model keys ``spec``'s turn carries, and the secrets its worker must drop
+        from its environment first (semantics §17.4)."""
+        return None, []
+
+    def worker_environ(self) -> dict[str, str]:
+        """The environment a new worker starts with."""
+        return dict(os.environ)
 
 
 class TurnState(enum.Enum):
@@ -321,7 +334,7 @@ class TurnTable(Generic[W]):
                 return
             self._queue.remove(rec)
             spec = rec.spec
-            run, rest = rec.held.start(spec)
+            run, rest = rec.held.start(spec, *self.host.turn_secrets(spec))
             rec.to(TurnState.DISPATCHED)
             rec.worker = w
             self._on[w] = rec

@@ -268,7 +268,8 @@ class Pool(TableBackend["_Worker"]):
             raise ValueError("a pool needs at least one worker")
         self.size = size
         self.cgroups = cgroups  # None: the walk (semantics §15.5)
-        self.launcher = Launcher(preload)  # started by the first worker's start
+        # started by the first worker's start, without the host's secrets (semantics §17.4)
+        self.launcher = Launcher(preload, environ=host.worker_environ, tool_user=host.tool_user)
         # the turns, and the lock under which they and the workers change together
         self.turns: TurnTable[_Worker] = TurnTable(host, self._idle_locked)
         self._lock = self.turns.lock
