@@ -117,7 +117,7 @@ class LiveServer:
         self.log_path = workdir / "serve.log"
         self.token: str | None = None
         if "--token" in args:
-            self.token = args[args.index("--token") + 1]
+            self.token = args[args.index("--token") + 1].strip() or None  # blank: none
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -148,6 +148,9 @@ class LiveServer:
         except BaseException:
             self._kill()  # a server that did not come up must not outlive the test
             raise
+        if self.token is None:  # none given: the one it made, beside its store
+            given = self.env.get("TETHER_TOKEN", "").strip()
+            self.token = given or (self.workdir / "token").read_text()
         return self
 
     def _kill(self) -> None:

@@ -25,7 +25,15 @@ import pytest
 import tether.serve.web
 from console_page import BROWSERS, LAUNCH_ARGS, browser_path, item, select
 from drivers import HANG, ROOT, TESTS, all_frozen, none_frozen
-from tether_server import LiveServer, rpc_address, running_server, settle, shared_server, wait_until
+from tether_server import (
+    LiveServer,
+    rpc_address,
+    running_server,
+    settle,
+    shared_server,
+    tether_cli,
+    wait_until,
+)
 
 try:
     from playwright.sync_api import (
@@ -162,13 +170,20 @@ def spawn(server: LiveServer, parent: str, slug: str, data: Any = HANG) -> str:
 
 
 def console(page: Page, server: LiveServer, root: str | None = None) -> None:
-    """Open the console (on ``root`` if given), giving the token when the server has one."""
-    page.goto(server.url + "/" + (f"#root={root}" if root else ""))
-    if server.token:
+    """Open the console (on ``root`` if given): through the link ``tether console`` prints
+    when the server made its token, else giving the given token in the page's dialog."""
+    at = f"root={root}" if root else ""
+    if "--token" not in server.args:
+        link = tether_cli(server, "console")
+        assert link.returncode == 0, link.stderr
+        page.goto(link.stdout.strip() + (f"&{at}" if at else ""))
+    else:
+        page.goto(server.url + "/" + (f"#{at}" if at else ""))
         dialog = page.get_by_role("dialog", name="This server needs its token")
-        dialog.get_by_label("Token").fill(server.token)
+        dialog.get_by_label("Token").fill(TOKEN)
         dialog.get_by_role("button", name="Connect").click()
     expect(page.locator("#link")).to_have_text("live")
+    assert "token" not in page.url  # the link's token is not left in the address bar
 
 
 def row_state(page: Page, name: str) -> Any:
@@ -564,8 +579,8 @@ def test_the_page_is_served_from_the_package_without_a_cdn(tmp_path: Path) -> No
         assert status == 200 and b"EventStream" in body
         assert server.request("GET", "/console/../rpc")[0] == 404
         assert server.request("GET", "/console/nope.js")[0] == 404
-        # The loopback rule holds for the page too.
-        assert server.request("GET", "/", headers={"Host": "evil.example"})[0] == 403
+        # A token the server made holds as one given: the page is free, its calls are not.
+        assert server.request("GET", "/events", auth=False)[0] == 401
     with running_server(tmp_path / "token", "--token", TOKEN) as server:
         # The page's files hold no secret; everything it calls needs the token.
         assert server.request("GET", "/", auth=False)[0] == 200

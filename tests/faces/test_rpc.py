@@ -293,6 +293,43 @@ def test_non_loopback_bind_without_token_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "s.db").exists()
 
 
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_an_empty_or_blank_token_is_no_token(tmp_path: Path, blank: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if k != "TETHER_TOKEN"}
+    for how, env in ((["--token", blank], clean), ([], {**clean, "TETHER_TOKEN": blank})):
+        far = subprocess.run(
+            [
+                TETHER,
+                "serve",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "0",
+                "--path",
+                str(tmp_path / "f.db"),
+                *how,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+        )
+        assert far.returncode == 2 and "--token" in far.stderr  # not a token to bind with
+    doc = b'{"jsonrpc": "2.0", "id": 1, "method": "subagent.status", "params": {"session": "x"}}'
+    store = tmp_path / "store"
+    store.mkdir()
+    with running_server(store, "--token", blank) as server:
+        made = (store / "token").read_text()
+        assert server.token == made and len(made) >= 32  # one the server made, not the blank
+        assert (store / "token").stat().st_mode & 0o777 == 0o600
+        for sent in ("Bearer ", "Bearer    ", "Bearer", ""):
+            headers = {"Authorization": sent} if sent else {}
+            assert server.request("POST", "/rpc", doc, headers, auth=False)[0] == 401, sent
+        assert rpc_error(server.rpc("subagent.status", {"session": "x"})) == (-32000, "not-found")
+    with running_server(store, env={"TETHER_TOKEN": blank}) as again:
+        assert again.token == made  # kept across a restart: its clients stay signed in
+
+
 def test_token_is_required_when_set(tmp_path: Path) -> None:
     with running_server(tmp_path, "--token", "s3cret") as server:
         doc = (
@@ -306,11 +343,15 @@ def test_token_is_required_when_set(tmp_path: Path) -> None:
         assert rpc_error(server.rpc("subagent.status", {"session": "x"})) == (-32000, "not-found")
 
 
-def test_loopback_server_refuses_foreign_host_and_origin(server: LiveServer) -> None:
+def test_a_page_of_another_origin_gets_nothing_without_the_token(server: LiveServer) -> None:
+    # A rebinding page or a cross-site POST cannot know the token the server made.
     doc = b'{"jsonrpc": "2.0", "id": 1, "method": "subagent.status", "params": {"session": "x"}}'
-    assert server.request("POST", "/rpc", doc, {"Host": "evil.example:7777"})[0] == 403
-    assert server.request("POST", "/rpc", doc, {"Origin": "http://evil.example"})[0] == 403
-    assert server.request("POST", "/rpc", doc, {"Origin": "http://localhost:3000"})[0] == 200
+    foreign = {"Host": "evil.example:7777", "Origin": "http://evil.example"}
+    assert server.request("POST", "/rpc", doc, foreign, auth=False)[0] == 401
+    assert server.request("GET", "/events", None, foreign, auth=False)[0] == 401
+    same = {"Origin": "http://localhost:3000"}
+    assert server.request("POST", "/rpc", doc, same, auth=False)[0] == 401
+    assert server.request("POST", "/rpc", doc, same)[0] == 200
 
 
 def test_event_stream_resumes_with_last_event_id(server: LiveServer) -> None:

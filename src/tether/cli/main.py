@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, NoReturn
+from urllib.parse import quote
 
 import msgspec
 
 from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
+from tether.serve.token import blank_is_none, find_token
 from tether.wire.budget import LIMITS, check_budget, limit_text, parse_budget, spent_text
 from tether.wire.errors import TetherError
 from tether.wire.vocab import MAX_SECONDS
@@ -528,13 +530,26 @@ def _watch(args: argparse.Namespace, client: Client) -> int:
     return watch(client, args.id, as_json=args.json)
 
 
+def _console(args: argparse.Namespace, _client: Client) -> int:
+    token = find_token(args.url, args.token)
+    if token is None:
+        print(
+            f"tether: no token for {args.url}: pass --token, or run this as the user that runs"
+            " the server on this machine",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{args.url.rstrip('/')}/#token={quote(token, safe='')}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tether.serve.server import is_loopback, serve
 
-    if args.token is None and not is_loopback(args.host):
+    if blank_is_none(args.token) is None and not is_loopback(args.host):
         print(
             f"tether serve: usage error: binding {args.host} (not loopback) requires --token "
-            "(or $TETHER_TOKEN)",
+            "(or $TETHER_TOKEN), not empty",
             file=sys.stderr,
         )
         return 2
@@ -599,6 +614,8 @@ def _run_serve(serve: Any, args: argparse.Namespace) -> int:
             fd_reserve=args.fd_reserve,
             faces=_face_options(args),
             otlp=args.otlp,
+            tool_user=args.tool_user,
+            secret_env=args.secret_env,
         )
     )
 
@@ -617,7 +634,8 @@ def _common() -> _Parser:
     group.add_argument(
         "--token",
         default=os.environ.get("TETHER_TOKEN"),
-        help="bearer token (default $TETHER_TOKEN)",
+        help="bearer token (default $TETHER_TOKEN, else the token file of the server on this"
+        " machine at --url)",
     )
     group.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return common
@@ -720,6 +738,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("open", "open a root session", "tether open --slug main", _open)
     _add_session_options(p)
+
+    command(
+        "console",
+        "print a link to the web console that signs this browser in (the token in its"
+        " fragment, which no server sees)",
+        "tether console",
+        _console,
+    )
 
     p = command(
         "prompt",
@@ -886,14 +912,33 @@ def build_parser() -> argparse.ArgumentParser:
         "(POST /rpc) and server-sent events (GET /events). SIGINT/SIGTERM drain it:\n"
         "running turns are cancelled with grace, the rest aborted, no process left.",
         epilog="example:\n  tether serve --path ./.tether/state.db --port 7777\n"
-        "  TETHER_TOKEN=secret tether serve --host 0.0.0.0",
+        "  TETHER_TOKEN=$(openssl rand -hex 32) tether serve --host 0.0.0.0",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_store_path(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --token)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=7777, help="port (0 picks a free one)")
     p.add_argument(
-        "--token", default=os.environ.get("TETHER_TOKEN"), help="require this bearer token"
+        "--token",
+        default=os.environ.get("TETHER_TOKEN"),
+        help="the bearer token every request needs (default $TETHER_TOKEN; none given: the"
+        " one in the file 'token' beside the store, made if missing, mode 0600)",
+    )
+    p.add_argument(
+        "--tool-user",
+        metavar="NAME",
+        default=None,
+        help="run the agents' tools (commands, MCP servers, CLIs) as this user, so they can"
+        " read neither the token's file nor the server's memory (the server must run as"
+        " root, or with CAP_SETUID and CAP_SETGID)",
+    )
+    p.add_argument(
+        "--secret-env",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="an environment variable no agent's tool may see (repeatable); the token and"
+        " the variables sessions name as keys (api_key_env) are kept from them anyway",
     )
     p.add_argument("--workers", type=int, default=2, help="worker processes")
     p.add_argument(
@@ -979,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "mcp":
         return _mcp(args)
-    client = Client(args.url, token=args.token)
+    client = Client(args.url, token=find_token(args.url, args.token))
     try:
         return int(args.run(args, client))
     except RpcError as exc:

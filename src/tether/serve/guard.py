@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tether.serve.refusals import http_error
+from tether.serve.token import blank_is_none
 from tether.serve.web import is_console_path
 
 __all__ = ["Guard", "is_loopback"]
@@ -46,6 +47,7 @@ class Guard:
 
     def __init__(self, app: ASGIApp, *, token: str | None) -> None:
         self._app = app
+        token = blank_is_none(token)  # an empty or blank token is no token
         self._token = None if token is None else _digest(token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -42,6 +42,7 @@ from tether.serve.limits import (
 from tether.serve.refusals import http_error
 from tether.serve.rpc import FAULT_INJECTION_ENV, RpcDispatcher
 from tether.serve.sse import EventHub
+from tether.serve.token import TOKEN_FILE, blank_is_none, forget_server, note_server, server_token
 from tether.serve.web import console_routes
 from tether.wire.errors import NotFound, TetherError
 
@@ -242,13 +243,19 @@ def serve(
     fd_reserve: int = DEFAULT_FD_RESERVE,
     faces: FaceOptions | None = None,
     otlp: str | None = None,
+    tool_user: str | None = None,
+    secret_env: Sequence[str] = (),
 ) -> int:
     """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code.
 
+    ``token``: the bearer token every request needs (semantics §17.4); None, empty or
+    blank: the one kept in the file ``token`` beside the store, made if there is none
+    (binding beyond loopback needs a token given).
     ``faces``: the driver and config of the roots that MCP and A2A clients open.
     ``otlp``: export traces to this OTLP/HTTP base URL (semantics §16.3); None leaves it to
-    the ``OTEL_*`` variables.
+    the ``OTEL_*`` variables. ``tool_user``, ``secret_env``: the Runtime's.
     """
+    token = blank_is_none(token)
     if token is None and not is_loopback(host):
         raise ValueError(f"binding {host} (not loopback) requires a token")
     # The host's log is for machines first: one JSON object a line, unless asked otherwise.
@@ -256,7 +263,11 @@ def serve(
     configure_logging()
     soft, hard = raise_descriptor_limit()
     log.info("serve.descriptors", soft=soft, hard=hard, reserve=fd_reserve)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token_path = None
+    if token is None:
+        token_path = path.parent / TOKEN_FILE
+        token = server_token(path.parent)
     rt = Runtime(
         str(path),
         workers=workers,
@@ -266,6 +277,8 @@ def serve(
         ray_address=ray_address,
         containment=containment,
         telemetry=None if otlp is None else {"endpoint": otlp},
+        tool_user=tool_user,
+        secret_env=secret_env,
     )
     log.info("serve.containment", containment=rt.containment)
     try:
@@ -279,7 +292,7 @@ def serve(
             fault_injection=fault_injection,
             max_streams=max_streams,
             fd_reserve=fd_reserve,
-            faces=build_faces(rt, dataclasses.replace(faces or FaceOptions(), bearer=bool(token))),
+            faces=build_faces(rt, dataclasses.replace(faces or FaceOptions(), bearer=True)),
         )
         config = uvicorn.Config(
             app,
@@ -293,12 +306,23 @@ def serve(
             backlog=max(4, fd_reserve // 4),
         )
 
+        noted: list[int] = []
+
         def announce(bound: int) -> None:
             where = f"[{host}]" if ":" in host else host
             log.info("serve.listening", url=f"http://{where}:{bound}", store=str(path))
-            print(f"tether: serving http://{where}:{bound} (store {path})", flush=True)
+            kept = "" if token_path is None else f", token in {token_path}"
+            print(f"tether: serving http://{where}:{bound} (store {path}{kept})", flush=True)
+            if token_path is not None:
+                note_server(bound, token_path)
+                noted.append(bound)
 
-        _Server(config, hub, announce, fd_reserve).run()
+        try:
+            _Server(config, hub, announce, fd_reserve).run()
+        finally:
+            for bound in noted:
+                assert token_path is not None
+                forget_server(bound, token_path)
     finally:
         log.info("serve.draining")
         rt.close()

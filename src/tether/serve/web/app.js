@@ -34,6 +34,7 @@ let picks = 0; // sessions selected so far: a root's load keeps one picked while
 // ---- start-up and auth --------------------------------------------------------------
 
 async function start() {
+  takeTokenFromLink();
   initTree(selectSession);
   initBudgets((ids) => {
     for (const id of ids) updateRow(id);
@@ -84,6 +85,18 @@ async function connect() {
   }
   stream.start();
   await fromHash();
+}
+
+// `tether console` prints a link whose fragment holds the token (a fragment never
+// reaches a server): kept like a typed one, then taken out of the address bar and history.
+function takeTokenFromLink() {
+  const params = hashParams();
+  const token = params.get("token");
+  if (!token) return;
+  setToken(token.trim());
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(null, "", location.pathname + location.search + (rest ? `#${rest}` : ""));
 }
 
 function askToken(error) {
