@@ -1,4 +1,4 @@
-"""Untrusted text made safe for the places a model or a page reads it.
+"""Untrusted text made safe for the places a model, a page or a terminal reads it.
 
 Reasons and steer texts come from people and from other agents, so they are capped
 (with a visible truncation mark) and escaped wherever they are embedded in text. Other
@@ -16,6 +16,7 @@ from typing import Any, Final
 __all__ = [
     "FRAME_TAGS",
     "REASON_CAP",
+    "TERMINAL_CONTROLS",
     "cap",
     "escape",
     "marker_text",
@@ -31,6 +32,11 @@ FRAME_TAGS: Final = ("steer", "cancel")
 # ``<steer``, ``</steer``, any case, as a whole word: ``<steering>``, ``a < b``, ``<div>``
 # and ``List<String>`` are left alone.
 _FRAME_TAG: Final = re.compile(r"<(?=/?(?:" + "|".join(FRAME_TAGS) + r")(?![\w-]))", re.IGNORECASE)
+
+# What a terminal acts on rather than shows: C0 but tab and newline (a multi-line text
+# prints as such), DEL, C1 (U+009B is a CSI on its own), and the bidi embeddings,
+# overrides and isolates, which reorder what follows them on the line.
+TERMINAL_CONTROLS: Final = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 _VERBS = {
     "steered": "Steered",
