@@ -70,7 +70,7 @@ from tether.wire.records import (
     ToolFate,
     message_key,
 )
-from tether.wire.text import marker_text
+from tether.wire.text import marker_text, neutralize
 from tether.wire.vocab import Kind, StallPolicy
 
 __all__ = ["Interrupt", "Session", "Wake", "make_info", "notice_text"]
@@ -1209,10 +1209,12 @@ def _progress_every(stall: StallPolicy) -> float:
 
 
 def notice_text(notice: ChildTurnEnded) -> str:
-    """A child's turn end as its parent reads it in its inbox."""
+    """A child's turn end as its parent reads it in its inbox: the parent's model reads it
+    as a user message, so the child's text cannot hold a frame of Tether's (its data
+    keeps the partial as the child wrote it)."""
     who = notice.slug or notice.child
     text = f"[{who}] turn {notice.outcome}"
-    return f"{text}: {notice.partial}" if notice.partial else text
+    return neutralize(f"{text}: {notice.partial}" if notice.partial else text)
 
 
 class SessionServices:

@@ -29,7 +29,7 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Cancel, Preempt, Steer
 from tether.wire.records import Entry, Stop
-from tether.wire.text import render_frame
+from tether.wire.text import neutralize, render_frame
 
 __all__ = ["ChatAgent", "ModelError", "openai_client"]
 
@@ -271,9 +271,12 @@ class ChatAgent:
             stop = ctx.cancel
             if stop is not None:  # the turn's cancel: the call's entry says so
                 data["cancelled"] = True
-                ctx.record_tool(_cancelled_text(stop, time.monotonic() - started), data=data)
+                cut = _cancelled_text(stop, time.monotonic() - started)
+                ctx.record_tool(neutralize(cut), data=data)
             raise
-        text = text[:_RESULT_CAP]
+        # An MCP server's result or a preempted command's output is read beside Tether's
+        # frames as much as a Tether tool's (whose results come neutralized already).
+        text = neutralize(text[:_RESULT_CAP])
         ctx.record_tool(text, data=data)
         return text
 

@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import msgspec
 
+from tether.cli._terminal import json_line, shown
 from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
 from tether.serve.token import blank_is_none, find_token
 from tether.wire.budget import LIMITS, check_budget, limit_text, parse_budget, spent_text
@@ -40,11 +41,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _out(args: argparse.Namespace, value: Any, text: str | None = None) -> None:
-    """Print ``value`` as JSON with --json, else ``text`` (if any)."""
+    """Print ``value`` as JSON with --json, else ``text`` (if any); either way with no
+    control character raw (what a model, a tool or a person wrote is in both)."""
     if args.json:
-        print(json.dumps(value, ensure_ascii=False))
+        print(json_line(value))
     elif text is not None:
-        print(text)
+        print(shown(text))
 
 
 def _json_arg(text: str) -> Any:
@@ -400,9 +402,9 @@ def _report(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         _out(args, {"report": report})
     elif report is None:
-        print(f"no stop reached {args.turn}")
+        print(shown(f"no stop reached {args.turn}"))
     else:
-        print("\n".join(report_lines(report)))
+        print(shown("\n".join(report_lines(report))))
     return 0
 
 
@@ -428,7 +430,7 @@ def _tree(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         _out(args, {"root": root, "agents": agents})
     else:
-        print("\n".join(_tree_lines(root, agents)))
+        print(shown("\n".join(_tree_lines(root, agents))))
     return 0
 
 
@@ -489,9 +491,9 @@ def entry_line(entry: dict[str, Any]) -> str:
 
 def _print_entry(args: argparse.Namespace, entry: dict[str, Any]) -> None:
     if args.json:
-        print(json.dumps(entry, ensure_ascii=False), flush=True)
+        print(json_line(entry), flush=True)
     else:
-        print(entry_line(entry), flush=True)
+        print(shown(entry_line(entry)), flush=True)
 
 
 def _print_after(args: argparse.Namespace, client: Client, after: int) -> int:
@@ -1030,9 +1032,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RpcError as exc:
         if args.json:
             error = {"code": exc.code, "message": exc.message, "error_id": exc.error_id}
-            print(json.dumps({"error": error}), file=sys.stderr)
+            print(json_line({"error": error}), file=sys.stderr)
         else:
-            print(f"tether: {exc.code}: {exc.message}", file=sys.stderr)
+            print(shown(f"tether: {exc.code}: {exc.message}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # how --follow and watch are meant to end
         return 0

@@ -8,7 +8,6 @@ object per line instead: a ``snapshot`` of the tree, then each event as it arriv
 
 from __future__ import annotations
 
-import json
 from typing import Any, Final
 
 from rich.console import Console
@@ -16,6 +15,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.tree import Tree
 
+from tether.cli._terminal import json_line, shown
 from tether.cli.client import Client, in_background
 
 __all__ = ["render_tree", "watch"]
@@ -33,7 +33,7 @@ _STATE_STYLE: Final = {
 
 def _label(info: dict[str, Any]) -> str:
     style = _STATE_STYLE.get(str(info["state"]), "")
-    slug = escape(str(info.get("slug") or "-"))
+    slug = escape(shown(str(info.get("slug") or "-")))
     stopping = f" [red]stopping={escape(str(info['stopping']))}[/]" if info.get("stopping") else ""
     # An older server does not say: only an explicit False is "waiting".
     waiting = info["state"] == "running" and info.get("dispatched") is False
@@ -73,9 +73,9 @@ def watch(client: Client, root: str, *, as_json: bool = False) -> int:
         return render_tree(tree["root"], tree["agents"])
 
     if as_json:
-        print(json.dumps({"id": None, "event": "snapshot", "data": walk()}), flush=True)
+        print(json_line({"id": None, "event": "snapshot", "data": walk()}), flush=True)
         while (ev := pending.get()) is not None:
-            print(json.dumps({"id": ev.id, "event": ev.event, "data": ev.data}), flush=True)
+            print(json_line({"id": ev.id, "event": ev.event, "data": ev.data}), flush=True)
         return 0
     console = Console(highlight=False)
     with _Display(console, snapshot()) as display:
@@ -87,8 +87,8 @@ def watch(client: Client, root: str, *, as_json: bool = False) -> int:
                 if ev is not None and ev.event == "marker":
                     text = ev.data.get("data", {}).get("entry", {}).get("text", "")
                     session = str(ev.data.get("session", ""))
-                    who = escape(names.get(session, session))
-                    console.print(f"[cyan]{who}[/] {escape(str(text))}")
+                    who = escape(shown(names.get(session, session)))
+                    console.print(f"[cyan]{who}[/] {escape(shown(str(text)))}")
             if None in burst:
                 console.print("[dim]the server ended the event stream[/]")
                 return 0

@@ -20,6 +20,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from tether.wire.errors import Preempted, TetherError
+from tether.wire.text import neutralized
 from tether.wire.vocab import MAX_SECONDS
 
 __all__ = [
@@ -386,8 +387,15 @@ def schemas(style: Literal["openai", "anthropic"] = "openai") -> list[dict[str, 
     return out
 
 
+def _for_model(result: dict[str, Any]) -> dict[str, Any]:
+    """A result as the model reads it: what it carries from other agents (a child's
+    partial work, a slug) or from a command cannot hold a frame of Tether's."""
+    out: dict[str, Any] = neutralized(result)
+    return out
+
+
 def _error(code: str, message: str) -> dict[str, Any]:
-    return {"error": code, "message": message}
+    return _for_model({"error": code, "message": message})
 
 
 def _parse(arguments: str | bytes | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -422,8 +430,9 @@ def call_tool(
 ) -> dict[str, Any]:
     """Validate ``arguments`` for tool ``name`` and call it on ``host``.
 
-    Returns the JSON-ready result, or ``{"error": code, "message": ...}`` for an unknown
-    tool (``unknown-tool``), malformed JSON or arguments of the wrong shape
+    Returns the JSON-ready result (its text with Tether's frame tags neutralized: the
+    model reads it beside Tether's own frames), or ``{"error": code, "message": ...}``
+    for an unknown tool (``unknown-tool``), malformed JSON or arguments of the wrong shape
     (``invalid-params``; nothing was called), or a refusal from the runtime (the
     ``TetherError``'s code, e.g. ``subagent-unauthorized``). Other exceptions propagate.
     """
@@ -432,7 +441,7 @@ def call_tool(
         return call
     args, invoke, shape = call
     try:
-        return shape(invoke(host, args))
+        return _for_model(shape(invoke(host, args)))
     except TetherError as exc:
         return _error(exc.code, exc.message)
 
@@ -448,7 +457,7 @@ async def acall_tool(
         return call
     args, invoke, shape = call
     try:
-        return shape(await invoke(host, args))
+        return _for_model(shape(await invoke(host, args)))
     except Preempted:
         raise
     except TetherError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
@@ -18,7 +19,7 @@ from tether.actors.authority import Ancestor, User
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups
 from tether.wire.budget import check_price
 from tether.wire.errors import InvalidParams
-from tether.wire.text import cap
+from tether.wire.text import TERMINAL_CONTROLS, cap
 from tether.wire.vocab import (
     Grace,
     Kind,
@@ -185,6 +186,11 @@ def check_slug(slug: object) -> None:
     if not isinstance(slug, str) or not slug or len(slug) > 128:
         raise InvalidParams("slug must be a non-empty string of at most 128 characters")
     check_text("slug", slug)
+    # A slug is a one-line name that every face prints: no character a terminal acts on,
+    # nor a tab or a newline (repr shows the one found escaped).
+    bad = TERMINAL_CONTROLS.search(slug) or re.search("[\t\n]", slug)
+    if bad is not None:
+        raise InvalidParams(f"slug must hold no control character, not {bad.group()!r}")
 
 
 def check_settings(

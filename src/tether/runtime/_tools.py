@@ -21,7 +21,7 @@ from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, Unauthorized
 from tether.wire.frames import ToolCall, ToolReply
 from tether.wire.records import Entry
-from tether.wire.text import cap
+from tether.wire.text import cap, neutralize
 from tether.wire.tool_calls import (
     BudgetCall,
     HistoryCall,
@@ -107,7 +107,8 @@ class HostTools(WorkerHost):
             case SendCall(to=to, text=text, data=data, wake=wake):
                 auth = self._gate(spec, "send")
                 target = self._resolve(caller, to)
-                return rt.send(target, text, authority=auth, data=data, wake=wake)
+                # An agent's words to its child: no frame of its user's among them
+                return rt.send(target, neutralize(text), authority=auth, data=data, wake=wake)
             case ListCall(scope=scope):
                 self._gate(spec, "list")
                 return msgspec.to_builtins(rt.list_agents(caller, scope=scope))
@@ -152,7 +153,7 @@ class HostTools(WorkerHost):
             spec.session,
             spec.driver,
             mode=call.mode or "continuable",
-            prompt=call.prompt,
+            prompt=None if call.prompt is None else neutralize(call.prompt),
             data=call.data,
             slug=call.slug,
             config=spec.config,

@@ -1,16 +1,42 @@
-"""Untrusted text made safe for the places a model or a page reads it.
+"""Untrusted text made safe for the places a model, a page or a terminal reads it.
 
 Reasons and steer texts come from people and from other agents, so they are capped
-(with a visible truncation mark) and escaped wherever they are embedded in text.
+(with a visible truncation mark) and escaped wherever they are embedded in text. Other
+text a model reads beside Tether's own frames (a child's reply in its parent's notice, a
+tool's result) keeps its characters, but not Tether's frame tags: a child cannot write a
+``<steer origin="user">`` that its parent's model takes for its user's (semantics §5).
 """
 
 from __future__ import annotations
 
 import html
+import re
+from typing import Any, Final
 
-__all__ = ["REASON_CAP", "cap", "escape", "marker_text", "render_frame"]
+__all__ = [
+    "FRAME_TAGS",
+    "REASON_CAP",
+    "TERMINAL_CONTROLS",
+    "cap",
+    "escape",
+    "marker_text",
+    "neutralize",
+    "neutralized",
+    "render_frame",
+]
 
 REASON_CAP = 2000
+
+# The tags Tether wraps text in for a model (``render_frame``); only these are neutralized.
+FRAME_TAGS: Final = ("steer", "cancel")
+# ``<steer``, ``</steer``, any case, as a whole word: ``<steering>``, ``a < b``, ``<div>``
+# and ``List<String>`` are left alone.
+_FRAME_TAG: Final = re.compile(r"<(?=/?(?:" + "|".join(FRAME_TAGS) + r")(?![\w-]))", re.IGNORECASE)
+
+# What a terminal acts on rather than shows: C0 but tab and newline (a multi-line text
+# prints as such), DEL, C1 (U+009B is a CSI on its own), and the bidi embeddings,
+# overrides and isolates, which reorder what follows them on the line.
+TERMINAL_CONTROLS: Final = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 _VERBS = {
     "steered": "Steered",
@@ -35,6 +61,26 @@ def escape(text: str) -> str:
     return html.escape(text, quote=True)
 
 
+def neutralize(text: str) -> str:
+    """``text`` with the ``<`` of each of Tether's frame tags written ``&lt;``, as a real
+    frame writes a ``<`` in its text: nothing else changes, and twice is once."""
+    return _FRAME_TAG.sub("&lt;", text)
+
+
+def neutralized(value: Any) -> Any:
+    """A JSON-ready value (a tool's result) with every string in it, keys included,
+    neutralized."""
+    if isinstance(value, str):
+        return neutralize(value)
+    if isinstance(value, dict):
+        return {
+            neutralize(k) if isinstance(k, str) else k: neutralized(v) for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [neutralized(v) for v in value]
+    return value
+
+
 def marker_text(action: str, origin: str, by: str, reason: str) -> str:
     """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason.
 
@@ -55,4 +101,6 @@ def marker_text(action: str, origin: str, by: str, reason: str) -> str:
 
 def render_frame(tag: str, origin: str, by: str, text: str) -> str:
     """The frame as a model reads it: ``<steer origin="user" by="...">text</steer>``."""
+    if tag not in FRAME_TAGS:  # a new frame tag is one ``neutralize`` must know
+        raise ValueError(f"{tag!r} is not one of Tether's frame tags {FRAME_TAGS}")
     return f'<{tag} origin="{escape(origin)}" by="{escape(by)}">{escape(text)}</{tag}>'
