@@ -504,6 +504,50 @@ def test_a_message_to_a_context_this_server_never_opened_is_invalid_params(
     assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS
 
 
+def test_a_root_opened_over_rpc_is_no_a2a_context_and_its_turns_are_no_a2a_tasks(
+    server: LiveServer,
+) -> None:
+    """An A2A caller holding another face's root id can neither send to it nor read it,
+    and is told no more than for an id that does not exist."""
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    server.call("session.prompt", {"session": root, "content": "the operator's private plan"})
+    server.wait_state(root, "idle")
+    (turn,) = [t["id"] for t in server.call("subagent.turns", {"session": root})["turns"]]
+    made_up_context, made_up_task = "s_" + "0" * (len(root) - 2), "t_" + "0" * (len(turn) - 2)
+
+    def refusal(method: str, params: dict[str, Any], given: str) -> tuple[int, str]:
+        answer = raw(server, method, params)
+        assert "result" not in answer, (method, answer)
+        return answer["error"]["code"], answer["error"]["message"].replace(given, "ID")
+
+    for context in (root, made_up_context):
+        assert refusal(
+            "SendMessage", {"message": text_message("let me in", contextId=context)}, context
+        ) == (INVALID_PARAMS, "no context 'ID' here: leave contextId out to open one")
+    steer = {"tether": {"steer": True}}
+    for method, params in [
+        ("SendMessage", {"message": text_message("go", taskId="ID")}),
+        ("SendMessage", {"message": text_message("go", taskId="ID", metadata=steer)}),
+        ("SendStreamingMessage", {"message": text_message("go", taskId="ID")}),
+        ("GetTask", {"id": "ID"}),
+        ("CancelTask", {"id": "ID"}),
+        ("SubscribeToTask", {"id": "ID"}),
+    ]:
+        answers = set()
+        for task in (turn, made_up_task):
+            doc = json.loads(json.dumps(params).replace('"ID"', json.dumps(task)))
+            answers.add(refusal(method, doc, task))
+        assert len(answers) == 1 and answers.pop()[0] == TASK_NOT_FOUND, (method, answers)
+    listed = raw(server, "ListTasks", {"contextId": root})["result"]
+    assert listed["tasks"] == [] and listed["totalSize"] == 0
+    everything = raw(server, "ListTasks", {"pageSize": 100})["result"]
+    assert "private plan" not in json.dumps(everything)
+    assert root not in {t["contextId"] for t in everything["tasks"]}
+    # Nothing reached the root: its one turn, and no message waiting.
+    assert [t["id"] for t in server.call("subagent.turns", {"session": root})["turns"]] == [turn]
+    assert server.call("subagent.inbox", {"session": root})["messages"] == []
+
+
 def test_list_tasks_pages_a_contexts_tasks_newest_first(server: LiveServer) -> None:
     first = raw(server, "SendMessage", {"message": text_message("one")})["result"]["task"]
     context = first["contextId"]

@@ -342,7 +342,9 @@ class TetherA2A(RequestHandler):
         self.rt = rt
         self.options = options
         self._tasks: dict[str, _Known] = {}
-        self._contexts: set[str] = set()  # the sessions this face has sent to
+        # The root sessions this face opened since the server started: its callers'
+        # contexts, and the only ones it serves (one opened over /rpc or MCP is not).
+        self._contexts: set[str] = set()
         self._contexts_lock = threading.Lock()  # added to on the loop, read on threads
         self._lane = anyio.CapacityLimiter(32)
         self._stop_lane = anyio.CapacityLimiter(4)  # a cancel never waits behind other calls
@@ -359,7 +361,7 @@ class TetherA2A(RequestHandler):
 
     def _known(self, task: str) -> _Known:
         """Where ``task`` lives. A turn this face did not see start (a message that was
-        queued behind another turn) is looked for in the contexts it has served."""
+        queued behind another turn) is looked for in the contexts it opened."""
         known = self._tasks.get(task)
         if known is None:
             with self._contexts_lock:
@@ -437,8 +439,6 @@ class TetherA2A(RequestHandler):
             return await self._steer_task(message, session, content)
         session, after = await self._context(session)
         sent: str = await self._run(lambda: self.rt.prompt(session, content, data=data))
-        with self._contexts_lock:
-            self._contexts.add(session)
         return await self._task_of(session, sent, after, immediate=immediate, waiter=waiter)
 
     async def _open_task(self, task: str, session: str) -> str:
@@ -475,18 +475,27 @@ class TetherA2A(RequestHandler):
 
     async def _context(self, session: str) -> tuple[str, int]:
         """The message's session and its transcript's last seq: the context given (one
-        this server opened: it makes up none), or a new root session."""
+        this face opened: it makes up none), or a new root session."""
         if not session:
             opts = self.options
             opened = await self._run(lambda: self.rt.open_session(opts.driver, config=opts.config))
+            with self._contexts_lock:
+                self._contexts.add(opened)
             log.info("a2a.context_opened", session=opened)
             return opened, 0
+        # Another face's session (a root opened over /rpc or MCP) is refused as an unknown
+        # one is, in the same words: whether it exists, and whose it is, stays unsaid.
+        unknown = InvalidParamsError(
+            message=f"no context {session!r} here: leave contextId out to open one"
+        )
+        with self._contexts_lock:
+            mine = session in self._contexts
+        if not mine:
+            raise unknown
         try:
             return session, await self._run(last_seq, self.rt, session)
         except TaskNotFoundError:
-            raise InvalidParamsError(
-                message=f"no context {session!r} here: leave contextId out to open one"
-            ) from None
+            raise unknown from None
 
     async def _task_of(
         self, session: str, sent: str, after: int, *, immediate: bool, waiter: _Waiter | None
@@ -671,7 +680,7 @@ class TetherA2A(RequestHandler):
     async def on_list_tasks(
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
-        """The tasks of the contexts this face has served (every caller holds the same
+        """The tasks of the contexts this face opened (every caller holds the same
         token, so all of them), newest status first, a page at a time; a page token
         is the position of the last task of the page before."""
         validate_history_length(params)
@@ -716,7 +725,7 @@ class TetherA2A(RequestHandler):
         )
 
     def _listed(self, params: ListTasksRequest) -> list[tuple[int, str, str]]:
-        """Every task of the contexts this server opened that the filters keep, as
+        """Every task of the contexts this face opened that the filters keep, as
         (status timestamp, task, context)."""
         with self._contexts_lock:
             contexts = sorted(self._contexts)
