@@ -225,6 +225,30 @@ def test_an_mcp_client_is_refused_agents_it_did_not_open(server: LiveServer) -> 
     anyio.run(body)
 
 
+def test_a_stop_report_of_another_clients_turn_is_refused_as_an_unknown_turn_naming_no_agent(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with http_session(server) as alice, http_session(server) as bob:
+            root = (await ok(alice, "spawn_agent", slug="alices"))["agent"]
+            child = (await ok(alice, "spawn_agent", parent=root, prompt="w", data=HANG))["agent"]
+            turn = await running_turn(alice, root, child)
+            await ok(alice, "interrupt_agent", agent=child, kind="abort")
+            report = (await ok(alice, "stop_report", turn=turn))["report"]
+            assert report["session"] == child and report["kind"] == "abort"
+            # A turn of hers that no stop reached: no report, and no refusal.
+            done = await ok(alice, "send_message", to=root, text="quick", wait=True)
+            assert done["outcome"] == "completed"
+            assert await ok(alice, "stop_report", turn=done["turn"]) == {"report": None}
+            # Bob holds her turn's id: he learns what he would of a made-up one.
+            foreign = await call(bob, "stop_report", turn=turn)
+            unknown = await call(bob, "stop_report", turn="t_" + "0" * (len(turn) - 2))
+            assert foreign == unknown and foreign["error"] == "subagent-unauthorized", foreign
+            assert root not in json.dumps(foreign) and child not in json.dumps(foreign)
+
+    anyio.run(body)
+
+
 def test_a_root_given_with_root_is_held_by_every_client_of_tether_mcp(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
 

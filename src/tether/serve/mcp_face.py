@@ -529,12 +529,28 @@ class McpFace:
         )
         return {"entries": msgspec.to_builtins(entries[: a.limit]), "more": len(entries) > a.limit}
 
+    def _holds_turn(self, held: set[str], turn: str) -> bool:
+        """Whether ``turn`` is a turn of one of the client's roots or of an agent below
+        them (looked up in their turn records; a report is never read for it)."""
+        for root in sorted(held):
+            try:
+                sessions = [root, *(a.id for a in self.rt.list_agents(root, scope="descendants"))]
+            except TetherError:  # a root that is gone holds no turn
+                continue
+            for session in sessions:
+                with contextlib.suppress(TetherError):  # nor does an agent gone meanwhile
+                    if any(t.id == turn for t in self.rt.turns(session)):
+                        return True
+        return False
+
     async def _stop_report(self, call: _Call, a: StopReportArgs) -> dict[str, Any]:
+        # A report is read by who may stop its turn: that is checked before anything about
+        # the turn is read, and a turn that is not the client's is refused as one that
+        # does not exist, naming no agent.
+        if not await self._run(self._holds_turn, set(call.held), a.turn):
+            raise Unauthorized("no agent this client opened, nor one below them, ran that turn")
         report = await self._run(self.rt.stop_report, a.turn)
-        if report is None:
-            return {"report": None}
-        await self._user(call, report.session)  # a report is read by who may stop it
-        return {"report": msgspec.to_builtins(report)}
+        return {"report": None if report is None else msgspec.to_builtins(report)}
 
     async def _wait_agent(self, call: _Call, a: WaitAgentArgs) -> dict[str, Any]:
         await self._user(call, a.agent)
