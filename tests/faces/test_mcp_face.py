@@ -428,6 +428,29 @@ def test_tether_mcp_keeps_what_drivers_and_tools_print_off_the_protocol_stream(
         assert noise in stderr, noise  # on stderr, so not on the protocol stream
 
 
+def test_a_tool_that_fails_unexpectedly_answers_an_error_id_and_not_the_exceptions_text(
+    tmp_path: Path,
+) -> None:
+    errlog = tmp_path / "mcp.err"
+
+    async def body() -> str:
+        async with stdio_session(tmp_path / "state.db", errlog=errlog) as mcp:
+            root = (await ok(mcp, "spawn_agent", slug="reader"))["agent"]
+            # An offset past the store's 64-bit integers fails inside the store: nothing
+            # checks it before (over stdio, no HTTP edge refuses the number).
+            failed = await call(mcp, "read_transcript", agent=root, after=2**63)
+            assert failed["error"] == "internal", failed
+            assert "SQLite" not in failed["message"] and "too large" not in failed["message"]
+            error_id: str = failed["message"].removeprefix("internal error (id ")[:-1]
+            assert error_id.startswith("err_"), failed
+            assert (await ok(mcp, "read_transcript", agent=root))["entries"] == []
+            return error_id
+
+    error_id = anyio.run(body)
+    logged = [json.loads(line) for line in errlog.read_text().splitlines() if error_id in line]
+    assert [(r["event"], r["tool"]) for r in logged] == [("mcp.internal_error", "read_transcript")]
+
+
 def test_a_driver_config_that_cannot_be_read_stops_both_commands_at_start(tmp_path: Path) -> None:
     bad = tmp_path / "agent.json"
     bad.write_text("[1, 2]")

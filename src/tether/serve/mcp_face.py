@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Final
 
@@ -317,10 +318,14 @@ class McpFace:
             return await handler(_Call(ctx, self._holdings(ctx)), args)
         except TetherError as exc:
             code = "invalid-params" if exc.code == "driver-not-found" else exc.code
-            return {"error": code, "message": exc.message}
+            if code != "internal":
+                return {"error": code, "message": exc.message}
+            return _internal(name, exc)
         except anyio.get_cancelled_exc_class():
             log.info("mcp.call_cancelled", tool=name, request=str(ctx.request_id))
             raise
+        except Exception as exc:  # the SDK would answer with the exception's text
+            return _internal(name, exc)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -581,6 +586,14 @@ class McpFace:
         # behind other calls.
         await self._run(lambda: self.rt.set_budget(a.agent, budget, authority=user), stop=True)
         return {"accepted": True}
+
+
+def _internal(tool: str, exc: BaseException) -> dict[str, Any]:
+    """An unexpected failure as the client sees it: the id that finds it in the host's
+    log, never its text (which may hold paths or data)."""
+    error_id = "err_" + uuid.uuid4().hex[:16]
+    log.error("mcp.internal_error", error_id=error_id, tool=tool, exc_info=exc)
+    return {"error": "internal", "message": f"internal error (id {error_id})"}
 
 
 # ---- transports ----------------------------------------------------------------------------
