@@ -25,7 +25,11 @@ from a2a.types.a2a_pb2 import (
     Task,
     TaskState,
 )
-from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
+from a2a.utils.errors import (
+    ContentTypeNotSupportedError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+)
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Struct, Value
 
@@ -444,6 +448,37 @@ def test_a_file_or_an_unsupported_media_type_is_content_type_not_supported(
     ]
     answer = raw(server, "SendMessage", {"message": {**text_message("x"), "parts": ok}})
     assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+
+
+def test_the_official_client_sending_a_file_the_agent_does_not_take_gets_content_type_not_supported(
+    server: LiveServer,
+) -> None:
+    """A2A 1.0, section 3.1.1 (the TCK's CORE-SEND-003): a part of a media type the agent
+    does not take is ContentTypeNotSupportedError, blocking or streaming, and nothing runs."""
+
+    status, card = server.request("GET", "/.well-known/agent-card.json")
+    assert status == 200
+    assert json.loads(card)["defaultInputModes"] == ["text/plain", "application/json"]
+
+    async def body() -> None:
+        before = raw(server, "ListTasks", {})["result"]["totalSize"]
+        files = [
+            Part(raw=b"tck", media_type="application/x-unsupported-tck-type"),
+            Part(url="https://example.com/chart.png", media_type="image/png"),
+        ]
+        for streaming in (False, True):
+            async with a2a(server, streaming=streaming) as client:
+                for file in files:
+                    ask = Message(
+                        message_id=f"m{next(_ids)}",
+                        role=Role.ROLE_USER,
+                        parts=[Part(text="see the attachment"), file],
+                    )
+                    with pytest.raises(ContentTypeNotSupportedError):
+                        await send(client, ask)
+        assert raw(server, "ListTasks", {})["result"]["totalSize"] == before
+
+    anyio.run(body)
 
 
 def test_a_message_naming_a_task_that_does_not_exist_is_task_not_found(
