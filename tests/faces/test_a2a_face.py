@@ -25,7 +25,11 @@ from a2a.types.a2a_pb2 import (
     Task,
     TaskState,
 )
-from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
+from a2a.utils.errors import (
+    ContentTypeNotSupportedError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+)
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Struct, Value
 
@@ -446,6 +450,37 @@ def test_a_file_or_an_unsupported_media_type_is_content_type_not_supported(
     assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
 
 
+def test_the_official_client_sending_a_file_the_agent_does_not_take_gets_content_type_not_supported(
+    server: LiveServer,
+) -> None:
+    """A2A 1.0, section 3.1.1 (the TCK's CORE-SEND-003): a part of a media type the agent
+    does not take is ContentTypeNotSupportedError, blocking or streaming, and nothing runs."""
+
+    status, card = server.request("GET", "/.well-known/agent-card.json")
+    assert status == 200
+    assert json.loads(card)["defaultInputModes"] == ["text/plain", "application/json"]
+
+    async def body() -> None:
+        before = raw(server, "ListTasks", {})["result"]["totalSize"]
+        files = [
+            Part(raw=b"tck", media_type="application/x-unsupported-tck-type"),
+            Part(url="https://example.com/chart.png", media_type="image/png"),
+        ]
+        for streaming in (False, True):
+            async with a2a(server, streaming=streaming) as client:
+                for file in files:
+                    ask = Message(
+                        message_id=f"m{next(_ids)}",
+                        role=Role.ROLE_USER,
+                        parts=[Part(text="see the attachment"), file],
+                    )
+                    with pytest.raises(ContentTypeNotSupportedError):
+                        await send(client, ask)
+        assert raw(server, "ListTasks", {})["result"]["totalSize"] == before
+
+    anyio.run(body)
+
+
 def test_a_message_naming_a_task_that_does_not_exist_is_task_not_found(
     server: LiveServer,
 ) -> None:
@@ -502,6 +537,50 @@ def test_a_message_to_a_context_this_server_never_opened_is_invalid_params(
 ) -> None:
     params = {"message": text_message("hello", contextId="s_made_up")}
     assert _code(raw(server, "SendMessage", params)) == INVALID_PARAMS
+
+
+def test_a_root_opened_over_rpc_is_no_a2a_context_and_its_turns_are_no_a2a_tasks(
+    server: LiveServer,
+) -> None:
+    """An A2A caller holding another face's root id can neither send to it nor read it,
+    and is told no more than for an id that does not exist."""
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    server.call("session.prompt", {"session": root, "content": "the operator's private plan"})
+    server.wait_state(root, "idle")
+    (turn,) = [t["id"] for t in server.call("subagent.turns", {"session": root})["turns"]]
+    made_up_context, made_up_task = "s_" + "0" * (len(root) - 2), "t_" + "0" * (len(turn) - 2)
+
+    def refusal(method: str, params: dict[str, Any], given: str) -> tuple[int, str]:
+        answer = raw(server, method, params)
+        assert "result" not in answer, (method, answer)
+        return answer["error"]["code"], answer["error"]["message"].replace(given, "ID")
+
+    for context in (root, made_up_context):
+        assert refusal(
+            "SendMessage", {"message": text_message("let me in", contextId=context)}, context
+        ) == (INVALID_PARAMS, "no context 'ID' here: leave contextId out to open one")
+    steer = {"tether": {"steer": True}}
+    for method, params in [
+        ("SendMessage", {"message": text_message("go", taskId="ID")}),
+        ("SendMessage", {"message": text_message("go", taskId="ID", metadata=steer)}),
+        ("SendStreamingMessage", {"message": text_message("go", taskId="ID")}),
+        ("GetTask", {"id": "ID"}),
+        ("CancelTask", {"id": "ID"}),
+        ("SubscribeToTask", {"id": "ID"}),
+    ]:
+        answers = set()
+        for task in (turn, made_up_task):
+            doc = json.loads(json.dumps(params).replace('"ID"', json.dumps(task)))
+            answers.add(refusal(method, doc, task))
+        assert len(answers) == 1 and answers.pop()[0] == TASK_NOT_FOUND, (method, answers)
+    listed = raw(server, "ListTasks", {"contextId": root})["result"]
+    assert listed["tasks"] == [] and listed["totalSize"] == 0
+    everything = raw(server, "ListTasks", {"pageSize": 100})["result"]
+    assert "private plan" not in json.dumps(everything)
+    assert root not in {t["contextId"] for t in everything["tasks"]}
+    # Nothing reached the root: its one turn, and no message waiting.
+    assert [t["id"] for t in server.call("subagent.turns", {"session": root})["turns"]] == [turn]
+    assert server.call("subagent.inbox", {"session": root})["messages"] == []
 
 
 def test_list_tasks_pages_a_contexts_tasks_newest_first(server: LiveServer) -> None:

@@ -225,6 +225,30 @@ def test_an_mcp_client_is_refused_agents_it_did_not_open(server: LiveServer) -> 
     anyio.run(body)
 
 
+def test_a_stop_report_of_another_clients_turn_is_refused_as_an_unknown_turn_naming_no_agent(
+    server: LiveServer,
+) -> None:
+    async def body() -> None:
+        async with http_session(server) as alice, http_session(server) as bob:
+            root = (await ok(alice, "spawn_agent", slug="alices"))["agent"]
+            child = (await ok(alice, "spawn_agent", parent=root, prompt="w", data=HANG))["agent"]
+            turn = await running_turn(alice, root, child)
+            await ok(alice, "interrupt_agent", agent=child, kind="abort")
+            report = (await ok(alice, "stop_report", turn=turn))["report"]
+            assert report["session"] == child and report["kind"] == "abort"
+            # A turn of hers that no stop reached: no report, and no refusal.
+            done = await ok(alice, "send_message", to=root, text="quick", wait=True)
+            assert done["outcome"] == "completed"
+            assert await ok(alice, "stop_report", turn=done["turn"]) == {"report": None}
+            # Bob holds her turn's id: he learns what he would of a made-up one.
+            foreign = await call(bob, "stop_report", turn=turn)
+            unknown = await call(bob, "stop_report", turn="t_" + "0" * (len(turn) - 2))
+            assert foreign == unknown and foreign["error"] == "subagent-unauthorized", foreign
+            assert root not in json.dumps(foreign) and child not in json.dumps(foreign)
+
+    anyio.run(body)
+
+
 def test_a_root_given_with_root_is_held_by_every_client_of_tether_mcp(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
 
@@ -402,6 +426,29 @@ def test_tether_mcp_keeps_what_drivers_and_tools_print_off_the_protocol_stream(
     stderr = errlog.read_text()
     for noise in ("noise from print", "noise from fd 1", "noise from a child"):
         assert noise in stderr, noise  # on stderr, so not on the protocol stream
+
+
+def test_a_tool_that_fails_unexpectedly_answers_an_error_id_and_not_the_exceptions_text(
+    tmp_path: Path,
+) -> None:
+    errlog = tmp_path / "mcp.err"
+
+    async def body() -> str:
+        async with stdio_session(tmp_path / "state.db", errlog=errlog) as mcp:
+            root = (await ok(mcp, "spawn_agent", slug="reader"))["agent"]
+            # An offset past the store's 64-bit integers fails inside the store: nothing
+            # checks it before (over stdio, no HTTP edge refuses the number).
+            failed = await call(mcp, "read_transcript", agent=root, after=2**63)
+            assert failed["error"] == "internal", failed
+            assert "SQLite" not in failed["message"] and "too large" not in failed["message"]
+            error_id: str = failed["message"].removeprefix("internal error (id ")[:-1]
+            assert error_id.startswith("err_"), failed
+            assert (await ok(mcp, "read_transcript", agent=root))["entries"] == []
+            return error_id
+
+    error_id = anyio.run(body)
+    logged = [json.loads(line) for line in errlog.read_text().splitlines() if error_id in line]
+    assert [(r["event"], r["tool"]) for r in logged] == [("mcp.internal_error", "read_transcript")]
 
 
 def test_a_driver_config_that_cannot_be_read_stops_both_commands_at_start(tmp_path: Path) -> None:

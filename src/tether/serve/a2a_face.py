@@ -8,14 +8,16 @@ docs/design.md, section 13, and docs/semantics.md section 15.7.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, ParamSpec, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -89,6 +91,10 @@ from tether.wire.errors import TetherError
 __all__ = ["A2aHttp", "TetherA2A", "agent_card"]
 
 log = structlog.get_logger("tether.a2a")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_E = TypeVar("_E")
 
 # A wait sleeps until the runtime says the session changed; it looks again after this
 # many seconds all the same, as a backstop, never as the way it learns of a change.
@@ -335,6 +341,50 @@ def agent_card(base_url: str, options: FaceOptions) -> AgentCard:
     return card
 
 
+def _internal(exc: BaseException) -> InternalError:
+    """An unexpected failure as its caller sees it: the id that finds it in the host's
+    log, never its text (which may hold paths or data)."""
+    error_id = "err_" + uuid.uuid4().hex[:16]
+    code = exc.code if isinstance(exc, TetherError) else None
+    log.error("a2a.internal_error", error_id=error_id, code=code, exc_info=exc)
+    return InternalError(message=f"internal error (id {error_id})")
+
+
+def _answered(
+    fn: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """A handler whose unexpected failure reaches its caller as ``_internal`` makes it:
+    the SDK would answer it with the exception's text."""
+
+    @functools.wraps(fn)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await fn(*args, **kwargs)
+        except A2AError:
+            raise
+        except Exception as exc:
+            raise _internal(exc) from None
+
+    return call
+
+
+def _streamed(fn: Callable[_P, AsyncGenerator[_E]]) -> Callable[_P, AsyncGenerator[_E]]:
+    """``_answered`` for a streaming handler, whose failure may come at any event."""
+
+    @functools.wraps(fn)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> AsyncGenerator[_E]:
+        try:
+            async with contextlib.aclosing(fn(*args, **kwargs)) as stream:
+                async for event in stream:
+                    yield event
+        except A2AError:
+            raise
+        except Exception as exc:
+            raise _internal(exc) from None
+
+    return call
+
+
 class TetherA2A(RequestHandler):
     """The A2A request handler over one runtime."""
 
@@ -342,7 +392,9 @@ class TetherA2A(RequestHandler):
         self.rt = rt
         self.options = options
         self._tasks: dict[str, _Known] = {}
-        self._contexts: set[str] = set()  # the sessions this face has sent to
+        # The root sessions this face opened since the server started: its callers'
+        # contexts, and the only ones it serves (one opened over /rpc or MCP is not).
+        self._contexts: set[str] = set()
         self._contexts_lock = threading.Lock()  # added to on the loop, read on threads
         self._lane = anyio.CapacityLimiter(32)
         self._stop_lane = anyio.CapacityLimiter(4)  # a cancel never waits behind other calls
@@ -359,7 +411,7 @@ class TetherA2A(RequestHandler):
 
     def _known(self, task: str) -> _Known:
         """Where ``task`` lives. A turn this face did not see start (a message that was
-        queued behind another turn) is looked for in the contexts it has served."""
+        queued behind another turn) is looked for in the contexts it opened."""
         known = self._tasks.get(task)
         if known is None:
             with self._contexts_lock:
@@ -437,8 +489,6 @@ class TetherA2A(RequestHandler):
             return await self._steer_task(message, session, content)
         session, after = await self._context(session)
         sent: str = await self._run(lambda: self.rt.prompt(session, content, data=data))
-        with self._contexts_lock:
-            self._contexts.add(session)
         return await self._task_of(session, sent, after, immediate=immediate, waiter=waiter)
 
     async def _open_task(self, task: str, session: str) -> str:
@@ -475,18 +525,27 @@ class TetherA2A(RequestHandler):
 
     async def _context(self, session: str) -> tuple[str, int]:
         """The message's session and its transcript's last seq: the context given (one
-        this server opened: it makes up none), or a new root session."""
+        this face opened: it makes up none), or a new root session."""
         if not session:
             opts = self.options
             opened = await self._run(lambda: self.rt.open_session(opts.driver, config=opts.config))
+            with self._contexts_lock:
+                self._contexts.add(opened)
             log.info("a2a.context_opened", session=opened)
             return opened, 0
+        # Another face's session (a root opened over /rpc or MCP) is refused as an unknown
+        # one is, in the same words: whether it exists, and whose it is, stays unsaid.
+        unknown = InvalidParamsError(
+            message=f"no context {session!r} here: leave contextId out to open one"
+        )
+        with self._contexts_lock:
+            mine = session in self._contexts
+        if not mine:
+            raise unknown
         try:
             return session, await self._run(last_seq, self.rt, session)
         except TaskNotFoundError:
-            raise InvalidParamsError(
-                message=f"no context {session!r} here: leave contextId out to open one"
-            ) from None
+            raise unknown from None
 
     async def _task_of(
         self, session: str, sent: str, after: int, *, immediate: bool, waiter: _Waiter | None
@@ -543,6 +602,7 @@ class TetherA2A(RequestHandler):
         result: Task = out
         return result
 
+    @_answered
     async def on_message_send(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> Task | Message:
@@ -569,6 +629,7 @@ class TetherA2A(RequestHandler):
         length = config.history_length if config.HasField("history_length") else None
         return await self._snapshot_task(task, length)
 
+    @_streamed
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncGenerator[A2AEvent]:
@@ -577,6 +638,7 @@ class TetherA2A(RequestHandler):
         async for event in self._stream(task):
             yield event
 
+    @_streamed
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[A2AEvent]:
@@ -638,10 +700,12 @@ class TetherA2A(RequestHandler):
 
     # ---- tasks -------------------------------------------------------------------------
 
+    @_answered
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task | None:
         length = params.history_length if params.HasField("history_length") else None
         return await self._snapshot_task(params.id, length)
 
+    @_answered
     async def on_cancel_task(
         self, params: CancelTaskRequest, context: ServerCallContext
     ) -> Task | None:
@@ -668,10 +732,11 @@ class TetherA2A(RequestHandler):
         await self._until_ended(task, limit)
         return await self._snapshot_task(task)
 
+    @_answered
     async def on_list_tasks(
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
-        """The tasks of the contexts this face has served (every caller holds the same
+        """The tasks of the contexts this face opened (every caller holds the same
         token, so all of them), newest status first, a page at a time; a page token
         is the position of the last task of the page before."""
         validate_history_length(params)
@@ -716,7 +781,7 @@ class TetherA2A(RequestHandler):
         )
 
     def _listed(self, params: ListTasksRequest) -> list[tuple[int, str, str]]:
-        """Every task of the contexts this server opened that the filters keep, as
+        """Every task of the contexts this face opened that the filters keep, as
         (status timestamp, task, context)."""
         with self._contexts_lock:
             contexts = sorted(self._contexts)
@@ -797,9 +862,7 @@ def _a2a_error(exc: TetherError) -> A2AError:
             return TaskNotFoundError(message=exc.message)
         case "subagent-unauthorized" | "parent-offline":
             return InvalidRequestError(message=exc.message)
-    error_id = "err_" + uuid.uuid4().hex[:16]
-    log.error("a2a.internal_error", error_id=error_id, code=exc.code, exc_info=exc)
-    return InternalError(message=f"internal error (id {error_id})")
+    return _internal(exc)
 
 
 class _Context(DefaultServerCallContextBuilder):

@@ -1,5 +1,6 @@
 """What ``tether serve`` keeps in reserve: descriptors for the runtime, a cap on concurrent
-event streams and bodies."""
+event streams and bodies; and the request limits of ``/rpc`` (body size, nesting,
+integers) that every protocol face keeps too (``limit_route``)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,25 @@ from typing import Any, Final
 
 import msgspec
 import structlog
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.serve.refusals import http_error
+from tether.wire.rpc import INVALID_PARAMS, INVALID_REQUEST, MAX_DEPTH, PARSE_ERROR, json_problem
 
 __all__ = [
     "DEFAULT_FD_RESERVE",
+    "DRAIN_FACTOR",
     "NOFILE_TARGET",
     "Limits",
     "free_descriptors",
     "gated",
+    "limit_route",
     "raise_descriptor_limit",
+    "read_capped",
 ]
 
 log = structlog.get_logger("tether.rpc")
@@ -33,6 +42,10 @@ log = structlog.get_logger("tether.rpc")
 DEFAULT_FD_RESERVE: Final = 64
 # ``serve`` raises the soft RLIMIT_NOFILE toward the hard limit, up to this.
 NOFILE_TARGET: Final = 1 << 16
+# An oversized body is read and dropped up to this many times the cap before the 413, so
+# that a client that writes its whole body before it reads gets it; past that, the 413
+# goes at once (the HTTP server discards or cuts the rest).
+DRAIN_FACTOR: Final = 16
 
 
 def free_descriptors() -> int | None:
@@ -134,3 +147,111 @@ def gated(protocol: Any, floor: int) -> Any:
                 transport.close()
 
     return Gated
+
+
+# ---- request limits: /rpc's, kept by every face ------------------------------------------
+
+
+async def read_capped(request: Request, cap: int) -> bytes | None:
+    """The body, or None if it exceeds ``cap``, never holding more than ``cap`` bytes.
+
+    The bytes are counted as they come. A declared length over the cap is refused at once:
+    nothing of it is kept. An oversized body is still read to its end (up to
+    ``DRAIN_FACTOR`` times the cap) and discarded, so an ordinary client that writes its
+    whole body before reading gets the 413 instead of a reset connection.
+    """
+    declared = request.headers.get("content-length", "")
+    over = declared.isdigit() and int(declared) > cap
+    if over and int(declared) > DRAIN_FACTOR * cap:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DRAIN_FACTOR * cap:
+            return None
+        if size <= cap and not over:
+            parts.append(chunk)
+    return b"".join(parts) if size <= cap and not over else None
+
+
+def _rpc_error(rid: Any, code: int, message: str) -> Response:
+    # 400: the body is refused before any method runs (MCP's Streamable HTTP asks for an
+    # HTTP error status there); the JSON-RPC error says why, as /rpc's would.
+    doc = {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}}
+    return Response(msgspec.json.encode(doc), 400, media_type="application/json")
+
+
+def _declares_json(headers: Headers) -> bool:
+    kind = headers.get("content-type", "").split(";")[0].strip().lower()
+    return not kind or kind == "application/json" or kind.endswith("+json")
+
+
+def _refusal(body: bytes) -> Response | None:
+    """What /rpc would refuse in a JSON-RPC body before reading it as a call: not JSON,
+    nested deeper than ``MAX_DEPTH``, an integer outside 64 bits signed. The messages
+    describe the body; no exception's text is in them."""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:  # its text says where the body is malformed
+        return _rpc_error(None, PARSE_ERROR, f"parse error: {exc}")
+    except RecursionError:  # the decoder's own guard, near 1,000 levels
+        return _rpc_error(None, INVALID_REQUEST, f"JSON nested deeper than {MAX_DEPTH} levels")
+    rid = doc.get("id") if isinstance(doc, dict) else None
+    if not (rid is None or (isinstance(rid, str | int) and not isinstance(rid, bool))):
+        rid = None
+    match json_problem(doc):
+        case "depth":
+            return _rpc_error(rid, INVALID_REQUEST, f"JSON nested deeper than {MAX_DEPTH} levels")
+        case "integer":
+            bad = "invalid params: an integer outside the 64-bit signed range"
+            return _rpc_error(rid, INVALID_PARAMS, bad)
+    return None
+
+
+class _Capped:
+    """A face's endpoint behind /rpc's request limits: a POST body is read with
+    ``read_capped`` (413 over the cap), a JSON one checked by ``_refusal``, and only then
+    handed on to the face, which reads it from memory. A body declared as another type
+    goes on unparsed: the face refuses the type itself."""
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self._app = app
+        self._max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self._app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            body = await read_capped(request, self._max_body)
+        except ClientDisconnect:  # nobody is left to answer
+            return
+        if body is None:
+            await http_error(413, f"request body over {self._max_body} bytes")(scope, receive, send)
+            return
+        refusal = _refusal(body) if _declares_json(request.headers) else None
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        given = False
+
+        async def replay() -> Message:
+            # The body once, then the connection's own messages (a disconnect, which a
+            # waiting call watches for).
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self._app(scope, replay, send)
+
+
+def limit_route(route: BaseRoute, max_body: int) -> BaseRoute:
+    """``route`` (a face's) with /rpc's request limits on what is posted to it."""
+    if not isinstance(route, Route):
+        return route
+    methods = list(route.methods or ())
+    return Route(route.path, _Capped(route.app, max_body), methods=methods, name=route.name)

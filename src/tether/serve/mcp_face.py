@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Final
 
@@ -317,10 +318,14 @@ class McpFace:
             return await handler(_Call(ctx, self._holdings(ctx)), args)
         except TetherError as exc:
             code = "invalid-params" if exc.code == "driver-not-found" else exc.code
-            return {"error": code, "message": exc.message}
+            if code != "internal":
+                return {"error": code, "message": exc.message}
+            return _internal(name, exc)
         except anyio.get_cancelled_exc_class():
             log.info("mcp.call_cancelled", tool=name, request=str(ctx.request_id))
             raise
+        except Exception as exc:  # the SDK would answer with the exception's text
+            return _internal(name, exc)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -529,12 +534,28 @@ class McpFace:
         )
         return {"entries": msgspec.to_builtins(entries[: a.limit]), "more": len(entries) > a.limit}
 
+    def _holds_turn(self, held: set[str], turn: str) -> bool:
+        """Whether ``turn`` is a turn of one of the client's roots or of an agent below
+        them (looked up in their turn records; a report is never read for it)."""
+        for root in sorted(held):
+            try:
+                sessions = [root, *(a.id for a in self.rt.list_agents(root, scope="descendants"))]
+            except TetherError:  # a root that is gone holds no turn
+                continue
+            for session in sessions:
+                with contextlib.suppress(TetherError):  # nor does an agent gone meanwhile
+                    if any(t.id == turn for t in self.rt.turns(session)):
+                        return True
+        return False
+
     async def _stop_report(self, call: _Call, a: StopReportArgs) -> dict[str, Any]:
+        # A report is read by who may stop its turn: that is checked before anything about
+        # the turn is read, and a turn that is not the client's is refused as one that
+        # does not exist, naming no agent.
+        if not await self._run(self._holds_turn, set(call.held), a.turn):
+            raise Unauthorized("no agent this client opened, nor one below them, ran that turn")
         report = await self._run(self.rt.stop_report, a.turn)
-        if report is None:
-            return {"report": None}
-        await self._user(call, report.session)  # a report is read by who may stop it
-        return {"report": msgspec.to_builtins(report)}
+        return {"report": None if report is None else msgspec.to_builtins(report)}
 
     async def _wait_agent(self, call: _Call, a: WaitAgentArgs) -> dict[str, Any]:
         await self._user(call, a.agent)
@@ -565,6 +586,14 @@ class McpFace:
         # behind other calls.
         await self._run(lambda: self.rt.set_budget(a.agent, budget, authority=user), stop=True)
         return {"accepted": True}
+
+
+def _internal(tool: str, exc: BaseException) -> dict[str, Any]:
+    """An unexpected failure as the client sees it: the id that finds it in the host's
+    log, never its text (which may hold paths or data)."""
+    error_id = "err_" + uuid.uuid4().hex[:16]
+    log.error("mcp.internal_error", error_id=error_id, tool=tool, exc_info=exc)
+    return {"error": "internal", "message": f"internal error (id {error_id})"}
 
 
 # ---- transports ----------------------------------------------------------------------------

@@ -37,7 +37,9 @@ from tether.serve.limits import (
     Limits,
     free_descriptors,
     gated,
+    limit_route,
     raise_descriptor_limit,
+    read_capped,
 )
 from tether.serve.refusals import http_error
 from tether.serve.rpc import FAULT_INJECTION_ENV, RpcDispatcher
@@ -74,27 +76,6 @@ log = structlog.get_logger("tether.rpc")
 _EVENT_ID: Final = re.compile(r"[0-9]{1,19}")  # ASCII digits only: int() takes more
 
 
-async def _read_capped(request: Request, cap: int) -> bytes | None:
-    """The body, or None if it exceeds ``cap``.
-
-    An oversized body is still read to its end (up to 16 times the cap, then the
-    connection is dropped) and discarded, so an ordinary client that writes its whole
-    body before reading gets the 413 instead of a reset connection.
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > 16 * cap:
-        return None
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > 16 * cap:
-            return None
-        if size <= cap:
-            parts.append(chunk)
-    return b"".join(parts) if size <= cap else None
-
-
 def build_app(
     rt: Runtime,
     hub: EventHub,
@@ -113,7 +94,7 @@ def build_app(
     lanes = dispatcher.lanes
 
     async def rpc(request: Request) -> Response:
-        body = await _read_capped(request, max_body)
+        body = await read_capped(request, max_body)
         if body is None:
             return http_error(413, f"request body over {max_body} bytes")
         answer = await dispatcher.handle(body)
@@ -177,7 +158,8 @@ def build_app(
         Route("/events", events, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         *console_routes(),
-        *[route for face in faces for route in face.routes],
+        # The faces keep /rpc's request limits (body size, nesting), from the same code.
+        *[limit_route(route, max_body) for face in faces for route in face.routes],
     ]
     app = Guard(Starlette(routes=routes, lifespan=lifespan), token=token)
     return Limits(app, max_streams=max_streams, fd_reserve=fd_reserve)
