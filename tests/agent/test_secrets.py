@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import tether
@@ -240,3 +241,31 @@ def test_a_tool_user_the_host_cannot_become_is_refused_when_the_runtime_starts(
         tether.Runtime(tool_user=tool_user, backend="ray")
     with pytest.raises(tether.InvalidParams, match="secret_env"):
         tether.Runtime(secret_env="TETHER_TOKEN")
+
+
+@pytest.mark.parametrize("containment", ["auto", "walk"])
+def test_a_tool_users_command_is_still_cut_by_a_stop(tool_user: str, containment: str) -> None:
+    uid = pwd.getpwnam(tool_user).pw_uid
+
+    def theirs() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid]
+
+    with tether.Runtime(workers=1, grace=1.0, tool_user=tool_user, containment=containment) as rt:
+        root = rt.open_session("tether:Scripted", slug="lead")
+        # a command, and an escapee of its own session that ignores SIGTERM
+        escape = "setsid sh -c 'trap \"\" TERM; sleep 300' & sleep 300"
+        step = {"op": "tool", "argv": ["sh", "-c", escape]}
+        me = tether.User(parent=root)
+        rt.send(root, "work", authority=me, data={"steps": [step]})
+
+        def started() -> list[psutil.Process] | None:
+            now = theirs()
+            return now if len(now) >= 3 else None
+
+        found = wait_until(started, what="the tool user's tree")
+        assert all(p.uids().real == uid for p in found)
+        assert rt.interrupt(root, authority=me, kind="abort", reason="stop") is not None
+        rt.wait(root, until="parked", timeout=30)
+        _, alive = psutil.wait_procs(found, timeout=10)
+        assert not alive, alive
+        assert rt.turns(root)[-1].outcome == "aborted"
