@@ -102,7 +102,7 @@ def main() -> None:
         ids = _scene(server)
         browser = pw.chromium.launch(executable_path=path, args=LAUNCH_ARGS)
         page = browser.new_page(viewport={"width": 1100, "height": 600})
-        page.goto(f"{server.url}/#root={ids['root']}")
+        page.goto(f"{server.url}/#token={server.token}&root={ids['root']}")  # signed in
         expect(item(page, "unit")).to_be_visible()
         select(page, "researcher")
         expect(page.get_by_role("list", name="Transcript")).to_contain_text("⊘ Steered")
