@@ -188,6 +188,11 @@ class LiveServer:
 
     # ---- HTTP ---------------------------------------------------------------------------
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """The ``Authorization`` header of the server's token."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     def request(
         self,
         method: str,

@@ -52,6 +52,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 async def a2a(
     server: LiveServer, *, streaming: bool = False, token: str | None = None
 ) -> AsyncIterator[Client]:
+    token = token or server.token  # the server's own, made or given, unless another
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(headers=headers, timeout=30) as http:
         config = ClientConfig(httpx_client=http, streaming=streaming)
@@ -344,7 +345,7 @@ def test_a_blocking_send_whose_caller_hangs_up_stops_waiting_and_the_turn_goes_o
                 }
             },
         }
-        headers = {"A2A-Version": "1.0"}
+        headers = {"A2A-Version": "1.0", **server.auth}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/a2a", json=doc, headers=headers, timeout=2.0)
 
@@ -670,7 +671,10 @@ def test_blocking_sends_queued_behind_a_turn_stop_waiting_when_their_callers_han
             }
             with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
                 httpx.post(
-                    server.url + "/a2a", json=doc, headers={"A2A-Version": "1.0"}, timeout=1.5
+                    server.url + "/a2a",
+                    json=doc,
+                    headers={"A2A-Version": "1.0", **server.auth},
+                    timeout=1.5,
                 )
 
         for i in range(callers):

@@ -29,7 +29,7 @@ EXCEPTION_TEXT = ("Traceback", "Error(", "recursion", "Exceeds the limit", "code
 
 def _head(server: LiveServer, path: str, extra: dict[str, str]) -> bytes:
     lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}"]
-    headers = {"Content-Type": "application/json", **HEADERS[path], **extra}
+    headers = {"Content-Type": "application/json", **server.auth, **HEADERS[path], **extra}
     lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 

@@ -363,7 +363,9 @@ def _events_status(server: LiveServer, header: bytes) -> tuple[int, bytes]:
     """``GET /events`` with ``Last-Event-ID: header``; the status and the head's body."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(
-            b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\nLast-Event-ID: "
+            b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"Authorization: Bearer {server.token}\r\n".encode()
+            + b"Last-Event-ID: "
             + header
             + b"\r\nConnection: close\r\n\r\n"
         )

@@ -56,6 +56,7 @@ async def stdio_session(
 async def http_session(
     server: LiveServer, token: str | None = None, owner: str | None = None
 ) -> AsyncIterator[ClientSession]:
+    token = token or server.token  # the server's own, made or given, unless another
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if owner is not None:
         headers["Tether-Owner"] = owner
@@ -346,12 +347,14 @@ def test_mcp_over_http_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
         anyio.run(body, server)
 
 
-def test_mcp_and_a2a_on_a_loopback_server_refuse_a_foreign_host_or_origin(
+def test_mcp_and_a2a_refuse_a_page_of_another_origin_that_lacks_the_token(
     server: LiveServer, tmp_path: Path
 ) -> None:
     for path in ("/mcp", "/a2a"):
         for header in ({"Host": "evil.example:7777"}, {"Origin": "http://evil.example"}):
-            assert server.request("POST", path, b"{}", header)[0] == 403, (path, header)
+            answer = server.request("POST", path, b"{}", header, auth=False)
+            assert answer[0] == 401, (path, header)
+    assert server.request("GET", "/.well-known/agent-card.json", None, auth=False)[0] == 401
     assert server.request("GET", "/.well-known/agent-card.json", None)[0] == 200
     done = subprocess.run(
         [TETHER, "serve", "--host", "0.0.0.0", "--path", str(tmp_path / "x.db")],

@@ -48,10 +48,12 @@ def _nofile(soft: int, hard: int) -> Callable[[], None]:
 class _RawStream:
     """``GET /events`` on a bare socket: the request is sent, the answer read later."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, server: LiveServer) -> None:
+        port = server.port
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.sock.sendall(
             f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: Bearer {server.token}\r\n"
             "Accept: text/event-stream\r\n\r\n".encode()
         )
         self.sock.setblocking(False)
@@ -143,7 +145,7 @@ def test_held_event_streams_leave_descriptors_for_an_abort(
     """Finding 1: 400 held ``/events`` streams against a 384-descriptor server."""
     with running_server(tmp_path, *args, preexec_fn=_nofile(384, 384)) as server:
         root, child = _hanging_child(server)
-        streams = [_RawStream(server.port) for _ in range(400)]
+        streams = [_RawStream(server) for _ in range(400)]
         try:
             unanswered = _settle(streams, timeout=15.0)
             assert not unanswered, f"{len(unanswered)} of 400 /events requests got no answer"
@@ -163,7 +165,7 @@ def test_held_event_streams_leave_descriptors_for_an_abort(
 
         # And once the clients go, their slots come back.
         def stream_again() -> bool:
-            s = _RawStream(server.port)
+            s = _RawStream(server)
             try:
                 _settle([s], timeout=5.0)
                 return s.status == 200
@@ -181,7 +183,7 @@ def test_max_streams_refuses_one_stream_too_many_with_a_json_503(tmp_path: Path)
         readers = [EventReader(server) for _ in range(3)]
         try:
             assert [r.status for r in readers] == [200, 200, 200]
-            extra = _RawStream(server.port)
+            extra = _RawStream(server)
             try:
                 assert not _settle([extra], timeout=10.0)
                 assert extra.status == 503
@@ -192,7 +194,7 @@ def test_max_streams_refuses_one_stream_too_many_with_a_json_503(tmp_path: Path)
             readers.pop().close()
 
             def slot_free() -> bool:
-                s = _RawStream(server.port)
+                s = _RawStream(server)
                 try:
                     _settle([s], timeout=5.0)
                     return s.status == 200
@@ -310,7 +312,7 @@ def _dispose_in_thread(
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         try:
             doc = {"jsonrpc": "2.0", "id": 1, "method": "subagent.dispose", "params": params}
-            conn.request("POST", "/rpc", json.dumps(doc).encode())
+            conn.request("POST", "/rpc", json.dumps(doc).encode(), server.auth)
             sent.release()
             out.append(json.loads(conn.getresponse().read()))
         except OSError as exc:
