@@ -955,7 +955,7 @@ def abort_cgroup(cfg: Cfg) -> Iterator[Samples]:
 def _cgroup_events(pid: int) -> Path:
     with open(f"/proc/{pid}/cgroup") as f:
         rel = next(line[3:].strip() for line in f if line.startswith("0::"))
-    from tether.runtime._cgroup import v2_mount
+    from tether.contain.cgroup import v2_mount
 
     mount = v2_mount()
     if mount is None:

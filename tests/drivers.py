@@ -26,8 +26,8 @@ import psutil
 import tether
 from tether.actors.host import _Sink
 from tether.actors.ports import TurnOver
-from tether.runtime._cgroup import Cgroups, CgroupUnavailable, v2_mount
-from tether.runtime._procs import exiting
+from tether.contain.cgroup import Cgroups, CgroupUnavailable, v2_mount
+from tether.contain.procs import exiting
 
 # re-exported: tests import them from here
 from tether.testing.escapee import escapee as escapee

@@ -27,8 +27,8 @@ import pytest
 from drivers import ROOT
 from tether import InvalidParams
 from tether.agents import McpResult, McpTimeout, McpTools
-from tether.runtime import _procs
-from tether.runtime._procs import TREE_ENV
+from tether.contain import procs
+from tether.contain.procs import TREE_ENV
 from tether.testing.mcp_server import LOG_ENV, read_log
 
 SRC = str(ROOT / "src")
@@ -620,14 +620,14 @@ def test_a_pause_of_the_caller_and_its_server_is_not_charged_to_the_calls_limits
         assert caller.stdout is not None
         assert read_line(caller.stdout).strip() == "ready"
         run(logged(log, call_of("progress")))
-        escapees = _procs.freeze_tree(caller.pid)
-        frozen = [caller.pid, *_procs.descendant_pids([caller.pid])]
+        escapees = procs.freeze_tree(caller.pid)
+        frozen = [caller.pid, *procs.descendant_pids([caller.pid])]
         deadline = time.monotonic() + WAIT
         while not all(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in frozen):
             assert time.monotonic() < deadline, "the tree did not stop"
             time.sleep(0.01)
         time.sleep(5.0)  # the pause itself: longer than the idle timeout
-        _procs.thaw_tree(caller.pid, escapees)
+        procs.thaw_tree(caller.pid, escapees)
         outcome = json.loads(read_line(caller.stdout))
         assert outcome == {"text": "10 steps"}
     finally:

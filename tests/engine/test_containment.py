@@ -49,8 +49,8 @@ from drivers import (
     turn_reports,
 )
 from tether import InvalidParams, User
-from tether.runtime import _contain, _procs
-from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf, kill_leaf
+from tether.contain import cgroup, hooks, procs
+from tether.contain.cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf, kill_leaf
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -228,7 +228,7 @@ def _killed_host(
             ready: dict[str, Any] = json.loads(line)
             tree = psutil.Process(proc.pid).children(recursive=True)
             if not guard:
-                guards = [p for p in tree if "_cgroup_guard.py" in " ".join(_cmdline(p))]
+                guards = [p for p in tree if "contain/guard.py" in " ".join(_cmdline(p))]
                 assert guards, "no cgroup guard under the host"
                 for p in guards:  # the host's child: dead once a zombie
                     p.kill()
@@ -308,19 +308,18 @@ def test_a_host_making_its_store_group_while_another_host_sweeps_it_keeps_it() -
     """The sweep's ``rmdir`` of an empty group races a host making that group: the host
     makes the group again until its mark is in it, and from then on the kernel refuses
     the sweep. 300 tries, the sweeper in a tight loop."""
-    from tether.runtime import _cgroup
 
     with runtime(workers=1, containment="cgroup") as rt:
         top = os.path.dirname(host_cgroups(rt).base)
     group = os.path.join(top, f"s-race{uuid.uuid4().hex[:12]}")
-    prefix = _cgroup._owner_prefix()
+    prefix = cgroup._owner_prefix()
     mark = os.path.join(group, prefix + "owner")
     stop = threading.Event()
     swept = [0]
 
     def sweeper() -> None:
         while not stop.is_set():
-            _cgroup._sweep_store_group(group)
+            cgroup._sweep_store_group(group)
             swept[0] += not os.path.exists(group)
 
     old = sys.getswitchinterval()
@@ -329,7 +328,7 @@ def test_a_host_making_its_store_group_while_another_host_sweeps_it_keeps_it() -
     thread.start()
     try:
         for i in range(300):
-            _cgroup._own_store_group(group, prefix)
+            cgroup._own_store_group(group, prefix)
             assert os.path.isdir(mark), f"try {i}: the host's mark is gone"
             time.sleep(0.0005)  # the sweeper looks at a live host's group meanwhile
             assert os.path.isdir(mark), f"try {i}: a sweep removed a live host's mark"
@@ -419,7 +418,7 @@ def test_a_dead_hosts_guard_never_touches_the_next_hosts_leaves_on_the_same_stor
             assert proc.stdout.readline(), "the host printed nothing"
             tree = psutil.Process(proc.pid).children(recursive=True)
             # a short-lived child of the host may be a zombie by now: no command line
-            [guard] = [p for p in tree if "_cgroup_guard.py" in " ".join(_cmdline(p))]
+            [guard] = [p for p in tree if "contain/guard.py" in " ".join(_cmdline(p))]
             guard.suspend()
         finally:
             proc.kill()
@@ -844,7 +843,7 @@ def test_a_gone_in_memory_hosts_cgroup_is_emptied_and_removed_by_any_new_host() 
 
 
 def test_the_v2_hierarchy_is_found_wherever_it_is_mounted(tmp_path: Path) -> None:
-    from tether.runtime._cgroup import v2_mount
+    from tether.contain.cgroup import v2_mount
 
     v1 = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory"
     hybrid = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw"
@@ -960,15 +959,15 @@ def test_a_process_in_its_exit_or_a_zombie_is_reported_dead_not_survived() -> No
     assert child.stdin is not None
     try:
         found: dict[int, tuple[psutil.Process, Any]] = {}
-        _contain.describe([child.pid], found)
-        assert not _procs.exiting(child.pid)
-        assert [f.fate for f in _contain.fates(found)] == ["survived"]
+        hooks.describe([child.pid], found)
+        assert not procs.exiting(child.pid)
+        assert [f.fate for f in hooks.fates(found)] == ["survived"]
         child.stdin.close()  # it reads EOF and exits; left unreaped, it stays a zombie
         proc = found[child.pid][0]
         eventually(lambda: proc.status() == psutil.STATUS_ZOMBIE, what="the child a zombie")
-        assert _procs.exiting(child.pid) and not _procs.alive(proc)
-        assert [f.fate for f in _contain.fates(found)] == ["dead"]
+        assert procs.exiting(child.pid) and not procs.alive(proc)
+        assert [f.fate for f in hooks.fates(found)] == ["dead"]
     finally:
         child.kill()
         child.wait(5.0)
-    assert not _procs.exiting(child.pid)  # gone: no /proc entry
+    assert not procs.exiting(child.pid)  # gone: no /proc entry

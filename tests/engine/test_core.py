@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import fnmatch
 import itertools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -657,7 +659,10 @@ def test_layering_every_room_imports_only_the_rooms_below_it() -> None:
     telemetry = ("tether.telemetry", *wire)
     driver = ("tether.driver", *telemetry)  # what a driver author imports: never the engine
     actors = ("tether.actors", *telemetry)
-    engine = ("tether.runtime", "tether.actors", *driver)
+    # containment (semantics §15.5): the OS's side of holding a turn's processes, used by
+    # the host, the worker, the agent kit and the adapters alike; it stands on the wire
+    contain = ("tether.contain", *wire)
+    engine = ("tether.runtime", "tether.actors", *driver, *contain)
     # The front door: ``tether`` itself and ``tether.tools`` (the documented path of the
     # agent tools); the outside faces use it, the driver room and the wire types.
     front = ("tether", "tether.tools", *driver)
@@ -666,6 +671,7 @@ def test_layering_every_room_imports_only_the_rooms_below_it() -> None:
         "telemetry": telemetry,
         "driver": driver,
         "actors": actors,
+        "contain": contain,
         # the engine never reaches out to its outside faces (the server, the command)
         "runtime": engine,
         # the server's logging setup is the runtime's (the worker's and host's too); the
@@ -705,6 +711,44 @@ def test_layering_every_room_imports_only_the_rooms_below_it() -> None:
         parts = path.relative_to(SRC).parts
         if "agents" not in parts and parts[0] != "adapters":
             assert not {m for m in _imports(path) if m.startswith("tether.agents")}, path
+
+
+def _map_of_modules(doc: str) -> dict[str, set[str]]:
+    """The modules design.md's map (its section 1) names, each with the rooms of the
+    section naming it: a module by its path (``runtime/store.py``), by its name after
+    another of its folder on the same line (``ray.py``, ``_ray_actors.py``), by a
+    pattern (``cli/demo*.py``) or by its folder (``agents/mcp/``)."""
+    part = doc[doc.index("## 1. The map") : doc.index("## 2. Who runs where")]
+    modules = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")]
+    named: dict[str, set[str]] = {}
+    for section in re.split(r"^### ", part, flags=re.M)[1:]:
+        head, _, body = section.partition("\n")
+        rooms = set(re.findall(r"`(\w+)`", head))
+        for line in body.splitlines():
+            folder = None
+            for token in re.findall(r"`([^`]+)`", line):
+                if token.startswith("tether/"):  # a module of the front door's
+                    patterns = [token.removeprefix("tether/")]
+                elif "/" in token:
+                    folder = token.rsplit("/", 1)[0]
+                    patterns = [token + "*" if token.endswith("/") else token]
+                elif token.endswith(".py") and folder is not None:
+                    patterns = [f"{folder}/{token}"]
+                else:
+                    continue
+                for module in modules:
+                    if any(fnmatch.fnmatch(module, p) for p in patterns):
+                        named.setdefault(module, set()).update(rooms)
+    return named
+
+
+def test_the_map_names_every_module_in_the_section_of_its_room() -> None:
+    named = _map_of_modules((ROOT / "docs" / "design.md").read_text())
+    modules = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(modules - set(named)) == [], "modules on no map: add them to design.md §1"
+    misplaced = {m: r for m, r in named.items() if "/" in m and m.split("/")[0] not in r}
+    assert misplaced == {}, "drawn in another room's section than the layering puts them"
+    assert len(named) >= 100  # the check reads the map (it would not pass vacuously)
 
 
 def test_logs_use_stable_event_names(rt: tether.Runtime) -> None:

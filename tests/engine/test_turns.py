@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from drivers import ROOT, eventually
-from tether.runtime._procs import TREE_ENV, alive, reap, reap_pass, reap_tree
+from tether.contain.procs import TREE_ENV, alive, reap, reap_pass, reap_tree
 
 SRC = ROOT / "src" / "tether" / "runtime"
 
@@ -87,7 +87,7 @@ def test_both_backends_run_their_turns_on_the_one_turn_table_and_ray_never_impor
     assert "tether.runtime.backends._turns" in ray
     assert "tether.runtime.backends._turns" in pool
     # and Ray's reaper actor kills with the walk the pool's reaper uses
-    assert "tether.runtime._procs" in _imports(SRC / "backends" / "_ray_actors.py")
+    assert "tether.contain.procs" in _imports(SRC / "backends" / "_ray_actors.py")
     from tether.runtime.backends._turns import TableBackend
     from tether.runtime.backends.pool import Pool
 

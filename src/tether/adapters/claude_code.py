@@ -30,10 +30,10 @@ from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
 from tether.agents.mcp import McpTools
+from tether.contain.procs import alive, all_dead, child_pids, kill_tree
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.toolenv import model_key, tool_user
 from tether.driver.tools import TOOLS, parameters
-from tether.runtime._procs import alive, all_dead, child_pids, kill_tree
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer

@@ -1,7 +1,7 @@
 """What running a command takes in the worker, apart from killing its tree: the
 permission check, the tag in its environment, and reading its pipes until it exits.
 
-The kill walk (``runtime/_procs.py``) stays with the worker: a context reaches it through
+The kill walk (``tether.contain.procs``) stays with the worker: a context reaches it through
 its ``WorkerPort`` (``_turn.py``).
 """
 

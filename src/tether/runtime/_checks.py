@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 
 from tether.actors.authority import Ancestor, User
-from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups
+from tether.contain.cgroup import LIMIT_CONTROLLERS, Cgroups
 from tether.wire.budget import check_price
 from tether.wire.errors import InvalidParams
 from tether.wire.text import TERMINAL_CONTROLS, cap

@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 
 import structlog
 
+from tether.contain.procs import all_dead, child_pids, kill_tree
 from tether.runtime._log import configure_logging
-from tether.runtime._procs import all_dead, child_pids, kill_tree
 
 __all__ = ["PRELOAD", "Launcher", "WorkerProcess", "main"]
 
@@ -421,7 +421,7 @@ def main() -> None:
     ctl = socket.socket(fileno=int(sys.argv[1]))
     configure_logging()  # the host's settings (TETHER_LOG), to stderr
     started = time.monotonic()
-    from tether.runtime.worker import set_subreaper
+    from tether.contain.prctl import set_subreaper
 
     set_subreaper()
     for name in PRELOAD:

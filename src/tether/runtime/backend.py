@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tether.actors.ports import Executor
-from tether.runtime._cgroup import Cgroups
+from tether.contain.cgroup import Cgroups
 from tether.runtime.backends._turns import WorkerHost
 from tether.runtime.backends.pool import Pool
 from tether.wire.errors import InvalidParams, TetherError

@@ -46,8 +46,9 @@ from tether.actors.supervisor import (
     Walk,
     crash_notice,
 )
+from tether.contain.cgroup import Cgroups, CgroupUnavailable
+from tether.contain.prctl import set_subreaper
 from tether.runtime import _at_exit
-from tether.runtime._cgroup import Cgroups, CgroupUnavailable
 from tether.runtime._checks import (
     CONTAINMENTS,
     KINDS,
@@ -82,7 +83,6 @@ from tether.runtime.backend import (
     make_backend,
 )
 from tether.runtime.store import Store
-from tether.runtime.worker import set_subreaper
 from tether.telemetry import WORKER_MODULES, Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import importlib
 import inspect
 import os
@@ -23,13 +22,14 @@ import msgspec
 import structlog
 
 from tether.actors.outcomes import TurnFacts, decide_outcome
+from tether.contain.prctl import set_parent_death_signal, set_subreaper
+from tether.contain.procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.driver._command import COMMAND_ENV
 from tether.driver._turn import _TurnState, end_of
 from tether.driver.context import TurnContext
 from tether.driver.disposal import disposal_hooks
 from tether.driver.toolenv import enter_turn, set_tool_user
 from tether.runtime._log import configure_logging
-from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.telemetry import spans
 from tether.wire.codec import Channel
 from tether.wire.errors import DriverNotFound
@@ -52,27 +52,6 @@ from tether.wire.frames import (
 )
 
 __all__ = ["load_driver", "worker_main"]
-
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_PDEATHSIG = 1
-
-
-def _prctl(option: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
-
-
-def set_subreaper() -> bool:
-    """Make this process a child subreaper (Linux); False where unsupported."""
-    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def set_parent_death_signal(sig: int) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux)."""
-    return _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 _drivers: dict[str, type[Any]] = {}
@@ -98,7 +77,7 @@ def load_driver(spec: str) -> type[Any]:
 
 
 def _kill_command(proc: subprocess.Popen[bytes]) -> None:
-    """Freeze, then kill, a running command and its descendants (see ``_procs``).
+    """Freeze, then kill, a running command and its descendants (see ``tether.contain.procs``).
     Never reaps: the command's own wait reads its status."""
     if proc.returncode is not None:
         return  # it exited and was reaped: its pid may be another's now

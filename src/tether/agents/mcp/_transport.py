@@ -29,8 +29,8 @@ from mcp.shared._stream_protocols import WriteStream
 from mcp.shared.message import SessionMessage
 
 from tether.agents.mcp._config import Http, Stdio
+from tether.contain.procs import TREE_ENV, alive, kill_tree, reap
 from tether.driver.toolenv import spawn_options, tool_env
-from tether.runtime import _procs
 
 __all__ = [
     "CURRENT_CALL",
@@ -142,16 +142,16 @@ async def tapped(
 
 
 def _kill_tree(pid: int) -> list[psutil.Process]:
-    """Kill ``pid``'s tree deepest first (the abort's kill, ``_procs``)."""
+    """Kill ``pid``'s tree deepest first (the abort's kill, ``tether.contain.procs``)."""
     with contextlib.suppress(OSError):  # out of descriptors: the caller's wait sees survivors
-        return _procs.kill_tree([pid])
+        return kill_tree([pid])
     return []
 
 
 async def _wait_dead(procs: list[psutil.Process], timeout: float) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        procs = [p for p in procs if _procs.alive(p)]
+        procs = [p for p in procs if alive(p)]
         if not procs:
             return True
         if asyncio.get_running_loop().time() >= deadline:
@@ -191,13 +191,13 @@ async def kill_conn(conn: Conn) -> None:
     if conn.proc is not None and not conn.killed:
         pid = conn.proc.pid
         with contextlib.suppress(psutil.NoSuchProcess):
-            conn.killed = _procs.alive(psutil.Process(pid))
+            conn.killed = alive(psutil.Process(pid))
         procs = _kill_tree(pid)
         if not await _wait_dead(procs, _KILL_WAIT):
             log.warning("mcp.kill_survivors", server=conn.server, pid=pid)
         # tools re-parented to us (a subreaper) are ours to collect; the server itself is
         # asyncio's child and is reaped by its watcher
-        _procs.reap(p.pid for p in procs if p.pid != pid)
+        reap(p.pid for p in procs if p.pid != pid)
         if conn.killed:
             log.info("mcp.server_killed", server=conn.server, pid=pid, processes=len(procs))
 
@@ -209,8 +209,8 @@ async def stdio_transport(spec: Stdio, conn: Conn) -> AsyncIterator[TransportStr
     environment, the tree tag and the configured variables, as the tool user where one
     is set (semantics §17.4)."""
     env = tool_env(get_default_environment())  # as the tool user names it, if one is set
-    if _procs.TREE_ENV in os.environ:
-        env[_procs.TREE_ENV] = os.environ[_procs.TREE_ENV]
+    if TREE_ENV in os.environ:
+        env[TREE_ENV] = os.environ[TREE_ENV]
     env.update(spec.env)
     proc = await anyio.open_process(
         list(spec.command), env=env, cwd=spec.cwd, stderr=None, **spawn_options()

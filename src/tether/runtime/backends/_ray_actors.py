@@ -23,8 +23,8 @@ import msgspec
 import psutil
 import ray
 
-from tether.runtime._cgroup import Cgroups, CgroupUnavailable, Leaf, kill_leaf
-from tether.runtime._procs import TREE_ENV, alive, freeze_tree, reap_tree, thaw_tree
+from tether.contain.cgroup import Cgroups, CgroupUnavailable, Leaf, kill_leaf
+from tether.contain.procs import TREE_ENV, alive, freeze_tree, reap_tree, thaw_tree
 from tether.wire.codec import Channel, FrameTooLarge
 from tether.wire.errors import FrameError
 from tether.wire.frames import Probe, ProbeReply, Ready, Shutdown, TurnEnd, WorkerFrame

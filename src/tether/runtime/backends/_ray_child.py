@@ -13,8 +13,8 @@ import os
 import socket
 import sys
 
-from tether.runtime._cgroup import kill_leaf
-from tether.runtime._procs import TREE_ENV, sweep
+from tether.contain.cgroup import kill_leaf
+from tether.contain.procs import TREE_ENV, sweep
 from tether.runtime.worker import load_driver, worker_main
 from tether.wire.errors import DriverNotFound
 

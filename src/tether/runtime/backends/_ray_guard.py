@@ -16,7 +16,7 @@ import sys
 
 import psutil
 
-from tether.runtime._procs import sweep
+from tether.contain.procs import sweep
 
 _PASSES = 20
 

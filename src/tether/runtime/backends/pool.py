@@ -22,11 +22,11 @@ import psutil
 import structlog
 
 from tether.actors.ports import TurnSpec
-from tether.runtime import _contain
-from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
+from tether.contain import hooks
+from tether.contain.cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
+from tether.contain.limits import LimitWatch
+from tether.contain.procs import alive, exiting, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime._launcher import Launcher
-from tether.runtime._limits import LimitWatch
-from tether.runtime._procs import alive, exiting, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime.backends._held import HELD_BYTES, held_over
 from tether.runtime.backends._io import Conn, IOLoop
 from tether.runtime.backends._turns import (
@@ -456,7 +456,7 @@ class Pool(TableBackend["_Worker"]):
 
     def _pids_limit_hit(self, leaf: Leaf, turn: str) -> None:
         """The limit watch saw ``leaf``'s pids limit refuse a fork in ``turn``: that turn
-        ends crashed, ``pids limit``, if its worker still runs it (see ``_limits``)."""
+        ends crashed, ``pids limit``, if its worker still runs it (``contain.limits``)."""
         with self._lock:
             w = next((w for w in self._all if w.leaf is leaf), None)
             if w is None or w.doomed:
@@ -561,7 +561,7 @@ class Pool(TableBackend["_Worker"]):
                 self._maybe_finish(w)
             leaves = [(w.leaf, w.found) for w in due if w.leaf is not None]
             if len(leaves) > 1:
-                _contain.cgroup_kill_ahead(leaves)
+                hooks.cgroup_kill_ahead(leaves)
             for w in due:
                 dead = self._kill_pass(w)
                 with self._lock:
@@ -604,13 +604,13 @@ class Pool(TableBackend["_Worker"]):
             dead = self._walk_pass(w)
             if dead:
                 with self._lock:
-                    self.turns.kill_facts_locked(w, "walk", tuple(_contain.fates(w.found)))
+                    self.turns.kill_facts_locked(w, "walk", tuple(hooks.fates(w.found)))
             return dead
         if not self._leaf_pass(w, w.leaf):
             return False
         resources = w.leaf.usage()
         oom, pids = w.leaf.oom_killed(), w.leaf.pids_limit_hit()
-        fates = tuple(_contain.fates(w.found))
+        fates = tuple(hooks.fates(w.found))
         with self._lock:
             if self.turns.spec_of_locked(w) is not None:
                 if oom and not w.killed:
@@ -623,7 +623,7 @@ class Pool(TableBackend["_Worker"]):
     def _leaf_pass(self, w: _Worker, leaf: Leaf) -> bool:
         """One kill of ``w``'s leaf (``cgroup.kill``); True once it is empty."""
         try:
-            dead = _contain.cgroup_pass(leaf, w.found)
+            dead = hooks.cgroup_pass(leaf, w.found)
         except OSError as exc:
             log.warning("worker.kill_retry", pid=w.pid, reason=repr(exc))
             return False
@@ -641,7 +641,7 @@ class Pool(TableBackend["_Worker"]):
 
     def _walk_pass(self, w: _Worker) -> bool:
         def seen(procs: list[psutil.Process]) -> None:
-            _contain.describe(procs, w.found)
+            hooks.describe(procs, w.found)
             w.tree_pids.update(p.pid for p in procs if p.pid != w.pid)
 
         try:

@@ -396,8 +396,8 @@ class Cgroups:
 
     def guard(self) -> None:
         """Start the guard that clears this group when the host goes, a SIGKILL
-        included (see ``_cgroup_guard``: a paused turn's frozen worker cannot)."""
-        script = os.path.join(os.path.dirname(__file__), "_cgroup_guard.py")
+        included (see ``guard``: a paused turn's frozen worker cannot)."""
+        script = os.path.join(os.path.dirname(__file__), "guard.py")
         self._guard = subprocess.Popen(
             [sys.executable, "-I", "-S", script, self.base, self.prefix],
             stdin=subprocess.PIPE,

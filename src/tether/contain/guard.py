@@ -1,6 +1,6 @@
-"""A host's cgroups die with the host (run as a script by ``_cgroup.Cgroups``).
+"""A host's cgroups die with the host (run as a script by ``cgroup.Cgroups``).
 
-``python -I -S _cgroup_guard.py GROUP PREFIX``: the host starts this guard, in a session
+``python -I -S guard.py GROUP PREFIX``: the host starts this guard, in a session
 of its own, with a pipe on its stdin that only the host holds. Once the pipe reads EOF
 (the host closed, or died: a SIGKILL included), the guard writes ``cgroup.kill`` in every
 leaf of the host's (named ``PREFIX…``), waits until each is empty, and removes it. Only

@@ -3,10 +3,10 @@ and what each kill did, for the stop report (semantics §15.6).
 
 Two paths, chosen once per runtime (``Runtime.containment``):
 
-- ``cgroup``: each worker lives in its own leaf (see ``_cgroup``); a kill is the kernel's
+- ``cgroup``: each worker lives in its own leaf (see ``cgroup``); a kill is the kernel's
   ``cgroup.kill``, a pause ``cgroup.freeze``. Ancestry, sessions and environments do not
   matter.
-- ``walk``: the v2 walk (``_procs``): the frozen worker's tree, its process group, what
+- ``walk``: the v2 walk (``procs``): the frozen worker's tree, its process group, what
   carries its tag, and what its death left with the pool's launcher. The launcher is a
   child subreaper (``_launcher``), so a dead worker's orphans, an env-cleared ``setsid``
   escapee included, re-parent to it; every child of the launcher that is not a worker
@@ -23,8 +23,8 @@ from typing import Any
 
 import psutil
 
-from tether.runtime._cgroup import Leaf
-from tether.runtime._procs import alive, exiting
+from tether.contain.cgroup import Leaf
+from tether.contain.procs import alive, exiting
 from tether.wire.records import ProcessFate
 
 __all__ = ["cgroup_pass", "describe", "fates"]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import structlog
 
-from tether.runtime._cgroup import Leaf
+from tether.contain.cgroup import Leaf
 
 __all__ = ["LimitWatch"]
 
