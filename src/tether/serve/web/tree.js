@@ -93,6 +93,7 @@ export function updateRow(id) {
   renderBar(r.budget, id);
   setText(r.marker, info.marker ? markerText(info.marker, { short: true }) : "");
   r.marker.title = info.marker ? markerText(info.marker) : "";
+  r.marker.dataset.action = info.marker ? info.marker.action || "" : "";
 }
 
 function updateFocus() {
