@@ -282,6 +282,34 @@ def test_tree_shows_a_root_and_three_children_live(fresh_server: LiveServer, pag
     assert page.evaluate("window.notReloaded") is True
 
 
+def test_a_childs_stop_marker_leaves_its_tree_row_once_its_next_turn_runs(
+    server: LiveServer, page: Page
+) -> None:
+    root = open_root(server)
+    kid = spawn(server, root, "worker")
+    first = server.wait_state(kid, "running")["turn"]
+    console(page, server, root)
+    marker = item(page, "worker").locator(":scope > .row .marker-line")
+    server.call(
+        "subagent.interrupt",
+        {"address": rpc_address(kid, root), "kind": "cancel", "reason": "wrong approach"},
+    )
+    expect(row_state(page, "worker")).to_have_text("parked")
+    expect(marker).to_have_text("⊘ Cancelled by user: wrong approach")  # why it is parked
+
+    # A new message wakes it and its turn completes: the cancel no longer describes it.
+    server.call("subagent.send", {"address": rpc_address(kid, root), "content": "try again"})
+
+    def second_completed() -> bool:
+        turns = server.call("subagent.turns", {"session": kid})["turns"]
+        return [t["outcome"] for t in turns if t["id"] != first] == ["completed"]
+
+    wait_until(second_completed, what="the second turn, completed")
+    expect(row_state(page, "worker")).to_have_text("idle")
+    expect(marker).to_have_text("")
+    expect(marker).to_be_hidden()
+
+
 def test_a_steer_marker_has_its_own_glyph_and_colour_in_the_transcript_and_the_tree(
     loopback: LiveServer, page: Page
 ) -> None:
