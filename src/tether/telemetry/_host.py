@@ -163,6 +163,7 @@ class OtelTelemetry(Telemetry):
         parent: str | None,
     ) -> ControlSpan | None:
         ctx = context_of(parent)
+        here: otel_context.Context | None
         if isinstance(turn, _TurnSpan):
             here = turn.context()
         else:
