@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -426,29 +426,32 @@ def test_a_control_that_finds_no_turn_running_joins_the_sessions_last_trace_or_n
     assert {s.trace_id for s in receiver.named("tether.control")} <= turns
 
 
+def _below(top: Span, count: int) -> Callable[[list[Span]], list[Span] | None]:
+    """A wait for ``count`` spans (at least) whose parent is ``top``."""
+
+    def found(spans: list[Span]) -> list[Span] | None:
+        children = [s for s in spans if s.parent == top.span_id]
+        return children if len(children) >= count else None
+
+    return found
+
+
 def test_phoenix_lists_a_turns_prompt_and_reply_only_when_content_is_on(
     receiver: Receiver, server: ModelServer
 ) -> None:
     reply = "the model's own reply"
     call = {"name": "run_command", "arguments": {"argv": ["true"]}, "id": "call_true"}
+    replies: list[dict[str, Any]] = [{"tool_calls": [call]}, {"text": reply}]
     for content in (True, False):
         settings = {"endpoint": receiver.url, "content": content}
         with tether.Runtime(workers=1, grace=1.0, telemetry=settings) as rt:
             rec = Recorder(rt)
             script = f"phoenix-{content}"
-            replies = [{"tool_calls": [call]}, {"text": reply}]
             _root, agent, me = _agent(rt, server, script, replies, ["run_command"])
             rt.send(agent, PROMPT, authority=me)
             turn = rec.turn_ended(agent, timeout=60.0)["turn"]
             span = _turn_span(receiver, turn)
-            ours = receiver.wait(
-                lambda spans, top=span: (
-                    found
-                    if len(found := [s for s in spans if s.parent == top.span_id]) >= 3
-                    else None
-                ),
-                what="the turn's chat and tool spans",
-            )
+            ours = receiver.wait(_below(span, 3), what="the turn's chat and tool spans")
         if content:
             assert span.attrs["input.value"] == PROMPT
             assert span.attrs["output.value"] == reply
