@@ -105,7 +105,7 @@ def main() -> None:
         page.goto(f"{server.url}/#token={server.token}&root={ids['root']}")  # signed in
         expect(item(page, "unit")).to_be_visible()
         select(page, "researcher")
-        expect(page.get_by_role("list", name="Transcript")).to_contain_text("⊘ Steered")
+        expect(page.get_by_role("list", name="Transcript")).to_contain_text("↪ Steered")
         expect(page.get_by_role("list", name="Inbox")).to_contain_text("retry settings")
         _shoot(page, "console-session.png")
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -399,6 +399,68 @@ def test_pause_and_resume_are_events_on_the_turn_and_a_refused_stop_is_a_refused
     )
     assert noop.attrs["tether.control.outcome"] == "no-op"
     assert "tether.control.latency_ms" not in noop.attrs
+
+
+def test_a_control_that_finds_no_turn_running_joins_the_sessions_last_trace_or_none(
+    traced: tether.Runtime, receiver: Receiver
+) -> None:
+    # Phoenix lists traces: a no-op must not be a trace of one span of its own.
+    rt = traced
+    rec = Recorder(rt)
+    root = rt.open_session(SCRIPTED)
+    me = User(parent=root)
+    ran = rt.spawn(root, SCRIPTED, prompt="hello")
+    fresh = rt.spawn(root, SCRIPTED)  # never ran a turn: no trace to join
+    assert isinstance(ran, str) and isinstance(fresh, str)
+    span = _turn_span(receiver, rec.turn_ended(ran, timeout=30.0)["turn"])
+    rt.interrupt(fresh, authority=me, kind="cancel", reason="nothing runs")
+    rt.interrupt(ran, authority=me, kind="cancel", reason="idle now")
+    noop = _control(receiver, "cancel", ran)
+    assert noop.attrs["tether.control.outcome"] == "no-op"
+    assert (noop.trace_id, noop.parent) == (span.trace_id, span.span_id)
+    assert _linked(noop, span)
+    assert noop.attrs["openinference.span.kind"] == "CHAIN"
+    # The host exports its spans in the order they ended: the first no-op's would be in.
+    assert not [s for s in receiver.spans if s.attrs.get("tether.control.target") == fresh]
+    turns = {s.trace_id for s in receiver.named("invoke_agent")}
+    assert {s.trace_id for s in receiver.named("tether.control")} <= turns
+
+
+def _below(top: Span, count: int) -> Callable[[list[Span]], list[Span] | None]:
+    """A wait for ``count`` spans (at least) whose parent is ``top``."""
+
+    def found(spans: list[Span]) -> list[Span] | None:
+        children = [s for s in spans if s.parent == top.span_id]
+        return children if len(children) >= count else None
+
+    return found
+
+
+def test_phoenix_lists_a_turns_prompt_and_reply_only_when_content_is_on(
+    receiver: Receiver, server: ModelServer
+) -> None:
+    reply = "the model's own reply"
+    call = {"name": "run_command", "arguments": {"argv": ["true"]}, "id": "call_true"}
+    replies: list[dict[str, Any]] = [{"tool_calls": [call]}, {"text": reply}]
+    for content in (True, False):
+        settings = {"endpoint": receiver.url, "content": content}
+        with tether.Runtime(workers=1, grace=1.0, telemetry=settings) as rt:
+            rec = Recorder(rt)
+            script = f"phoenix-{content}"
+            _root, agent, me = _agent(rt, server, script, replies, ["run_command"])
+            rt.send(agent, PROMPT, authority=me)
+            turn = rec.turn_ended(agent, timeout=60.0)["turn"]
+            span = _turn_span(receiver, turn)
+            ours = receiver.wait(_below(span, 3), what="the turn's chat and tool spans")
+        if content:
+            assert span.attrs["input.value"] == PROMPT
+            assert span.attrs["output.value"] == reply
+        else:
+            assert "input.value" not in span.attrs and "output.value" not in span.attrs
+        # the kind Phoenix draws each span's icon from
+        assert span.attrs["openinference.span.kind"] == "AGENT"
+        kinds = {s.name: s.attrs.get("openinference.span.kind") for s in ours}
+        assert kinds == {f"chat {script}": "LLM", "execute_tool run_command": "TOOL"}, kinds
 
 
 def test_a_turn_prompted_inside_a_callers_span_is_that_spans_child(

@@ -341,6 +341,24 @@ def test_steer_is_delivered_as_an_escaped_frame_and_the_turn_keeps_running(
     assert rec.turn_ended(child)["outcome"] == "cancelled"
 
 
+def test_a_steers_marker_reads_as_guidance_and_a_cancels_as_a_stop(
+    rt: tether.Runtime, scripted: str
+) -> None:
+    # The marker's text is what a model and `tether transcript` read: a steer that the
+    # turn goes on with must not wear a stop's sign.
+    rec = Recorder(rt)
+    root, child, me = family(rt, scripted, slug="child")
+    rt.send(child, "A", authority=me, data=HANG)
+    rt.interrupt(child, authority=me, kind="steer", reason="focus on the tests")
+    wait_entry(rt, child, "assistant", "<steer")
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    assert rec.turn_ended(child)["outcome"] == "cancelled"
+    assert texts(rt, child, "marker") == [
+        f"↪ Steered by user ({root}): focus on the tests",
+        f"⊘ Cancelled by user ({root}): enough",
+    ]
+
+
 def test_steer_reason_with_markup_never_reaches_the_driver_unescaped(
     rt: tether.Runtime, scripted: str
 ) -> None:

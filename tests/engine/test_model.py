@@ -132,7 +132,7 @@ def cap(text: str) -> str:
 
 
 _VERB = {
-    "steered": "⊘ Steered",
+    "steered": "↪ Steered",
     "cancelled": "⊘ Cancelled",
     "aborted": "⊘ Aborted",
     "paused": "⏸ Paused",

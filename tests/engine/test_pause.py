@@ -267,7 +267,7 @@ def test_a_nudged_turn_that_wraps_up_at_its_next_boundary_is_left_alone(
     [steer] = [t for t in texts(rt, child, "assistant") if t.startswith("<steer")]
     assert 'origin="watchdog"' in steer and "say where you are" in steer
     [marker] = texts(rt, child, "marker")
-    assert marker.startswith("⊘ Steered by watchdog: no progress for")
+    assert marker.startswith("↪ Steered by watchdog: no progress for")
 
 
 def test_a_paused_turn_is_never_stepped_by_the_watchdog(rt: tether.Runtime, scripted: str) -> None:

@@ -86,7 +86,7 @@ def test_watch_shows_a_markers_control_characters_escaped(server: LiveServer) ->
             markers = [json.loads(x) for x in out.splitlines() if '"event": "marker"' in x]
             assert markers[0]["data"]["data"]["entry"]["reason"] == f"steer {NASTY}"
         else:
-            assert f"kid ⊘ Steered by user ({root}): steer {SHOWN}" in out, out
+            assert f"kid ↪ Steered by user ({root}): steer {SHOWN}" in out, out
 
 
 def _plain_env() -> dict[str, str]:

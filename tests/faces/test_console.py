@@ -57,6 +57,7 @@ TOKEN = "console-test-token"
 WAIT_MS = 15_000
 SPENDER = "drivers:Spender"  # reports data["tokens"] with ctx.add_usage per step
 AMBER, RED = "rgb(217, 119, 6)", "rgb(180, 35, 24)"  # console.css --soft and --stopped
+STEER, PARKED = "rgb(15, 118, 110)", "rgb(161, 92, 0)"  # console.css --steer and --parked
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +280,61 @@ def test_tree_shows_a_root_and_three_children_live(fresh_server: LiveServer, pag
     expect(item(page, "tester").get_by_role("treeitem", name="late")).to_be_visible()
     expect(row_state(page, "late")).to_have_text("running")
     assert page.evaluate("window.notReloaded") is True
+
+
+def test_a_childs_stop_marker_leaves_its_tree_row_once_its_next_turn_runs(
+    server: LiveServer, page: Page
+) -> None:
+    root = open_root(server)
+    kid = spawn(server, root, "worker")
+    first = server.wait_state(kid, "running")["turn"]
+    console(page, server, root)
+    marker = item(page, "worker").locator(":scope > .row .marker-line")
+    server.call(
+        "subagent.interrupt",
+        {"address": rpc_address(kid, root), "kind": "cancel", "reason": "wrong approach"},
+    )
+    expect(row_state(page, "worker")).to_have_text("parked")
+    expect(marker).to_have_text("⊘ Cancelled by user: wrong approach")  # why it is parked
+
+    # A new message wakes it and its turn completes: the cancel no longer describes it.
+    server.call("subagent.send", {"address": rpc_address(kid, root), "content": "try again"})
+
+    def second_completed() -> bool:
+        turns = server.call("subagent.turns", {"session": kid})["turns"]
+        return [t["outcome"] for t in turns if t["id"] != first] == ["completed"]
+
+    wait_until(second_completed, what="the second turn, completed")
+    expect(row_state(page, "worker")).to_have_text("idle")
+    expect(marker).to_have_text("")
+    expect(marker).to_be_hidden()
+
+
+def test_a_steer_marker_has_its_own_glyph_and_colour_in_the_transcript_and_the_tree(
+    loopback: LiveServer, page: Page
+) -> None:
+    server = loopback
+    root = open_root(server)
+    kid = spawn(server, root, "guided")
+    server.wait_state(kid, "running")
+    console(page, server, root)
+    select(page, "guided")
+    line = item(page, "guided").locator(":scope > .row .marker-line")
+
+    stop(page, "Steer", "take the fast path")
+    steer = transcript(page).locator("li.marker.action-steered")
+    expect(steer.locator(".text")).to_have_text(f"↪ Steered by user ({root}): take the fast path")
+    expect(steer).to_have_css("border-left-color", STEER)
+    expect(line).to_have_text("↪ Steered by user: take the fast path")
+    expect(line).to_have_css("color", STEER)
+
+    # A cancel after it is a stop: the stop's glyph and colour, in both places.
+    stop(page, "Cancel", "enough")
+    cancel = transcript(page).locator("li.marker.action-cancelled")
+    expect(cancel.locator(".text")).to_have_text(f"⊘ Cancelled by user ({root}): enough")
+    expect(cancel).to_have_css("border-left-color", PARKED)
+    expect(line).to_have_text("⊘ Cancelled by user: enough")
+    expect(line).to_have_css("color", PARKED)
 
 
 def test_cancel_keeps_a_pending_send_and_send_resumes_the_queue_in_order(
@@ -509,7 +565,7 @@ def test_a_hostile_reason_renders_as_text_and_a_refusal_shows_its_code(
     dialog = page.get_by_role("dialog")
     expect(dialog.get_by_role("button", name="Confirm")).to_be_disabled()
     fill_and_confirm(page, HOSTILE)
-    expect(transcript(page).locator("li.marker")).to_contain_text(f"⊘ Steered by user ({root})")
+    expect(transcript(page).locator("li.marker")).to_contain_text(f"↪ Steered by user ({root})")
 
     # A refused action shows the error code and message, never a stack trace.
     stop(page, "Cancel", "needs a deadline", deadline="0")

@@ -7,6 +7,7 @@ import contextlib
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Unpack
 
@@ -15,7 +16,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode, get_current_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tether.telemetry._provider import SCOPE, PresetIds, make_provider
-from tether.telemetry._turn import end_turn_span, start_turn_span
+from tether.telemetry._turn import KIND, end_turn_span, start_turn_span
 from tether.telemetry.hooks import ControlSpan, Telemetry, TurnEnding, TurnSpan
 from tether.telemetry.settings import Settings
 from tether.wire.frames import SpanEvent, Trace
@@ -24,6 +25,9 @@ __all__ = ["OtelTelemetry", "context_of", "traceparent_of"]
 
 _propagator = TraceContextTextMapPropagator()
 _CLOSE_WAIT = 5.0  # seconds a runtime's close waits for its last spans' export
+# Sessions whose latest turn's span is remembered, for the controls that find no turn
+# running (the least recently started are forgotten: their no-ops are not exported).
+_LAST_TURNS = 4096
 
 
 def context_of(traceparent: str | None) -> otel_context.Context | None:
@@ -76,6 +80,9 @@ class OtelTelemetry(Telemetry):
         self._provider = make_provider(settings, "host")
         self._ids: PresetIds = self._provider.id_generator
         self._tracer = self._provider.get_tracer(SCOPE)
+        # session id -> the traceparent of its latest turn's span
+        self._last: OrderedDict[str, str] = OrderedDict()
+        self._last_lock = threading.Lock()
 
     # ---- turns ------------------------------------------------------------------------
 
@@ -96,6 +103,11 @@ class OtelTelemetry(Telemetry):
         else:
             trace_hex, flags = f"{random.getrandbits(128) or 1:032x}", "01"
         here = f"00-{trace_hex}-{random.getrandbits(64) or 1:016x}-{flags}"
+        with self._last_lock:
+            self._last[session] = here
+            self._last.move_to_end(session)
+            if len(self._last) > _LAST_TURNS:
+                self._last.popitem(last=False)
         trace = Trace(
             parent=here,
             endpoint=self.settings.endpoint,
@@ -150,7 +162,20 @@ class OtelTelemetry(Telemetry):
         turn: TurnSpan | None,
         parent: str | None,
     ) -> ControlSpan | None:
+        ctx = context_of(parent)
+        here: otel_context.Context | None
+        if isinstance(turn, _TurnSpan):
+            here = turn.context()
+        else:
+            # No turn runs (a no-op, a refusal): it belongs to the target's latest turn's
+            # trace, or to the caller's; with neither it would be a trace of one span.
+            with self._last_lock:
+                last = self._last.get(target)
+            here = context_of(last)
+            if here is None and ctx is None:
+                return None
         attrs: dict[str, Any] = {
+            KIND: "CHAIN",
             "tether.control.verb": verb,
             "tether.control.origin": origin,
             "tether.control.by": by,
@@ -159,9 +184,7 @@ class OtelTelemetry(Telemetry):
         if expected_turn is not None:
             attrs["tether.control.expected_turn"] = expected_turn
         links = []
-        ctx = context_of(parent)
-        if isinstance(turn, _TurnSpan):
-            here = turn.context()
+        if here is not None:
             links.append(Link(get_current_span(here).get_span_context()))
             if ctx is None:  # no caller's context: it shows inside the turn it acts on
                 ctx = here

@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tether.telemetry._host import traceparent_of
 from tether.telemetry._provider import SCOPE, Exports, make_worker_provider
-from tether.telemetry._turn import end_turn_span, start_turn_span
+from tether.telemetry._turn import KIND, end_turn_span, start_turn_span
 from tether.telemetry.hooks import TurnEnding, error_type
 from tether.telemetry.settings import Settings
 from tether.telemetry.spans import Span
@@ -229,6 +229,7 @@ def open_chat(provider: str, model: str, attrs: dict[str, Any]) -> Span:
     # Never the current span (nothing is below a model request): it may end in another
     # context than it began in (a framework's async generator).
     base = {
+        KIND: "LLM",
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": provider,
         "gen_ai.request.model": model,
@@ -259,6 +260,7 @@ def tool(
     flag: contextvars.ContextVar[bool],
 ) -> Iterator[Span]:
     base = {
+        KIND: "TOOL",
         "gen_ai.operation.name": "execute_tool",
         "gen_ai.tool.name": name,
         "gen_ai.tool.call.id": call_id,

@@ -14,9 +14,12 @@ from tether.telemetry._provider import PresetIds
 from tether.telemetry.hooks import TurnEnding, error_type
 from tether.wire.frames import Trace
 
-__all__ = ["end_turn_span", "ids_of", "messages", "start_turn_span"]
+__all__ = ["KIND", "end_turn_span", "ids_of", "messages", "start_turn_span"]
 
 _DESCRIPTION_CAP = 300
+# OpenInference's names beside the GenAI ones: Phoenix draws a span's icon from its kind
+# and lists a trace's input and output from ``input.value`` and ``output.value``.
+KIND = "openinference.span.kind"
 
 
 def ids_of(traceparent: str) -> tuple[int, int]:
@@ -48,9 +51,11 @@ def start_turn_span(
         "gen_ai.agent.id": session,
         "gen_ai.conversation.id": trace.root,
         "tether.turn.id": turn,
+        KIND: "AGENT",
     }
     if trace.content:
         attrs["gen_ai.input.messages"] = messages("user", message)
+        attrs["input.value"] = message
     ids.preset(*ids_of(trace.parent))
     span = tracer.start_span(
         f"invoke_agent {trace.name}",
@@ -82,6 +87,7 @@ def end_turn_span(
             span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
     if content and final:
         span.set_attribute("gen_ai.output.messages", messages("assistant", final))
+        span.set_attribute("output.value", final)
     if outcome != "completed":
         span.set_attribute("error.type", error_type(outcome, ending["origin"]))
         why = ending["reason"] or ending["error"] or outcome

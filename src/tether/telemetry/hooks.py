@@ -114,7 +114,8 @@ class Telemetry:
         parent: str | None,
     ) -> ControlSpan | None:
         """A control action was issued: its span starts, linked to the turn's span
-        (``turn``), a child of the caller's context (``parent``) or else of the turn."""
+        (``turn``; with none running, the target's latest turn's), a child of the
+        caller's context (``parent``) or else of that turn. None: no trace to join."""
         return None
 
     def control_ended(

@@ -46,7 +46,8 @@ _VERBS = {
     "paused": "Paused",
     "resumed": "Resumed",
 }
-_SIGNS = {"paused": "⏸", "resumed": "▶"}
+# A steer guides a turn that goes on: its own sign, not a stop's ``⊘``.
+_SIGNS = {"steered": "↪", "paused": "⏸", "resumed": "▶"}
 
 
 def cap(text: str, limit: int = REASON_CAP) -> str:
@@ -85,8 +86,8 @@ def marker_text(action: str, origin: str, by: str, reason: str) -> str:
     """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason.
 
     The system's own follow-up markers (``forced``, ``escalated``) read ``⊘ Forced: ...``;
-    the watchdog's read ``⊘ Steered by watchdog: ...``; a pause ``⏸ Paused by ...`` and a
-    resume ``▶ Resumed by ...``.
+    a steer ``↪ Steered by user (<by>): ...`` (the watchdog's ``↪ Steered by watchdog:
+    ...``); a pause ``⏸ Paused by ...`` and a resume ``▶ Resumed by ...``.
     """
     verb = _VERBS.get(action)
     sign = _SIGNS.get(action, "⊘")

@@ -15,7 +15,7 @@ import { $, h, setText } from "./dom.js";
 import { EventStream } from "./events.js";
 import { initBudgets, scheduleBudgets, spending } from "./budget.js";
 import { call, getToken, onUnauthorized, probe, setToken } from "./rpc.js";
-import { applySnapshot, forgetEventState, session, STATE_FIELDS, store } from "./state.js";
+import { applySnapshot, forgetEventState, markerStands, session, STATE_FIELDS, store } from "./state.js";
 import { initComposer, resetComposer, updateComposer } from "./composer.js";
 import { initTree, markSelected, renderTree, updateRow } from "./tree.js";
 import { closeView, loadMore, openView, refresh, renderFacts, viewing } from "./view.js";
@@ -283,6 +283,8 @@ function onEvent(ev) {
   } else if (ev.event === "budget" && !(info.budget && info.budget.budget)) {
     info.budget = undefined; // a budget set where none was: read it with the others
   }
+  // The tree shows a marker while its turn runs, or a stop until the next turn starts.
+  if (info.marker && !markerStands(info.marker, ev)) info.marker = null;
   if (root === store.root) {
     const inTree = ev.session === root || store.order.includes(ev.session);
     // No event says a worker took a turn: while that is unknown or not yet so, re-list.

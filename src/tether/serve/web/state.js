@@ -41,6 +41,18 @@ export function forgetEventState() {
   for (const info of store.sessions.values()) info.fromEvents = false;
 }
 
+// Stops that end their turn: the marker says why the session is parked, until a later
+// turn starts. Any other marker (a steer, a preempt, a pause) speaks of its running turn.
+const ENDS_TURN = new Set(["cancelled", "aborted", "forced", "escalated"]);
+
+/** Whether a session's last marker still describes it after `ev`, one of its events. */
+export function markerStands(marker, ev) {
+  const turn = ev.data && ev.data.turn;
+  if (ev.event === "turn.started") return turn === marker.turn;
+  if (ev.event === "turn.ended") return turn !== marker.turn || ENDS_TURN.has(marker.action);
+  return true;
+}
+
 /** The name a person reads: the slug, else the id. */
 export function label(info) {
   return info.slug || info.id;

@@ -1,5 +1,6 @@
 // The session tree (role="tree"): one treeitem per session, named by its slug (or id),
-// with its state, pending count, a stopping badge, its budget bar and its last marker.
+// with its state, pending count, a stopping badge, its budget bar and its last marker
+// while that describes it (state.js, markerStands).
 // Rows are kept by id and updated in place, so a live update never steals focus.
 
 import { $, h, setText } from "./dom.js";
@@ -93,6 +94,7 @@ export function updateRow(id) {
   renderBar(r.budget, id);
   setText(r.marker, info.marker ? markerText(info.marker, { short: true }) : "");
   r.marker.title = info.marker ? markerText(info.marker) : "";
+  r.marker.dataset.action = info.marker ? info.marker.action || "" : "";
 }
 
 function updateFocus() {

@@ -10,7 +10,7 @@ const PAGE = 500;
 const FIRST_PAGES = 4; // read at once on opening a session; "Load more" reads on
 
 const VERBS = {
-  steered: ["⊘", "Steered"],
+  steered: ["↪", "Steered"], // guidance the turn goes on with: not a stop's ⊘
   cancelled: ["⊘", "Cancelled"],
   aborted: ["⊘", "Aborted"],
   preempted: ["⊘", "Preempted"],
