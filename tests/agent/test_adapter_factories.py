@@ -65,3 +65,22 @@ def test_the_documented_pydantic_ai_factory_runs_against_the_configured_model_wi
     [request] = server.requests_for("pyd-doc-factory")
     assert request.body["messages"][-1]["content"] == "find the paper"
 
+
+def test_a_factory_that_cannot_be_imported_is_refused_when_the_session_is_opened(
+    project: Path, server: ModelServer, db_path: str
+) -> None:
+    model = {"base_url": server.url, "name": "pyd-never-asked"}
+    with runtime(db_path, workers=1, grace=1.0) as rt:
+        root = rt.open_session(SCRIPTED)
+        for factory, missing in [
+            ("myapp.nowhere:research_agent", "myapp.nowhere"),
+            ("myapp.agents:no_such_agent", "no_such_agent"),
+        ]:
+            with pytest.raises(tether.DriverNotFound) as refused:
+                rt.spawn(root, ADAPTER, config={"agent": factory, "model": model})
+            assert refused.value.code == "driver-not-found"
+            assert missing in refused.value.message and "config.agent" in refused.value.message
+            with pytest.raises(tether.DriverNotFound):
+                rt.open_session(ADAPTER, config={"agent": factory, "model": model})
+        assert [s.id for s in rt.list_agents(root, scope="children")] == []
+    assert server.requests_for("pyd-never-asked") == []

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from tether.adapters._factory import check_factory
 from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 
@@ -108,6 +109,12 @@ def _model_of(model: _Model) -> Any:
 class PydanticAIAgent:
     """A Pydantic AI agent: ``rt.open_session("tether.adapters.pydantic_ai:PydanticAIAgent",
     config={"agent": "pkg.mod:factory", "model": {...}, "tools": [...]})``."""
+
+    @staticmethod
+    def check_config(config: dict[str, Any]) -> None:
+        """At open and spawn, in a worker: the ``agent`` factory imports (else
+        ``driver-not-found``, before any turn)."""
+        check_factory(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
         if importlib.util.find_spec("pydantic_ai") is None:

@@ -1012,6 +1012,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_from_cwd() -> None:
+    """A server's workers import the user's drivers and factories from the directory it
+    was started in, as ``python -m`` or a script's would: the workers take the host's
+    import path, and the ``tether`` script's first entry is its own bin directory."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["demo"]:  # the demo owns its arguments and its --help
@@ -1022,10 +1031,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     if args.command == "steer" and not (args.text or args.reason):
         parser.error("steer needs the guidance: TEXT or --reason")
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "mcp":
-        return _mcp(args)
+    if args.command in ("serve", "mcp"):
+        _import_from_cwd()
+        return _serve(args) if args.command == "serve" else _mcp(args)
     client = Client(args.url, token=find_token(args.url, args.token))
     try:
         return int(args.run(args, client))

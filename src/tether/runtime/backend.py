@@ -41,9 +41,10 @@ BACKENDS = ("local", "ray")
 class Backend(Executor, Protocol):
     """An :class:`Executor` the ``Runtime`` can also probe, drain, close and list."""
 
-    def probe(self, driver: str) -> None:
-        """Check that a worker can load ``driver`` (DriverNotFound otherwise); the host
-        never imports driver code itself."""
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
+        """Check that a worker can load ``driver`` (DriverNotFound otherwise) and, where
+        its class has ``check_config``, that it takes ``config`` (that check's error
+        otherwise); the host never imports driver code itself."""
 
     def drain(self) -> None:
         """Take no new turns (the runtime is closing); running ones go on."""

@@ -983,7 +983,7 @@ class Runtime:
         perms = check_settings(config, permissions)
         policy = None if stall is None else check_stall(stall)
         self._secrets.learn(config)  # from now on no worker's tool sees the keys it names
-        self._pool.probe(driver)
+        self._pool.probe(driver, config)
         return SessionHeader(
             id=new_id("s_"),
             parent=parent,

@@ -32,7 +32,7 @@ from tether.runtime._log import configure_logging
 from tether.runtime._procs import TREE_ENV, carries, child_pids, kill_tree, sweep
 from tether.telemetry import spans
 from tether.wire.codec import Channel
-from tether.wire.errors import DriverNotFound
+from tether.wire.errors import DriverNotFound, TetherError
 from tether.wire.frames import (
     CancelFrame,
     Disposed,
@@ -95,6 +95,26 @@ def load_driver(spec: str) -> type[Any]:
         raise DriverNotFound(f"driver {spec!r}: {attr!r} is not a class with a run(ctx) method")
     _drivers[spec] = cls
     return cls
+
+
+def probe_driver(driver: str, config: dict[str, Any] | None) -> ProbeReply:
+    """Whether ``driver`` loads and, where its class has ``check_config(config)``, takes
+    ``config``: what the host asks a worker at open and spawn (it runs no driver code)."""
+    try:
+        cls = load_driver(driver)
+    except DriverNotFound as exc:
+        return ProbeReply(driver=driver, error=exc.message)
+    hook = getattr(cls, "check_config", None)
+    if not callable(hook):
+        return ProbeReply(driver=driver)
+    try:
+        hook(config or {})
+    except TetherError as exc:
+        return ProbeReply(driver=driver, error=exc.message, code=exc.code, checks_config=True)
+    except Exception as exc:  # the hook's own bug: the open is refused, with its words
+        error = f"driver {driver!r}: its config check failed: {type(exc).__name__}: {exc}"
+        return ProbeReply(driver=driver, error=error, checks_config=True)
+    return ProbeReply(driver=driver, checks_config=True)
 
 
 def _kill_command(proc: subprocess.Popen[bytes]) -> None:
@@ -290,12 +310,8 @@ class _Runner:
             match item:
                 case None:
                     return
-                case Probe(driver=driver):
-                    try:
-                        load_driver(driver)
-                        self.send(ProbeReply(driver=driver))
-                    except DriverNotFound as exc:
-                        self.send(ProbeReply(driver=driver, error=exc.message))
+                case Probe(driver=driver, config=config):
+                    self.send(probe_driver(driver, config))
                 case Disposed(sessions=sessions):
                     self._disposed(sessions)
                 case RunTurn():
