@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-agents]")
+pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether-runtime[openai-agents]")
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, family, runtime, texts

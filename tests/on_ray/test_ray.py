@@ -461,4 +461,4 @@ def test_backend_ray_without_ray_raises_an_error_naming_the_extra() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
     )
-    assert "tether[ray]" in out.stdout, out
+    assert "tether-runtime[ray]" in out.stdout, out

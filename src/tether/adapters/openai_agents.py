@@ -1,5 +1,5 @@
 """``tether.adapters.openai_agents:OpenAIAgentsAgent``: an OpenAI Agents SDK agent as a
-Tether async driver, extra ``tether[openai-agents]``.
+Tether async driver, extra ``tether-runtime[openai-agents]``.
 
 Config and behaviour: docs/adapters-openai_agents.md; where steers, cancels and preempts
 enter the SDK's run: docs/design.md, section 12.3.

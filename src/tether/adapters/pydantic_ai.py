@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import importlib.util
 import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic_ai  # noqa: F401  # the framework: a worker without it refuses the driver
 import structlog
 
 from tether.adapters._factory import check_factory
@@ -117,8 +117,6 @@ class PydanticAIAgent:
         check_factory(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
-        if importlib.util.find_spec("pydantic_ai") is None:
-            raise ModelError("PydanticAIAgent needs the extra tether[pydantic-ai]")
         try:
             cfg = _config(ctx.config)
             agent = _agent_of_config(cfg, ctx.config)

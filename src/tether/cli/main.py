@@ -560,7 +560,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return _run_serve(serve, args)
-    except TetherError as exc:  # e.g. --backend ray without the extra tether[ray]
+    except TetherError as exc:  # e.g. --backend ray without the extra tether-runtime[ray]
         print(f"tether serve: {exc.message}", file=sys.stderr)
         return 1
 
@@ -693,7 +693,7 @@ def _add_store_path(p: argparse.ArgumentParser) -> None:
 
 
 def _add_face_options(p: argparse.ArgumentParser) -> None:
-    group = p.add_argument_group("MCP and A2A clients (the extra tether[agents])")
+    group = p.add_argument_group("MCP and A2A clients (the extra tether-runtime[agents])")
     group.add_argument(
         "--driver",
         default="tether:Scripted",
@@ -947,7 +947,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("local", "ray"),
         default="local",
-        help="where turns run: local worker processes, or a Ray cluster (tether[ray])",
+        help="where turns run: local worker processes, or a Ray cluster (tether-runtime[ray])",
     )
     p.add_argument(
         "--ray-address",
@@ -978,7 +978,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         default=None,
         help="export OpenTelemetry traces over OTLP/HTTP to this base URL, e.g. "
-        "http://127.0.0.1:4318 (tether[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
+        "http://127.0.0.1:4318 (tether-runtime[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
     )
     p.add_argument(
         "--cancel-deadline",
@@ -993,7 +993,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a Tether runtime embedded, speaking the Model Context Protocol on\n"
         "stdin/stdout (stdout carries only the protocol; logs go to stderr). The client\n"
         "owns the root agents it opens with spawn_agent (and those given with --root).\n"
-        "Needs the extra tether[agents].",
+        "Needs the extra tether-runtime[agents].",
         epilog="example (an MCP client's config):\n"
         '  {"mcpServers": {"tether": {"command": "tether", "args": ["mcp", "--path", '
         '"/home/me/.tether/state.db"]}}}',

@@ -77,6 +77,21 @@ def set_parent_death_signal(sig: int) -> bool:
 
 _drivers: dict[str, type[Any]] = {}
 
+# Tether's own driver modules that need an extra: a failed import of one names it.
+_EXTRAS = {
+    "tether.agents": "agents",
+    "tether.adapters.pydantic_ai": "pydantic-ai",
+    "tether.adapters.openai_agents": "openai-agents",
+    "tether.adapters.claude_code": "claude",
+}
+
+
+def _needs_extra(module_name: str) -> str | None:
+    for module, extra in _EXTRAS.items():
+        if module_name == module or module_name.startswith(module + "."):
+            return extra
+    return None
+
 
 def load_driver(spec: str) -> type[Any]:
     """Load ``"package.module:Class"``; DriverNotFound with the reason otherwise."""
@@ -89,6 +104,12 @@ def load_driver(spec: str) -> type[Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        extra = _needs_extra(module_name)
+        if extra is not None:
+            wanted = f"tether-runtime[{extra}]"
+            raise DriverNotFound(
+                f"driver {spec!r} needs the extra {wanted} (pip install '{wanted}'): {exc}"
+            ) from None
         raise DriverNotFound(f"driver {spec!r}: cannot import {module_name!r}: {exc}") from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "run", None)):

@@ -46,7 +46,7 @@ _guard: subprocess.Popen[bytes] | None = None  # see _ray_guard
 
 
 def _ray() -> Any:
-    import ray  # the optional extra tether[ray]: imported only when this backend is used
+    import ray  # the optional extra tether-runtime[ray]: imported only when this backend is used
 
     return ray
 
