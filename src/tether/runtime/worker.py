@@ -104,8 +104,10 @@ def load_driver(spec: str) -> type[Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        # a package of the extra missing, not a fault of Tether's own modules
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
         extra = _needs_extra(module_name)
-        if extra is not None:
+        if extra is not None and missing and not missing.startswith("tether"):
             wanted = f"tether-runtime[{extra}]"
             raise DriverNotFound(
                 f"driver {spec!r} needs the extra {wanted} (pip install '{wanted}'): {exc}"
