@@ -11,7 +11,7 @@ RAY_STAMP := $(VENV)/.installed-ray
 TEST_WORKERS ?= 2
 XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-.PHONY: demo demo-agent demo-adapters test test-unit test-walk test-ray lint browser bench bench-full bench-instructions bench-ray soak soak-ray clean
+.PHONY: demo demo-agent demo-adapters test test-unit test-install test-walk test-ray lint browser bench bench-full bench-instructions bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict src tests benchmarks
 
 # The Ray cases (marker `ray`, `ray_cluster`) run under `make test-ray`, which installs
-# the extra tether[ray]; `make test` leaves them out (without Ray they would only skip).
+# the extra tether-runtime[ray]; `make test` leaves them out (without Ray they would only skip).
 test: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster"
 
@@ -47,6 +47,11 @@ test: lint
 # test), in well under a minute: the state machines, outcomes, records, codecs, the store.
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit -q
+
+# The install test alone (marker `install`; `make test` runs it too): the wheel built from
+# this checkout, in a fresh venv with the extra [pydantic-ai] only, runs a Pydantic AI agent.
+test-install: $(STAMP)
+	$(BIN)/python -m pytest -m install -q
 
 # The stop suites once more with the walk forced (semantics §15.5): `make test` uses cgroup
 # containment where the machine allows it (root in CI does), this covers the fallback.

@@ -31,7 +31,7 @@ CLAUDE_KEY_ENV = "TETHER_BENCH_ANTHROPIC_KEY"
 
 def _need(module: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise Skip(f"the adapter needs the extra tether[{extra}] ({module})")
+        raise Skip(f"the adapter needs the extra tether-runtime[{extra}] ({module})")
 
 
 def adapter_cancel_pydantic_ai(cfg: Cfg) -> Iterator[Samples]:

@@ -32,7 +32,7 @@ def _need_openai() -> None:
     try:
         import openai  # noqa: F401
     except ImportError:
-        raise Skip("the agent kit needs the extra tether[agents] (openai)") from None
+        raise Skip("the agent kit needs the extra tether-runtime[agents] (openai)") from None
 
 
 def _port(server: ModelServer) -> int:

@@ -99,7 +99,7 @@ CASES: dict[str, Case] = {
         _c("tether.pause_resume", "tether_cases:pause_resume", (3, 7), (60, 300)),
         _c("tether.pause_cgroup", "tether_cases:pause_cgroup", (3, 7), (60, 300), optional=True),
         _c("tether.watchdog_overhead", "tether_cases:watchdog_overhead", (3, 7), (120, 600)),
-        # Issue 30: host CPU per turn with telemetry on vs off (needs tether[otel]).
+        # Issue 30: host CPU per turn with telemetry on vs off (needs tether-runtime[otel]).
         _c(
             "tether.telemetry_overhead",
             "tether_cases:telemetry_overhead",
@@ -119,9 +119,9 @@ CASES: dict[str, Case] = {
             (120, 600),
             optional=True,
         ),
-        # Issue 18: the MCP client's cancel reaching a real stdio server (tether[agents]).
+        # Issue 18: the MCP client's cancel reaching a real stdio server (tether-runtime[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
-        # Issue 18: the agent kit against the model server (needs tether[agents]).
+        # Issue 18: the agent kit against the model server (needs tether-runtime[agents]).
         _c(
             "tether.cancel_inflight",
             "agent_cases:cancel_inflight",
@@ -180,7 +180,7 @@ CASES: dict[str, Case] = {
         _c("peer.pykka", "peers:pykka_peer", (3, 7), (30, 120), optional=True),
         _c("peer.thespian", "peers:thespian_peer", (3, 7), (60, 300), optional=True),
         _c("peer.ray", "peers:ray_peer", (3, 5), (150, 600), optional=True),
-        # Tether on Ray (issue 12); skipped with a note when Ray (tether[ray]) is absent.
+        # Tether on Ray (issue 12); skipped with a note when Ray (tether-runtime[ray]) is absent.
         _c("tether.ray", "ray_cases:ray_backend", (2, 5), (300, 900), optional=True),
         _c("tether.ray_cgroup", "ray_cases:ray_backend_cgroup", (2, 5), (300, 900), optional=True),
     )

@@ -87,7 +87,9 @@ def mcp_cancel(cfg: Cfg) -> Iterator[Samples]:
         from tether.agents import McpTools
         from tether.testing.mcp_server import LOG_ENV
     except ImportError as e:
-        raise Skip(f"the mcp SDK is not installed ({e}); pip install 'tether[agents]'") from e
+        raise Skip(
+            f"the mcp SDK is not installed ({e}); pip install 'tether-runtime[agents]'"
+        ) from e
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "mcp.jsonl"
         path = os.pathsep.join(p for p in (*sys.path, os.environ.get("PYTHONPATH", "")) if p)

@@ -1,6 +1,6 @@
 """Tether on Ray (issue 12): a trivial turn, and an abort of a tree with a `setsid` escapee.
 
-Optional: without Ray (the extra `tether[ray]`) the case is skipped with a note. The case
+Optional: without Ray (the extra `tether-runtime[ray]`) the case is skipped with a note. The case
 starts its own local Ray (`ray.init` takes seconds; not timed) and runs the same
 `tether.Runtime` API as the local cases, with `backend="ray"`: two slots and a spare.
 Read next to `peer.ray_cancel_force_p50_ms`, Ray's own stop, measured in the same run.
@@ -41,7 +41,7 @@ def ray_backend_cgroup(cfg: Cfg) -> Iterator[Samples]:
 
 def _ray_case(cfg: Cfg, containment: str) -> Iterator[Samples]:
     if importlib.util.find_spec("ray") is None:
-        raise Skip("Ray is not installed; the extra tether[ray] includes it")
+        raise Skip("Ray is not installed; the extra tether-runtime[ray] includes it")
     options = {"init_options": {"num_cpus": 2}}
     try:
         rt = tether.Runtime(workers=2, backend="ray", containment=containment, ray_options=options)

@@ -786,7 +786,7 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
     """Host CPU per trivial turn with telemetry on (spans exported over OTLP/HTTP to a
     sink on loopback) vs off, the two runtimes measured alternately in the same process
     (as ``watchdog_overhead``). The figure is the extra host CPU, in percent. Skipped
-    without the extra tether[otel].
+    without the extra tether-runtime[otel].
 
     Each sample is one round of ``_alternated`` short batches (off, on, on, off); a
     repetition is several rounds, and the figure their pooled median. A round's
@@ -799,7 +799,7 @@ def telemetry_overhead(cfg: Cfg) -> Iterator[Samples]:
     try:
         import opentelemetry.sdk  # noqa: F401
     except ImportError:
-        raise Skip("needs the extra tether[otel]") from None
+        raise Skip("needs the extra tether-runtime[otel]") from None
     n, rounds, sessions = cfg.n(150, 300), cfg.n(12, 20), 8
     sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     try:
@@ -846,14 +846,14 @@ def telemetry_abort(cfg: Cfg) -> Iterator[Samples]:
     """`abort_ms` of `abort` with telemetry off and on (spans exported to the sink), the
     two runtimes taking turns, abort for abort, in the same process: a traced worker is
     killed as fast (no export stands in the abort's way; the host then makes the turn's
-    span). Skipped without the extra tether[otel]."""
+    span). Skipped without the extra tether-runtime[otel]."""
     import subprocess
     import sys
 
     try:
         import opentelemetry.sdk  # noqa: F401
     except ImportError:
-        raise Skip("needs the extra tether[otel]") from None
+        raise Skip("needs the extra tether-runtime[otel]") from None
     sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     try:
         assert sink.stdout is not None

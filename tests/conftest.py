@@ -6,7 +6,7 @@ and then checks with psutil that no process the test started is left running.
 Backends: the ``rt`` fixture runs on ``backend`` (``"local"`` unless a module lists
 ``BACKENDS = ("local", "ray")``, which runs each of its ``rt`` tests on both). Ray is
 started once per test session (``ray_session``); without Ray installed the Ray cases
-skip, naming the extra ``tether[ray]``; with Ray installed but broken they error.
+skip, naming the extra ``tether-runtime[ray]``; with Ray installed but broken they error.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def no_leaked_processes() -> Iterator[None]:
             pytest.fail(f"processes leaked past teardown: {names}")
 
 
-RAY_MISSING = "the Ray backend needs the extra tether[ray] (pip install -e '.[ray]')"
+RAY_MISSING = "the Ray backend needs the extra tether-runtime[ray] (pip install -e '.[ray]')"
 
 
 def _installed(name: str) -> bool:

@@ -108,8 +108,10 @@ class LiveServer:
         *args: str,
         env: dict[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.workdir = workdir
+        self.cwd = cwd  # the directory it is started in (None: the test's)
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.preexec_fn = preexec_fn  # runs in the child before exec (e.g. lower a rlimit)
@@ -134,6 +136,7 @@ class LiveServer:
                 stderr=log,
                 env=self.env,
                 preexec_fn=self.preexec_fn,
+                cwd=self.cwd,
             )
 
         def bound() -> str | None:
@@ -248,8 +251,9 @@ def running_server(
     *args: str,
     env: dict[str, str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[LiveServer]:
-    server = LiveServer(workdir, *args, env=env, preexec_fn=preexec_fn).start()
+    server = LiveServer(workdir, *args, env=env, preexec_fn=preexec_fn, cwd=cwd).start()
     try:
         yield server
     finally:

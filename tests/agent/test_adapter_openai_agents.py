@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether[openai-agents]")
+pytest.importorskip("agents", reason="the OpenAI Agents SDK needs tether-runtime[openai-agents]")
 
 import tether
 from drivers import SCRIPTED, Recorder, entries, eventually, family, runtime, texts
@@ -309,7 +309,6 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
     root = rt.open_session(SCRIPTED)
     configs = [
         {"model": {"base_url": server.url}},  # no agent
-        {**_config(server, "oai-refused"), "agent": "adapter_agents_oai:nobody"},
         {**_config(server, "oai-refused"), "tools": ["rm_rf"]},
         _config(server, "oai-refused"),
     ]
@@ -320,8 +319,12 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
         assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
         assert all("Traceback" not in e.text for e in rt.transcript(sid))
         errors.append(ended["error"])
-    assert "config.agent" in errors[0] and "nobody" in errors[1]
-    assert "rm_rf" in errors[2] and "HTTP 400: no such model" in errors[3]
+    assert "config.agent" in errors[0]
+    assert "rm_rf" in errors[1] and "HTTP 400: no such model" in errors[2]
+    # a factory that is not there is refused at the spawn itself (issue 42, item 15)
+    nobody = {**_config(server, "oai-refused"), "agent": "adapter_agents_oai:nobody"}
+    with pytest.raises(tether.DriverNotFound, match="nobody"):
+        rt.spawn(root, OAI, slug="bad-factory", config=nobody, prompt="hi")
 
 
 def test_a_cancel_during_a_function_tool_stops_it_and_the_next_turn_sees_the_call_unanswered(

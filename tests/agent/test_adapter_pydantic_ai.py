@@ -303,7 +303,6 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
         {**good, "model": {**good["model"], "api_key": "sk-literal"}},
         {**good, "tools": ["rm_rf"]},
         {**good, "model": {**good["model"], "api_key_env": "TETHER_NO_SUCH_VAR"}},
-        {**good, "agent": "adapter_agents:no_such_factory"},
         good,
     ]
     errors = []
@@ -315,9 +314,13 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
         assert all("Traceback" not in e.text for e in rt.transcript(sid))
         errors.append(ended["error"])
     assert "api_key_env" in errors[0] and "rm_rf" in errors[1]
-    assert "TETHER_NO_SUCH_VAR" in errors[2] and "no_such_factory" in errors[3]
-    assert "HTTP 400" in errors[4] and "no such model" in errors[4], errors[4]
+    assert "TETHER_NO_SUCH_VAR" in errors[2]
+    assert "HTTP 400" in errors[3] and "no such model" in errors[3], errors[3]
     assert len(server.requests_for("pyd-refused")) == 1  # a 400 is not retried
+    # a factory that is not there is refused at the spawn itself (issue 42, item 15)
+    nobody = {**good, "agent": "adapter_agents:no_such_factory"}
+    with pytest.raises(tether.DriverNotFound, match="no_such_factory"):
+        rt.spawn(root, ADAPTER, slug="bad-factory", config=nobody, prompt="hi")
 
 
 @pytest.mark.timeout(120)

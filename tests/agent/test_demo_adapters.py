@@ -28,7 +28,7 @@ def test_the_adapters_demo_steers_cancels_and_aborts_each_framework_leaving_no_p
     assert [p.split(" ─")[0] for p in parts] == list(frameworks)
     for part, (title, (module, extra)) in zip(parts, frameworks.items(), strict=True):
         if importlib.util.find_spec(module) is None:
-            assert f"skipped: pip install 'tether[{extra}]' brings {title}" in part
+            assert f"skipped: pip install 'tether-runtime[{extra}]' brings {title}" in part
             continue
         # the steer reached the next request and its marker sits before the reply to it
         assert 'its next model request carries: <steer origin="user" by="you">take the' in part

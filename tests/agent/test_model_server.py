@@ -188,3 +188,50 @@ def test_a_server_in_a_process_of_its_own_is_scripted_and_queried_over_http() ->
         gone = server.wait_disconnect(server.requests[-1].id)
         assert [r.script for r in server.requests] == ["named", "m"]
         assert server.requests[-1].outcome == "disconnected" and gone.time > 0
+
+
+def _keys_read_by_the_handlers() -> set[str]:
+    """Every ``reply.get("key")`` and ``reply["key"]`` in the server's code: the keys a
+    script's reply can hold, found where they take effect."""
+    import ast
+    import inspect
+
+    from tether.testing import model_server
+
+    def is_reply(node: ast.expr) -> bool:
+        return isinstance(node, ast.Name) and node.id == "reply"
+
+    keys: set[str] = set()
+    for node in ast.walk(ast.parse(inspect.getsource(model_server))):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "get" and is_reply(node.func.value) and node.args:
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_reply(node.value):
+            key = node.slice
+        if isinstance(key, ast.Constant):
+            keys.add(str(key.value))
+    return keys
+
+
+@pytest.mark.timeout(60)
+def test_help_lists_every_reply_key_the_server_reads_with_a_line_each() -> None:
+    from drivers import ROOT
+    from tether.testing.model_server import REPLY_KEYS
+
+    read = _keys_read_by_the_handlers()
+    assert {"text", "tool_calls", "chunk", "pace", "hang", "status", "usage"} <= read
+    assert set(REPLY_KEYS) == read
+    shown = subprocess.run(
+        [sys.executable, "-m", "tether.testing.model_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    lines = shown.splitlines()
+    for key in read:
+        [line] = [x for x in lines if x.split()[:1] == [key]]
+        assert REPLY_KEYS[key] in line, line
+    page = (ROOT / "docs" / "model-server.md").read_text(encoding="utf-8")
+    assert all(f"| `{key}` |" in page for key in read), "docs/model-server.md's reply table"

@@ -26,7 +26,10 @@ from drivers import ROOT
 
 README = ROOT / "README.md"
 # The reference pages the README's sections moved to: their blocks run as the README's do.
-PAGES = [README, *(ROOT / "docs" / n for n in ("tools.md", "scaling.md", "protocols.md"))]
+PAGES = [
+    README,
+    *(ROOT / "docs" / n for n in ("tools.md", "scaling.md", "protocols.md", "model-server.md")),
+]
 _MARK = re.compile(r"<!--\s*not-a-script:\s*(.*?)\s*-->")
 _DEADLINE = 120.0  # seconds for one block: the slowest waits out a grace or two
 

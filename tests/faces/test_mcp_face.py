@@ -367,7 +367,7 @@ def test_mcp_and_a2a_refuse_a_page_of_another_origin_that_lacks_the_token(
 
 def test_serve_without_the_agents_extra_says_so_on_mcp_and_a2a(tmp_path: Path) -> None:
     # Packages named mcp and a2a that cannot be imported stand for an install without
-    # the extra tether[agents].
+    # the extra tether-runtime[agents].
     shadow = tmp_path / "shadow"
     for name in ("mcp", "a2a"):
         (shadow / name).mkdir(parents=True)
@@ -377,7 +377,7 @@ def test_serve_without_the_agents_extra_says_so_on_mcp_and_a2a(tmp_path: Path) -
         for path in ("/mcp", "/a2a", "/.well-known/agent-card.json"):
             method = "GET" if path.startswith("/.well-known") else "POST"
             status, body = server.request(method, path, b"{}")
-            assert status == 501 and b"tether[agents]" in body, (path, status, body)
+            assert status == 501 and b"tether-runtime[agents]" in body, (path, status, body)
         assert server.call("session.open", {"driver": "tether:Scripted"})["session"]
     done = subprocess.run(
         [TETHER, "mcp", "--path", str(tmp_path / "y.db")],
@@ -387,7 +387,7 @@ def test_serve_without_the_agents_extra_says_so_on_mcp_and_a2a(tmp_path: Path) -
         env={**os.environ, **env},
         stdin=subprocess.DEVNULL,
     )
-    assert done.returncode == 1 and "tether[agents]" in done.stderr, done.stderr
+    assert done.returncode == 1 and "tether-runtime[agents]" in done.stderr, done.stderr
 
 
 def test_the_server_and_the_command_import_neither_sdk_until_a_face_is_built() -> None:

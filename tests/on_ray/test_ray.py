@@ -295,6 +295,29 @@ def test_with_no_spare_a_new_driver_is_checked_beside_a_busy_slot_and_an_abort_r
         assert len(rt.worker_pids) == 1
 
 
+def test_an_adapter_factory_that_cannot_be_imported_is_refused_at_spawn_on_ray(
+    ray_session: Any,
+) -> None:
+    """Issue 42, item 15, on Ray: a slot's child imports the factory (idle slot), or a new
+    process beside a busy slot's turn does; either refuses a missing one at the spawn."""
+    pytest.importorskip("pydantic_ai")
+    adapter = "tether.adapters.pydantic_ai:PydanticAIAgent"
+    model = {"base_url": "http://127.0.0.1:9/v1", "name": "never-asked"}  # no turn runs
+    good = {"agent": "adapter_agents:pydantic_ai_agent", "model": model}
+    with tether.Runtime(workers=1, grace=1.0, backend="ray", ray_options={"spare": 0}) as rt:
+        rec = Recorder(rt)
+        root, busy, me = family(rt, slug="child")
+        with pytest.raises(tether.DriverNotFound, match="no_such_factory"):
+            rt.spawn(root, adapter, config={**good, "agent": "adapter_agents:no_such_factory"})
+        assert isinstance(rt.spawn(root, adapter, config=good), str)
+        rt.send(busy, "hold the only slot", authority=me, data=HANG)
+        eventually(lambda: rt.status(busy).dispatched, timeout=5.0, what="busy to dispatch")
+        with pytest.raises(tether.DriverNotFound, match="'nowhere'"):
+            rt.spawn(root, adapter, config={**good, "agent": "nowhere:factory"})
+        rt.interrupt(busy, authority=me, kind="abort")
+        assert rec.turn_ended(busy, timeout=5.0)["outcome"] == "aborted"
+
+
 def _keepers(node: str) -> list[psutil.Process]:
     """The turn trees' keepers (see _ray_child) on ``node``: a ``_ray_child`` process
     whose parent is not a slot (init adopts them, or a subreaper host that started Ray).
@@ -461,4 +484,4 @@ def test_backend_ray_without_ray_raises_an_error_naming_the_extra() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
     )
-    assert "tether[ray]" in out.stdout, out
+    assert "tether-runtime[ray]" in out.stdout, out

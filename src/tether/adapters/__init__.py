@@ -2,8 +2,8 @@
 framework inside a Tether turn, so that every stop reaches inside it.
 
 One module per framework, each needing its own extra: ``pydantic_ai``
-(``tether[pydantic-ai]``), ``openai_agents`` (``tether[openai-agents]``) and
-``claude_code`` (``tether[claude]``). Nothing here is imported by the engine.
+(``tether-runtime[pydantic-ai]``), ``openai_agents`` (``tether-runtime[openai-agents]``) and
+``claude_code`` (``tether-runtime[claude]``). Nothing here is imported by the engine.
 """
 
 from __future__ import annotations

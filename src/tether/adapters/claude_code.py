@@ -1,6 +1,6 @@
 """``tether.adapters.claude_code:ClaudeCodeAgent``: Claude Code as a Tether agent.
 
-An async driver over ``claude-agent-sdk`` (extra ``tether[claude]``); the CLI and its Bash
+An async driver over ``claude-agent-sdk`` (extra ``tether-runtime[claude]``); the CLI and its Bash
 commands run inside the turn's process tree. Config and behaviour:
 docs/adapters-claude_code.md; how each stop reaches the CLI: docs/design.md, section 12.3.
 """
@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import claude_agent_sdk  # noqa: F401  # the SDK: a worker without it refuses the driver
 import psutil
 import structlog
 

@@ -1,5 +1,5 @@
 """``tether.adapters.openai_agents:OpenAIAgentsAgent``: an OpenAI Agents SDK agent as a
-Tether async driver, extra ``tether[openai-agents]``.
+Tether async driver, extra ``tether-runtime[openai-agents]``.
 
 Config and behaviour: docs/adapters-openai_agents.md; where steers, cancels and preempts
 enter the SDK's run: docs/design.md, section 12.3.
@@ -22,6 +22,7 @@ from agents import FunctionTool, Model, ModelSettings, OpenAIChatCompletionsMode
 from agents.exceptions import AgentsException
 from agents.models.multi_provider import MultiProvider
 
+from tether.adapters._factory import check_factory
 from tether.agents.chat import (
     ModelError,
     _Config,
@@ -55,6 +56,12 @@ class OpenAIAgentsAgent:
     """An ``agents.Agent`` run as a Tether turn: ``rt.open_session(
     "tether.adapters.openai_agents:OpenAIAgentsAgent", config={"agent": "pkg.mod:factory",
     "model": {...}, "tools": [...]})``."""
+
+    @staticmethod
+    def check_config(config: dict[str, Any]) -> None:
+        """At open and spawn, in a worker: the ``agent`` factory imports (else
+        ``driver-not-found``, before any turn)."""
+        check_factory(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
         agents.set_tracing_disabled(True)  # no trace export: offline, and not ours to send

@@ -8,14 +8,18 @@ framework's loop: docs/design.md, section 12.3.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
-import importlib.util
 import json
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic_ai  # noqa: F401  # the framework: a worker without it refuses the driver
 import structlog
 
+from tether.adapters._factory import check_factory
 from tether.adapters._steers import SteerRelay
 from tether.agents import chat
 
@@ -106,9 +110,13 @@ class PydanticAIAgent:
     """A Pydantic AI agent: ``rt.open_session("tether.adapters.pydantic_ai:PydanticAIAgent",
     config={"agent": "pkg.mod:factory", "model": {...}, "tools": [...]})``."""
 
+    @staticmethod
+    def check_config(config: dict[str, Any]) -> None:
+        """At open and spawn, in a worker: the ``agent`` factory imports (else
+        ``driver-not-found``, before any turn)."""
+        check_factory(config)
+
     async def run(self, ctx: AsyncTurnContext) -> str | None:
-        if importlib.util.find_spec("pydantic_ai") is None:
-            raise ModelError("PydanticAIAgent needs the extra tether[pydantic-ai]")
         try:
             cfg = _config(ctx.config)
             agent = _agent_of_config(cfg, ctx.config)
@@ -137,10 +145,39 @@ def _agent_of_config(cfg: _Config, raw: dict[str, Any]) -> Any:
         factory = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise InvalidParams(f"config.agent: cannot import {cfg.factory}: {exc}") from None
-    agent = factory(raw)
+    if cfg.model is None:
+        agent = factory(raw)
+    else:
+        with _model_names_kept():
+            agent = factory(raw)
     if not isinstance(agent, AbstractAgent):
         raise InvalidParams(f"config.agent: {cfg.factory} returned {type(agent).__name__}")
     return agent
+
+
+_infer_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _model_names_kept() -> Iterator[None]:
+    """While a factory runs whose model ``config.model`` replaces: an ``Agent("openai:…")``
+    keeps its model as a name, as ``defer_model_check=True`` would, so building it needs
+    no provider and so no key (Pydantic AI builds the provider, which insists on its
+    key, when the agent is made). A model object the factory builds itself is untouched.
+    """
+    from pydantic_ai import models
+
+    with _infer_lock:
+        infer = models.infer_model
+
+        def keep_name(model: Any, *args: Any, **kwargs: Any) -> Any:
+            return model if isinstance(model, str) else infer(model, *args, **kwargs)
+
+        models.infer_model = keep_name
+        try:
+            yield
+        finally:
+            models.infer_model = infer
 
 
 class _Turn:

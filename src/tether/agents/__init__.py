@@ -2,7 +2,7 @@
 
 ``"tether.agents:ChatAgent"`` is a model agent over any OpenAI-compatible endpoint;
 ``McpTools`` its client for MCP tool servers. This room stands on the engine's public
-driver API; nothing outside it imports it (it needs the extra ``tether[agents]``: the
+driver API; nothing outside it imports it (it needs the extra ``tether-runtime[agents]``: the
 ``openai`` client, the ``mcp`` SDK).
 """
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="model agents (tether.agents:ChatAgent) against a local scripted model "
         "server: a steer, a cancel cutting a streamed reply, a preempt of a hung tool "
-        "(needs the extra tether[agents])",
+        "(needs the extra tether-runtime[agents])",
     )
     parser.add_argument(
         "--adapters",

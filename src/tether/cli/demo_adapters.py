@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, fw in enumerate(_FRAMEWORKS, 1):
             console.rule(f"{i}. {fw.title}")
             if importlib.util.find_spec(fw.module) is None:
-                say(f"skipped: pip install 'tether[{fw.extra}]' brings {fw.title}", "dim")
+                say(f"skipped: pip install 'tether-runtime[{fw.extra}]' brings {fw.title}", "dim")
                 continue
             _framework(rt, server, lead, me, fw, os.path.join(tmp, fw.extra), say)
     console.print("[bold green]demo finished: every stream closed, every process stopped[/]")

@@ -19,7 +19,7 @@ def _lookup(topic: str) -> str:
 
 
 def pydantic_ai_agent(config: dict[str, Any]) -> Any:
-    """A ``pydantic_ai.Agent`` with a ``lookup`` tool (extra ``tether[pydantic-ai]``)."""
+    """A ``pydantic_ai.Agent`` with a ``lookup`` tool (extra ``tether-runtime[pydantic-ai]``)."""
     from pydantic_ai import Agent
 
     agent: Agent[None, str] = Agent("test", instructions=_INSTRUCTIONS)
@@ -34,7 +34,7 @@ def pydantic_ai_agent(config: dict[str, Any]) -> Any:
 
 def openai_agents_agent(config: dict[str, Any]) -> Any:
     """An ``agents.Agent`` (OpenAI Agents SDK) with a ``lookup`` tool (extra
-    ``tether[openai-agents]``)."""
+    ``tether-runtime[openai-agents]``)."""
     from agents import Agent, function_tool
 
     @function_tool

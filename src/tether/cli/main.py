@@ -560,7 +560,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return _run_serve(serve, args)
-    except TetherError as exc:  # e.g. --backend ray without the extra tether[ray]
+    except TetherError as exc:  # e.g. --backend ray without the extra tether-runtime[ray]
         print(f"tether serve: {exc.message}", file=sys.stderr)
         return 1
 
@@ -693,7 +693,7 @@ def _add_store_path(p: argparse.ArgumentParser) -> None:
 
 
 def _add_face_options(p: argparse.ArgumentParser) -> None:
-    group = p.add_argument_group("MCP and A2A clients (the extra tether[agents])")
+    group = p.add_argument_group("MCP and A2A clients (the extra tether-runtime[agents])")
     group.add_argument(
         "--driver",
         default="tether:Scripted",
@@ -947,7 +947,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("local", "ray"),
         default="local",
-        help="where turns run: local worker processes, or a Ray cluster (tether[ray])",
+        help="where turns run: local worker processes, or a Ray cluster (tether-runtime[ray])",
     )
     p.add_argument(
         "--ray-address",
@@ -978,7 +978,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         default=None,
         help="export OpenTelemetry traces over OTLP/HTTP to this base URL, e.g. "
-        "http://127.0.0.1:4318 (tether[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
+        "http://127.0.0.1:4318 (tether-runtime[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
     )
     p.add_argument(
         "--cancel-deadline",
@@ -993,7 +993,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a Tether runtime embedded, speaking the Model Context Protocol on\n"
         "stdin/stdout (stdout carries only the protocol; logs go to stderr). The client\n"
         "owns the root agents it opens with spawn_agent (and those given with --root).\n"
-        "Needs the extra tether[agents].",
+        "Needs the extra tether-runtime[agents].",
         epilog="example (an MCP client's config):\n"
         '  {"mcpServers": {"tether": {"command": "tether", "args": ["mcp", "--path", '
         '"/home/me/.tether/state.db"]}}}',
@@ -1012,6 +1012,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_from_cwd() -> None:
+    """A server's workers import the user's drivers and factories from the directory it
+    was started in, as ``python -m`` or a script's would: the workers take the host's
+    import path, and the ``tether`` script's first entry is its own bin directory."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["demo"]:  # the demo owns its arguments and its --help
@@ -1022,10 +1031,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     if args.command == "steer" and not (args.text or args.reason):
         parser.error("steer needs the guidance: TEXT or --reason")
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "mcp":
-        return _mcp(args)
+    if args.command in ("serve", "mcp"):
+        _import_from_cwd()
+        return _serve(args) if args.command == "serve" else _mcp(args)
     client = Client(args.url, token=find_token(args.url, args.token))
     try:
         return int(args.run(args, client))

@@ -8,7 +8,7 @@ calls (the store and authority stay in the host process whatever the backend).
 
 Two ship: ``"local"``, the process :class:`~tether.runtime.backends.pool.Pool` (the default),
 and ``"ray"``, :class:`~tether.runtime.backends.ray.RayBackend` (the optional extra
-``tether[ray]``, imported only when asked for). Every backend keeps the contract of
+``tether-runtime[ray]``, imported only when asked for). Every backend keeps the contract of
 semantics §14.6: a turn's end is reported only once its whole process tree is dead. Both keep
 that contract in one place, the turn table (``backends._turns``): each drives its workers
 and leaves every turn's life, from the queue to its one report, to the table.
@@ -41,9 +41,10 @@ BACKENDS = ("local", "ray")
 class Backend(Executor, Protocol):
     """An :class:`Executor` the ``Runtime`` can also probe, drain, close and list."""
 
-    def probe(self, driver: str) -> None:
-        """Check that a worker can load ``driver`` (DriverNotFound otherwise); the host
-        never imports driver code itself."""
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
+        """Check that a worker can load ``driver`` (DriverNotFound otherwise) and, where
+        its class has ``check_config``, that it takes ``config`` (that check's error
+        otherwise); the host never imports driver code itself."""
 
     def drain(self) -> None:
         """Take no new turns (the runtime is closing); running ones go on."""
@@ -77,7 +78,7 @@ def check_backend(backend: str | BackendFactory, ray_address: str | None) -> Non
     if backend == "ray" and importlib.util.find_spec("ray") is None:
         raise TetherError(
             "backend='ray' needs Ray, which is not installed: install the extra "
-            "tether[ray] (pip install 'tether-runtime[ray]')"
+            "tether-runtime[ray] (pip install 'tether-runtime[ray]')"
         )
 
 

@@ -153,7 +153,7 @@ class Runtime:
         tool_user: str | None = None,
     ) -> None:
         """``backend`` is where turns run (semantics §14.6): ``"local"`` (the process pool),
-        ``"ray"`` (a Ray cluster, the extra ``tether[ray]``: ``ray_address`` names it,
+        ``"ray"`` (a Ray cluster, the extra ``tether-runtime[ray]``: ``ray_address`` names it,
         none starts a local one; ``ray_options`` are RayBackend's settings), or a
         factory ``(workers, host) -> Backend``.
 
@@ -171,7 +171,7 @@ class Runtime:
         seconds; ``rt.cancel_deadline`` says which is in force.
 
         ``telemetry`` exports OpenTelemetry traces over OTLP from the host and every
-        worker (semantics §16.3, the extra ``tether[otel]``): ``True``, or settings
+        worker (semantics §16.3, the extra ``tether-runtime[otel]``): ``True``, or settings
         ``{"endpoint": "http://127.0.0.1:4318", "content": False, "service": "tether"}``;
         None (the default): on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; ``False``:
         off. The other ``OTEL_*`` variables are read by the SDK.
@@ -983,7 +983,7 @@ class Runtime:
         perms = check_settings(config, permissions)
         policy = None if stall is None else check_stall(stall)
         self._secrets.learn(config)  # from now on no worker's tool sees the keys it names
-        self._pool.probe(driver)
+        self._pool.probe(driver, config)
         return SessionHeader(
             id=new_id("s_"),
             parent=parent,

@@ -32,7 +32,7 @@ from tether.driver.toolenv import enter_turn, set_tool_user
 from tether.runtime._log import configure_logging
 from tether.telemetry import spans
 from tether.wire.codec import Channel
-from tether.wire.errors import DriverNotFound
+from tether.wire.errors import DriverNotFound, TetherError
 from tether.wire.frames import (
     CancelFrame,
     Disposed,
@@ -56,6 +56,21 @@ __all__ = ["load_driver", "worker_main"]
 
 _drivers: dict[str, type[Any]] = {}
 
+# Tether's own driver modules that need an extra: a failed import of one names it.
+_EXTRAS = {
+    "tether.agents": "agents",
+    "tether.adapters.pydantic_ai": "pydantic-ai",
+    "tether.adapters.openai_agents": "openai-agents",
+    "tether.adapters.claude_code": "claude",
+}
+
+
+def _needs_extra(module_name: str) -> str | None:
+    for module, extra in _EXTRAS.items():
+        if module_name == module or module_name.startswith(module + "."):
+            return extra
+    return None
+
 
 def load_driver(spec: str) -> type[Any]:
     """Load ``"package.module:Class"``; DriverNotFound with the reason otherwise."""
@@ -68,12 +83,40 @@ def load_driver(spec: str) -> type[Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        # a package of the extra missing, not a fault of Tether's own modules
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        extra = _needs_extra(module_name)
+        if extra is not None and missing and not missing.startswith("tether"):
+            wanted = f"tether-runtime[{extra}]"
+            raise DriverNotFound(
+                f"driver {spec!r} needs the extra {wanted} (pip install '{wanted}'): {exc}"
+            ) from None
         raise DriverNotFound(f"driver {spec!r}: cannot import {module_name!r}: {exc}") from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "run", None)):
         raise DriverNotFound(f"driver {spec!r}: {attr!r} is not a class with a run(ctx) method")
     _drivers[spec] = cls
     return cls
+
+
+def probe_driver(driver: str, config: dict[str, Any] | None) -> ProbeReply:
+    """Whether ``driver`` loads and, where its class has ``check_config(config)``, takes
+    ``config``: what the host asks a worker at open and spawn (it runs no driver code)."""
+    try:
+        cls = load_driver(driver)
+    except DriverNotFound as exc:
+        return ProbeReply(driver=driver, error=exc.message)
+    hook = getattr(cls, "check_config", None)
+    if not callable(hook):
+        return ProbeReply(driver=driver)
+    try:
+        hook(config or {})
+    except TetherError as exc:
+        return ProbeReply(driver=driver, error=exc.message, code=exc.code, checks_config=True)
+    except Exception as exc:  # the hook's own bug: the open is refused, with its words
+        error = f"driver {driver!r}: its config check failed: {type(exc).__name__}: {exc}"
+        return ProbeReply(driver=driver, error=error, checks_config=True)
+    return ProbeReply(driver=driver, checks_config=True)
 
 
 def _kill_command(proc: subprocess.Popen[bytes]) -> None:
@@ -269,12 +312,8 @@ class _Runner:
             match item:
                 case None:
                     return
-                case Probe(driver=driver):
-                    try:
-                        load_driver(driver)
-                        self.send(ProbeReply(driver=driver))
-                    except DriverNotFound as exc:
-                        self.send(ProbeReply(driver=driver, error=exc.message))
+                case Probe(driver=driver, config=config):
+                    self.send(probe_driver(driver, config))
                 case Disposed(sessions=sessions):
                     self._disposed(sessions)
                 case RunTurn():

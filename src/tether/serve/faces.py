@@ -1,6 +1,6 @@
 """What the protocol faces (MCP at ``/mcp`` and ``tether mcp``, A2A at ``/a2a``) share.
 
-The faces need the extra ``tether[agents]`` (the official ``mcp`` and ``a2a-sdk``
+The faces need the extra ``tether-runtime[agents]`` (the official ``mcp`` and ``a2a-sdk``
 packages); this module imports neither, so ``tether serve`` runs without them and says
 so when ``/mcp`` or ``/a2a`` is asked for. What the faces take and read is in
 ``face_kit``, which imports no face.
@@ -49,7 +49,7 @@ def missing_extra(face: str) -> str | None:
     try:
         importlib.import_module(module)
     except ImportError:
-        return f"the {face.upper()} face needs the extra tether[agents]: {AGENTS_EXTRA}"
+        return f"the {face.upper()} face needs the extra tether-runtime[agents]: {AGENTS_EXTRA}"
     return None
 
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (semantics §16.3), extra ``tether[otel]``: a room of its own.
+"""OpenTelemetry traces (semantics §16.3), extra ``tether-runtime[otel]``: a room of its own.
 
 The engine calls the thin hooks here; with telemetry off they are no-ops and nothing of
 ``opentelemetry`` is imported, no exporter thread runs, nothing is exported. With it on

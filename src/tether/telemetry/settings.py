@@ -62,7 +62,9 @@ def resolve(telemetry: object) -> Settings | None:
     else:
         raise InvalidParams("telemetry must be True, False, None or a dict of settings")
     if not _installed():
-        raise InvalidParams("telemetry needs the extra tether[otel] (pip install 'tether[otel]')")
+        raise InvalidParams(
+            "telemetry needs the extra tether-runtime[otel] (pip install 'tether-runtime[otel]')"
+        )
     try:
         return msgspec.convert(asked, Settings)
     except msgspec.ValidationError as exc:

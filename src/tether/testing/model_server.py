@@ -1,7 +1,7 @@
 """A model server that replays a script, on two wires (OpenAI chat completions and Anthropic
 Messages), for tests, demos and benchmarks: real HTTP on loopback, no key, no network, and
 a record of every request and disconnect. The script's format, the HTTP controls and the
-command line: docs/design.md, section 12.4.
+command line: docs/model-server.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import select
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -23,7 +24,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Disconnect", "ModelServer", "Request", "main"]
+__all__ = ["REPLY_KEYS", "Disconnect", "ModelServer", "Request", "main"]
+
+# Every key a script's reply may hold, and what it does: `--help` lists them, and so does
+# docs/model-server.md (a test holds both to the keys the handlers read).
+REPLY_KEYS: dict[str, str] = {
+    "text": "the reply's text (streamed in chunks when the request asks for a stream)",
+    "tool_calls": 'tool calls: [{"name": ..., "arguments": {...} or "<json>", "id": ...}]',
+    "chunk": "characters per streamed chunk (default 8)",
+    "pace": "seconds between streamed chunks (default 0)",
+    "delay": "seconds to wait before answering (default 0)",
+    "hang": "true: send what there is, then never end (until the client goes away)",
+    "status": "answer with this HTTP error instead (429, 500, ...; default 200)",
+    "message": "the error's message (default: the status's reason)",
+    "count": "how many requests this reply answers before the next one (default 1)",
+    "usage": "the token usage to report (either wire's names); default counted, null: none",
+}
 
 _DEFAULT = "default"
 _POLL = 0.005  # how often a hung or paced response looks for the client's going away
@@ -822,9 +838,31 @@ def _prioritize() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    width = max(len(k) for k in REPLY_KEYS)
+    keys = "\n".join(f"  {k:<{width}}  {what}" for k, what in REPLY_KEYS.items())
     parser = argparse.ArgumentParser(
         prog="python -m tether.testing.model_server",
-        description="An OpenAI-compatible chat-completions server replaying a script.",
+        description=textwrap.fill(
+            "A model server that replays a script, for agents with no key and no network: "
+            "OpenAI chat completions at the URL it prints first (/chat/completions below "
+            "it) and Anthropic Messages at that URL's root (/v1/messages)."
+        ),
+        epilog="\n\n".join(
+            [
+                textwrap.fill(
+                    "A script is a list of replies, used in order (the last one repeats). "
+                    "Named scripts ({name: [replies]} in --script) answer the requests "
+                    "whose model (or X-Tether-Script header) names them; the others get "
+                    "the script 'default'."
+                ),
+                f"reply keys:\n{keys}",
+                textwrap.fill(
+                    "POST /_tether/script {name, replies} sets a script; GET /_tether/log "
+                    "shows every request and disconnect. More: docs/model-server.md."
+                ),
+            ]
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="default: a free port")

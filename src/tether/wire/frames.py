@@ -181,7 +181,11 @@ class SpanEvent(msgspec.Struct, frozen=True, tag="span_event"):
 
 
 class Probe(msgspec.Struct, frozen=True, tag="probe"):
+    """Load ``driver``; with ``config``, also run its class's ``check_config`` on it (an
+    adapter's factory that cannot be imported is refused at open, not at the first turn)."""
+
     driver: str
+    config: dict[str, Any] | None = None
 
 
 class Disposed(msgspec.Struct, frozen=True, tag="disposed"):
@@ -327,8 +331,13 @@ class Escalating(msgspec.Struct, frozen=True, tag="escalating"):
 
 
 class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
+    """``error``: why the driver (or, by ``code``, its config) is refused; None: loaded.
+    ``checks_config``: its class has ``check_config``, so each new config is asked too."""
+
     driver: str
     error: str | None = None
+    code: str = "driver-not-found"
+    checks_config: bool = False
 
 
 WorkerFrame = (

@@ -5,7 +5,7 @@
 - ``pool``: the local process pool (``backend="local"``).
 - ``ray``, with ``_ray_actors`` (slot and reaper actors), ``_ray_child`` (a slot's turn
   worker and its keeper) and ``_ray_guard`` (takes down a Ray the host started):
-  ``backend="ray"``, the extra ``tether[ray]``; imported only when asked for.
+  ``backend="ray"``, the extra ``tether-runtime[ray]``; imported only when asked for.
 
 Each backend drives its workers and leaves each turn's life to the table.
 """

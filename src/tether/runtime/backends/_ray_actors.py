@@ -196,33 +196,36 @@ class Slot:
             groups.close()
 
     @ray.method(concurrency_group="turn")
-    def probe(self, driver: str) -> str | None:
-        """Ask the idle child to import ``driver``; its error, or None."""
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> bytes:
+        """Ask the idle child to import ``driver`` and check ``config``: its ProbeReply,
+        as JSON."""
         child = self.child
         if child is None:
             raise RuntimeError("no worker in this slot")
-        child.write(_encoder.encode(Probe(driver=driver)))
+        child.write(_encoder.encode(Probe(driver=driver, config=config)))
         while True:
             payload = child.read()
             if payload is None:
                 raise RuntimeError("the worker died while checking the driver")
             frame = _decoder.decode(payload)
             if isinstance(frame, ProbeReply) and frame.driver == driver:
-                return frame.error
+                return msgspec.json.encode(frame)
 
     @ray.method(concurrency_group="check")
-    def check(self, driver: str) -> str | None:
+    def check(self, driver: str, config: dict[str, Any] | None = None) -> bytes:
         """``probe`` for a busy slot: a new process on this node imports ``driver``."""
+        argv = ["--check", driver, msgspec.json.encode(config).decode()]
         done = subprocess.run(
-            [sys.executable, "-m", "tether.runtime.backends._ray_child", "--check", driver],
+            [sys.executable, "-m", "tether.runtime.backends._ray_child", *argv],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=_START_TIMEOUT,
         )
         if done.returncode == 0:
-            return None
-        return done.stdout.strip() or f"checking the driver failed: {done.stderr.strip()[-500:]}"
+            return done.stdout.strip().encode()
+        error = f"checking the driver failed: {done.stderr.strip()[-500:]}"
+        return msgspec.json.encode(ProbeReply(driver=driver, error=error))
 
     @ray.method(num_returns="streaming", concurrency_group="turn")
     def run(self, turn: str, start: bytes, pending: list[bytes]) -> Iterator[Any]:

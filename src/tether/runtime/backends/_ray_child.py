@@ -2,7 +2,8 @@
 its tree's keeper.
 
 ``python -m tether.runtime.backends._ray_child FD TOKEN [LEAF]`` runs a turn child;
-``--check DRIVER`` imports a driver and exits 0, or prints why not and exits 1. Why the
+``--check DRIVER [CONFIG_JSON]`` imports a driver, checks the config as a pool's worker
+would, and prints its ProbeReply as JSON. Why the
 keeper exists and how it is started: docs/design.md, section 11.
 """
 
@@ -13,10 +14,11 @@ import os
 import socket
 import sys
 
+import msgspec
+
 from tether.contain.cgroup import kill_leaf
 from tether.contain.procs import TREE_ENV, sweep
-from tether.runtime.worker import load_driver, worker_main
-from tether.wire.errors import DriverNotFound
+from tether.runtime.worker import probe_driver, worker_main
 
 _KEEPER_PASSES = 50
 
@@ -65,11 +67,8 @@ def main() -> None:
         _keep(sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
         return
     if sys.argv[1] == "--check":
-        try:
-            load_driver(sys.argv[2])
-        except DriverNotFound as exc:
-            print(exc.message)
-            sys.exit(1)
+        config = msgspec.json.decode(sys.argv[3]) if len(sys.argv) > 3 else None
+        print(msgspec.json.encode(probe_driver(sys.argv[2], config)).decode())
         return
     fd, token = int(sys.argv[1]), sys.argv[2]
     leaf = sys.argv[3] if len(sys.argv) > 3 else None

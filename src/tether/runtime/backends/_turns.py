@@ -9,24 +9,26 @@ tree is dead. The transitions and who calls them: docs/design.md, sections 4-6.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import structlog
 
 from tether.actors.ports import TurnOver, TurnSpec
 from tether.runtime.backends._held import Held
-from tether.wire.errors import DriverNotFound, FrameError, TetherError
+from tether.wire.errors import FrameError, TetherError, error_from_code
 from tether.wire.frames import (
     Delivered,
     Escalating,
     HostFrame,
     Preempt,
+    ProbeReply,
     Progress,
     RunTurn,
     Say,
@@ -535,27 +537,50 @@ class WorkerGone(Exception):
     """The worker asked to check a driver died meanwhile: ask another."""
 
 
+_CONFIGS_KEPT = 1024  # configs remembered as passed per backend; the oldest is forgotten
+
+
 class DriverChecks:
     """Each driver is checked once per backend (a worker imports it: the host never
-    runs driver code); a check whose worker died is asked again, twice at most."""
+    runs driver code), and, for a driver whose class checks its config
+    (``check_config``), each new config once too; a check whose worker died is asked
+    again, twice at most."""
 
     def __init__(self) -> None:
         self._checked: set[str] = set()
+        self._hooked: set[str] = set()  # of those, the drivers that check their config
+        self._configs: OrderedDict[tuple[str, str], None] = OrderedDict()  # passed
         self._lock = threading.Lock()
 
-    def check(self, driver: str, ask: Callable[[str], str | None]) -> None:
-        """``ask(driver)``: a worker's error importing it, or None; raises WorkerGone
-        when that worker died. DriverNotFound with the error."""
-        if driver in self._checked:
+    def check(
+        self,
+        driver: str,
+        config: dict[str, Any] | None,
+        ask: Callable[[str, dict[str, Any] | None], ProbeReply],
+    ) -> None:
+        """``ask(driver, config)``: a worker's answer; raises WorkerGone when that worker
+        died. The answer's error as its code's TetherError (DriverNotFound, mostly)."""
+        if driver in self._checked and driver not in self._hooked:
             return
+        key = (driver, json.dumps(config, sort_keys=True, default=str))
         with self._lock:
+            if driver in self._checked and (driver not in self._hooked or key in self._configs):
+                if key in self._configs:
+                    self._configs.move_to_end(key)
+                return
             for _ in range(3):
                 try:
-                    error = ask(driver)
+                    reply = ask(driver, config)
                 except WorkerGone:
                     continue
-                if error is not None:
-                    raise DriverNotFound(error)
+                if reply.checks_config:
+                    self._hooked.add(driver)
+                if reply.error is not None:
+                    raise error_from_code(reply.code, reply.error)
                 self._checked.add(driver)
+                if reply.checks_config:
+                    self._configs[key] = None
+                    while len(self._configs) > _CONFIGS_KEPT:
+                        self._configs.popitem(last=False)
                 return
         raise TetherError("workers kept dying while checking the driver")

@@ -56,6 +56,9 @@ log = structlog.get_logger("tether.pool")
 
 _PAUSE_WAIT = 2.0  # seconds a cgroup pause waits for the kernel's "frozen 1"
 _START_TIMEOUT = 30.0
+# A driver check imports the driver's module and, for an adapter, the user's factory
+# module (a framework such as the Agents SDK takes seconds to import on a busy machine).
+_PROBE_TIMEOUT = 30.0
 _DEATH_TIMEOUT = 5.0
 _CLOSE_TIMEOUT = 30.0
 _MAX_START_FAILURES = 3  # at construction only: later, a failed start is retried forever
@@ -284,7 +287,7 @@ class Pool(TableBackend["_Worker"]):
         self._next_spawn = 0.0
         self._checks = DriverChecks()
         self._probe_done = threading.Condition(self._lock)
-        self._probe_replies: dict[str, str | None] = {}
+        self._probe_replies: dict[str, ProbeReply] = {}
         self.limit_watch = LimitWatch(self._pids_limit_hit)  # its thread starts when needed
         self._finishing: list[_Worker] = []  # stream done after the tree died: the reaper's
         self._io = IOLoop()
@@ -324,16 +327,17 @@ class Pool(TableBackend["_Worker"]):
         with self._lock:
             return self._failures > 0
 
-    def probe(self, driver: str) -> None:
-        """Check that a worker can load ``driver``; DriverNotFound otherwise.
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
+        """Check that a worker can load ``driver`` and that its class takes ``config``
+        (``check_config``); DriverNotFound (or the check's error) otherwise.
 
         The warm spare does the import, so the host never runs driver code.
         """
-        self._checks.check(driver, self._probe_spare)
+        self._checks.check(driver, config, self._probe_spare)
 
-    def _probe_spare(self, driver: str) -> str | None:
+    def _probe_spare(self, driver: str, config: dict[str, Any] | None) -> ProbeReply:
         with self._lock:
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + _PROBE_TIMEOUT
             # only the spare: an active worker may be deep in a long turn
             while self._spare is None:
                 left = deadline - time.monotonic()
@@ -342,7 +346,7 @@ class Pool(TableBackend["_Worker"]):
                 self._changed.wait(left)
             target = self._spare
             self._probe_replies.pop(driver, None)
-            target.post(Probe(driver=driver))
+            target.post(Probe(driver=driver, config=config))
             while driver not in self._probe_replies and not target.doomed:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -737,7 +741,7 @@ class Pool(TableBackend["_Worker"]):
                 self._on_ready(w)
             case ProbeReply():
                 with self._lock:
-                    self._probe_replies[frame.driver] = frame.error
+                    self._probe_replies[frame.driver] = frame
                     self._probe_done.notify_all()
             case _:
                 self.turns.on_frame(w, frame)

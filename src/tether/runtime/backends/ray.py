@@ -30,7 +30,7 @@ from tether.runtime.backends._turns import (
 )
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import FrameError, InvalidParams, TetherError
-from tether.wire.frames import HostFrame, RunTurn, WorkerFrame
+from tether.wire.frames import HostFrame, ProbeReply, RunTurn, WorkerFrame
 
 __all__ = ["RayBackend", "ensure_ray", "ray_stdout_to_stderr", "shutdown_ray"]
 
@@ -46,7 +46,7 @@ _guard: subprocess.Popen[bytes] | None = None  # see _ray_guard
 
 
 def _ray() -> Any:
-    import ray  # the optional extra tether[ray]: imported only when this backend is used
+    import ray  # the optional extra tether-runtime[ray]: imported only when this backend is used
 
     return ray
 
@@ -356,13 +356,13 @@ class RayBackend(TableBackend[_Slot]):
             slots = list(self._all)
         return "cgroup" if slots and all(s.containment == "cgroup" for s in slots) else "walk"
 
-    def probe(self, driver: str) -> None:
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
         """A slot's idle child imports ``driver`` (the host never runs driver code): a
         spare's, else an idle slot's, else (every slot busy, ``spare=0``) a new process
         beside a busy slot's turn."""
-        self._checks.check(driver, self._probe_slot)
+        self._checks.check(driver, config, self._probe_slot)
 
-    def _probe_slot(self, driver: str) -> str | None:
+    def _probe_slot(self, driver: str, config: dict[str, Any] | None) -> ProbeReply:
         with self._lock:
             if self.turns.closed:
                 raise TetherError("the runtime is closed")
@@ -372,12 +372,12 @@ class RayBackend(TableBackend[_Slot]):
                 raise TetherError("no Ray slot to check the driver on")
             # submitted under the lock: no turn can be dispatched to it before
             target = slots[0]
-            call = (target.actor.probe if idle else target.actor.check).remote(driver)
+            call = (target.actor.probe if idle else target.actor.check).remote(driver, config)
         try:
-            error: str | None = _ray().get(call, timeout=_CALL_TIMEOUT)
+            reply: bytes = _ray().get(call, timeout=_CALL_TIMEOUT)
         except Exception:
             raise WorkerGone from None  # that slot died meanwhile: ask another
-        return error
+        return msgspec.json.decode(reply, type=ProbeReply)
 
     def _free_locked(self, s: _Slot) -> bool:
         """No turn, no kill under way, a child to run the next turn in."""
