@@ -37,6 +37,7 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
+from tether.wire.text import render_frame
 
 __all__ = ["ClaudeCodeAgent", "ClaudeCodeError"]
 
@@ -191,6 +192,8 @@ class _Turn:
         self.prompt = 0  # the streaming response's prompt tokens (its message_start)
         self.reported = [0, 0]  # prompt and completion tokens reported this turn
         self.deltas = 0  # content deltas the CLI streamed to us this turn
+        self.missed: list[str] = []  # earlier turns' user texts the saved session lacks
+        self.prompted = False  # the turn's message was handed to the CLI
 
     # ---- steers --------------------------------------------------------------------
 
@@ -498,7 +501,7 @@ async def _start(
 
     cwd = os.path.abspath(cfg.cwd or os.getcwd())
     session = str(uuid.uuid5(_NAMESPACE, ctx.session))
-    saved = _saved(history)
+    saved, missed = _saved(history, ctx.turn)
     env = {
         "CLAUDE_CONFIG_DIR": home,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -558,6 +561,7 @@ async def _start(
     )
     client = ClaudeSDKClient(options)
     turn = _Turn(ctx, client, session, cfg.model, forwarder)
+    turn.missed = missed
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
@@ -574,7 +578,13 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
     steering = asyncio.ensure_future(turn.relay())
     result: Any = None
     try:
-        await client.query(ctx.message.content)
+        if turn.missed:
+            # what the user said in turns whose session was lost, ahead of this message,
+            # as one user message: the model reads them in order, as it would have
+            await client.query(_user_message([*turn.missed, ctx.message.content]))
+        else:
+            await client.query(ctx.message.content)
+        turn.prompted = True
         async for msg in client.receive_messages():
             if _kind(msg) == "SystemMessage" and (msg.data or {}).get("status") == "requesting":
                 turn.requesting()
@@ -588,7 +598,9 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
             raise  # not this turn's cancel
         steering.cancel()
         result = await _wrap_up(client, turn)
-        return turn.finish(_save(home, turn))
+        # a session that never took this turn's message is not this turn's to keep: the
+        # next turn resumes the one before and tells the CLI this message again
+        return turn.finish(_save(home, turn) if turn.prompted else None)
     finally:
         steering.cancel()
     turn.finish(_save(home, turn))
@@ -649,11 +661,13 @@ async def _catch_up(client: Any, turn: _Turn, forwarder: Forwarder) -> Any:
     return None
 
 
-async def _user_message(text: str) -> AsyncIterator[dict[str, Any]]:
-    """One user message for ``client.query``, in the CLI's stream-json input shape."""
+async def _user_message(text: str | list[str]) -> AsyncIterator[dict[str, Any]]:
+    """One user message for ``client.query``, in the CLI's stream-json input shape (a
+    list: one text block each)."""
+    content: Any = text if isinstance(text, str) else [{"type": "text", "text": t} for t in text]
     yield {
         "type": "user",
-        "message": {"role": "user", "content": text},
+        "message": {"role": "user", "content": content},
         "parent_tool_use_id": None,
         "session_id": "default",
     }
@@ -763,11 +777,33 @@ def _kill_commands(client: Any, before: set[int]) -> None:
 # ---- the CLI's session, kept in Tether's store -------------------------------------
 
 
-def _saved(history: list[Entry]) -> dict[str, Any] | None:
-    for e in reversed(history):
+def _saved(history: list[Entry], turn: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The CLI's session saved last (None: none was), and what the user said in the
+    earlier turns after it, which that session never took (a turn aborted, or stopped or
+    failed before the CLI kept a session, saves none): their messages and the steers
+    taken in them, in order."""
+    saved: dict[str, Any] | None = None
+    since, covered = 0, None  # the entries after the saved one; the turn that saved it
+    for i in range(len(history) - 1, -1, -1):
+        e = history[i]
         data = e.data or {}
         if e.kind == "assistant" and isinstance(data.get(_SESSION_KEY), dict):
-            return dict(data[_SESSION_KEY])
+            saved, since, covered = dict(data[_SESSION_KEY]), i + 1, e.turn
+            break
+    missed = [
+        text
+        for e in history[since:]
+        if e.turn not in (covered, turn) and (text := _user_text(e)) is not None
+    ]
+    return saved, missed
+
+
+def _user_text(e: Entry) -> str | None:
+    """A turn's message, or a steer taken, as the model was told it."""
+    if e.kind in ("user", "notice"):
+        return e.text
+    if e.kind == "marker" and e.action == "steered":
+        return render_frame("steer", e.origin or "", e.by or "", e.reason or "")
     return None
 
 

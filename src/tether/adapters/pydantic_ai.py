@@ -41,6 +41,7 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
+from tether.wire.text import render_frame
 
 __all__ = ["PydanticAIAgent"]
 
@@ -369,10 +370,11 @@ def _dump(messages: list[Any]) -> list[Any]:
 
 
 def _history(entries: list[Entry], turn: str) -> list[Any]:
-    """The conversation so far: the messages stored with earlier turns' replies; every
-    tool call answered, by its ``tool`` entry where its result came back, else by a
-    result saying it was stopped."""
-    from pydantic_ai.messages import ModelMessagesTypeAdapter
+    """The conversation so far: the messages stored with earlier turns' replies, and what
+    no stored reply covers (a turn stopped or failed before a reply: its user message,
+    the steers taken since its last reply); every tool call answered, by its ``tool``
+    entry where its result came back, else by a result saying it was stopped."""
+    from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest
 
     turns: dict[str, list[Entry]] = {}
     for e in entries:
@@ -384,11 +386,28 @@ def _history(entries: list[Entry], turn: str) -> list[Any]:
         stored = [i for i, e in enumerate(own) if e.kind == "assistant" and _KEY in (e.data or {})]
         for i in stored:
             messages.extend(ModelMessagesTypeAdapter.validate_python((own[i].data or {})[_KEY]))
+        # a stored reply holds the requests before it: the user parts after the last one
+        # (or all of them, with none) went to the model with no reply kept
+        tail = own[stored[-1] + 1 :] if stored else own
+        parts = [p for e in tail if (p := _user_part(e)) is not None]
+        if parts:
+            messages.append(ModelRequest(parts=parts))
         for e in own:
             part = _result_part(e)
             if part is not None:
                 results[part.tool_call_id] = part
     return _answered(messages, results)
+
+
+def _user_part(e: Entry) -> Any | None:
+    """A turn's message, or a steer taken, as the user part its request carried."""
+    from pydantic_ai.messages import UserPromptPart
+
+    if e.kind in ("user", "notice"):
+        return UserPromptPart(e.text)
+    if e.kind == "marker" and e.action == "steered":
+        return UserPromptPart(render_frame("steer", e.origin or "", e.by or "", e.reason or ""))
+    return None
 
 
 def _result_part(e: Entry) -> Any | None:
