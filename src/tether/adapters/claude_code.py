@@ -193,6 +193,7 @@ class _Turn:
         self.reported = [0, 0]  # prompt and completion tokens reported this turn
         self.deltas = 0  # content deltas the CLI streamed to us this turn
         self.missed: list[str] = []  # earlier turns' user texts the saved session lacks
+        self.held: list[Any] = []  # tool results of the reply still streaming
         self.prompted = False  # the turn's message was handed to the CLI
 
     # ---- steers --------------------------------------------------------------------
@@ -328,8 +329,21 @@ class _Turn:
         text = reply.final_text()
         if text or calls:
             self.say(text, data={"tool_calls": calls} if calls else None)
+        self._release()
+
+    def _release(self) -> None:
+        """Write the tool results held for the reply just written."""
+        held, self.held = self.held, []
+        for block in held:
+            self._tool_result(block)
 
     def _tool_result(self, block: Any) -> None:
+        asking = self.reply.tool_calls() if self.reply is not None else []
+        if block.tool_use_id not in self.calls and block.tool_use_id in {c["id"] for c in asking}:
+            # the CLI answered a call of the reply still streaming (one it refuses by its
+            # own rule, before running anything): held until that reply's entry
+            self.held.append(block)
+            return
         call = self.calls.get(block.tool_use_id) or {}
         fn = call.get("function") or {}
         data: dict[str, Any] = {
@@ -377,7 +391,12 @@ class _Turn:
         self._flush()
         if last is not None:
             self.say(last.final_text(), data=data or None)
-        elif saved is not None:
+            # results the CLI gave for the calls of the cut reply follow it, named
+            self.calls.update({c["id"]: c for c in last.tool_calls()})
+            self._release()
+            return None
+        self._release()
+        if saved is not None:
             # nothing left to say (stopped while a tool ran): a silent entry keeps it, and
             # the turn's final text stays the last reply said
             self.ctx.say("", data=data)
