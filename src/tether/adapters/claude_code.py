@@ -584,9 +584,18 @@ async def _start(
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
+    # The SDK's own clean-up of a connect that fails or is cancelled waits for the CLI to
+    # exit (seconds, past a cancel's grace): a cancel kills the CLI's tree first.
+    connecting = asyncio.ensure_future(client.connect())
     try:
-        await client.connect()
+        await asyncio.shield(connecting)
     except BaseException:
+        if not connecting.done():
+            proc = _cli(client)
+            _kill_ours(turn.before, None if proc is None else proc.pid)
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
         await _stop(client, turn.before)
         raise
     return client, turn
