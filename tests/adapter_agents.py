@@ -7,13 +7,15 @@ points it at the test's model server (config ``model``).
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
 
 def pydantic_ai_agent(config: dict[str, Any]) -> Any:
-    """A Pydantic AI agent with two tools of its own: ``lookup`` answers at once,
-    ``slow_search`` takes a minute (a preempt's target)."""
+    """A Pydantic AI agent with tools of its own: ``lookup`` answers at once,
+    ``slow_search`` takes a minute (a preempt's target), ``wait_for_file`` returns once a
+    file appears (a test decides when it returns)."""
     from pydantic_ai import Agent
 
     # its own model never answers: the adapter's ``model`` must override it
@@ -31,6 +33,15 @@ def pydantic_ai_agent(config: dict[str, Any]) -> Any:
             Path(started).touch()
         await asyncio.sleep(60)
         return f"found {query}"
+
+    @agent.tool_plain
+    async def wait_for_file(path: str, started: str) -> str:
+        """Return once ``path`` exists; ``started``: a file to write the worker's pid to
+        once the call runs."""
+        Path(started).write_text(str(os.getpid()))
+        while not Path(path).exists():
+            await asyncio.sleep(0.01)
+        return f"{path} appeared"
 
     return agent
 

@@ -729,3 +729,27 @@ def test_each_response_counts_against_a_budget_as_it_streams_so_a_budget_stops_t
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (900, 100)
     # else the second request's prompt was spent too: in flight when the limit was crossed
     assert rt.budget(child).spent["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_a_tool_call_the_cli_refuses_by_itself_is_named_and_follows_the_reply_that_asked(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    # The CLI refuses a Bash command that is only a long ``sleep`` by its own rule, as
+    # soon as the call has streamed, before the reply's stream ends.
+    rec = Recorder(rt)
+    replies: list[dict[str, Any]] = [
+        {"text": "Waiting a while.", "tool_calls": [_bash("sleep 300")]},
+        {"text": "It would not wait."},
+    ]
+    _root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    rt.send(child, "wait five minutes", authority=me)
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
+    kinds = [e.kind for e in rt.transcript(child)]
+    assert kinds == ["user", "assistant", "tool", "assistant"], kinds
+    [call] = entries(rt, child, "assistant")[0].data["tool_calls"]  # type: ignore[index]
+    [tool] = entries(rt, child, "tool")
+    assert tool.data is not None and tool.data["tool_call_id"] == call["id"]
+    assert tool.data["name"] == "Bash" and tool.data.get("error") is True
+    assert json.loads(tool.data["arguments"])["command"] == "sleep 300"
+    # what the model read (the CLI adds a reminder of its own after it)
+    assert tool.text and tool.text in _tool_result(server.requests_for(MODEL)[1])

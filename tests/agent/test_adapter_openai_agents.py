@@ -418,3 +418,31 @@ def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     script = "oai-cut-loop"
     _, child, me = _agent(rt, server, script, CUT_REPLIES)
     cut_every_time(rt, server, script, child, me)
+
+
+def test_a_completed_handoff_has_its_tool_entry_and_later_turns_read_its_real_result(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    replies: list[dict[str, Any]] = [
+        {"tool_calls": [{"name": "transfer_to_prober", "arguments": {}}]},
+        {"text": "Prober here."},
+        {"text": "Still here."},
+    ]
+    extra = {"agent": "adapter_agents_oai:triage", "probe_file": str(tmp_path / "unused")}
+    _root, child, me = _agent(rt, server, "oai-handoff-kept", replies, **extra)
+    rt.send(child, "hand me over", authority=me)
+    assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
+    [asked] = entries(rt, child, "assistant")[0].data["tool_calls"]  # type: ignore[index]
+    transfer = '{"assistant": "prober"}'  # what the SDK tells the model of a handoff
+    [tool] = entries(rt, child, "tool")
+    assert tool.text == transfer and tool.data is not None
+    assert (tool.data["name"], tool.data["tool_call_id"]) == ("transfer_to_prober", asked["id"])
+    kinds = [e.kind for e in rt.transcript(child)]
+    assert kinds == ["user", "assistant", "tool", "assistant"], kinds
+
+    rt.send(child, "still there?", authority=me)
+    assert rec.turn_ended(child, count=2, timeout=60.0)["outcome"] == "completed"
+    messages = server.requests_for("oai-handoff-kept")[-1].body["messages"]
+    results = [m for m in messages if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in results] == [(asked["id"], transfer)]

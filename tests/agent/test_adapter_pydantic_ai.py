@@ -13,10 +13,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import tether
-from drivers import SCRIPTED, Recorder, entries, eventually, family, frozen, runtime, texts
+from drivers import (
+    SCRIPTED,
+    Recorder,
+    entries,
+    eventually,
+    family,
+    final_report,
+    frozen,
+    runtime,
+    texts,
+)
 from model_helpers import CUT_REPLIES, all_read, cut_every_time, last_notice, mcp_files, talking_to
 from tether import User
 from tether.testing import ModelServer
@@ -454,3 +465,97 @@ def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     script = "pyd-cut-loop"
     _, child, me = _agent(rt, server, script, CUT_REPLIES)
     cut_every_time(rt, server, script, child, me)
+
+
+def _tool_messages(request: Any) -> list[tuple[str, str]]:
+    """A request's tool results: (the call's name, as its reply asked, the result)."""
+    messages = request.body["messages"]
+    names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
+    return [(names[m["tool_call_id"]], m["content"]) for m in messages if m["role"] == "tool"]
+
+
+@pytest.mark.parametrize("stopped", ["while-a-sibling-runs", "before-the-next-reply"])
+def test_a_tool_result_that_came_back_before_a_cancel_is_in_every_later_request(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path, stopped: str
+) -> None:
+    # ``lookup`` returns at once. Either its sibling ``slow_search`` still runs when the
+    # cancel lands, or every call has returned and the next reply's request is held
+    # before its first token: either way, only a call that never returned reads stopped.
+    rec = Recorder(rt)
+    script = f"pyd-kept-{stopped}"
+    started = tmp_path / "search.started"
+    calls: list[dict[str, Any]] = [{"name": "lookup", "arguments": {"key": "k1"}}]
+    if stopped == "while-a-sibling-runs":
+        search = {"query": "q", "started": str(started)}
+        calls.append({"name": "slow_search", "arguments": search})
+    replies: list[dict[str, Any]] = [
+        {"text": "Looking.", "tool_calls": calls},
+        {"hang": True},  # the next reply, when every call returned: held
+        {"text": "Second answer."},
+        {"text": "Third answer."},
+    ]
+    if stopped == "while-a-sibling-runs":
+        del replies[1]
+    _root, child, me = _agent(rt, server, script, replies)
+    rt.send(child, "look it up", authority=me)
+    if stopped == "while-a-sibling-runs":
+        eventually(started.exists, timeout=60.0, what="the slow search to run")
+        eventually(lambda: entries(rt, child, "tool"), what="lookup's result")
+    else:
+        server.wait_requests(2, script=script, timeout=60.0)
+        server.wait_for(lambda s: s.requests_for(script)[1].hanging, what="the held reply")
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "cancelled"
+
+    expected = [("lookup", "value-of-k1")]
+    if stopped == "while-a-sibling-runs":
+        expected.append(("slow_search", "(no result: stopped)"))
+    for count, question in [(2, "and now?"), (3, "and still?")]:
+        rt.send(child, question, authority=me)
+        assert rec.turn_ended(child, count=count, timeout=30.0)["outcome"] == "completed"
+        assert _tool_messages(server.requests_for(script)[-1]) == expected
+
+
+def _pause_cancel_resume(
+    rt: tether.Runtime, server: ModelServer, child: str, me: User, files: tuple[Path, Path]
+) -> str:
+    """One turn whose tool waits for ``release``, which appears while the worker is
+    frozen, with a cancel issued then; the turn's id."""
+    started, release = files
+    call = {"name": "wait_for_file", "arguments": {"path": str(release), "started": str(started)}}
+    server.script("pyd-pause-cancel", [{"tool_calls": [call]}])
+    rt.send(child, "wait for it", authority=me)
+    eventually(lambda: started.exists() and started.read_text(), timeout=60.0, what="the tool")
+    worker = psutil.Process(int(started.read_text()))
+    assert rt.pause(child, authority=me) != []
+    eventually(lambda: frozen(worker), what="the worker frozen")
+    release.touch()
+    turn = rt.interrupt(child, authority=me, kind="cancel", reason="while paused")
+    assert turn is not None
+    rt.resume(child, authority=me)
+    return turn
+
+
+@pytest.mark.timeout(300)
+def test_a_tool_that_returns_as_a_paused_and_cancelled_turn_resumes_has_its_entry_when_reported_returned(  # noqa: E501
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    # On resume the tool returns as the cancel issued during the pause reaches the worker.
+    # Whichever wins, the stop report and the transcript agree: a call reported
+    # ``returned`` has its entry, with its result; one that has no entry was not.
+    rec = Recorder(rt)
+    _root, child, me = _agent(rt, server, "pyd-pause-cancel", [{"text": "unused"}])
+    fates: list[str] = []
+    for i in range(60):  # the race went wrong in ~1 try of 12 before the fix
+        files = (tmp_path / f"started-{i}", tmp_path / f"release-{i}")
+        turn = _pause_cancel_resume(rt, server, child, me, files)
+        assert rec.turn_ended(child, count=i + 1, timeout=30.0)["outcome"] == "cancelled"
+        report = final_report(rt, turn)
+        [fate] = [t.fate for t in report.tools]
+        kept = [e.text for e in entries(rt, child, "tool") if e.turn == turn]
+        if fate == "returned":
+            assert kept == [f"{files[1]} appeared"], (i, fate, kept)
+        else:
+            assert kept == [], (i, fate, kept)
+        fates.append(fate)
+    assert set(fates) <= {"returned", "cancelled"}, fates

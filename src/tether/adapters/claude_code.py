@@ -39,6 +39,7 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
+from tether.wire.text import render_frame
 
 __all__ = ["ClaudeCodeAgent", "ClaudeCodeError"]
 
@@ -193,6 +194,9 @@ class _Turn:
         self.prompt = 0  # the streaming response's prompt tokens (its message_start)
         self.reported = [0, 0]  # prompt and completion tokens reported this turn
         self.deltas = 0  # content deltas the CLI streamed to us this turn
+        self.missed: list[str] = []  # earlier turns' user texts the saved session lacks
+        self.held: list[Any] = []  # tool results of the reply still streaming
+        self.prompted = False  # the turn's message was handed to the CLI
 
     # ---- steers --------------------------------------------------------------------
 
@@ -327,8 +331,21 @@ class _Turn:
         text = reply.final_text()
         if text or calls:
             self.say(text, data={"tool_calls": calls} if calls else None)
+        self._release()
+
+    def _release(self) -> None:
+        """Write the tool results held for the reply just written."""
+        held, self.held = self.held, []
+        for block in held:
+            self._tool_result(block)
 
     def _tool_result(self, block: Any) -> None:
+        asking = self.reply.tool_calls() if self.reply is not None else []
+        if block.tool_use_id not in self.calls and block.tool_use_id in {c["id"] for c in asking}:
+            # the CLI answered a call of the reply still streaming (one it refuses by its
+            # own rule, before running anything): held until that reply's entry
+            self.held.append(block)
+            return
         call = self.calls.get(block.tool_use_id) or {}
         fn = call.get("function") or {}
         data: dict[str, Any] = {
@@ -376,7 +393,12 @@ class _Turn:
         self._flush()
         if last is not None:
             self.say(last.final_text(), data=data or None)
-        elif saved is not None:
+            # results the CLI gave for the calls of the cut reply follow it, named
+            self.calls.update({c["id"]: c for c in last.tool_calls()})
+            self._release()
+            return None
+        self._release()
+        if saved is not None:
             # nothing left to say (stopped while a tool ran): a silent entry keeps it, and
             # the turn's final text stays the last reply said
             self.ctx.say("", data=data)
@@ -519,7 +541,7 @@ async def _start(
 
     cwd = os.path.abspath(cfg.cwd or os.getcwd())
     session = str(uuid.uuid5(_NAMESPACE, ctx.session))
-    saved = _saved(history)
+    saved, missed = _saved(history, ctx.turn)
     env = {
         "CLAUDE_CONFIG_DIR": home,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -577,12 +599,22 @@ async def _start(
     )
     client = ClaudeSDKClient(options)
     turn = _Turn(ctx, client, session, cfg.model, forwarder)
+    turn.missed = missed
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
+    # The SDK's own clean-up of a connect that fails or is cancelled waits for the CLI to
+    # exit (seconds, past a cancel's grace): a cancel kills the CLI's tree first.
+    connecting = asyncio.ensure_future(client.connect())
     try:
-        await client.connect()
+        await asyncio.shield(connecting)
     except BaseException:
+        if not connecting.done():
+            proc = _cli(client)
+            _kill_ours(turn.before, None if proc is None else proc.pid)
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
         await _stop(client, turn.before)
         raise
     return client, turn
@@ -593,7 +625,13 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
     steering = asyncio.ensure_future(turn.relay())
     result: Any = None
     try:
-        await client.query(ctx.message.content)
+        if turn.missed:
+            # what the user said in turns whose session was lost, ahead of this message,
+            # as one user message: the model reads them in order, as it would have
+            await client.query(_user_message([*turn.missed, ctx.message.content]))
+        else:
+            await client.query(ctx.message.content)
+        turn.prompted = True
         async for msg in client.receive_messages():
             if _kind(msg) == "SystemMessage" and (msg.data or {}).get("status") == "requesting":
                 turn.requesting()
@@ -607,7 +645,9 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
             raise  # not this turn's cancel
         steering.cancel()
         result = await _wrap_up(client, turn)
-        return turn.finish(_save(home, turn))
+        # a session that never took this turn's message is not this turn's to keep: the
+        # next turn resumes the one before and tells the CLI this message again
+        return turn.finish(_save(home, turn) if turn.prompted else None)
     finally:
         steering.cancel()
     turn.finish(_save(home, turn))
@@ -668,11 +708,13 @@ async def _catch_up(client: Any, turn: _Turn, forwarder: Forwarder) -> Any:
     return None
 
 
-async def _user_message(text: str) -> AsyncIterator[dict[str, Any]]:
-    """One user message for ``client.query``, in the CLI's stream-json input shape."""
+async def _user_message(text: str | list[str]) -> AsyncIterator[dict[str, Any]]:
+    """One user message for ``client.query``, in the CLI's stream-json input shape (a
+    list: one text block each)."""
+    content: Any = text if isinstance(text, str) else [{"type": "text", "text": t} for t in text]
     yield {
         "type": "user",
-        "message": {"role": "user", "content": text},
+        "message": {"role": "user", "content": content},
         "parent_tool_use_id": None,
         "session_id": "default",
     }
@@ -782,11 +824,33 @@ def _kill_commands(client: Any, before: set[int]) -> None:
 # ---- the CLI's session, kept in Tether's store -------------------------------------
 
 
-def _saved(history: list[Entry]) -> dict[str, Any] | None:
-    for e in reversed(history):
+def _saved(history: list[Entry], turn: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The CLI's session saved last (None: none was), and what the user said in the
+    earlier turns after it, which that session never took (a turn aborted, or stopped or
+    failed before the CLI kept a session, saves none): their messages and the steers
+    taken in them, in order."""
+    saved: dict[str, Any] | None = None
+    since, covered = 0, None  # the entries after the saved one; the turn that saved it
+    for i in range(len(history) - 1, -1, -1):
+        e = history[i]
         data = e.data or {}
         if e.kind == "assistant" and isinstance(data.get(_SESSION_KEY), dict):
-            return dict(data[_SESSION_KEY])
+            saved, since, covered = dict(data[_SESSION_KEY]), i + 1, e.turn
+            break
+    missed = [
+        text
+        for e in history[since:]
+        if e.turn not in (covered, turn) and (text := _user_text(e)) is not None
+    ]
+    return saved, missed
+
+
+def _user_text(e: Entry) -> str | None:
+    """A turn's message, or a steer taken, as the model was told it."""
+    if e.kind in ("user", "notice"):
+        return e.text
+    if e.kind == "marker" and e.action == "steered":
+        return render_frame("steer", e.origin or "", e.by or "", e.reason or "")
     return None
 
 

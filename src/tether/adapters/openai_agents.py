@@ -114,6 +114,7 @@ class _Run:
     partial: str = ""  # the text of the reply streaming now
     events: int = 0  # streamed events seen: what a cancel's drain watches move
     steers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (place, msg)
+    asked: list[dict[str, Any]] = field(default_factory=list)  # the last reply's calls
 
     async def prepare(self, agent: Any, *, model: bool) -> Any:
         """The factory's agent with this session's model, usage asked for in streams,
@@ -155,7 +156,10 @@ class _Run:
 
     async def _handoff(self, target: Any, *, model: bool, seen: dict[int, Any]) -> Any:
         if isinstance(target, agents.Agent):
-            return await self._watched(target, model=model, seen=seen)
+            # the handoff the SDK would make of the agent, made here so it is recorded
+            return self._recorded_handoff(
+                agents.handoff(await self._watched(target, model=model, seen=seen))
+            )
         if not isinstance(target, agents.Handoff):
             return target
         invoke = target.on_invoke_handoff
@@ -164,7 +168,27 @@ class _Run:
             # a custom handoff makes its agent when it is taken: watched then
             return await self._watched(await invoke(tc, arguments), model=model, seen=seen)
 
-        return dataclasses.replace(target, on_invoke_handoff=watched)
+        return self._recorded_handoff(dataclasses.replace(target, on_invoke_handoff=watched))
+
+    def _recorded_handoff(self, target: Any) -> Any:
+        """A handoff whose call, once taken, has its ``tool`` entry with the result the
+        SDK gives the model (its transfer message), so later turns read that result."""
+        invoke = target.on_invoke_handoff
+
+        async def recorded(tc: Any, arguments: str) -> Any:
+            agent = await invoke(tc, arguments)
+            # the SDK hands the call's id to none of a handoff's callbacks: it takes the
+            # first handoff call of the reply, the first one by this name
+            call_id = next(
+                (c["id"] for c in self.asked if c["function"]["name"] == target.tool_name), ""
+            )
+            text = target.get_transfer_message(agent)
+            item = {"type": "function_call_output", "call_id": call_id, "output": text}
+            data = {"tool_call_id": call_id, "name": target.tool_name, "arguments": arguments}
+            self.ctx.record_tool(text, data={**data, "input_items": [item]})
+            return agent
+
+        return dataclasses.replace(target, on_invoke_handoff=recorded)
 
     # ---- steers: the SDK's model-input filter, before every model request -----------
 
@@ -209,7 +233,7 @@ class _Run:
         usage = _usage(getattr(response, "usage", None))
         items = [o.model_dump(exclude_unset=True, mode="json") for o in response.output]
         text = _output_text(items)
-        calls = _function_calls(items)
+        calls = self.asked = _function_calls(items)
         if not text and not calls:
             if usage is not None:
                 self.ctx.add_usage(usage)

@@ -45,6 +45,7 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
 from tether.wire.records import Entry
+from tether.wire.text import render_frame
 
 __all__ = ["PydanticAIAgent"]
 
@@ -190,6 +191,8 @@ class _Turn:
         self.saved = 0  # how many of the run's new messages are stored in entries
         self.partial = ""  # the text of the reply streaming now
         self.preempted: set[str] = set()  # tool call ids stopped by a preempt
+        self.recorded: set[str] = set()  # tool call ids whose tool entry is written
+        self.calls: dict[str, Any] = {}  # the last reply's tool calls, by id
         self.offered: list[dict[str, Any]] = []  # the MCP tools' schemas this turn
         self.steers = SteerRelay(ctx)
         self.enqueued: dict[str, Steer] = {}  # the framework's enqueue id -> its steer
@@ -237,12 +240,11 @@ class _Turn:
                             await self._stream(node, run, span)
                     elif Agent.is_call_tools_node(node):
                         self._reply(node.model_response)
-                        calls = _calls(node.model_response)
                         async with node.stream(run.ctx) as events:
                             async for event in events:
                                 ctx.progress()
                                 if isinstance(event, FunctionToolResultEvent):
-                                    self._tool(event, calls)
+                                    self.returned(event.part)
                                 elif isinstance(event, EnqueuedMessagesEvent):
                                     self._taken(event)
             finally:
@@ -325,7 +327,7 @@ class _Turn:
         self.saved += len(chunk)
         text = "".join(p.content for p in response.parts if isinstance(p, TextPart))
         data: dict[str, Any] = {_KEY: _dump(chunk)}
-        calls = _calls(response)
+        calls = self.calls = _calls(response)
         if calls:
             data["tool_calls"] = [
                 {
@@ -337,20 +339,37 @@ class _Turn:
             ]
         self.ctx.say(text, data=data, usage=usage)  # the usage rides with the reply
 
-    def _tool(self, event: Any, calls: dict[str, Any]) -> None:
-        result = event.part
-        call = calls.get(result.tool_call_id)
-        text = result.model_response_str() if hasattr(result, "model_response_str") else ""
-        if not text:
-            text = str(getattr(result, "content", ""))
+    def result(self, call: Any, value: Any) -> None:
+        """A tool call returned ``value``: its tool entry, with the part the framework
+        makes of it (``ToolReturn``'s value and metadata; its extra user content is not
+        kept)."""
+        from pydantic_ai.messages import ToolReturn, ToolReturnPart
+
+        meta = None
+        if isinstance(value, ToolReturn):
+            value, meta = value.return_value, value.metadata
+        part = ToolReturnPart(call.tool_name, value, tool_call_id=call.tool_call_id, metadata=meta)
+        self.returned(part)
+
+    def returned(self, part: Any) -> None:
+        """A tool call's result as the model gets it: its one ``tool`` entry, carrying the
+        framework's part, so that every later turn reads it as it came back (a turn
+        stopped before the next reply stores no messages of its own)."""
+        from pydantic_ai.messages import ModelRequest, ToolReturnPart
+
+        if not isinstance(part, ToolReturnPart) or part.tool_call_id in self.recorded:
+            return
+        self.recorded.add(part.tool_call_id)
+        call = self.calls.get(part.tool_call_id)
         data: dict[str, Any] = {
-            "tool_call_id": result.tool_call_id,
-            "name": result.tool_name,
+            "tool_call_id": part.tool_call_id,
+            "name": part.tool_name,
             "arguments": call.args_as_json_str() if call is not None else "",
+            _KEY: _dump([ModelRequest(parts=[part])]),
         }
-        if result.tool_call_id in self.preempted:
+        if part.tool_call_id in self.preempted:
             data["preempted"] = True
-        self.ctx.record_tool(text, data=data)
+        self.ctx.record_tool(part.model_response_str(), data=data)
 
     def cut(self) -> None:
         """The turn was cancelled: keep the partial reply, with the run's messages so far."""
@@ -388,24 +407,75 @@ def _dump(messages: list[Any]) -> list[Any]:
 
 
 def _history(entries: list[Entry], turn: str) -> list[Any]:
-    """The conversation so far: the messages stored with earlier turns' replies, every
-    tool call answered (a call its turn's stop left open gets a result saying so)."""
-    from pydantic_ai.messages import (
-        ModelMessagesTypeAdapter,
-        ModelRequest,
-        ModelResponse,
-        ToolReturnPart,
-    )
+    """The conversation so far: the messages stored with earlier turns' replies, and what
+    no stored reply covers (a turn stopped or failed before a reply: its user message,
+    the steers taken since its last reply); every tool call answered, by its ``tool``
+    entry where its result came back, else by a result saying it was stopped."""
+    from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest
 
-    messages: list[Any] = []
+    turns: dict[str, list[Entry]] = {}
     for e in entries:
-        if e.turn != turn and e.kind == "assistant" and e.data and _KEY in e.data:
-            messages.extend(ModelMessagesTypeAdapter.validate_python(e.data[_KEY]))
+        if e.turn is not None and e.turn != turn:
+            turns.setdefault(e.turn, []).append(e)
+    messages: list[Any] = []
+    results: dict[str, Any] = {}  # tool call id -> its result part, from its tool entry
+    for own in turns.values():
+        stored = [i for i, e in enumerate(own) if e.kind == "assistant" and _KEY in (e.data or {})]
+        for i in stored:
+            messages.extend(ModelMessagesTypeAdapter.validate_python((own[i].data or {})[_KEY]))
+        # a stored reply holds the requests before it: the user parts after the last one
+        # (or all of them, with none) went to the model with no reply kept
+        tail = own[stored[-1] + 1 :] if stored else own
+        parts = [p for e in tail if (p := _user_part(e)) is not None]
+        if parts:
+            messages.append(ModelRequest(parts=parts))
+        for e in own:
+            part = _result_part(e)
+            if part is not None:
+                results[part.tool_call_id] = part
+    return _answered(messages, results)
+
+
+def _user_part(e: Entry) -> Any | None:
+    """A turn's message, or a steer taken, as the user part its request carried."""
+    from pydantic_ai.messages import UserPromptPart
+
+    if e.kind in ("user", "notice"):
+        return UserPromptPart(e.text)
+    if e.kind == "marker" and e.action == "steered":
+        return UserPromptPart(render_frame("steer", e.origin or "", e.by or "", e.reason or ""))
+    return None
+
+
+def _result_part(e: Entry) -> Any | None:
+    """A ``tool`` entry's result as the framework's part (an older entry's from its text)."""
+    from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ToolReturnPart
+
+    data = e.data or {}
+    call_id = data.get("tool_call_id")
+    if e.kind != "tool" or not call_id:
+        return None
+    for m in ModelMessagesTypeAdapter.validate_python(data.get(_KEY) or []):
+        if isinstance(m, ModelRequest):
+            for p in m.parts:
+                if isinstance(p, ToolReturnPart) and p.tool_call_id == call_id:
+                    return p
+    return ToolReturnPart(str(data.get("name") or ""), e.text, tool_call_id=call_id)
+
+
+def _answered(messages: list[Any], results: dict[str, Any]) -> list[Any]:
+    """``messages`` with every tool call answered in the request after its reply: by its
+    result where one came back, else by a result saying it was stopped."""
+    from pydantic_ai.messages import ModelRequest, ModelResponse, ToolReturnPart
+
     out: list[Any] = []
     open_calls: dict[str, str] = {}
 
     def close(into: Any | None) -> None:
-        parts = [ToolReturnPart(name, _NO_RESULT, tool_call_id=i) for i, name in open_calls.items()]
+        parts = [
+            results.get(i) or ToolReturnPart(name, _NO_RESULT, tool_call_id=i)
+            for i, name in open_calls.items()
+        ]
         open_calls.clear()
         if not parts:
             return
@@ -491,6 +561,7 @@ def _mcp_as_tools(turn: _Turn, mcp: McpTools | None, offered: list[dict[str, Any
 
 def _make_stops() -> type[Any]:
     from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.exceptions import ToolFailedError, ToolRetryError
 
     class Stops(AbstractCapability[Any]):
         """Every tool's execution as the innermost preemptable call: a preempt stops
@@ -506,19 +577,44 @@ def _make_stops() -> type[Any]:
                 return await self._execute(call, args, handler, span)
 
         async def _execute(self, call: Any, args: Any, handler: Any, span: spans.Span) -> Any:
-            if call.tool_name in self.turn.cfg.tools or call.tool_name.startswith("mcp__"):
-                # a Tether or MCP tool: preemptable already (``ctx.call_tool``, the MCP call)
+            turn = self.turn
+            if call.tool_name in turn.cfg.tools or call.tool_name.startswith("mcp__"):
+                # a Tether or MCP tool: preemptable already (``ctx.call_tool``, the MCP
+                # call); its entry is written as its call returns, in the same step as
+                # its stop report closes it
                 result = await handler(args)
                 if isinstance(result, str) and result.startswith("preempted after "):
-                    self.turn.preempted.add(call.tool_call_id)
+                    turn.preempted.add(call.tool_call_id)
                     span.fail("preempted", result.partition("\n")[0])
+                turn.result(call, result)
                 return result
+
+            async def run() -> Any:
+                # the entry is written the moment the tool returns, and the stop report
+                # says ``returned`` exactly when it was: a cancel landing as it returns
+                # (a resume that wakes both) cannot leave one without the other
+                try:
+                    result = await handler(args)
+                except ToolRetryError as exc:  # a retry asked for: its result all the same
+                    turn.returned(exc.tool_retry)
+                    raise
+                except ToolFailedError as exc:
+                    turn.returned(exc.tool_failed)
+                    raise
+                turn.result(call, result)
+                return result
+
+            def fate() -> str | None:
+                return "returned" if call.tool_call_id in turn.recorded else None
+
             try:
-                return await self.turn.ctx.preemptable(call.tool_name, handler(args))
+                return await turn.ctx.preemptable(call.tool_name, run(), fate=fate)
             except Preempted as exc:
-                self.turn.preempted.add(call.tool_call_id)
+                turn.preempted.add(call.tool_call_id)
                 span.fail("preempted", exc.reason or exc.message)
-                return _preempted_text(exc)
+                text = _preempted_text(exc)
+                turn.result(call, text)
+                return text
 
     return Stops
 
