@@ -42,6 +42,11 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
     ({"system": ["x"]}, "config.system must be a string"),
     ({"mcp": "servers"}, "config.mcp must be an object"),
     ({"tool_policy": {"run_command": "ask"}}, "config.tool_policy.run_command"),
+    (
+        {"mcp": {"servers": {"a": {"command": "srv"}}}},
+        "config.mcp: mcp server 'a': 'command' must be",
+    ),
+    ({"tool_policy": {"mcp:a/b": {"preempt": "sometimes"}}}, "config.mcp: tool policy"),
 ]
 PYD_BAD: list[tuple[dict[str, Any], str]] = [
     ({"agent": PYD_NOT_CALLABLE}, f"config.agent: {PYD_NOT_CALLABLE} is not callable"),
@@ -70,6 +75,7 @@ CLAUDE_BAD: list[tuple[dict[str, Any], str]] = [
     ({"claude": {"model": 4}}, "config.claude.model must be a string"),
     ({"claude": {"env": {"A": 1}}}, "config.claude.env"),
     ({"claude": {"env": "A=1"}}, "config.claude.env must be an object"),
+    ({"mcp": {"servers": {"a": {"url": "ftp://x"}}}}, "config.mcp: mcp server 'a': 'url' must be"),
     ({"tools": "spawn_agent"}, "config.tools must be a list of tool names"),
 ]
 

@@ -166,6 +166,15 @@ def _model(raw: Any, cls: type[_M]) -> _M:
     return cls(**{k: v for k, v in checked.items() if v is not None})
 
 
+def _check_mcp(mcp: dict[str, Any], policy: dict[str, Any]) -> None:
+    """The MCP servers and tool policies parsed as the turn's McpTools will (no server is
+    started), so that their mistakes are refused at open too."""
+    try:
+        McpTools(mcp.get("servers") or {}, policies=policy, grace=mcp.get("grace", _MCP_GRACE))
+    except TetherError as exc:
+        raise InvalidParams(f"config.mcp: {exc.message}") from None
+
+
 def _config(raw: dict[str, Any]) -> _Config:
     """The session config, checked: a mistake is a one-line ``InvalidParams`` naming the
     field. ChatAgent.check_config runs it at open, the turn at its start."""
@@ -182,6 +191,7 @@ def _config(raw: dict[str, Any]) -> _Config:
     policy = _object("config.tool_policy", raw.get("tool_policy"))
     for name, rule in policy.items():
         _object(f"config.tool_policy.{name}", rule)
+    _check_mcp(mcp or {}, policy)
     return _Config(
         model=m,
         system=_str("config.system", raw.get("system")),
