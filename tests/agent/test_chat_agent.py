@@ -365,14 +365,16 @@ def test_a_bad_config_is_refused_at_spawn_and_a_missing_key_fails_the_turn_with_
     rec = Recorder(rt)
     root = rt.open_session(SCRIPTED)
     # config mistakes: the worker's check at spawn refuses them (issue 42, item 8)
-    for config, says in [
+    mistakes: list[tuple[dict[str, Any], str]] = [
         ({"model": {"base_url": server.url, "api_key": "sk-literal"}}, "api_key_env"),
         ({"model": {"base_url": server.url}, "tools": ["rm_rf"]}, "rm_rf"),
-    ]:
+    ]
+    for mistake, says in mistakes:
         with pytest.raises(tether.InvalidParams, match=says):
-            rt.spawn(root, CHAT, config=config, prompt="hi")
+            rt.spawn(root, CHAT, config=mistake, prompt="hi")
     # a key missing from the environment is found out by the turn
-    config = {"model": {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}}
+    unset = {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}
+    config: dict[str, Any] = {"model": unset}
     sid = str(rt.spawn(root, CHAT, slug="bad", config=config, prompt="hi"))
     ended = rec.turn_ended(sid, timeout=30.0)
     assert ended["outcome"] == "failed" and "\n" not in ended["error"]
