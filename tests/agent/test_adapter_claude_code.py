@@ -599,24 +599,23 @@ def test_a_steer_sent_while_bash_runs_reaches_the_request_after_the_command(
     assert texts(rt, child, "assistant")[-1] == "Noted your steer."
 
 
-def test_a_config_mistake_or_a_key_in_the_config_fails_the_turn_with_one_line(
+def test_a_config_mistake_or_a_key_in_the_config_is_refused_at_spawn_with_one_line(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
-    rec = Recorder(rt)
     root = rt.open_session(SCRIPTED)
-    me = User(parent=root)
     good = _config(server, tmp_path / "home")
     bad = [
         good | {"claude": {**good["claude"], "modle": MODEL}},
         good | {"model": {**good["model"], "api_key": SECRET}},
         good | {"tools": ["rm_rf"]},
     ]
+    # the worker's check at spawn refuses them, before any turn (issue 42, item 8)
     for n, config in enumerate(bad):
-        child = rt.spawn(root, AGENT, slug=f"bad{n}", config=config)
-        rt.send(child, "go", authority=me)
-        ended = rec.turn_ended(child, timeout=TIMEOUT)
-        assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
-        assert "config" in ended["error"] and SECRET not in ended["error"]
+        with pytest.raises(tether.InvalidParams) as refused:
+            rt.spawn(root, AGENT, slug=f"bad{n}", config=config)
+        assert "\n" not in refused.value.message and "config" in refused.value.message
+        assert SECRET not in refused.value.message
+    assert rt.list_agents(root, scope="children") == []
     assert server.requests == []
 
 

@@ -307,11 +307,14 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
     rec = Recorder(rt)
     server.script("oai-refused", [{"status": 400, "message": "no such\nmodel"}])
     root = rt.open_session(SCRIPTED)
-    configs = [
-        {"model": {"base_url": server.url}},  # no agent
-        {**_config(server, "oai-refused"), "tools": ["rm_rf"]},
-        _config(server, "oai-refused"),
-    ]
+    # config mistakes: the worker's check at spawn refuses them (issue 42, item 8)
+    for mistake, says in [
+        ({"model": {"base_url": server.url}}, "config.agent"),  # no agent
+        ({**_config(server, "oai-refused"), "tools": ["rm_rf"]}, "rm_rf"),
+    ]:
+        with pytest.raises(tether.InvalidParams, match=says):
+            rt.spawn(root, OAI, config=mistake, prompt="hi")
+    configs = [_config(server, "oai-refused")]
     errors = []
     for i, config in enumerate(configs):
         sid = str(rt.spawn(root, OAI, slug=f"bad{i}", config=config, prompt="hi"))
@@ -319,8 +322,7 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
         assert ended["outcome"] == "failed" and "\n" not in ended["error"], ended
         assert all("Traceback" not in e.text for e in rt.transcript(sid))
         errors.append(ended["error"])
-    assert "config.agent" in errors[0]
-    assert "rm_rf" in errors[1] and "HTTP 400: no such model" in errors[2]
+    assert "HTTP 400: no such model" in errors[0]
     # a factory that is not there is refused at the spawn itself (issue 42, item 15)
     nobody = {**_config(server, "oai-refused"), "agent": "adapter_agents_oai:nobody"}
     with pytest.raises(tether.DriverNotFound, match="nobody"):

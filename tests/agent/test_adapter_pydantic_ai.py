@@ -310,9 +310,14 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
     server.script("pyd-refused", [{"status": 400, "message": "no such\nmodel"}])
     root = rt.open_session(SCRIPTED)
     good = _config(server, "pyd-refused")
+    # config mistakes: the worker's check at spawn refuses them (issue 42, item 8)
+    for mistake, says in [
+        ({**good, "model": {**good["model"], "api_key": "sk-literal"}}, "api_key_env"),
+        ({**good, "tools": ["rm_rf"]}, "rm_rf"),
+    ]:
+        with pytest.raises(tether.InvalidParams, match=says):
+            rt.spawn(root, ADAPTER, config=mistake, prompt="hi")
     configs = [
-        {**good, "model": {**good["model"], "api_key": "sk-literal"}},
-        {**good, "tools": ["rm_rf"]},
         {**good, "model": {**good["model"], "api_key_env": "TETHER_NO_SUCH_VAR"}},
         good,
     ]
@@ -324,9 +329,8 @@ def test_a_bad_config_or_a_refused_request_ends_the_turn_failed_with_one_line(
         assert "\n" not in ended["error"] and "Traceback" not in ended["error"]
         assert all("Traceback" not in e.text for e in rt.transcript(sid))
         errors.append(ended["error"])
-    assert "api_key_env" in errors[0] and "rm_rf" in errors[1]
-    assert "TETHER_NO_SUCH_VAR" in errors[2]
-    assert "HTTP 400" in errors[3] and "no such model" in errors[3], errors[3]
+    assert "TETHER_NO_SUCH_VAR" in errors[0]
+    assert "HTTP 400" in errors[1] and "no such model" in errors[1], errors[1]
     assert len(server.requests_for("pyd-refused")) == 1  # a 400 is not retried
     # a factory that is not there is refused at the spawn itself (issue 42, item 15)
     nobody = {**good, "agent": "adapter_agents:no_such_factory"}

@@ -359,21 +359,26 @@ def test_a_cancel_as_soon_as_the_stream_was_read_keeps_what_was_read_every_time(
     cut_every_time(rt, server, script, child, me)
 
 
-def test_a_bad_config_ends_the_turn_failed_with_one_line_and_a_missing_key_too(
+def test_a_bad_config_is_refused_at_spawn_and_a_missing_key_fails_the_turn_with_one_line(
     rt: tether.Runtime, server: ModelServer
 ) -> None:
     rec = Recorder(rt)
     root = rt.open_session(SCRIPTED)
-    configs: list[dict[str, Any]] = [
-        {"model": {"base_url": server.url, "api_key": "sk-literal"}},
-        {"model": {"base_url": server.url}, "tools": ["rm_rf"]},
-        {"model": {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}},
+    # config mistakes: the worker's check at spawn refuses them (issue 42, item 8)
+    mistakes: list[tuple[dict[str, Any], str]] = [
+        ({"model": {"base_url": server.url, "api_key": "sk-literal"}}, "api_key_env"),
+        ({"model": {"base_url": server.url}, "tools": ["rm_rf"]}, "rm_rf"),
     ]
-    for i, config in enumerate(configs):
-        sid = str(rt.spawn(root, CHAT, slug=f"bad{i}", config=config, prompt="hi"))
-        ended = rec.turn_ended(sid, timeout=30.0)
-        assert ended["outcome"] == "failed" and "\n" not in ended["error"]
-    assert "api_key_env" in rt.turns(str(rt.list_agents(root)[0].id))[0].error  # type: ignore[operator]
+    for mistake, says in mistakes:
+        with pytest.raises(tether.InvalidParams, match=says):
+            rt.spawn(root, CHAT, config=mistake, prompt="hi")
+    # a key missing from the environment is found out by the turn
+    unset = {"base_url": server.url, "api_key_env": "TETHER_NO_SUCH_VAR"}
+    config: dict[str, Any] = {"model": unset}
+    sid = str(rt.spawn(root, CHAT, slug="bad", config=config, prompt="hi"))
+    ended = rec.turn_ended(sid, timeout=30.0)
+    assert ended["outcome"] == "failed" and "\n" not in ended["error"]
+    assert "TETHER_NO_SUCH_VAR" in ended["error"], ended
     wait_entry(rt, root, "notice", "failed")
 
 

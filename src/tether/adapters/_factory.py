@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tether.wire.errors import DriverNotFound
+from tether.wire.errors import DriverNotFound, InvalidParams
 
 __all__ = ["check_factory"]
 
@@ -21,7 +21,8 @@ _WHERE = (
 
 def check_factory(config: dict[str, Any]) -> None:
     """DriverNotFound, naming the factory and what to do, when ``config["agent"]`` cannot
-    be imported. A malformed or missing ``agent`` is left to the turn, which says so."""
+    be imported; InvalidParams when what it names is not callable. A malformed or missing
+    ``agent`` is left to the adapter's own config check, which says so."""
     spec = config.get("agent")
     if not isinstance(spec, str) or ":" not in spec:
         return
@@ -33,8 +34,10 @@ def check_factory(config: dict[str, Any]) -> None:
             f"config.agent: cannot import {module!r} (for {spec}): "
             f"{type(exc).__name__}: {exc}; {_WHERE}"
         ) from None
-    if not callable(getattr(found, name, None)):
+    if not hasattr(found, name):
         raise DriverNotFound(
             f"config.agent: {module!r} has no function {name!r} (for {spec}); "
             "name a function that takes the config and returns the agent"
         )
+    if not callable(getattr(found, name)):  # there, but a mistake in the config
+        raise InvalidParams(f"config.agent: {spec} is not callable")

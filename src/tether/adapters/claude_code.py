@@ -77,32 +77,34 @@ class _Config:
 
 
 def _config(raw: dict[str, Any]) -> _Config:
-    """The session config, checked: a mistake is a one-line ``InvalidParams``."""
-    claude = dict(raw.get("claude") or {})
-    model = dict(raw.get("model") or {})
+    """The session config, checked: a mistake is a one-line ``InvalidParams`` naming the
+    field. ClaudeCodeAgent.check_config runs it at open, the turn at its start."""
+    claude = chat._object("config.claude", raw.get("claude"))
+    model = chat._object("config.model", raw.get("model"))
     _check_keys(claude, model)
+    max_turns = chat._int("config.claude.max_turns", claude.get("max_turns"))
+    if max_turns is not None and max_turns < 1:
+        raise InvalidParams("config.claude.max_turns must be at least 1")
+    allowed = chat._names("config.claude.allowed_tools", claude.get("allowed_tools"), "tool names")
     tools_cfg = _tools_config(raw)
-    try:
-        cfg = _Config(
-            model=claude.get("model"),
-            system_prompt=claude.get("system_prompt"),
-            allowed_tools=[str(t) for t in claude.get("allowed_tools", ["Bash"])],
-            cwd=claude.get("cwd"),
-            max_turns=None if claude.get("max_turns") is None else int(claude["max_turns"]),
-            env={str(k): str(v) for k, v in (claude.get("env") or {}).items()},
-            base_url=model.get("base_url"),
-            api_key_env=model.get("api_key_env"),
-            tools=tools_cfg.tools,
-            chat=tools_cfg,
-        )
-    except (TypeError, ValueError) as exc:
-        raise InvalidParams(f"config: {exc}") from None
-    return cfg
+    return _Config(
+        model=chat._str("config.claude.model", claude.get("model")),
+        system_prompt=chat._str("config.claude.system_prompt", claude.get("system_prompt")),
+        allowed_tools=["Bash"] if allowed is None else allowed,
+        cwd=chat._str("config.claude.cwd", claude.get("cwd")),
+        max_turns=max_turns,
+        env=chat._str_map("config.claude.env", claude.get("env")),
+        base_url=chat._str("config.model.base_url", model.get("base_url")),
+        api_key_env=chat._str("config.model.api_key_env", model.get("api_key_env")),
+        tools=tools_cfg.tools,
+        chat=tools_cfg,
+    )
 
 
 def _check_keys(claude: dict[str, Any], model: dict[str, Any]) -> None:
     """No key in the config, and no key unknown to ``claude`` or ``model``."""
-    if "api_key" in model or "ANTHROPIC_API_KEY" in (claude.get("env") or {}):
+    env = claude.get("env")
+    if "api_key" in model or (isinstance(env, dict) and "ANTHROPIC_API_KEY" in env):
         raise InvalidParams("config: give model.api_key_env, never the key itself")
     known = {"model", "system_prompt", "allowed_tools", "cwd", "max_turns", "env"}
     if set(claude) - known:
@@ -110,6 +112,7 @@ def _check_keys(claude: dict[str, Any], model: dict[str, Any]) -> None:
     unknown = set(model) - {"base_url", "api_key_env", "price"}  # price: see add_usage
     if unknown:
         raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
+    chat._price("config.model.price", model.get("price"))
 
 
 def _tools_config(raw: dict[str, Any]) -> chat._Config:
@@ -478,6 +481,11 @@ class ClaudeCodeAgent:
     CLI's ``ANTHROPIC_BASE_URL``), ``api_key_env`` (the variable whose value becomes its
     ``ANTHROPIC_API_KEY``)}, ``tools`` (Tether's agent tools, offered as MCP tools).
     """
+
+    @staticmethod
+    def check_config(config: dict[str, Any]) -> None:
+        """At open and spawn, in a worker: the config the turn will read (its _config)."""
+        _config(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
         try:

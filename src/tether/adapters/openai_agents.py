@@ -59,8 +59,9 @@ class OpenAIAgentsAgent:
 
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
-        """At open and spawn, in a worker: the ``agent`` factory imports (else
-        ``driver-not-found``, before any turn)."""
+        """At open and spawn, in a worker: the config the turn will read (its _parse),
+        and the ``agent`` factory imports (else ``driver-not-found``, before any turn)."""
+        _parse(config)
         check_factory(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:

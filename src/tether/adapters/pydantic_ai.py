@@ -28,7 +28,6 @@ from tether.agents import chat
 # its check of a model config's keys.
 from tether.agents.chat import (
     ModelError,
-    _check_model_keys,
     _describe,
     _host_schemas,
     _max_duration,
@@ -78,14 +77,7 @@ def _config(raw: dict[str, Any]) -> _Config:
     factory = raw.get("agent")
     if not isinstance(factory, str) or ":" not in factory:
         raise InvalidParams("config.agent: give the factory as 'pkg.module:function'")
-    model: _Model | None = None
-    if raw.get("model") is not None:
-        given = dict(raw["model"])
-        _check_model_keys(given, _Model.__dataclass_fields__)
-        try:
-            model = _Model(**given)
-        except TypeError as exc:
-            raise InvalidParams(f"config.model: {exc}") from None
+    model = None if raw.get("model") is None else chat._model(raw["model"], _Model)
     # Tether's tools, MCP servers and tool policies as ChatAgent reads them (semantics §15.3)
     tools_cfg = chat._config(
         {"tools": raw.get("tools"), "mcp": raw.get("mcp"), "tool_policy": raw.get("tool_policy")}
@@ -113,8 +105,9 @@ class PydanticAIAgent:
 
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
-        """At open and spawn, in a worker: the ``agent`` factory imports (else
-        ``driver-not-found``, before any turn)."""
+        """At open and spawn, in a worker: the config the turn will read (its _config),
+        and the ``agent`` factory imports (else ``driver-not-found``, before any turn)."""
+        _config(config)
         check_factory(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
@@ -146,6 +139,8 @@ def _agent_of_config(cfg: _Config, raw: dict[str, Any]) -> Any:
         factory = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise InvalidParams(f"config.agent: cannot import {cfg.factory}: {exc}") from None
+    if not callable(factory):
+        raise InvalidParams(f"config.agent: {cfg.factory} is not callable")
     if cfg.model is None:
         agent = factory(raw)
     else:

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -36,6 +36,7 @@ __all__ = ["ChatAgent", "ModelError", "openai_client"]
 log = structlog.get_logger("tether.agents.chat")
 
 _DEFAULT_STEPS = 50
+_M = TypeVar("_M")  # a model dataclass: ChatAgent's, an adapter's
 _MCP_GRACE = 5.0  # seconds a stopped MCP call may take to end (config.mcp.grace)
 _RESULT_CAP = 20_000  # characters of one tool result sent to the model
 _ERROR_CAP = 300  # characters of a one-line error
@@ -83,27 +84,120 @@ def _check_model_keys(given: dict[str, Any], known: Collection[str]) -> None:
         raise InvalidParams(f"config.model: unknown keys {sorted(unknown)}")
 
 
-def _config(raw: dict[str, Any]) -> _Config:
-    """The session config, checked: a mistake is a one-line ``InvalidParams``."""
-    model = dict(raw.get("model") or {})
-    _check_model_keys(model, _Model.__dataclass_fields__)
+def _object(where: str, value: Any) -> dict[str, Any]:
+    """``value`` as a JSON object (absent: empty); else InvalidParams naming ``where``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidParams(f"{where} must be an object")
+    return dict(value)
+
+
+def _str(where: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidParams(f"{where} must be a string")
+    return value
+
+
+def _number(where: str, value: Any) -> float | None:
+    # bool is an int to Python, never a number in a config
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise InvalidParams(f"{where} must be a number")
+    return None if value is None else float(value)
+
+
+def _int(where: str, value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidParams(f"{where} must be an integer")
+    return value
+
+
+def _names(where: str, value: Any, what: str) -> list[str] | None:
+    """A list of strings; a string is refused, never read as its characters."""
+    if value is not None and (
+        not isinstance(value, list) or not all(isinstance(v, str) for v in value)
+    ):
+        raise InvalidParams(f"{where} must be a list of {what}")
+    return None if value is None else list(value)
+
+
+def _str_map(where: str, value: Any) -> dict[str, str]:
+    given = _object(where, value)
+    if not all(isinstance(v, str) for v in given.values()):
+        raise InvalidParams(f"{where} must map names to strings")
+    return given
+
+
+def _price(where: str, value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    given = _object(where, value)
+    out: dict[str, float] = {}
+    for k, v in given.items():
+        number = _number(f"{where}.{k}", v)
+        if number is None:
+            raise InvalidParams(f"{where}.{k} must be a number")
+        out[k] = number
+    return out
+
+
+# The type check of each model key (ChatAgent's and the adapters' models share them)
+_MODEL_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "base_url": _str,
+    "name": _str,
+    "api_key_env": _str,
+    "temperature": _number,
+    "max_tokens": _int,
+    "timeout": _number,
+    "retries": _int,
+    "backoff": _number,
+    "headers": _str_map,
+    "price": _price,
+}
+
+
+def _model(raw: Any, cls: type[_M]) -> _M:
+    """``config.model`` as ``cls`` (a model dataclass), each key's type checked; a
+    mistake is an InvalidParams naming the key."""
+    given = _object("config.model", raw)
+    _check_model_keys(given, cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    checked = {k: _MODEL_CHECKS[k](f"config.model.{k}", v) for k, v in given.items()}
+    # null: the default, as if the key were absent
+    return cls(**{k: v for k, v in checked.items() if v is not None})
+
+
+def _check_mcp(mcp: dict[str, Any], policy: dict[str, Any]) -> None:
+    """The MCP servers and tool policies parsed as the turn's McpTools will (no server is
+    started), so that their mistakes are refused at open too."""
     try:
-        m = _Model(**model)
-        tools = [str(t) for t in raw.get("tools") or []]
-        steps = int(raw.get("max_steps", _DEFAULT_STEPS))
-    except (TypeError, ValueError) as exc:
-        raise InvalidParams(f"config: {exc}") from None
+        McpTools(mcp.get("servers") or {}, policies=policy, grace=mcp.get("grace", _MCP_GRACE))
+    except TetherError as exc:
+        raise InvalidParams(f"config.mcp: {exc.message}") from None
+
+
+def _config(raw: dict[str, Any]) -> _Config:
+    """The session config, checked: a mistake is a one-line ``InvalidParams`` naming the
+    field. ChatAgent.check_config runs it at open, the turn at its start."""
+    m = _model(raw.get("model"), _Model)
+    tools = _names("config.tools", raw.get("tools"), "tool names") or []
+    steps = _int("config.max_steps", raw.get("max_steps"))
+    steps = _DEFAULT_STEPS if steps is None else steps
     bad = [t for t in tools if t not in TOOLS]
     if bad:
         raise InvalidParams(f"config.tools: unknown tools {bad}; tools: {', '.join(TOOLS)}")
     if steps < 1:
         raise InvalidParams("config.max_steps must be at least 1")
+    mcp = _object("config.mcp", raw.get("mcp")) if raw.get("mcp") is not None else None
+    policy = _object("config.tool_policy", raw.get("tool_policy"))
+    for name, rule in policy.items():
+        _object(f"config.tool_policy.{name}", rule)
+    _check_mcp(mcp or {}, policy)
     return _Config(
         model=m,
-        system=raw.get("system"),
+        system=_str("config.system", raw.get("system")),
         tools=tools,
-        mcp=raw.get("mcp"),
-        tool_policy=dict(raw.get("tool_policy") or {}),
+        mcp=mcp,
+        tool_policy=policy,
         max_steps=steps,
     )
 
@@ -145,6 +239,11 @@ class ChatAgent:
     ``send_message``, ``list_agents``, ``interrupt_agent``, ``pause_agent``,
     ``resume_agent``), ``mcp`` {``servers``}, ``tool_policy``, ``max_steps``.
     """
+
+    @staticmethod
+    def check_config(config: dict[str, Any]) -> None:
+        """At open and spawn, in a worker: the config the turn will read (its _config)."""
+        _config(config)
 
     async def run(self, ctx: AsyncTurnContext) -> str | None:
         try:
