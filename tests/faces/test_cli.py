@@ -507,3 +507,35 @@ def test_the_demo_names_the_lead_by_its_slug_and_ends_on_how_things_ended(
     assert last_frame.startswith("every subagent's turns have ended"), last_frame
     assert "waiting for researcher" not in last_frame
     assert "demo finished" in out
+
+
+# ---- a new user's first hour (issue 42) ---------------------------------------------------------
+
+
+def _log_events(server: LiveServer, event: str) -> list[dict[str, Any]]:
+    """The server's log lines (one JSON object each, at the default level) of ``event``."""
+    lines = server.log_text().splitlines()
+    found = [json.loads(line) for line in lines if line.startswith("{")]
+    return [e for e in found if e.get("event") == event]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_turn_is_a_warning_in_the_log_and_turns_prints_its_error(
+    server: LiveServer,
+) -> None:
+    # A step the driver cannot take raises inside the turn: the turn fails.
+    bad = json.dumps([{"op": "work", "every": "soon"}])
+    root = ok(server, "open")
+    ok(server, "prompt", root, "go", "--steps", bad)
+    server.wait_state(root, "parked")
+    turn = server.call("subagent.turns", {"session": root})["turns"][-1]
+    assert turn["outcome"] == "failed" and "could not convert" in turn["error"], turn
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for e in _log_events(server, "turn.failed") if e.get("turn") == turn["id"]]
+
+    warning = wait_until(logged, what="the turn.failed line")
+    assert len(warning) == 1, warning
+    assert warning[0]["level"] == "warning" and warning[0]["session"] == root
+    assert warning[0]["error"] == turn["error"]
+    assert ok(server, "turns", root) == f"{turn['id']}  failed  {turn['error']}"

@@ -986,7 +986,9 @@ class Session:
         return None
 
     def _announce(self, t: _Turn, decided: TurnOutcome) -> None:
-        """The end in the log (a stopped or failed one at info) and as an event."""
+        """The end in the log (a stopped or failed one at info; a failed one a warning
+        too, with its error, since nothing else says so at the default level) and as an
+        event."""
         record = {
             "turn": t.id,
             "outcome": decided.outcome,
@@ -997,6 +999,8 @@ class Session:
             "reason": decided.reason,
             "error": decided.error,
         }
+        if decided.outcome == "failed":
+            log.warning("turn.failed", session=self.header.id, turn=t.id, error=decided.error)
         if decided.outcome != "completed":
             log.info("turn.ended", session=self.header.id, **record)
         elif _debug():

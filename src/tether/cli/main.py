@@ -446,6 +446,7 @@ def _turns(args: argparse.Namespace, client: Client) -> int:
         f"{t['id']}  {t.get('outcome') or 'running'}"
         + (f"  by {t['cause']} ({t['by']})" if t.get("cause") else "")
         + (f"  {t['reason']}" if t.get("reason") else "")
+        + (f"  {t['error']}" if t.get("error") else "")  # a failed turn's why, as a stop's
         for t in turns
     ]
     _out(args, {"turns": turns}, "\n".join(lines) if lines else None)
