@@ -514,7 +514,8 @@ def test_a_subtree_cancel_binds_each_stop_to_its_own_turn_and_skips_idle_session
     theirs = rt.wait(grand, until="running").turn
     # A guard naming a turn that is not the target's stops the target's nothing, but
     # the subtree below is still stopped.
-    assert rt.interrupt(kid, authority=me, kind="cancel", scope="subtree", turn="t_old") == [theirs]
+    old = "t_" + "0" * 32
+    assert rt.interrupt(kid, authority=me, kind="cancel", scope="subtree", turn=old) == [theirs]
     rt.wait(grand, until="parked")
     rt.send(grand, "again", authority=User(parent=kid), data=HANG)
     theirs2 = rt.wait(grand, until="running").turn

@@ -539,3 +539,24 @@ def test_a_failed_turn_is_a_warning_in_the_log_and_turns_prints_its_error(
     assert warning[0]["level"] == "warning" and warning[0]["session"] == root
     assert warning[0]["error"] == turn["error"]
     assert ok(server, "turns", root) == f"{turn['id']}  failed  {turn['error']}"
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_turn_guard_is_refused_and_stops_nothing(server: LiveServer) -> None:
+    root = ok(server, "open")
+    kid = ok(server, "spawn", root, "--prompt", "one", "--steps", HANG)
+    server.wait_state(kid, "running")
+    turn = _running_turn(server, kid)
+    for args in (
+        ("cancel", kid, "--turn", "t_nope"),
+        ("abort", kid, "--turn", turn[2:]),  # the id without its prefix
+        ("steer", kid, "go left", "--turn", "nope"),
+    ):
+        typo = tether_cli(server, *args)
+        assert typo.returncode == 1, (args, typo.stdout)
+        assert "invalid-params: turn must be a turn id" in typo.stderr, typo.stderr
+    # A well-formed id of another turn is still the stale guard's no-op.
+    other = "t_" + "0" * 32
+    assert ok(server, "cancel", kid, "--turn", other) == f"no-op: {other} is not the running turn"
+    info = server.call("subagent.status", {"session": kid})
+    assert (info["state"], info["turn"], info["stopping"]) == ("running", turn, None)

@@ -120,7 +120,8 @@ def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
     address = rpc_address(ids["a"], ids["root"])
     first = server.call("subagent.status", {"session": ids["a"]})["turn"]
     # A guard naming a turn that never ran here: an accepted no-op, the turn goes on.
-    answer = server.call("subagent.interrupt", {"address": address, "turn": "t_unknown"})
+    other = "t_" + "0" * 32
+    answer = server.call("subagent.interrupt", {"address": address, "turn": other})
     assert answer == {"accepted": True, "turn": None}
     guarded = {"address": address, "kind": "cancel", "turn": first, "reason": "stop 1"}
     assert server.call("subagent.interrupt", guarded) == {"accepted": True, "turn": first}
@@ -142,6 +143,26 @@ def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
     # An idle target: an accepted no-op too.
     idle = {"address": rpc_address(ids["b"], ids["root"]), "kind": "abort"}
     assert server.call("subagent.interrupt", idle) == {"accepted": True, "turn": None}
+
+
+def test_a_malformed_turn_guard_is_invalid_params_and_stops_nothing(server: LiveServer) -> None:
+    ids = _tree(server)
+    address = rpc_address(ids["a"], ids["root"])
+    turn = server.call("subagent.status", {"session": ids["a"]})["turn"]
+    calls = [
+        ("subagent.interrupt", {"address": address, "kind": "abort", "turn": "nope"}),
+        ("subagent.interrupt", {"address": address, "kind": "cancel", "turn": "t_nope"}),
+        ("subagent.interrupt", {"address": address, "kind": "abort", "turn": turn[2:]}),
+        ("subagent.interrupt", {"address": address, "scope": "subtree", "turn": "nope"}),
+        ("subagent.pause", {"address": address, "turn": "t_" + "0" * 31 + "g"}),
+    ]
+    for method, params in calls:
+        answer = server.rpc(method, params)
+        assert rpc_error(answer) == (-32602, "invalid-params"), (params, answer)
+        assert "turn must be a turn id" in answer["error"]["message"]
+    info = server.call("subagent.status", {"session": ids["a"]})
+    assert (info["state"], info["turn"], info["stopping"]) == ("running", turn, None)
+    assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
 
 
 def test_a_turn_waiting_for_a_worker(server: LiveServer) -> None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tether.actors._ids import is_id
 from tether.actors.authority import Ancestor, User
 from tether.runtime._cgroup import LIMIT_CONTROLLERS, Cgroups
 from tether.wire.budget import check_price
@@ -52,6 +53,7 @@ __all__ = [
     "check_stall",
     "check_text",
     "check_tool_user",
+    "check_turn",
     "convert",
 ]
 
@@ -96,6 +98,18 @@ def check_text(name: str, value: str) -> None:
 def check_id(session_id: object) -> None:
     if not isinstance(session_id, str):
         raise InvalidParams("a session id is a string")
+
+
+def check_turn(turn: object) -> None:
+    """A turn guard is None or a turn id as the runtime makes them. A malformed one (a
+    typo, an id of another kind) could never name the running turn, so it is refused
+    rather than taken for a stale guard's silent no-op; a well-formed id of another turn
+    is that no-op (semantics §14.2)."""
+    if turn is None:
+        return
+    if not isinstance(turn, str) or not is_id(turn, "t_"):
+        shown = repr(turn[:80]) if isinstance(turn, str) else type(turn).__name__
+        raise InvalidParams(f"turn must be a turn id (t_ and 32 hex digits), not {shown}")
 
 
 def check_containment(containment: str | None) -> str:
@@ -163,6 +177,7 @@ def check_interrupt(
         InterruptArgs,
         "interrupt",
     )
+    check_turn(args.turn)
     if scope == "subtree" and args.kind not in ("cancel", "abort"):
         raise InvalidParams(f"a subtree stop is a cancel or an abort, not {args.kind!r}")
     check_text("reason", args.reason)
