@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import io
 import json
 import os
@@ -189,8 +190,9 @@ def test_send_prompt_and_inbox(server: LiveServer) -> None:
     assert first.startswith("m_") and second["accepted"] is True
     assert second["message"].startswith("m_") and second["message"] != first
     lines = ok(server, "inbox", kid).splitlines()
-    assert lines[0] == f"{first}  user  user  look at the logs"
-    assert lines[1].startswith(f"{second['message']}  user  user  xxx") and lines[1].endswith("…")
+    me = getpass.getuser()  # the sender: the name the CLI sends by default
+    assert lines[0] == f"{first}  user  {me}  look at the logs"
+    assert lines[1].startswith(f"{second['message']}  user  {me}  xxx") and lines[1].endswith("…")
     listed = json.loads(ok(server, "inbox", kid, "--json"))["messages"]
     assert [m["id"] for m in listed] == [first, second["message"]]
     assert listed[1]["preview"] == "x" * 200
@@ -560,3 +562,67 @@ def test_a_malformed_turn_guard_is_refused_and_stops_nothing(server: LiveServer)
     assert ok(server, "cancel", kid, "--turn", other) == f"no-op: {other} is not the running turn"
     info = server.call("subagent.status", {"session": kid})
     assert (info["state"], info["turn"], info["stopping"]) == ("running", turn, None)
+
+
+def _markers(server: LiveServer, session: str) -> list[str]:
+    entries = server.call("subagent.transcript", {"session": session})["entries"]
+    return [e["text"] for e in entries if e["kind"] == "marker"]
+
+
+def _hanging_kid(server: LiveServer, parent: str) -> str:
+    """A child of ``parent`` with a turn held open, made over RPC (the CLI is what is tested)."""
+    params = {
+        "parent": parent,
+        "driver": "tether:Scripted",
+        "prompt": "go",
+        "data": {"steps": [{"op": "hang"}]},
+    }
+    kid: str = server.call("subagent.spawn", params)["session"]
+    server.wait_state(kid, "running")
+    return kid
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_from_the_cli_says_who_by_name_and_never_the_parent_agents_id(
+    server: LiveServer,
+) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    a = _hanging_kid(server, root)
+    a1 = _hanging_kid(server, a)  # a grandchild: its parent a is an agent
+    # --as names the person: the marker, the turn and the report say it, not a's id.
+    ok(server, "steer", a1, "look left", "--as", "alice")
+    wait_until(lambda: "⊘ Steered by user alice: look left" in _markers(server, a1), what="steer")
+    turn = _running_turn(server, a1)
+    assert ok(server, "cancel", a1, "--reason", "wrong way", "--as", "alice") == f"cancelled {turn}"
+    server.wait_state(a1, "parked")
+    assert "⊘ Cancelled by user alice: wrong way" in _markers(server, a1)
+    assert not any(a in text for text in _markers(server, a1))
+    assert ok(server, "turns", a1) == f"{turn}  cancelled  by user alice  wrong way"
+    assert f"{turn} ({a1}): cancel by user alice: wrong way" in ok(server, "report", turn)
+    # A send says who sent it too.
+    sent = ok(server, "send", a1, "and the docs", "--no-wake", "--as", "alice")
+    assert ok(server, "inbox", a1) == f"{sent}  user  alice  and the docs"
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_from_the_cli_is_by_the_login_name_unless_told_otherwise(
+    server: LiveServer,
+) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    a = _hanging_kid(server, root)
+    me = getpass.getuser()
+    turn = _running_turn(server, a)
+    assert ok(server, "pause", a) == f"paused {turn}"
+    assert ok(server, "resume", a, "--as", "") == f"resumed {turn}"  # '': no name
+    # A name a terminal would act on is refused, and stops nothing.
+    bad = tether_cli(server, "abort", a, "--as", "eve\x1b[2J")
+    assert bad.returncode == 1 and "invalid-params" in bad.stderr, bad.stderr
+    assert server.call("subagent.status", {"session": a})["stopping"] is None
+    ok(server, "abort", a, "--as", "")
+    server.wait_state(a, "parked")
+    assert _markers(server, a) == [
+        f"⏸ Paused by user {me}",
+        "▶ Resumed by user",
+        "⊘ Aborted by user",
+    ]
+    assert ok(server, "turns", a) == f"{turn}  aborted  by user"

@@ -8,6 +8,7 @@ and ``--json`` (machine-readable output).
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import queue
@@ -25,6 +26,7 @@ from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
 from tether.serve.token import blank_is_none, find_token
 from tether.wire.budget import LIMITS, check_budget, limit_text, parse_budget, spent_text
 from tether.wire.errors import TetherError
+from tether.wire.text import who
 from tether.wire.vocab import MAX_SECONDS
 
 __all__ = ["main"]
@@ -166,6 +168,19 @@ def _address(args: argparse.Namespace, client: Client) -> dict[str, str]:
     return {"session": args.id, "parent": _parent(args, client), "mode": "continuable"}
 
 
+def _login() -> str | None:
+    """The login name (``--as``'s default), or None where the system knows none."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no $LOGNAME and no passwd entry for the uid
+        return None
+
+
+def _as(args: argparse.Namespace) -> dict[str, str]:
+    """The ``name`` field: who is acting, said as ``by user NAME`` (``--as ''``: none)."""
+    return {"name": args.name} if args.name else {}
+
+
 # ---- commands --------------------------------------------------------------------------
 
 
@@ -272,6 +287,7 @@ def _send(args: argparse.Namespace, client: Client) -> int:
         "content": args.text,
         "data": _data(args),
         "wake": not args.no_wake,
+        **_as(args),
     }
     result = client.call("subagent.send", params)
     _out(args, result, _message_id(result))
@@ -290,6 +306,7 @@ def _interrupt(kind: str) -> Command:
     def run(args: argparse.Namespace, client: Client) -> int:
         reason = args.reason if args.reason is not None else (getattr(args, "text", None) or "")
         params: dict[str, Any] = {"address": _address(args, client), "kind": kind, "reason": reason}
+        params.update(_as(args))
         if args.grace is not None:
             params["grace"] = args.grace
         if args.deadline is not None:
@@ -326,7 +343,7 @@ def _interrupt(kind: str) -> Command:
 def _pause(resume: bool) -> Command:
     def run(args: argparse.Namespace, client: Client) -> int:
         scope = "subtree" if args.subtree else "session"
-        params: dict[str, Any] = {"address": _address(args, client), "scope": scope}
+        params: dict[str, Any] = {"address": _address(args, client), "scope": scope, **_as(args)}
         if not resume and args.reason is not None:
             params["reason"] = args.reason
         result = client.call("subagent.resume" if resume else "subagent.pause", params)
@@ -363,7 +380,7 @@ def _budget(args: argparse.Namespace, client: Client) -> int:
 
 def report_lines(r: dict[str, Any]) -> Iterator[str]:
     """A stop report (semantics §15.6) as a person reads it."""
-    head = f"{r['turn']} ({r['session']}): {r['kind']} by {r['origin']} ({r['by']})"
+    head = f"{r['turn']} ({r['session']}): {r['kind']} by {who(r['origin'], r['by'])}"
     yield head + (f": {_one_line(r['reason'], 200)}" if r.get("reason") else "")
     yield f"  requested  {_when(r.get('requested_at'))}"
     yield _effective_line(r)
@@ -444,7 +461,7 @@ def _turns(args: argparse.Namespace, client: Client) -> int:
     turns = client.call("subagent.turns", {"session": args.id})["turns"]
     lines = [
         f"{t['id']}  {t.get('outcome') or 'running'}"
-        + (f"  by {t['cause']} ({t['by']})" if t.get("cause") else "")
+        + (f"  by {who(t['cause'], t.get('by'))}" if t.get("cause") else "")
         + (f"  {t['reason']}" if t.get("reason") else "")
         + (f"  {t['error']}" if t.get("error") else "")  # a failed turn's why, as a stop's
         for t in turns
@@ -644,6 +661,19 @@ def _common() -> _Parser:
     return common
 
 
+def _add_as(p: argparse.ArgumentParser) -> None:
+    login = _login()
+    p.add_argument(
+        "--as",
+        dest="name",
+        metavar="NAME",
+        default=login,
+        help="who you are, shown as 'by user NAME' in the marker (default: your login name"
+        + (f", {login.replace('%', '%%')}" if login else "")
+        + "; '' for none: 'by user')",
+    )
+
+
 def _add_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=_json_arg, help="a JSON object attached to the message")
     p.add_argument(
@@ -781,6 +811,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", help="the message")
     p.add_argument("--parent", help="its parent id (looked up when left out)")
     p.add_argument("--no-wake", action="store_true", help="queue it without starting a turn")
+    _add_as(p)
     _add_data(p)
 
     for kind, summary in _INTERRUPTS.items():
@@ -799,6 +830,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--turn", help="act only if this turn is still the running one (else a no-op)"
         )
+        _add_as(p)
         if kind in ("cancel", "abort"):
             p.add_argument(
                 "--subtree",
@@ -824,6 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
         if not resume:
             p.add_argument("--reason", help="why (shown in the marker)")
         p.add_argument("--parent", help="its parent id (looked up when left out)")
+        _add_as(p)
 
     p = command(
         "tree",

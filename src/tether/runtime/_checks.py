@@ -35,6 +35,7 @@ __all__ = [
     "CONTAINMENTS",
     "KINDS",
     "MAX_CONTENT",
+    "MAX_NAME",
     "InterruptArgs",
     "Timeout",
     "Workers",
@@ -47,6 +48,7 @@ __all__ = [
     "check_interrupt",
     "check_limits",
     "check_message",
+    "check_name",
     "check_secret_env",
     "check_settings",
     "check_slug",
@@ -157,7 +159,22 @@ def check_authority(authority: object) -> None:
             raise InvalidParams("User.parent must be a session id")
         check_text("User.parent", authority.parent)
         if authority.name is not None:
-            check_text("User.name", authority.name)
+            check_name(authority.name)
+
+
+MAX_NAME = 64  # characters in a person's name (``User.name``)
+
+
+def check_name(name: object) -> None:
+    """A person's name is shown after "by" in markers, reports and every face, on one
+    line: a string of at most 64 characters, none a terminal acts on, no tab or newline
+    ("" is no name)."""
+    if not isinstance(name, str) or len(name) > MAX_NAME:
+        raise InvalidParams(f"User.name must be a string of at most {MAX_NAME} characters")
+    check_text("User.name", name)
+    bad = TERMINAL_CONTROLS.search(name) or re.search("[\t\n]", name)
+    if bad is not None:
+        raise InvalidParams(f"User.name must hold no control character, not {bad.group()!r}")
 
 
 def check_interrupt(

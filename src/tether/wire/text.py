@@ -23,6 +23,7 @@ __all__ = [
     "neutralize",
     "neutralized",
     "render_frame",
+    "who",
 ]
 
 REASON_CAP = 2000
@@ -81,21 +82,32 @@ def neutralized(value: Any) -> Any:
     return value
 
 
-def marker_text(action: str, origin: str, by: str, reason: str) -> str:
-    """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason.
+def who(origin: str, by: str | None) -> str:
+    """Who acted, as every face writes it after "by": ``user alice``, or ``user`` for a
+    person who gave no name (never the parent address they presented: on a grandchild that
+    is an agent's id, and would read as if the agent did it); ``parent (<id>)`` for an
+    agent; ``watchdog`` and ``budget`` for the system's own; ``system (<by>)`` else."""
+    if origin in ("watchdog", "budget"):  # the system's own: its origin says who
+        return origin
+    if origin == "user":
+        return "user" if not by or by == "user" else f"user {by}"
+    return f"{origin} ({by})" if by else origin
 
-    The system's own follow-up markers (``forced``, ``escalated``) read ``⊘ Forced: ...``;
-    the watchdog's read ``⊘ Steered by watchdog: ...``; a pause ``⏸ Paused by ...`` and a
-    resume ``▶ Resumed by ...``.
+
+def marker_text(action: str, origin: str, by: str, reason: str) -> str:
+    """``⊘ Cancelled by user alice: <reason>``, escaped; no colon part without a reason.
+
+    ``by`` is said as ``who`` says it (``by parent (<id>)``, ``by watchdog``, ``by user``
+    for a person with no name). The system's own follow-up markers (``forced``,
+    ``escalated``) read ``⊘ Forced: ...``; a pause ``⏸ Paused by ...`` and a resume
+    ``▶ Resumed by ...``.
     """
     verb = _VERBS.get(action)
     sign = _SIGNS.get(action, "⊘")
     if verb is None:
         head = f"{sign} {action.capitalize()}"
-    elif origin in ("watchdog", "budget"):  # the system's own: its origin says who
-        head = f"{sign} {verb} by {origin}"
     else:
-        head = f"{sign} {verb} by {origin} ({escape(by)})"
+        head = f"{sign} {verb} by {escape(who(origin, by))}"
     return f"{head}: {escape(reason)}" if reason else head
 
 
