@@ -421,6 +421,32 @@ def test_a_stop_discards_pending_and_later_steers(rt: tether.Runtime, scripted: 
     said = texts(rt, child, "assistant")
     assert not any("advice" in t for t in said)
     assert said[-1].startswith("cancelled after") and said[-1].endswith(": stop")
+    # The steer that was issued (it returned its turn) and then discarded says so; the
+    # later one was never issued (it returned None), so nothing is said of it.
+    [note] = [m for m in entries(rt, child, "marker") if m.action == "discarded"]
+    assert (note.origin, note.by, note.reason, note.data) == (
+        "user",
+        "user",
+        "pending advice",
+        {"stop": "cancel"},
+    )
+    assert note.text == "⊘ Discarded steer by user (the cancel came first): pending advice"
+
+
+def test_a_steer_the_turn_ended_before_taking_says_it_was_never_delivered(
+    rt: tether.Runtime,
+) -> None:
+    rec = Recorder(rt)
+    _root, child, me = family(rt, slug="child")
+    # The last step blocks with no boundary after it: a steer issued meanwhile never lands.
+    rt.send(child, "A", authority=me, data=steps({"op": "sleep", "seconds": 1.5, "say": "in"}))
+    wait_entry(rt, child, "assistant", "in")
+    alice = User(parent=me.parent, name="alice")
+    assert rt.interrupt(child, authority=alice, kind="steer", reason="too late") is not None
+    assert rec.turn_ended(child, timeout=10.0)["outcome"] == "completed"
+    [note] = entries(rt, child, "marker")
+    assert (note.action, note.by, note.data) == ("discarded", "alice", {"stop": None})
+    assert note.text == "⊘ Discarded steer by user alice (the turn ended first): too late"
 
 
 # ---- one pending stop per turn ----------------------------------------------------------------

@@ -626,3 +626,34 @@ def test_a_stop_from_the_cli_is_by_the_login_name_unless_told_otherwise(
         "⊘ Aborted by user",
     ]
     assert ok(server, "turns", a) == f"{turn}  aborted  by user"
+
+
+@pytest.mark.timeout(120)
+def test_a_steer_a_later_cancel_discarded_leaves_a_note_in_the_transcript(
+    server: LiveServer,
+) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    # A step with no boundary in it: the steer waits for one, and the cancel comes first.
+    steps = json.dumps([{"op": "sleep", "seconds": 60, "say": "thinking"}])
+    kid = ok(server, "spawn", root, "--prompt", "go", "--steps", steps)
+    wait_until(lambda: _assistant_texts(server, kid) == ["thinking"], what="the blocking step")
+    turn = _running_turn(server, kid)
+    assert ok(server, "steer", kid, "look left", "--as", "alice") == f"steered {turn}"
+    stop = ("cancel", kid, "--reason", "enough", "--deadline", "0.5", "--as", "bob")
+    assert ok(server, *stop) == f"cancelled {turn}"
+    server.wait_state(kid, "parked")
+    lines = ok(server, "transcript", kid).splitlines()
+    markers = [line.split("] ", 1)[1] for line in lines if "] marker: " in line]
+    assert markers == [
+        "marker: ⊘ Cancelled by user bob: enough",
+        "marker: ⊘ Escalated: no boundary before the deadline",
+        "marker: ⊘ Discarded steer by user alice (the cancel came first): look left",
+    ], lines
+    entries = [json.loads(x) for x in ok(server, "transcript", kid, "--json").splitlines()]
+    [note] = [e for e in entries if e.get("action") == "discarded"]
+    assert (note["turn"], note["reason"], note["data"]) == (turn, "look left", {"stop": "cancel"})
+
+
+def _assistant_texts(server: LiveServer, session: str) -> list[str]:
+    entries = server.call("subagent.transcript", {"session": session})["entries"]
+    return [e["text"] for e in entries if e["kind"] == "assistant"]

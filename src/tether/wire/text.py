@@ -18,6 +18,7 @@ __all__ = [
     "REASON_CAP",
     "TERMINAL_CONTROLS",
     "cap",
+    "discarded_text",
     "escape",
     "marker_text",
     "neutralize",
@@ -109,6 +110,13 @@ def marker_text(action: str, origin: str, by: str, reason: str) -> str:
     else:
         head = f"{sign} {verb} by {escape(who(origin, by))}"
     return f"{head}: {escape(reason)}" if reason else head
+
+
+def discarded_text(origin: str, by: str, stop: str | None, text: str) -> str:
+    """A steer that never reached a boundary: ``⊘ Discarded steer by user alice (the
+    cancel came first): <its text>``, escaped; ``stop`` None: the turn ended first."""
+    why = "the turn ended first" if stop is None else f"the {stop} came first"
+    return f"⊘ Discarded steer by {escape(who(origin, by))} ({why}): {escape(text)}"
 
 
 def render_frame(tag: str, origin: str, by: str, text: str) -> str:

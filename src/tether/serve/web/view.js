@@ -35,6 +35,12 @@ export function who(origin, by, { short = false } = {}) {
  * The stored `text` is escaped for models (&lt;…); the raw reason is shown as text.
  */
 export function markerText(entry, { short = false } = {}) {
+  if (entry.action === "discarded") {
+    // A steer no boundary took: the stop that discarded it, or the turn's end, came first.
+    const stop = entry.data && entry.data.stop;
+    const why = stop ? `the ${stop} came first` : "the turn ended first";
+    return `⊘ Discarded steer by ${who(entry.origin, entry.by, { short })} (${why}): ${entry.reason || ""}`;
+  }
   const known = VERBS[entry.action];
   if (!known && !entry.action) return entry.text;
   const [mark, verb] = known || ["⊘", entry.action.charAt(0).toUpperCase() + entry.action.slice(1)];
