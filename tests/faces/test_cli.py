@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import io
 import json
@@ -18,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from drivers import ROOT
 from tether_server import (
     TETHER,
     LiveServer,
@@ -657,3 +659,55 @@ def test_a_steer_a_later_cancel_discarded_leaves_a_note_in_the_transcript(
 def _assistant_texts(server: LiveServer, session: str) -> list[str]:
     entries = server.call("subagent.transcript", {"session": session})["entries"]
     return [e["text"] for e in entries if e["kind"] == "assistant"]
+
+
+@pytest.mark.timeout(60)
+def test_serve_and_mcp_help_say_the_default_of_every_option() -> None:
+    for command in ("serve", "mcp"):
+        done = subprocess.run(
+            [TETHER, command, "--help"], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0 and "example" in done.stdout, done.stderr
+        # Each option's block: its line and the lines its help text wraps onto.
+        blocks = re.split(r"\n(?=  -)", done.stdout.split("options:", 1)[1].split("example")[0])
+        options = {b.split()[0].rstrip(","): " ".join(b.split()) for b in blocks if b.strip()}
+        assert "--workers" in options and "--grace" in options, options
+        for option, text in options.items():
+            if option != "-h":
+                assert "default: " in text, (command, option, text)
+        if command == "serve":
+            for option, default in {
+                "--host": "127.0.0.1",
+                "--port": "7777",
+                "--workers": "2",
+                "--grace": "5.0",
+                "--max-body": "1048576",
+                "--max-streams": "64",
+                "--fd-reserve": "64",
+                "--path": ".tether/state.db",
+            }.items():
+                assert f"(default: {default}" in options[option], (option, options[option])
+
+
+def test_the_cli_table_in_serve_md_names_every_option_of_every_command() -> None:
+    from tether.cli.main import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    doc = (ROOT / "docs" / "serve.md").read_text(encoding="utf-8")
+    table = doc.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    cells = [row.split(" | ")[0].replace("\\|", "|") for row in table.splitlines()[2:]]
+    shared = {"--help", "--url", "--token", "--json"}  # every command's, said above the table
+    missing = []
+    for name, command in sub.choices.items():
+        if name in ("serve", "mcp", "demo"):  # their own sections and --help
+            continue
+        rows = " ".join(c for c in cells if re.search(rf"(?<![\w-]){name}(?![\w-])", c))
+        if not rows:
+            missing.append(name)
+            continue
+        for action in command._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option not in shared and option not in rows:
+                    missing.append(f"{name} {option}")
+    assert not missing, f"docs/serve.md's command table does not name {missing}"

@@ -719,7 +719,7 @@ def _add_store_path(p: argparse.ArgumentParser) -> None:
         "--path",
         type=Path,
         default=Path(".tether") / "state.db",
-        help="the store (default ./.tether/state.db)",
+        help="the store (default: %(default)s)",
     )
 
 
@@ -728,14 +728,16 @@ def _add_face_options(p: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--driver",
         default="tether:Scripted",
-        help="driver import string of the root agents clients open (default tether:Scripted)",
+        help="driver import string of the root agents clients open (default: %(default)s)",
     )
-    group.add_argument("--config", metavar="FILE", help="their driver config, a JSON file")
+    group.add_argument(
+        "--config", metavar="FILE", help="their driver config, a JSON file (default: none)"
+    )
     group.add_argument(
         "--root",
         action="append",
         metavar="ID",
-        help="a root session every MCP client holds from the start (repeatable)",
+        help="a root session every MCP client holds from the start (repeatable; default: none)",
     )
 
 
@@ -952,12 +954,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_store_path(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address")
-    p.add_argument("--port", type=int, default=7777, help="port (0 picks a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=7777, help="port, 0 picks a free one (default: %(default)s)"
+    )
     p.add_argument(
         "--token",
         default=os.environ.get("TETHER_TOKEN"),
-        help="the bearer token every request needs (default $TETHER_TOKEN; none given: the"
+        help="the bearer token every request needs (default: $TETHER_TOKEN; none given: the"
         " one in the file 'token' beside the store, made if missing, mode 0600)",
     )
     p.add_argument(
@@ -966,22 +970,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the agents' tools (commands, MCP servers, CLIs) as this user, so they can"
         " read neither the token's file nor the server's memory (the server must run as"
-        " root, or with CAP_SETUID and CAP_SETGID)",
+        " root, or with CAP_SETUID and CAP_SETGID; default: the server's own user)",
     )
     p.add_argument(
         "--secret-env",
         metavar="NAME",
         action="append",
         default=[],
-        help="an environment variable no agent's tool may see (repeatable); the token and"
-        " the variables sessions name as keys (api_key_env) are kept from them anyway",
+        help="an environment variable no agent's tool may see (repeatable; default: none);"
+        " the token and the variables sessions name as keys (api_key_env) are kept from"
+        " them anyway",
     )
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
     p.add_argument(
         "--backend",
         choices=("local", "ray"),
         default="local",
-        help="where turns run: local worker processes, or a Ray cluster (tether[ray])",
+        help="where turns run: local worker processes, or a Ray cluster (tether[ray];"
+        " default: %(default)s)",
     )
     p.add_argument(
         "--ray-address",
@@ -993,18 +999,33 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cgroup", "walk"),
         default=os.environ.get("TETHER_CONTAINMENT") or "auto",
         help="how a turn's processes are held: a cgroup v2 leaf per worker (cgroup), the "
-        "process-tree walk (walk), or cgroup where available (auto, the default)",
+        "process-tree walk (walk), or cgroup where available: auto (default: "
+        "$TETHER_CONTAINMENT, else auto)",
     )
-    p.add_argument("--grace", type=_grace_arg, default=5.0, help="default cancel grace, seconds")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
     p.add_argument(
-        "--max-streams", type=int, default=64, help="concurrent /events streams (more: 503)"
+        "--grace",
+        type=_grace_arg,
+        default=5.0,
+        help="a cancel's grace when it names none, seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body",
+        type=int,
+        default=1 << 20,
+        help="request body cap, bytes, on /rpc, /mcp and /a2a (default: %(default)s, 1 MiB)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=64,
+        help="concurrent /events streams, more: 503 (default: %(default)s)",
     )
     p.add_argument(
         "--fd-reserve",
         type=int,
         default=64,
-        help="file descriptors kept for the runtime's workers (fewer free: 503)",
+        help="file descriptors kept for the runtime's workers, fewer free: 503"
+        " (default: %(default)s)",
     )
     _add_face_options(p)
     p.add_argument(
@@ -1012,13 +1033,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         default=None,
         help="export OpenTelemetry traces over OTLP/HTTP to this base URL, e.g. "
-        "http://127.0.0.1:4318 (tether[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
+        "http://127.0.0.1:4318 (tether[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same;"
+        " default: none)",
     )
     p.add_argument(
         "--cancel-deadline",
         type=float,
         default=30.0,
-        help="an A2A CancelTask that reaches no boundary this soon escalates to an abort",
+        help="an A2A CancelTask that reaches no boundary this soon escalates to an abort,"
+        " seconds (default: %(default)s)",
     )
 
     p = sub.add_parser(
@@ -1034,8 +1057,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_store_path(p)
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
-    p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="a cancel's grace when it names none, seconds (default: %(default)s)",
+    )
     _add_face_options(p)
 
     sub.add_parser(
