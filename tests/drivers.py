@@ -32,6 +32,7 @@ from tether.contain.procs import exiting
 # re-exported: tests import them from here
 from tether.testing.escapee import escapee as escapee
 from tether.testing.escapee import escapee_procs as escapee_procs
+from tether.wire.text import who
 
 if TYPE_CHECKING:
     import subprocess
@@ -814,7 +815,8 @@ class AsyncPreemptable:
         try:
             said = await ctx.preemptable("slow", tool(), preempt=data.get("preempt", "cooperative"))
         except tether.Preempted as exc:
-            said = f"preempted by {exc.origin} ({exc.by}): {exc.reason} after {exc.elapsed:.1f}s"
+            by = who(exc.origin or "user", exc.by)
+            said = f"preempted by {by}: {exc.reason} after {exc.elapsed:.1f}s"
         ctx.say(said)
         return "went on"
 

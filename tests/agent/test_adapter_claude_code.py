@@ -372,14 +372,14 @@ def test_a_steer_sent_while_the_model_streams_reaches_the_next_model_request(
         },
         {"text": "Switched to the fast path."},
     ]
-    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    _root, child, me = _agent(rt, server, tmp_path / "home", replies)
     rt.send(child, "do the task", authority=me)
     server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
     rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
     assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
     [first, second] = server.requests_for(MODEL)
     assert "fast" not in _said(first)
-    steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
+    steer = '<steer origin="user" by="user">use the &lt;fast&gt; path</steer>'
     assert steer in _said(second)
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
     assert texts(rt, child, "assistant")[-1] == "Switched to the fast path."
@@ -393,7 +393,7 @@ def test_a_preempt_of_a_running_bash_command_stops_only_it_and_the_model_is_told
         {"tool_calls": [_bash("echo started; sleep 30; echo never")]},
         {"text": "That took too long; moving on."},
     ]
-    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    _root, child, me = _agent(rt, server, tmp_path / "home", replies)
     rt.send(child, "run it", authority=me)
     server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
     worker_with_tool(rt, "sleep")
@@ -404,7 +404,7 @@ def test_a_preempt_of_a_running_bash_command_stops_only_it_and_the_model_is_told
     # The command's shell was killed: the CLI reports a failed command (its output cannot
     # be replaced by a hook) and the preempted text comes with it, as the hook's context
     assert "preempted after " in said
-    assert f"by user ({root}): too slow" in said
+    assert "by user: too slow" in said
     assert "started" in said and "never" not in said  # the output so far, and no more
     [tool] = entries(rt, child, "tool")
     assert tool.text.startswith("preempted after ") and tool.data is not None
@@ -540,13 +540,13 @@ def test_a_steer_sent_while_the_last_reply_streams_gets_a_reply_of_its_own_in_th
         {"text": "A slow final answer, streaming along at its own pace.", "chunk": 2, "pace": 0.04},
         {"text": "Taking your steer into account."},
     ]
-    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    _root, child, me = _agent(rt, server, tmp_path / "home", replies)
     rt.send(child, "answer", authority=me)
     server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
     rt.interrupt(child, authority=me, kind="steer", reason="mention the steer")
     assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
     [_, second] = server.requests_for(MODEL)
-    steer = f'<steer origin="user" by="{root}">mention the steer</steer>'
+    steer = '<steer origin="user" by="user">mention the steer</steer>'
     assert steer in _said(second)
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
     assert texts(rt, child, "assistant") == [replies[0]["text"], replies[1]["text"]]
@@ -585,14 +585,14 @@ def test_a_steer_sent_while_bash_runs_reaches_the_request_after_the_command(
         {"tool_calls": [_bash("echo working; sleep 1.5; echo worked")]},
         {"text": "Noted your steer."},
     ]
-    root, child, me = _agent(rt, server, tmp_path / "home", replies)
+    _root, child, me = _agent(rt, server, tmp_path / "home", replies)
     rt.send(child, "do the task", authority=me)
     server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
     worker_with_tool(rt, "sleep")
     rt.interrupt(child, authority=me, kind="steer", reason="also check the logs")
     assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "completed"
     [_, second] = server.requests_for(MODEL)
-    assert f'<steer origin="user" by="{root}">also check the logs</steer>' in _said(second)
+    assert '<steer origin="user" by="user">also check the logs</steer>' in _said(second)
     assert "worked" in _tool_result(second)  # the command was not cut by the steer
     [marker] = entries(rt, child, "marker")
     assert marker.action == "steered"
@@ -655,7 +655,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
     assert "mcp__files__echo" in offered and "mcp__files__hang" in offered
     assert _tool_result(second).startswith("from-mcp")  # the CLI may add a reminder
     result = _tool_result(third)
-    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert result.startswith("preempted after ") and "by user: search is stuck" in result
     echoed, hung = entries(rt, child, "tool")
     assert echoed.text == "from-mcp" and echoed.data is not None
     assert echoed.data["name"] == "mcp__files__echo"

@@ -153,7 +153,7 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_and_stays_in_the_later
         {"text": "Checking the fast path.", "tool_calls": look},
         {"text": "Switched to the fast path."},
     ]
-    root, child, me = _agent(rt, server, "oai-steer", replies)
+    _root, child, me = _agent(rt, server, "oai-steer", replies)
     rt.send(child, "do the task", authority=me)
     server.wait_requests(1, script="oai-steer", timeout=60.0)
     rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
@@ -161,7 +161,7 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_and_stays_in_the_later
     [_, second, third] = server.requests_for("oai-steer")
     steer = {
         "role": "user",
-        "content": f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>',
+        "content": '<steer origin="user" by="user">use the &lt;fast&gt; path</steer>',
     }
     assert second.body["messages"][-1] == steer
     assert second.body["messages"][-2]["role"] == "tool"
@@ -184,7 +184,7 @@ def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_resu
         {"text": "The probe took too long; moving on."},
     ]
     extra = {"agent": "adapter_agents_oai:prober", "probe_file": str(probe)}
-    root, child, me = _agent(rt, server, "oai-preempt", replies, **extra)
+    _root, child, me = _agent(rt, server, "oai-preempt", replies, **extra)
     rt.send(child, "probe the db", authority=me)
     eventually(probe.exists, timeout=60.0, what="the tool to start")
     turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
@@ -196,7 +196,7 @@ def test_a_preempt_of_a_running_function_tool_gives_the_model_the_preempted_resu
     result = second.body["messages"][-1]
     assert result["role"] == "tool"
     assert result["content"].startswith("preempted after ")
-    assert f"by user ({root}): too slow" in result["content"]
+    assert "by user: too slow" in result["content"]
     tool = entries(rt, child, "tool")[-1]
     assert tool.text == result["content"] and (tool.data or {})["preempted"] is True
     assert texts(rt, child, "assistant")[-1] == "The probe took too long; moving on."
@@ -281,7 +281,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_framework_agent
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
     ]
-    root, child, me = _agent(rt, server, "oai-mcp", replies, mcp=mcp)
+    _root, child, me = _agent(rt, server, "oai-mcp", replies, mcp=mcp)
     rt.send(child, "search", authority=me)
     call = eventually(
         lambda: next((r for r in read_log(str(log)) if r.get("method") == "tools/call"), None),
@@ -296,7 +296,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_framework_agent
     [first, second] = server.requests_for("oai-mcp")
     assert "mcp__files__hang" in [t["function"]["name"] for t in first.body["tools"]]
     result = second.body["messages"][-1]["content"]
-    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert result.startswith("preempted after ") and "by user: search is stuck" in result
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
     assert texts(rt, child, "assistant")[-1] == "The search hung; going on without it."
 

@@ -200,14 +200,14 @@ def test_a_steer_sent_while_the_model_streams_reaches_the_next_request(
         },
         {"text": "Switched to the fast path."},
     ]
-    root, child, me = _agent(rt, server, "pyd-steer", replies)
+    _root, child, me = _agent(rt, server, "pyd-steer", replies)
     rt.send(child, "do the task", authority=me)
     server.wait_requests(1, script="pyd-steer", timeout=60.0)
     rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     [first, second] = server.requests_for("pyd-steer")
     assert not first.body["messages"][-1]["content"].startswith("<steer")
-    steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
+    steer = '<steer origin="user" by="user">use the &lt;fast&gt; path</steer>'
     assert second.body["messages"][-1] == {"role": "user", "content": steer}
     assert second.body["messages"][-2]["role"] == "tool"
     # the marker where the framework took the steer: in the request after the tool's result
@@ -226,7 +226,7 @@ def test_a_preempt_of_a_running_tool_stops_only_that_tool_and_the_model_gets_the
         {"tool_calls": [call]},
         {"text": "The search was too slow; moving on."},
     ]
-    root, child, me = _agent(rt, server, "pyd-preempt", replies)
+    _root, child, me = _agent(rt, server, "pyd-preempt", replies)
     rt.send(child, "search", authority=me)
     eventually(started.exists, timeout=60.0, what="the tool to run")
     turn = rt.interrupt(child, authority=me, kind="preempt", reason="too slow")
@@ -236,7 +236,7 @@ def test_a_preempt_of_a_running_tool_stops_only_that_tool_and_the_model_gets_the
     result = second.body["messages"][-1]
     assert result["role"] == "tool"
     assert result["content"].startswith("preempted after ")
-    assert f"by user ({root}): too slow" in result["content"]
+    assert "by user: too slow" in result["content"]
     [tool] = entries(rt, child, "tool")
     assert tool.data is not None and tool.data["preempted"] is True
     assert tool.text == result["content"]
@@ -349,7 +349,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
     ]
-    root, child, me = _agent(rt, server, "pyd-mcp", replies, mcp=mcp)
+    _root, child, me = _agent(rt, server, "pyd-mcp", replies, mcp=mcp)
     rt.send(child, "search", authority=me)
 
     def hung_call() -> dict[str, Any] | None:
@@ -377,7 +377,7 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
         "content": "from-mcp",
     }
     result = third.body["messages"][-1]["content"]
-    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert result.startswith("preempted after ") and "by user: search is stuck" in result
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
     report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
     assert [(t.name, t.fate) for t in report.tools] == [("mcp__files__hang", "preempted")]
@@ -426,13 +426,13 @@ def test_a_steer_sent_while_the_final_reply_streams_is_taken_by_the_framework_an
         {"text": "Here is the slow answer, word by word.", "chunk": 2, "pace": 0.05},
         {"text": "Switched to the short answer."},
     ]
-    root, child, me = _agent(rt, server, "pyd-steer-final", replies)
+    _root, child, me = _agent(rt, server, "pyd-steer-final", replies)
     rt.send(child, "answer", authority=me)
     server.wait_requests(1, script="pyd-steer-final", timeout=60.0)
     rt.interrupt(child, authority=me, kind="steer", reason="keep it short")
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     [_, second] = server.requests_for("pyd-steer-final")
-    steer = f'<steer origin="user" by="{root}">keep it short</steer>'
+    steer = '<steer origin="user" by="user">keep it short</steer>'
     assert second.body["messages"][-1] == {"role": "user", "content": steer}
     assert second.body["messages"][-2]["role"] == "assistant"
     kinds = [e.action or e.kind for e in rt.transcript(child) if e.kind != "user"]

@@ -177,13 +177,13 @@ def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(
         },
         {"text": "Switched to the fast path."},
     ]
-    root, child, me = _agent(rt, server, "steered", replies)
+    _root, child, me = _agent(rt, server, "steered", replies)
     rt.send(child, "do the task", authority=me)
     server.wait_requests(1, script="steered", timeout=30.0)
     rt.interrupt(child, authority=me, kind="steer", reason="use the <fast> path")
     assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
     [_, second] = server.requests_for("steered")
-    steer = f'<steer origin="user" by="{root}">use the &lt;fast&gt; path</steer>'
+    steer = '<steer origin="user" by="user">use the &lt;fast&gt; path</steer>'
     assert second.body["messages"][-1] == {"role": "user", "content": steer}
     assert second.body["messages"][-2]["role"] == "tool"
     assert [m.action for m in entries(rt, child, "marker")] == ["steered"]
@@ -208,7 +208,7 @@ def test_a_steer_between_two_tool_calls_keeps_both_results_in_the_history_and_th
         {"text": "Done, the fast way."},
         {"text": "Still here."},
     ]
-    root, child, me = _agent(
+    _root, child, me = _agent(
         rt, server, "steer-between-calls", replies, tools=["run_command", "list_agents"]
     )
     rt.send(child, "do the task", authority=me)
@@ -223,7 +223,7 @@ def test_a_steer_between_two_tool_calls_keeps_both_results_in_the_history_and_th
     rt.send(child, "and now?", authority=me)
     assert rec.turn_ended(child, count=2, timeout=30.0)["outcome"] == "completed"
     [_, live, later] = server.requests_for("steer-between-calls")
-    said = f'<steer origin="user" by="{root}">use the fast path</steer>'
+    said = '<steer origin="user" by="user">use the fast path</steer>'
     steer = {"role": "user", "content": said}
     sent = live.body["messages"]
     # the live request: every call's result right after the reply, then the steer
@@ -248,7 +248,7 @@ def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_th
         {"tool_calls": [{"name": "run_command", "arguments": hung}]},
         {"text": "That took too long; moving on."},
     ]
-    root, child, me = _agent(rt, server, "preempted", replies)
+    _root, child, me = _agent(rt, server, "preempted", replies)
     rt.send(child, "run it", authority=me)
     # a fresh worker imports the openai client first (seconds on a loaded machine)
     server.wait_requests(1, script="preempted", timeout=30.0)
@@ -259,7 +259,7 @@ def test_a_preempt_of_a_hung_command_gives_the_model_the_preempted_result_and_th
     result = second.body["messages"][-1]
     assert result["role"] == "tool"
     assert result["content"].startswith("preempted after ")
-    assert f"by user ({root}): too slow" in result["content"]
+    assert "by user: too slow" in result["content"]
     assert "started" in result["content"]  # the partial output
     assert texts(rt, child, "assistant")[-1] == "That took too long; moving on."
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
@@ -451,7 +451,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_turn_goes_on(
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "The search hung; going on without it."},
     ]
-    root, child, me = _agent(rt, server, "mcp-preempt", replies, mcp=mcp)
+    _root, child, me = _agent(rt, server, "mcp-preempt", replies, mcp=mcp)
     rt.send(child, "search", authority=me)
     call = eventually(
         lambda: next((r for r in read_log(str(log)) if r.get("method") == "tools/call"), None),
@@ -465,7 +465,7 @@ def test_a_preempt_of_a_hung_mcp_call_reaches_the_server_and_the_turn_goes_on(
     assert [r["requestId"] for r in cancelled] == [call["id"]]
     [_, second] = server.requests_for("mcp-preempt")
     result = second.body["messages"][-1]["content"]
-    assert result.startswith("preempted after ") and f"by user ({root}): search is stuck" in result
+    assert result.startswith("preempted after ") and "by user: search is stuck" in result
     assert [m.action for m in entries(rt, child, "marker")] == ["preempted"]
     assert texts(rt, child, "assistant")[-1] == "The search hung; going on without it."
     report = eventually(lambda: rt.stop_report(turn), what="the preempt's report")
@@ -670,7 +670,7 @@ def test_a_user_preempt_of_an_mcp_call_gives_the_model_its_progress_so_far(
         },
         {"text": "Stopped it partway."},
     ]
-    root, child, me = _agent(rt, server, "mcp-preempt-progress", replies, mcp=mcp)
+    _root, child, me = _agent(rt, server, "mcp-preempt-progress", replies, mcp=mcp)
     rt.send(child, "index everything", authority=me)
     eventually(
         lambda: any(
@@ -683,7 +683,7 @@ def test_a_user_preempt_of_an_mcp_call_gives_the_model_its_progress_so_far(
     assert rec.turn_ended(child, timeout=60.0)["outcome"] == "completed"
     [_, second] = server.requests_for("mcp-preempt-progress")
     result = second.body["messages"][-1]["content"]
-    assert f"by user ({root}): enough indexing\npartial output:\nprogress " in result
+    assert "by user: enough indexing\npartial output:\nprogress " in result
     assert "/6000: step " in result
     [(text, data)] = _tool_entries(rt, child)
     assert text == result and data["preempted"] is True
@@ -723,7 +723,7 @@ def test_a_cancelled_mcp_call_leaves_a_tool_entry_saying_so_and_the_report_a_nul
         {"tool_calls": [{"name": "mcp__files__hang", "arguments": {"seconds": 60}}]},
         {"text": "Starting over."},
     ]
-    root, child, me = _agent(rt, server, "mcp-cancelled", replies, mcp=mcp)
+    _root, child, me = _agent(rt, server, "mcp-cancelled", replies, mcp=mcp)
     rt.send(child, "search", authority=me)
     eventually(
         lambda: any(r.get("method") == "tools/call" for r in read_log(str(log))),
@@ -734,7 +734,7 @@ def test_a_cancelled_mcp_call_leaves_a_tool_entry_saying_so_and_the_report_a_nul
     assert turn is not None
     assert rec.turn_ended(child, timeout=60.0)["outcome"] == "cancelled"
     [(text, data)] = _tool_entries(rt, child)
-    assert text.startswith("cancelled after ") and text.endswith(f"by user ({root}): wrong search")
+    assert text.startswith("cancelled after ") and text.endswith("by user: wrong search")
     assert data["cancelled"] is True and data["name"] == "mcp__files__hang"
     report = eventually(
         lambda: (r := rt.stop_report(turn)) is not None and r.outcome is not None and r,

@@ -31,8 +31,8 @@ def test_the_adapters_demo_steers_cancels_and_aborts_each_framework_leaving_no_p
             assert f"skipped: pip install 'tether-runtime[{extra}]' brings {title}" in part
             continue
         # the steer reached the next request and its marker sits before the reply to it
-        assert 'its next model request carries: <steer origin="user" by="you">take the' in part
-        steered = part.index("marker ↪ Steered by user (you): take the fast path")
+        assert 'its next model request carries: <steer origin="user" by="user">take the' in part
+        steered = part.index("marker ↪ Steered by user: take the fast path")
         assert steered < part.index("switched to the fast path, as asked.")
         # the cancel closed the stream and kept what had streamed
         kept = re.search(r"turn cancelled; partial reply kept: '([^']*)'", part)

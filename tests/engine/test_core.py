@@ -764,7 +764,7 @@ def test_logs_use_stable_event_names(rt: tether.Runtime) -> None:
     for e in logs:
         by_name.setdefault(str(e["event"]), []).append(e)
     [accepted] = [e for e in by_name.get("interrupt.accepted", []) if e.get("session") == child]
-    assert accepted["kind"] == "cancel" and accepted["by"] == root
+    assert accepted["kind"] == "cancel" and accepted["by"] == "user"
     dropped = [e for e in by_name.get("interrupt.dropped", []) if e.get("session") == child]
     assert dropped and dropped[0]["kind"] == "steer"
     ended = [e for e in by_name.get("turn.ended", []) if e.get("session") == child]

@@ -70,6 +70,7 @@ MAX_TOTAL = 16
 MAX_ROOTS = 2  # not settled, at once
 CONVERGE = 10.0  # seconds for the runtime to show what the model predicts
 REASON_CAP = 2000
+NO_TURN = "t_" + "0" * 32  # a turn id of the runtime's shape that names no turn
 
 # ---- the reference model ------------------------------------------------------------------
 
@@ -141,8 +142,14 @@ _VERB = {
 
 
 def marker_text(action: str, origin: str, by: str, reason: str) -> str:
-    """semantics §5/§14.4, written out independently of ``tether.wire.text``."""
-    head = f"{_VERB[action]} by {origin} ({html.escape(by, quote=True)})"
+    """semantics §5/§14.4, written out independently of ``tether.wire.text``: a person
+    by name (``by user alice``, or ``by user`` with none), an agent by id."""
+    if origin == "user":
+        head = f"{_VERB[action]} by user" + (
+            "" if by == "user" else f" {html.escape(by, quote=True)}"
+        )
+    else:
+        head = f"{_VERB[action]} by {origin} ({html.escape(by, quote=True)})"
     return f"{head}: {html.escape(reason, quote=True)}" if reason else head
 
 
@@ -184,7 +191,7 @@ class Model:
     @staticmethod
     def origin_by(auth: Auth) -> tuple[str, str]:
         if auth[0] == "user":
-            return "user", auth[2] or auth[1]
+            return "user", auth[2] or "user"  # a person's name, never the address
         return "parent", auth[1]
 
     # -- inbox (§4) -------------------------------------------------------------------------
@@ -858,9 +865,9 @@ class TetherModel(RuleBasedStateMachine):
             turn_id = sess.turn.id if sess.turn is not None else None
         elif guard == "earlier":
             done = [t.id for t in sess.turns if t.outcome is not None and t.id]
-            turn_id = done[-1] if done else "t_never"
-        elif guard == "bogus":
-            turn_id = "t_bogus"
+            turn_id = done[-1] if done else NO_TURN
+        elif guard == "bogus":  # well formed (a malformed one is refused, not a no-op)
+            turn_id = NO_TURN
 
         def predict(m: Model) -> str | None:
             if target not in m.sessions:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import getpass
 import io
 import json
 import os
@@ -17,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from drivers import ROOT
 from tether_server import (
     TETHER,
     LiveServer,
@@ -189,8 +192,9 @@ def test_send_prompt_and_inbox(server: LiveServer) -> None:
     assert first.startswith("m_") and second["accepted"] is True
     assert second["message"].startswith("m_") and second["message"] != first
     lines = ok(server, "inbox", kid).splitlines()
-    assert lines[0] == f"{first}  user  user  look at the logs"
-    assert lines[1].startswith(f"{second['message']}  user  user  xxx") and lines[1].endswith("…")
+    me = getpass.getuser()  # the sender: the name the CLI sends by default
+    assert lines[0] == f"{first}  user  {me}  look at the logs"
+    assert lines[1].startswith(f"{second['message']}  user  {me}  xxx") and lines[1].endswith("…")
     listed = json.loads(ok(server, "inbox", kid, "--json"))["messages"]
     assert [m["id"] for m in listed] == [first, second["message"]]
     assert listed[1]["preview"] == "x" * 200
@@ -507,3 +511,203 @@ def test_the_demo_names_the_lead_by_its_slug_and_ends_on_how_things_ended(
     assert last_frame.startswith("every subagent's turns have ended"), last_frame
     assert "waiting for researcher" not in last_frame
     assert "demo finished" in out
+
+
+# ---- a new user's first hour (issue 42) ---------------------------------------------------------
+
+
+def _log_events(server: LiveServer, event: str) -> list[dict[str, Any]]:
+    """The server's log lines (one JSON object each, at the default level) of ``event``."""
+    lines = server.log_text().splitlines()
+    found = [json.loads(line) for line in lines if line.startswith("{")]
+    return [e for e in found if e.get("event") == event]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_turn_is_a_warning_in_the_log_and_turns_prints_its_error(
+    server: LiveServer,
+) -> None:
+    # A step the driver cannot take raises inside the turn: the turn fails.
+    bad = json.dumps([{"op": "work", "every": "soon"}])
+    root = ok(server, "open")
+    ok(server, "prompt", root, "go", "--steps", bad)
+    server.wait_state(root, "parked")
+    turn = server.call("subagent.turns", {"session": root})["turns"][-1]
+    assert turn["outcome"] == "failed" and "could not convert" in turn["error"], turn
+
+    def logged() -> list[dict[str, Any]]:
+        return [e for e in _log_events(server, "turn.failed") if e.get("turn") == turn["id"]]
+
+    warning = wait_until(logged, what="the turn.failed line")
+    assert len(warning) == 1, warning
+    assert warning[0]["level"] == "warning" and warning[0]["session"] == root
+    assert warning[0]["error"] == turn["error"]
+    assert ok(server, "turns", root) == f"{turn['id']}  failed  {turn['error']}"
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_turn_guard_is_refused_and_stops_nothing(server: LiveServer) -> None:
+    root = ok(server, "open")
+    kid = ok(server, "spawn", root, "--prompt", "one", "--steps", HANG)
+    server.wait_state(kid, "running")
+    turn = _running_turn(server, kid)
+    for args in (
+        ("cancel", kid, "--turn", "t_nope"),
+        ("abort", kid, "--turn", turn[2:]),  # the id without its prefix
+        ("steer", kid, "go left", "--turn", "nope"),
+    ):
+        typo = tether_cli(server, *args)
+        assert typo.returncode == 1, (args, typo.stdout)
+        assert "invalid-params: turn must be a turn id" in typo.stderr, typo.stderr
+    # A well-formed id of another turn is still the stale guard's no-op.
+    other = "t_" + "0" * 32
+    assert ok(server, "cancel", kid, "--turn", other) == f"no-op: {other} is not the running turn"
+    info = server.call("subagent.status", {"session": kid})
+    assert (info["state"], info["turn"], info["stopping"]) == ("running", turn, None)
+
+
+def _markers(server: LiveServer, session: str) -> list[str]:
+    entries = server.call("subagent.transcript", {"session": session})["entries"]
+    return [e["text"] for e in entries if e["kind"] == "marker"]
+
+
+def _hanging_kid(server: LiveServer, parent: str) -> str:
+    """A child of ``parent`` with a turn held open, made over RPC (the CLI is what is tested)."""
+    params = {
+        "parent": parent,
+        "driver": "tether:Scripted",
+        "prompt": "go",
+        "data": {"steps": [{"op": "hang"}]},
+    }
+    kid: str = server.call("subagent.spawn", params)["session"]
+    server.wait_state(kid, "running")
+    return kid
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_from_the_cli_says_who_by_name_and_never_the_parent_agents_id(
+    server: LiveServer,
+) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    a = _hanging_kid(server, root)
+    a1 = _hanging_kid(server, a)  # a grandchild: its parent a is an agent
+    # --as names the person: the marker, the turn and the report say it, not a's id.
+    ok(server, "steer", a1, "look left", "--as", "alice")
+    wait_until(lambda: "↪ Steered by user alice: look left" in _markers(server, a1), what="steer")
+    turn = _running_turn(server, a1)
+    assert ok(server, "cancel", a1, "--reason", "wrong way", "--as", "alice") == f"cancelled {turn}"
+    server.wait_state(a1, "parked")
+    assert "⊘ Cancelled by user alice: wrong way" in _markers(server, a1)
+    assert not any(a in text for text in _markers(server, a1))
+    assert ok(server, "turns", a1) == f"{turn}  cancelled  by user alice  wrong way"
+    assert f"{turn} ({a1}): cancel by user alice: wrong way" in ok(server, "report", turn)
+    # A send says who sent it too.
+    sent = ok(server, "send", a1, "and the docs", "--no-wake", "--as", "alice")
+    assert ok(server, "inbox", a1) == f"{sent}  user  alice  and the docs"
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_from_the_cli_is_by_the_login_name_unless_told_otherwise(
+    server: LiveServer,
+) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    a = _hanging_kid(server, root)
+    me = getpass.getuser()
+    turn = _running_turn(server, a)
+    assert ok(server, "pause", a) == f"paused {turn}"
+    assert ok(server, "resume", a, "--as", "") == f"resumed {turn}"  # '': no name
+    # A name a terminal would act on is refused, and stops nothing.
+    bad = tether_cli(server, "abort", a, "--as", "eve\x1b[2J")
+    assert bad.returncode == 1 and "invalid-params" in bad.stderr, bad.stderr
+    assert server.call("subagent.status", {"session": a})["stopping"] is None
+    ok(server, "abort", a, "--as", "")
+    server.wait_state(a, "parked")
+    assert _markers(server, a) == [
+        f"⏸ Paused by user {me}",
+        "▶ Resumed by user",
+        "⊘ Aborted by user",
+    ]
+    assert ok(server, "turns", a) == f"{turn}  aborted  by user"
+
+
+@pytest.mark.timeout(120)
+def test_a_steer_a_later_cancel_discarded_leaves_a_note_in_the_transcript(
+    server: LiveServer,
+) -> None:
+    root = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    # A step with no boundary in it: the steer waits for one, and the cancel comes first.
+    steps = json.dumps([{"op": "sleep", "seconds": 60, "say": "thinking"}])
+    kid = ok(server, "spawn", root, "--prompt", "go", "--steps", steps)
+    wait_until(lambda: _assistant_texts(server, kid) == ["thinking"], what="the blocking step")
+    turn = _running_turn(server, kid)
+    assert ok(server, "steer", kid, "look left", "--as", "alice") == f"steered {turn}"
+    stop = ("cancel", kid, "--reason", "enough", "--deadline", "0.5", "--as", "bob")
+    assert ok(server, *stop) == f"cancelled {turn}"
+    server.wait_state(kid, "parked")
+    lines = ok(server, "transcript", kid).splitlines()
+    markers = [line.split("] ", 1)[1] for line in lines if "] marker: " in line]
+    assert markers == [
+        "marker: ⊘ Cancelled by user bob: enough",
+        "marker: ⊘ Escalated: no boundary before the deadline",
+        "marker: ⊘ Discarded steer by user alice (the cancel came first): look left",
+    ], lines
+    entries = [json.loads(x) for x in ok(server, "transcript", kid, "--json").splitlines()]
+    [note] = [e for e in entries if e.get("action") == "discarded"]
+    assert (note["turn"], note["reason"], note["data"]) == (turn, "look left", {"stop": "cancel"})
+
+
+def _assistant_texts(server: LiveServer, session: str) -> list[str]:
+    entries = server.call("subagent.transcript", {"session": session})["entries"]
+    return [e["text"] for e in entries if e["kind"] == "assistant"]
+
+
+@pytest.mark.timeout(60)
+def test_serve_and_mcp_help_say_the_default_of_every_option() -> None:
+    for command in ("serve", "mcp"):
+        done = subprocess.run(
+            [TETHER, command, "--help"], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0 and "example" in done.stdout, done.stderr
+        # Each option's block: its line and the lines its help text wraps onto.
+        blocks = re.split(r"\n(?=  -)", done.stdout.split("options:", 1)[1].split("example")[0])
+        options = {b.split()[0].rstrip(","): " ".join(b.split()) for b in blocks if b.strip()}
+        assert "--workers" in options and "--grace" in options, options
+        for option, text in options.items():
+            if option != "-h":
+                assert "default: " in text, (command, option, text)
+        if command == "serve":
+            for option, default in {
+                "--host": "127.0.0.1",
+                "--port": "7777",
+                "--workers": "2",
+                "--grace": "5.0",
+                "--max-body": "1048576",
+                "--max-streams": "64",
+                "--fd-reserve": "64",
+                "--path": ".tether/state.db",
+            }.items():
+                assert f"(default: {default}" in options[option], (option, options[option])
+
+
+def test_the_cli_table_in_serve_md_names_every_option_of_every_command() -> None:
+    from tether.cli.main import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    doc = (ROOT / "docs" / "serve.md").read_text(encoding="utf-8")
+    table = doc.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    cells = [row.split(" | ")[0].replace("\\|", "|") for row in table.splitlines()[2:]]
+    shared = {"--help", "--url", "--token", "--json"}  # every command's, said above the table
+    missing = []
+    for name, command in sub.choices.items():
+        if name in ("serve", "mcp", "demo"):  # their own sections and --help
+            continue
+        rows = " ".join(c for c in cells if re.search(rf"(?<![\w-]){name}(?![\w-])", c))
+        if not rows:
+            missing.append(name)
+            continue
+        for action in command._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option not in shared and option not in rows:
+                    missing.append(f"{name} {option}")
+    assert not missing, f"docs/serve.md's command table does not name {missing}"

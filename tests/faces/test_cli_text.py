@@ -8,6 +8,7 @@ one at all.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import queue
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.timeout(90)
 # DEL: each acts on a terminal when printed raw.
 NASTY = "\x1b[2J\x1b]0;pwned\x07\x9b31m\u202eevil\x7f"
 SHOWN = "\\x1b[2J\\x1b]0;pwned\\x07\\x9b31m\\u202eevil\\x7f"
+ME = getpass.getuser()  # the CLI's --as by default: its stops read "by user ME"
 RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\x7f")
 HANG = json.dumps([{"op": "hang"}])
 
@@ -61,10 +63,10 @@ def test_transcript_turns_report_and_inbox_show_control_characters_escaped(
     transcript = _printed(server, "transcript", kid)
     # a multi-line reply prints as such: its newline and tab are kept
     assert f"assistant: line one\n\tline two {SHOWN}\n" in transcript
-    assert f"⊘ Cancelled by user ({root}): why {SHOWN}" in transcript
+    assert f"⊘ Cancelled by user {ME}: why {SHOWN}" in transcript
     assert f"why {SHOWN}" in _printed(server, "turns", kid)
     report = _printed(server, "report", turn)
-    assert f"({root}): why {SHOWN}" in report and "partial    cancelled after" in report
+    assert f"by user {ME}: why {SHOWN}" in report and "partial    cancelled after" in report
     assert f"queued {SHOWN}" in _printed(server, "inbox", kid)
 
     # --json is the same value, every character in it escaped
@@ -86,7 +88,7 @@ def test_watch_shows_a_markers_control_characters_escaped(server: LiveServer) ->
             markers = [json.loads(x) for x in out.splitlines() if '"event": "marker"' in x]
             assert markers[0]["data"]["data"]["entry"]["reason"] == f"steer {NASTY}"
         else:
-            assert f"kid ↪ Steered by user ({root}): steer {SHOWN}" in out, out
+            assert f"kid ↪ Steered by user {ME}: steer {SHOWN}" in out, out
 
 
 def _plain_env() -> dict[str, str]:

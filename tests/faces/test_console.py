@@ -323,7 +323,7 @@ def test_a_steer_marker_has_its_own_glyph_and_colour_in_the_transcript_and_the_t
 
     stop(page, "Steer", "take the fast path")
     steer = transcript(page).locator("li.marker.action-steered")
-    expect(steer.locator(".text")).to_have_text(f"↪ Steered by user ({root}): take the fast path")
+    expect(steer.locator(".text")).to_have_text("↪ Steered by user: take the fast path")
     expect(steer).to_have_css("border-left-color", STEER)
     expect(line).to_have_text("↪ Steered by user: take the fast path")
     expect(line).to_have_css("color", STEER)
@@ -433,7 +433,7 @@ def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     # "paused" once: the state says it, no badge repeats it (view and tree alike).
     expect(page.locator("#badge")).to_be_hidden()
     expect(item(page, "held").locator(":scope > .row .badge")).to_be_hidden()
-    expect(transcript(page)).to_contain_text(f"‖ Paused by user ({root}): let me look")
+    expect(transcript(page)).to_contain_text("‖ Paused by user: let me look")
     wait_until(lambda: all_frozen(procs), what="the worker and its sleep to be stopped")
     assert server.call("subagent.status", {"session": kid})["state"] == "paused"
 
@@ -445,10 +445,46 @@ def test_pause_freezes_a_hanging_child_and_resume_thaws_it(
     expect(page.locator("#outcome")).to_contain_text(f"Resume: issued to turn {turn}")
     expect(state(page)).to_have_text("running")
     expect(row_state(page, "held")).to_have_text("running")
-    expect(transcript(page)).to_contain_text(f"▶ Resumed by user ({root})")
+    expect(transcript(page)).to_contain_text("▶ Resumed by user")
     wait_until(lambda: none_frozen(procs), what="the worker and its sleep to run again")
     stop(page, "Abort", "done looking")
     expect(state(page)).to_have_text("parked")
+
+
+def test_a_stop_from_the_console_says_who_by_the_name_kept_in_this_browser(
+    loopback: LiveServer, page: Page
+) -> None:
+    server = loopback
+    root = open_root(server)
+    kid = spawn(server, root, "worker")
+    grand = spawn(server, kid, "helper")  # its parent is an agent: its id must not show
+    turn = server.wait_state(grand, "running")["turn"]
+    console(page, server, root)
+    select(page, "helper")
+    markers = transcript(page).locator("li.marker .text")
+    # No name given: "by user", never the parent agent's id.
+    stop(page, "Steer", "look left")
+    expect(markers).to_have_text(["↪ Steered by user: look left"])
+
+    # The name is a setting of the page, kept in this browser: a new page of it has it.
+    page.get_by_label("Your name", exact=True).fill("alice")
+    page.get_by_label("Your name", exact=True).press("Enter")
+    again = page.context.new_page()
+    console(again, server, root)
+    expect(again.get_by_label("Your name", exact=True)).to_have_value("alice")
+    select(again, "helper")
+    stop(again, "Cancel", "wrong way")
+    cancelled = transcript(again).locator("li.marker.action-cancelled summary")
+    expect(cancelled).to_have_text("⊘ Cancelled by user alice: wrong way")
+    expect(again.get_by_label("State", exact=True)).to_have_text("parked")
+    cancelled.click()
+    report = again.get_by_role("region", name=f"Stop report of {turn}")
+    expect(report).to_contain_text("cancel by user alice: wrong way")
+    texts = [e["text"] for e in server.call("subagent.transcript", {"session": grand})["entries"]]
+    assert not any(kid in t for t in texts), texts
+    turns = server.call("subagent.turns", {"session": grand})["turns"]
+    assert (turns[-1]["cause"], turns[-1]["by"]) == ("user", "alice")
+    again.close()
 
 
 def test_parent_offline_child_keeps_stop_and_loses_send(
@@ -565,7 +601,7 @@ def test_a_hostile_reason_renders_as_text_and_a_refusal_shows_its_code(
     dialog = page.get_by_role("dialog")
     expect(dialog.get_by_role("button", name="Confirm")).to_be_disabled()
     fill_and_confirm(page, HOSTILE)
-    expect(transcript(page).locator("li.marker")).to_contain_text(f"↪ Steered by user ({root})")
+    expect(transcript(page).locator("li.marker")).to_contain_text("↪ Steered by user: ")
 
     # A refused action shows the error code and message, never a stack trace.
     stop(page, "Cancel", "needs a deadline", deadline="0")
@@ -577,7 +613,7 @@ def test_a_hostile_reason_renders_as_text_and_a_refusal_shows_its_code(
 
     stop(page, "Cancel", HOSTILE)
     marker = transcript(page).locator("li.marker.action-cancelled .text")
-    expect(marker).to_have_text(f"⊘ Cancelled by user ({root}): {HOSTILE}")
+    expect(marker).to_have_text(f"⊘ Cancelled by user: {HOSTILE}")
     expect(page.get_by_role("list", name="Turns")).to_contain_text(HOSTILE)
     expect(item(page, "target")).to_contain_text(HOSTILE)
     assert page.locator("img").count() == 0  # nothing was parsed as HTML anywhere
@@ -669,7 +705,7 @@ def test_a_stop_marker_opens_to_its_report(loopback: LiveServer, page: Page) -> 
     expect(report).to_be_hidden()
     marker.locator("summary").click()
     expect(report).to_be_visible()
-    expect(report).to_contain_text(f"abort by user ({root}): stuck in sleep")
+    expect(report).to_contain_text("abort by user: stuck in sleep")
     expect(report).to_contain_text("aborted")
     expect(report).to_contain_text("Tool calls (1)")
     expect(report.locator(".report-tools li")).to_have_text(["run_command · killed"])

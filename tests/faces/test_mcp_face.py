@@ -145,8 +145,11 @@ def test_an_mcp_client_steers_and_cancels_a_hanging_child_with_a_turn_guard(
             resumed = await ok(mcp, "resume_agent", agent=child)
             assert resumed == {"accepted": True, "turns": [turn]}
 
-            stale = await ok(mcp, "interrupt_agent", agent=child, kind="cancel", turn="t_stale")
+            other = "t_" + "0" * 32  # well formed, but no turn of this agent's
+            stale = await ok(mcp, "interrupt_agent", agent=child, kind="cancel", turn=other)
             assert stale == {"accepted": True, "turn": None}
+            typo = await call(mcp, "interrupt_agent", agent=child, kind="cancel", turn="t_stale")
+            assert typo["error"] == "invalid-params", typo  # no turn ever has that id
             assert await running_turn(mcp, root, child) == turn  # the stale guard did nothing
 
             cancel = await ok(

@@ -120,7 +120,8 @@ def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
     address = rpc_address(ids["a"], ids["root"])
     first = server.call("subagent.status", {"session": ids["a"]})["turn"]
     # A guard naming a turn that never ran here: an accepted no-op, the turn goes on.
-    answer = server.call("subagent.interrupt", {"address": address, "turn": "t_unknown"})
+    other = "t_" + "0" * 32
+    answer = server.call("subagent.interrupt", {"address": address, "turn": other})
     assert answer == {"accepted": True, "turn": None}
     guarded = {"address": address, "kind": "cancel", "turn": first, "reason": "stop 1"}
     assert server.call("subagent.interrupt", guarded) == {"accepted": True, "turn": first}
@@ -142,6 +143,56 @@ def test_interrupt_guard_never_stops_a_later_turn(server: LiveServer) -> None:
     # An idle target: an accepted no-op too.
     idle = {"address": rpc_address(ids["b"], ids["root"]), "kind": "abort"}
     assert server.call("subagent.interrupt", idle) == {"accepted": True, "turn": None}
+
+
+def test_a_malformed_turn_guard_is_invalid_params_and_stops_nothing(server: LiveServer) -> None:
+    ids = _tree(server)
+    address = rpc_address(ids["a"], ids["root"])
+    turn = server.call("subagent.status", {"session": ids["a"]})["turn"]
+    calls = [
+        ("subagent.interrupt", {"address": address, "kind": "abort", "turn": "nope"}),
+        ("subagent.interrupt", {"address": address, "kind": "cancel", "turn": "t_nope"}),
+        ("subagent.interrupt", {"address": address, "kind": "abort", "turn": turn[2:]}),
+        ("subagent.interrupt", {"address": address, "scope": "subtree", "turn": "nope"}),
+        ("subagent.pause", {"address": address, "turn": "t_" + "0" * 31 + "g"}),
+    ]
+    for method, params in calls:
+        answer = server.rpc(method, params)
+        assert rpc_error(answer) == (-32602, "invalid-params"), (params, answer)
+        assert "turn must be a turn id" in answer["error"]["message"]
+    info = server.call("subagent.status", {"session": ids["a"]})
+    assert (info["state"], info["turn"], info["stopping"]) == ("running", turn, None)
+    assert server.call("subagent.status", {"session": ids["a1"]})["state"] == "running"
+
+
+def test_a_stop_over_rpc_says_who_by_the_name_given_and_refuses_a_bad_one(
+    server: LiveServer,
+) -> None:
+    ids = _tree(server)
+    address = rpc_address(ids["a1"], ids["a"])  # a grandchild: its parent a is an agent
+    for name in ("x" * 65, "eve\nmallory", "\x1b[2Jeve", 7):
+        bad = {"address": address, "kind": "abort", "name": name}
+        assert rpc_error(server.rpc("subagent.interrupt", bad)) == (-32602, "invalid-params"), name
+    assert server.call("subagent.status", {"session": ids["a1"]})["stopping"] is None
+    named = {"address": address, "kind": "cancel", "reason": "enough", "name": "alice"}
+    turn = server.call("subagent.interrupt", named)["turn"]
+    server.wait_state(ids["a1"], "parked")
+    entries = server.call("subagent.transcript", {"session": ids["a1"]})["entries"]
+    [marker] = [e for e in entries if e["kind"] == "marker"]
+    assert (marker["origin"], marker["by"], marker["text"]) == (
+        "user",
+        "alice",
+        "⊘ Cancelled by user alice: enough",
+    )
+    [ended] = server.call("subagent.turns", {"session": ids["a1"]})["turns"]
+    assert (ended["id"], ended["cause"], ended["by"]) == (turn, "user", "alice")
+    # No name: "by user", never the parent agent's id.
+    server.call(
+        "subagent.interrupt", {"address": rpc_address(ids["a"], ids["root"]), "kind": "abort"}
+    )
+    server.wait_state(ids["a"], "parked")
+    entries = server.call("subagent.transcript", {"session": ids["a"]})["entries"]
+    assert [e["text"] for e in entries if e["kind"] == "marker"] == ["⊘ Aborted by user"]
 
 
 def test_a_turn_waiting_for_a_worker(server: LiveServer) -> None:
@@ -532,7 +583,7 @@ def test_pause_over_rpc_freezes_the_tree_and_resume_thaws_it(server: LiveServer)
             "let me <look>",
             turn,
         )
-        assert marker["text"].startswith(f"⏸ Paused by user ({root})")
+        assert marker["text"].startswith("⏸ Paused by user: ")
 
         resumed = server.call("subagent.resume", {"address": me})
         assert resumed == {"accepted": True, "turns": [turn]}

@@ -54,7 +54,7 @@ import heapq
 import itertools
 import os
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -899,6 +899,23 @@ class SessionMachine(RuleBasedStateMachine):
         self._one_turn_and_its_worker(s)
         for turn in self.store.order[-3:]:
             self._the_turn_ended_as_its_stops_say(self.store.turns[turn])
+            self._every_steer_issued_was_delivered_or_said_discarded(self.store.turns[turn])
+
+    def _every_steer_issued_was_delivered_or_said_discarded(self, log: TurnLog) -> None:
+        """A person's or a parent's steer that returned its turn lands (``steered``) or, by
+        the turn's end, is said ``discarded``: never both, never neither (semantics §5)."""
+        if log.ended is None:
+            return
+        sent = Counter(
+            (s.origin, s.by, s.text) for s in log.steers_sent if s.origin in ("user", "parent")
+        )
+        noted = Counter(
+            (m.origin, m.by, m.reason)
+            for m in log.markers
+            if m.action in ("steered", "discarded") and m.origin in ("user", "parent")
+        )
+        if noted != sent and not (sum(sent.values()) > 16 and noted <= sent):
+            raise Violation(f"{log.id}: steers issued {dict(sent)}, landed or noted {dict(noted)}")
 
     def _nothing_accepted_is_lost(self, s: Session) -> None:
         queued = [int(m.id[2:]) for m in s.inbox or ()]

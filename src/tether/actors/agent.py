@@ -15,6 +15,7 @@ what actually happened to it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -70,7 +71,7 @@ from tether.wire.records import (
     ToolFate,
     message_key,
 )
-from tether.wire.text import marker_text, neutralize
+from tether.wire.text import discarded_text, marker_text, neutralize
 from tether.wire.vocab import Kind, StallPolicy
 
 __all__ = ["Interrupt", "Session", "Wake", "make_info", "notice_text"]
@@ -147,6 +148,7 @@ class _Cut:
 TimerKind = Literal["grace", "deadline", "escalate", "watchdog"]
 _ESCALATE_WAIT = 1.0  # seconds to wait for a worker's answer to Escalate before killing
 _PREEMPTS_KEPT = 16  # preempts remembered per turn, to date the one a ToolKilled reports
+_STEERS_KEPT = 16  # undelivered steers remembered per turn, to note those never delivered
 
 
 @dataclass(slots=True)
@@ -192,6 +194,12 @@ class _Turn:
     # have not landed yet (steers in order, the stop, preempts with what names them).
     span: TurnSpan | None = None
     controls: _Controls | None = None
+    # A user's or a parent's steers issued to the turn and not yet delivered, in order (the
+    # last few): those left when the turn ends were never delivered, and the transcript
+    # says so, since whoever issued one was told it was bound to this turn. ``first_stop``:
+    # the stop that discarded them (semantics §5), if one did.
+    steers: deque[Steer] | None = None
+    first_stop: Literal["cancel", "abort"] | None = None
 
 
 @dataclass(slots=True)
@@ -416,9 +424,14 @@ class Session:
             )
             self._control_ended(ctl, "no-op", t)
             return False
-        self._host.executor.signal(t.id, SteerFrame(t.id, Steer(i.reason, i.origin, i.by)))
+        steer = Steer(i.reason, i.origin, i.by)
+        self._host.executor.signal(t.id, SteerFrame(t.id, steer))
         if ctl is not None:
             self._controls(t).steers.append(ctl)
+        if i.origin in ("user", "parent"):  # the system's own steers have their own trace
+            if t.steers is None:
+                t.steers = deque(maxlen=_STEERS_KEPT)
+            t.steers.append(steer)
         return True
 
     def _preempt(self, t: _Turn, i: Interrupt, ctl: ControlSpan | None) -> bool:
@@ -438,6 +451,7 @@ class Session:
             return False  # one pending stop per turn: the first one stands
         stop = Stop("cancel", i.origin, i.by, i.reason)
         t.stop = _Stop(stop, i.grace, self._host.clock.now())
+        t.first_stop = "cancel"
         self._stop_control(t, ctl)
         # the signal first, the bookkeeping after
         self._host.executor.signal(t.id, CancelFrame(t.id, Cancel(stop)))
@@ -453,6 +467,8 @@ class Session:
             self._control_ended(ctl, "no-op", t)
             return False
         stop = Stop("abort", i.origin, i.by, i.reason)
+        if t.stop is None:
+            t.first_stop = "abort"
         t.stop = _Stop(stop, i.grace, self._host.clock.now())
         self._stop_control(t, ctl)
         self._cancel_timer(t)
@@ -492,6 +508,9 @@ class Session:
             return
         for steer in frame.steers:
             self._marker(t, "steered", steer.origin, steer.by, steer.text)
+            if t.steers:
+                with contextlib.suppress(ValueError):  # not kept: the system's, or a very old one
+                    t.steers.remove(steer)
         if frame.steers and t.controls is not None:
             for _ in frame.steers:
                 if t.controls.steers:
@@ -866,6 +885,26 @@ class Session:
         if self._host.events.wants("marker"):
             self._emit("marker", {"entry": msgspec.to_builtins(entry)})
 
+    def _discarded(self, t: _Turn) -> None:
+        """The steers no boundary took, now that the turn has ended: a stop discarded them
+        (semantics §5) or the turn ended first. Each gets a ``discarded`` marker with its
+        text, and ``data.stop``, the stop that discarded it (None: the end came first)."""
+        for steer in t.steers or ():
+            entry = self._host.store.append_entry(
+                self.header.id,
+                "marker",
+                discarded_text(steer.origin, steer.by, t.first_stop, steer.text),
+                turn=t.id,
+                action="discarded",
+                origin=steer.origin,
+                by=steer.by,
+                reason=steer.text,
+                data={"stop": t.first_stop},
+            )
+            if self._host.events.wants("marker"):
+                self._emit("marker", {"entry": msgspec.to_builtins(entry)})
+        t.steers = None
+
     def _stop_marker(self, t: _Turn, action: MarkerAction, stop: Stop) -> None:
         """A stop's marker names the stop as its report does (a steer's, a resume's and
         the system's own markers are not stops: they go to ``_marker`` directly)."""
@@ -893,6 +932,7 @@ class Session:
             t.watch.cancel()
         host = self._host
         decided = self._decide(t, over)
+        self._discarded(t)  # after the stop's own markers (forced, escalated)
         end = over.end
         final = end.final if end is not None else None
         partial = final if final is not None else t.last_say
@@ -986,7 +1026,9 @@ class Session:
         return None
 
     def _announce(self, t: _Turn, decided: TurnOutcome) -> None:
-        """The end in the log (a stopped or failed one at info) and as an event."""
+        """The end in the log (a stopped or failed one at info; a failed one a warning
+        too, with its error, since nothing else says so at the default level) and as an
+        event."""
         record = {
             "turn": t.id,
             "outcome": decided.outcome,
@@ -997,6 +1039,8 @@ class Session:
             "reason": decided.reason,
             "error": decided.error,
         }
+        if decided.outcome == "failed":
+            log.warning("turn.failed", session=self.header.id, turn=t.id, error=decided.error)
         if decided.outcome != "completed":
             log.info("turn.ended", session=self.header.id, **record)
         elif _debug():

@@ -28,7 +28,10 @@ MAX_DEPTH = 64
 
 @dataclass(frozen=True, slots=True)
 class User:
-    """A person holding the target's parent address. ``name`` is shown in markers."""
+    """A person holding the target's parent address. ``name`` says who they are: the
+    ``by`` of their stops and the sender of their messages (``"user"`` without one). The
+    address is not shown: on a grandchild it is an agent's id, and would read as if the
+    agent had acted."""
 
     parent: str
     name: str | None = None
@@ -39,7 +42,7 @@ class User:
 
     @property
     def by(self) -> str:
-        return self.name or self.parent
+        return self.name or "user"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +72,9 @@ Authority = User | Ancestor
 
 
 def sender_of(auth: Authority | None) -> str | None:
-    """Who a message is from, as recorded with it: an agent's id, "user", or the host."""
-    if auth is None:
-        return None
-    return auth.by if isinstance(auth, Ancestor) else "user"
+    """Who a message is from, as recorded with it: an agent's id, the person's name (or
+    "user"), or None for the host."""
+    return None if auth is None else auth.by
 
 
 def check_ancestor_ref(agent: AgentRef, current_epoch: int | None) -> None:

@@ -29,7 +29,7 @@ from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Cancel, Preempt, Steer
 from tether.wire.records import Entry, Stop
-from tether.wire.text import neutralize, render_frame
+from tether.wire.text import neutralize, render_frame, who
 
 __all__ = ["ChatAgent", "ModelError", "openai_client"]
 
@@ -642,10 +642,7 @@ def _preempted_text(exc: Preempted) -> str:
         elapsed = "a while"
     else:  # whole seconds, as a person says it; tenths for a short call
         elapsed = f"{exc.elapsed:.0f} s" if exc.elapsed >= 10 else f"{exc.elapsed:.1f} s"
-    who = exc.origin or "user"
-    head = f"preempted after {elapsed} by {who}"
-    if exc.by and who != "watchdog":
-        head += f" ({exc.by})"
+    head = f"preempted after {elapsed} by {who(exc.origin or 'user', exc.by)}"
     if exc.reason:
         head += f": {exc.reason}"
     partial = exc.partial.strip()
@@ -655,10 +652,7 @@ def _preempted_text(exc: Preempted) -> str:
 def _cancelled_text(stop: Cancel, elapsed: float) -> str:
     """The result a call cut by the turn's cancel gets: what a later turn's model reads."""
     took = f"{elapsed:.0f} s" if elapsed >= 10 else f"{elapsed:.1f} s"
-    who = stop.origin or "user"
-    head = f"cancelled after {took} by {who}"
-    if stop.by and who != "watchdog":
-        head += f" ({stop.by})"
+    head = f"cancelled after {took} by {who(stop.origin or 'user', stop.by)}"
     return f"{head}: {stop.reason}" if stop.reason else head
 
 

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rt.wait(lead, timeout=30)
         kids = {a.slug: a.id for a in rt.list_agents(lead)}
-        me = User(parent=lead, name="you")
+        me = User(parent=lead)  # a person with no name: markers read "by user"
 
         def turns_ended(sid: str, n: int) -> Callable[[], bool]:
             return lambda: sum(t.outcome is not None for t in rt.turns(sid)) >= n

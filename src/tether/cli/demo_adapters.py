@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         say(f"model server (OpenAI and Anthropic wire, scripted): {server.root}")
         lead = rt.open_session("tether:Scripted", slug="lead")
-        me = User(parent=lead, name="you")
+        me = User(parent=lead)  # a person with no name: markers read "by user"
         for i, fw in enumerate(_FRAMEWORKS, 1):
             console.rule(f"{i}. {fw.title}")
             if importlib.util.find_spec(fw.module) is None:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             server.script(name, replies)
         console.print(f"model server (OpenAI-compatible, scripted): {server.url}")
         lead = rt.open_session("tether:Scripted", slug="lead")
-        me = User(parent=lead, name="you")
+        me = User(parent=lead)  # a person with no name: markers read "by user"
         mcp_log = os.path.join(tmp, "mcp.log")
         kids = _spawn_team(rt, server.url, lead, mcp_log)
         demo = _Demo(console, rt, server, me, lead, kids, mcp_log)

@@ -8,6 +8,7 @@ and ``--json`` (machine-readable output).
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import queue
@@ -25,6 +26,7 @@ from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
 from tether.serve.token import blank_is_none, find_token
 from tether.wire.budget import LIMITS, check_budget, limit_text, parse_budget, spent_text
 from tether.wire.errors import TetherError
+from tether.wire.text import who
 from tether.wire.vocab import MAX_SECONDS
 
 __all__ = ["main"]
@@ -166,6 +168,19 @@ def _address(args: argparse.Namespace, client: Client) -> dict[str, str]:
     return {"session": args.id, "parent": _parent(args, client), "mode": "continuable"}
 
 
+def _login() -> str | None:
+    """The login name (``--as``'s default), or None where the system knows none."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no $LOGNAME and no passwd entry for the uid
+        return None
+
+
+def _as(args: argparse.Namespace) -> dict[str, str]:
+    """The ``name`` field: who is acting, said as ``by user NAME`` (``--as ''``: none)."""
+    return {"name": args.name} if args.name else {}
+
+
 # ---- commands --------------------------------------------------------------------------
 
 
@@ -272,6 +287,7 @@ def _send(args: argparse.Namespace, client: Client) -> int:
         "content": args.text,
         "data": _data(args),
         "wake": not args.no_wake,
+        **_as(args),
     }
     result = client.call("subagent.send", params)
     _out(args, result, _message_id(result))
@@ -290,6 +306,7 @@ def _interrupt(kind: str) -> Command:
     def run(args: argparse.Namespace, client: Client) -> int:
         reason = args.reason if args.reason is not None else (getattr(args, "text", None) or "")
         params: dict[str, Any] = {"address": _address(args, client), "kind": kind, "reason": reason}
+        params.update(_as(args))
         if args.grace is not None:
             params["grace"] = args.grace
         if args.deadline is not None:
@@ -326,7 +343,7 @@ def _interrupt(kind: str) -> Command:
 def _pause(resume: bool) -> Command:
     def run(args: argparse.Namespace, client: Client) -> int:
         scope = "subtree" if args.subtree else "session"
-        params: dict[str, Any] = {"address": _address(args, client), "scope": scope}
+        params: dict[str, Any] = {"address": _address(args, client), "scope": scope, **_as(args)}
         if not resume and args.reason is not None:
             params["reason"] = args.reason
         result = client.call("subagent.resume" if resume else "subagent.pause", params)
@@ -363,7 +380,7 @@ def _budget(args: argparse.Namespace, client: Client) -> int:
 
 def report_lines(r: dict[str, Any]) -> Iterator[str]:
     """A stop report (semantics §15.6) as a person reads it."""
-    head = f"{r['turn']} ({r['session']}): {r['kind']} by {r['origin']} ({r['by']})"
+    head = f"{r['turn']} ({r['session']}): {r['kind']} by {who(r['origin'], r['by'])}"
     yield head + (f": {_one_line(r['reason'], 200)}" if r.get("reason") else "")
     yield f"  requested  {_when(r.get('requested_at'))}"
     yield _effective_line(r)
@@ -444,8 +461,9 @@ def _turns(args: argparse.Namespace, client: Client) -> int:
     turns = client.call("subagent.turns", {"session": args.id})["turns"]
     lines = [
         f"{t['id']}  {t.get('outcome') or 'running'}"
-        + (f"  by {t['cause']} ({t['by']})" if t.get("cause") else "")
+        + (f"  by {who(t['cause'], t.get('by'))}" if t.get("cause") else "")
         + (f"  {t['reason']}" if t.get("reason") else "")
+        + (f"  {t['error']}" if t.get("error") else "")  # a failed turn's why, as a stop's
         for t in turns
     ]
     _out(args, {"turns": turns}, "\n".join(lines) if lines else None)
@@ -643,6 +661,19 @@ def _common() -> _Parser:
     return common
 
 
+def _add_as(p: argparse.ArgumentParser) -> None:
+    login = _login()
+    p.add_argument(
+        "--as",
+        dest="name",
+        metavar="NAME",
+        default=login,
+        help="who you are, shown as 'by user NAME' in the marker (default: your login name"
+        + (f", {login.replace('%', '%%')}" if login else "")
+        + "; '' for none: 'by user')",
+    )
+
+
 def _add_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=_json_arg, help="a JSON object attached to the message")
     p.add_argument(
@@ -688,7 +719,7 @@ def _add_store_path(p: argparse.ArgumentParser) -> None:
         "--path",
         type=Path,
         default=Path(".tether") / "state.db",
-        help="the store (default ./.tether/state.db)",
+        help="the store (default: %(default)s)",
     )
 
 
@@ -697,14 +728,16 @@ def _add_face_options(p: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--driver",
         default="tether:Scripted",
-        help="driver import string of the root agents clients open (default tether:Scripted)",
+        help="driver import string of the root agents clients open (default: %(default)s)",
     )
-    group.add_argument("--config", metavar="FILE", help="their driver config, a JSON file")
+    group.add_argument(
+        "--config", metavar="FILE", help="their driver config, a JSON file (default: none)"
+    )
     group.add_argument(
         "--root",
         action="append",
         metavar="ID",
-        help="a root session every MCP client holds from the start (repeatable)",
+        help="a root session every MCP client holds from the start (repeatable; default: none)",
     )
 
 
@@ -780,6 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", help="the message")
     p.add_argument("--parent", help="its parent id (looked up when left out)")
     p.add_argument("--no-wake", action="store_true", help="queue it without starting a turn")
+    _add_as(p)
     _add_data(p)
 
     for kind, summary in _INTERRUPTS.items():
@@ -798,6 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--turn", help="act only if this turn is still the running one (else a no-op)"
         )
+        _add_as(p)
         if kind in ("cancel", "abort"):
             p.add_argument(
                 "--subtree",
@@ -823,6 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
         if not resume:
             p.add_argument("--reason", help="why (shown in the marker)")
         p.add_argument("--parent", help="its parent id (looked up when left out)")
+        _add_as(p)
 
     p = command(
         "tree",
@@ -918,12 +954,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_store_path(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address")
-    p.add_argument("--port", type=int, default=7777, help="port (0 picks a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=7777, help="port, 0 picks a free one (default: %(default)s)"
+    )
     p.add_argument(
         "--token",
         default=os.environ.get("TETHER_TOKEN"),
-        help="the bearer token every request needs (default $TETHER_TOKEN; none given: the"
+        help="the bearer token every request needs (default: $TETHER_TOKEN; none given: the"
         " one in the file 'token' beside the store, made if missing, mode 0600)",
     )
     p.add_argument(
@@ -932,22 +970,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the agents' tools (commands, MCP servers, CLIs) as this user, so they can"
         " read neither the token's file nor the server's memory (the server must run as"
-        " root, or with CAP_SETUID and CAP_SETGID)",
+        " root, or with CAP_SETUID and CAP_SETGID; default: the server's own user)",
     )
     p.add_argument(
         "--secret-env",
         metavar="NAME",
         action="append",
         default=[],
-        help="an environment variable no agent's tool may see (repeatable); the token and"
-        " the variables sessions name as keys (api_key_env) are kept from them anyway",
+        help="an environment variable no agent's tool may see (repeatable; default: none);"
+        " the token and the variables sessions name as keys (api_key_env) are kept from"
+        " them anyway",
     )
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
     p.add_argument(
         "--backend",
         choices=("local", "ray"),
         default="local",
-        help="where turns run: local worker processes, or a Ray cluster (tether-runtime[ray])",
+        help="where turns run: local worker processes, or a Ray cluster (tether-runtime[ray];"
+        " default: %(default)s)",
     )
     p.add_argument(
         "--ray-address",
@@ -959,18 +999,33 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cgroup", "walk"),
         default=os.environ.get("TETHER_CONTAINMENT") or "auto",
         help="how a turn's processes are held: a cgroup v2 leaf per worker (cgroup), the "
-        "process-tree walk (walk), or cgroup where available (auto, the default)",
+        "process-tree walk (walk), or cgroup where available: auto (default: "
+        "$TETHER_CONTAINMENT, else auto)",
     )
-    p.add_argument("--grace", type=_grace_arg, default=5.0, help="default cancel grace, seconds")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
     p.add_argument(
-        "--max-streams", type=int, default=64, help="concurrent /events streams (more: 503)"
+        "--grace",
+        type=_grace_arg,
+        default=5.0,
+        help="a cancel's grace when it names none, seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body",
+        type=int,
+        default=1 << 20,
+        help="request body cap, bytes, on /rpc, /mcp and /a2a (default: %(default)s, 1 MiB)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=64,
+        help="concurrent /events streams, more: 503 (default: %(default)s)",
     )
     p.add_argument(
         "--fd-reserve",
         type=int,
         default=64,
-        help="file descriptors kept for the runtime's workers (fewer free: 503)",
+        help="file descriptors kept for the runtime's workers, fewer free: 503"
+        " (default: %(default)s)",
     )
     _add_face_options(p)
     p.add_argument(
@@ -978,13 +1033,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         default=None,
         help="export OpenTelemetry traces over OTLP/HTTP to this base URL, e.g. "
-        "http://127.0.0.1:4318 (tether-runtime[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same)",
+        "http://127.0.0.1:4318 (tether-runtime[otel]; OTEL_EXPORTER_OTLP_ENDPOINT does the same;"
+        " default: none)",
     )
     p.add_argument(
         "--cancel-deadline",
         type=float,
         default=30.0,
-        help="an A2A CancelTask that reaches no boundary this soon escalates to an abort",
+        help="an A2A CancelTask that reaches no boundary this soon escalates to an abort,"
+        " seconds (default: %(default)s)",
     )
 
     p = sub.add_parser(
@@ -1000,8 +1057,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_store_path(p)
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
-    p.add_argument("--grace", type=float, default=5.0, help="default cancel grace, seconds")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="a cancel's grace when it names none, seconds (default: %(default)s)",
+    )
     _add_face_options(p)
 
     sub.add_parser(

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tether.actors._ids import is_id
 from tether.actors.authority import Ancestor, User
 from tether.contain.cgroup import LIMIT_CONTROLLERS, Cgroups
 from tether.wire.budget import check_price
@@ -34,6 +35,7 @@ __all__ = [
     "CONTAINMENTS",
     "KINDS",
     "MAX_CONTENT",
+    "MAX_NAME",
     "InterruptArgs",
     "Timeout",
     "Workers",
@@ -46,12 +48,14 @@ __all__ = [
     "check_interrupt",
     "check_limits",
     "check_message",
+    "check_name",
     "check_secret_env",
     "check_settings",
     "check_slug",
     "check_stall",
     "check_text",
     "check_tool_user",
+    "check_turn",
     "convert",
 ]
 
@@ -96,6 +100,18 @@ def check_text(name: str, value: str) -> None:
 def check_id(session_id: object) -> None:
     if not isinstance(session_id, str):
         raise InvalidParams("a session id is a string")
+
+
+def check_turn(turn: object) -> None:
+    """A turn guard is None or a turn id as the runtime makes them. A malformed one (a
+    typo, an id of another kind) could never name the running turn, so it is refused
+    rather than taken for a stale guard's silent no-op; a well-formed id of another turn
+    is that no-op (semantics §14.2)."""
+    if turn is None:
+        return
+    if not isinstance(turn, str) or not is_id(turn, "t_"):
+        shown = repr(turn[:80]) if isinstance(turn, str) else type(turn).__name__
+        raise InvalidParams(f"turn must be a turn id (t_ and 32 hex digits), not {shown}")
 
 
 def check_containment(containment: str | None) -> str:
@@ -143,7 +159,22 @@ def check_authority(authority: object) -> None:
             raise InvalidParams("User.parent must be a session id")
         check_text("User.parent", authority.parent)
         if authority.name is not None:
-            check_text("User.name", authority.name)
+            check_name(authority.name)
+
+
+MAX_NAME = 64  # characters in a person's name (``User.name``)
+
+
+def check_name(name: object) -> None:
+    """A person's name is shown after "by" in markers, reports and every face, on one
+    line: a string of at most 64 characters, none a terminal acts on, no tab or newline
+    ("" is no name)."""
+    if not isinstance(name, str) or len(name) > MAX_NAME:
+        raise InvalidParams(f"User.name must be a string of at most {MAX_NAME} characters")
+    check_text("User.name", name)
+    bad = TERMINAL_CONTROLS.search(name) or re.search("[\t\n]", name)
+    if bad is not None:
+        raise InvalidParams(f"User.name must hold no control character, not {bad.group()!r}")
 
 
 def check_interrupt(
@@ -163,6 +194,7 @@ def check_interrupt(
         InterruptArgs,
         "interrupt",
     )
+    check_turn(args.turn)
     if scope == "subtree" and args.kind not in ("cancel", "abort"):
         raise InvalidParams(f"a subtree stop is a cancel or an abort, not {args.kind!r}")
     check_text("reason", args.reason)

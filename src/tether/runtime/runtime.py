@@ -69,6 +69,7 @@ from tether.runtime._checks import (
     check_stall,
     check_text,
     check_tool_user,
+    check_turn,
     convert,
 )
 from tether.runtime._events import EventBus
@@ -685,8 +686,7 @@ class Runtime:
         if not isinstance(reason, str):
             raise InvalidParams("reason must be a string")
         check_text("reason", reason)
-        if turn is not None and not isinstance(turn, str):
-            raise InvalidParams("turn must be a turn id")
+        check_turn(turn)
         return self._pause(target, authority, scope, cap(reason), resume=False, turn=turn)
 
     def resume(self, target: str, *, authority: Authority, scope: str = "session") -> list[str]:

@@ -112,14 +112,18 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def send(p: SendParams) -> MessageAccepted:
         a = p.address
         message = rt.send(
-            a.session, p.content, authority=User(parent=a.parent), data=p.data, wake=p.wake
+            a.session,
+            p.content,
+            authority=User(parent=a.parent, name=p.name),
+            data=p.data,
+            wake=p.wake,
         )
         return MessageAccepted(message=message)
 
     def interrupt(p: InterruptParams) -> InterruptResult | SubtreeStopResult:
         # The core primitive alone decides: User(parent) is compared with the target's
         # durable parent, and the turn is bound there, so nothing here looks anything up.
-        auth = User(parent=p.address.parent)
+        auth = User(parent=p.address.parent, name=p.name)
         if p.scope == "subtree":
             turns = rt.interrupt(
                 p.address.session,
@@ -147,15 +151,14 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         # Authority as for an interrupt: the runtime compares User(parent) with the
         # target's durable parent (and, for a subtree, authorizes at its top).
         a = p.address
-        turns = rt.pause(
-            a.session, authority=User(parent=a.parent), scope=p.scope, reason=p.reason, turn=p.turn
-        )
+        me = User(parent=a.parent, name=p.name)
+        turns = rt.pause(a.session, authority=me, scope=p.scope, reason=p.reason, turn=p.turn)
         return PauseResult(turns=turns)
 
     def resume(p: ResumeParams) -> PauseResult:
         a = p.address
         return PauseResult(
-            turns=rt.resume(a.session, authority=User(parent=a.parent), scope=p.scope)
+            turns=rt.resume(a.session, authority=User(parent=a.parent, name=p.name), scope=p.scope)
         )
 
     def list_(p: ListParams) -> AgentList:

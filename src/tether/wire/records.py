@@ -52,7 +52,15 @@ Origin = Literal["user", "parent", "system"]
 StopOrigin = Literal["user", "parent", "watchdog", "budget", "system"]
 StopKind = Literal["cancel", "abort", "preempt", "pause"]
 MarkerAction = Literal[
-    "steered", "cancelled", "aborted", "preempted", "paused", "resumed", "forced", "escalated"
+    "steered",
+    "cancelled",
+    "aborted",
+    "preempted",
+    "paused",
+    "resumed",
+    "forced",
+    "escalated",
+    "discarded",  # a steer no boundary took: a stop discarded it, or the turn ended first
 ]
 # How a stop took effect: the driver took it at a boundary, or at an await it was in;
 # or its tree was killed, whole by its cgroup or by the walk.

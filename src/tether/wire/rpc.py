@@ -103,6 +103,10 @@ SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 InterruptKind = Kind
 JsonObject = dict[str, Any]
+# Who the caller is, said after "by" in the markers of their stops and as the sender of
+# their messages (``User(parent, name)``); left out or "": "by user". The runtime refuses
+# control characters.
+Name = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class _Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -169,6 +173,7 @@ class SendParams(_Params):
     content: str
     data: JsonObject | None = None
     wake: bool = True
+    name: Name | None = None
 
 
 class InterruptParams(_Params):
@@ -185,6 +190,7 @@ class InterruptParams(_Params):
     deadline: Seconds | None = None  # seconds, finite, > 0, at most MAX_SECONDS
     turn: TurnId | None = None
     scope: PauseScope = "session"
+    name: Name | None = None
 
 
 class PauseParams(_Params):
@@ -195,6 +201,7 @@ class PauseParams(_Params):
     scope: PauseScope = "session"
     reason: str = ""
     turn: TurnId | None = None  # act only if this is still the running turn
+    name: Name | None = None
 
 
 class ResumeParams(_Params):
@@ -202,6 +209,7 @@ class ResumeParams(_Params):
 
     address: Address
     scope: PauseScope = "session"
+    name: Name | None = None
 
 
 class ListParams(_Params):

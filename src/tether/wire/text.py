@@ -18,11 +18,13 @@ __all__ = [
     "REASON_CAP",
     "TERMINAL_CONTROLS",
     "cap",
+    "discarded_text",
     "escape",
     "marker_text",
     "neutralize",
     "neutralized",
     "render_frame",
+    "who",
 ]
 
 REASON_CAP = 2000
@@ -82,22 +84,41 @@ def neutralized(value: Any) -> Any:
     return value
 
 
-def marker_text(action: str, origin: str, by: str, reason: str) -> str:
-    """``⊘ Cancelled by user (<by>): <reason>``, escaped; no colon part without a reason.
+def who(origin: str, by: str | None) -> str:
+    """Who acted, as every face writes it after "by": ``user alice``, or ``user`` for a
+    person who gave no name (never the parent address they presented: on a grandchild that
+    is an agent's id, and would read as if the agent did it); ``parent (<id>)`` for an
+    agent; ``watchdog`` and ``budget`` for the system's own; ``system (<by>)`` else."""
+    if origin in ("watchdog", "budget"):  # the system's own: its origin says who
+        return origin
+    if origin == "user":
+        return "user" if not by or by == "user" else f"user {by}"
+    return f"{origin} ({by})" if by else origin
 
-    The system's own follow-up markers (``forced``, ``escalated``) read ``⊘ Forced: ...``;
-    a steer ``↪ Steered by user (<by>): ...`` (the watchdog's ``↪ Steered by watchdog:
-    ...``); a pause ``⏸ Paused by ...`` and a resume ``▶ Resumed by ...``.
+
+def marker_text(action: str, origin: str, by: str, reason: str) -> str:
+    """``⊘ Cancelled by user alice: <reason>``, escaped; no colon part without a reason.
+
+    ``by`` is said as ``who`` says it (``by parent (<id>)``, ``by watchdog``, ``by user``
+    for a person with no name). The system's own follow-up markers (``forced``,
+    ``escalated``) read ``⊘ Forced: ...``; a steer ``↪ Steered by user alice: ...`` (the
+    watchdog's ``↪ Steered by watchdog: ...``); a pause ``⏸ Paused by ...`` and a resume
+    ``▶ Resumed by ...``.
     """
     verb = _VERBS.get(action)
     sign = _SIGNS.get(action, "⊘")
     if verb is None:
         head = f"{sign} {action.capitalize()}"
-    elif origin in ("watchdog", "budget"):  # the system's own: its origin says who
-        head = f"{sign} {verb} by {origin}"
     else:
-        head = f"{sign} {verb} by {origin} ({escape(by)})"
+        head = f"{sign} {verb} by {escape(who(origin, by))}"
     return f"{head}: {escape(reason)}" if reason else head
+
+
+def discarded_text(origin: str, by: str, stop: str | None, text: str) -> str:
+    """A steer that never reached a boundary: ``⊘ Discarded steer by user alice (the
+    cancel came first): <its text>``, escaped; ``stop`` None: the turn ended first."""
+    why = "the turn ended first" if stop is None else f"the {stop} came first"
+    return f"⊘ Discarded steer by {escape(who(origin, by))} ({why}): {escape(text)}"
 
 
 def render_frame(tag: str, origin: str, by: str, text: str) -> str:

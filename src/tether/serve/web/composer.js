@@ -53,6 +53,7 @@ export const STOP_ITEMS = [
         reason: params.reason,
         turn: params.turn,
         scope: "subtree",
+        name: params.name,
       }),
   },
   {
@@ -62,7 +63,7 @@ export const STOP_ITEMS = [
     shown: (info) => info.state !== "paused",
     hint: "Freezes the turn in place, its commands too, keeping everything until Resume. Messages queue meanwhile; a steer or a cancel takes effect after Resume; Abort still stops it at once.",
     run: (params) =>
-      call("subagent.pause", { address: params.address, reason: params.reason, turn: params.turn }),
+      call("subagent.pause", { address: params.address, reason: params.reason, turn: params.turn, name: params.name }),
   },
   {
     name: "Resume",
@@ -70,9 +71,42 @@ export const STOP_ITEMS = [
     done: "resumed",
     noDialog: true,
     shown: (info) => info.state === "paused",
-    run: (params) => call("subagent.resume", { address: params.address }),
+    run: (params) => call("subagent.resume", { address: params.address, name: params.name }),
   },
 ];
+
+// Who the person is, kept in this browser (not per tab, unlike the token: a name is no
+// secret): sent as `name` with every stop and send, so markers read "by user NAME" rather
+// than "by user". Left empty: "by user".
+const NAME_KEY = "tether.name";
+
+function myName() {
+  const name = $("me").value.trim();
+  return name || undefined;
+}
+
+function initName() {
+  const input = $("me");
+  try {
+    input.value = localStorage.getItem(NAME_KEY) || "";
+  } catch {
+    input.value = ""; // storage refused (a private window's policy): a name for this page only
+  }
+  const keep = () => {
+    try {
+      if (input.value.trim()) localStorage.setItem(NAME_KEY, input.value.trim());
+      else localStorage.removeItem(NAME_KEY);
+    } catch {
+      // not kept across loads; it still applies to this page
+    }
+  };
+  input.addEventListener("change", keep);
+  $("me-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    keep();
+    input.blur();
+  });
+}
 
 let target = null; // what Stop was clicked for: {id, parent, turn, name}
 let chosen = null; // the STOP_ITEMS entry whose dialog is open
@@ -80,6 +114,7 @@ let refreshView = () => {};
 
 export function initComposer(onChanged) {
   refreshView = onChanged;
+  initName();
   const menu = $("stop-menu");
   for (const item of STOP_ITEMS) {
     const button = h("button", { type: "button", role: "menuitem", tabindex: "-1", "data-kind": item.kind }, item.name);
@@ -184,7 +219,7 @@ async function send() {
   const wake = !$("no-wake").checked;
   $("send").disabled = true;
   try {
-    const answer = await call("subagent.send", { address: address(info), content, wake });
+    const answer = await call("subagent.send", { address: address(info), content, wake, name: myName() });
     $("message").value = "";
     $("no-wake").checked = false; // a per-message choice: the next send wakes again
     say(`Sent ${answer.message}${wake ? "" : " (not waking)"} to ${label(info)}.`);
@@ -241,7 +276,7 @@ function choose(item) {
   closeMenu(false);
   if (!target) return;
   if (item.noDialog) {
-    act(item, target, { address: address(target.info), turn: target.turn });
+    act(item, target, { address: address(target.info), turn: target.turn, name: myName() });
     return;
   }
   chosen = item;
@@ -273,7 +308,13 @@ async function confirm() {
   if (!chosen || !target || $("confirm").disabled) return;
   const item = chosen;
   const stopped = target;
-  const params = { address: address(stopped.info), kind: item.kind, reason: $("reason").value, turn: stopped.turn || undefined };
+  const params = {
+    address: address(stopped.info),
+    kind: item.kind,
+    reason: $("reason").value,
+    turn: stopped.turn || undefined,
+    name: myName(),
+  };
   if (item.timing || item.subtree) {
     const grace = number($("grace"));
     const deadline = number($("deadline"));

@@ -20,17 +20,32 @@ const VERBS = {
 };
 
 /**
- * A marker as a person reads it, from its fields: `⊘ Cancelled by user (by): reason`.
+ * Who acted, as the server's markers say it: `user alice`, `user` (a person who gave no
+ * name), `parent (s_…)`, `watchdog`, `budget`, `system (…)`. `short` (the tree) leaves
+ * out an agent's id: the session view has it.
+ */
+export function who(origin, by, { short = false } = {}) {
+  if (origin === "watchdog" || origin === "budget") return origin;
+  if (origin === "user") return !by || by === "user" ? "user" : `user ${by}`;
+  return by && !short ? `${origin} (${by})` : origin;
+}
+
+/**
+ * A marker as a person reads it, from its fields: `⊘ Cancelled by user alice: reason`.
  * The stored `text` is escaped for models (&lt;…); the raw reason is shown as text.
- * `short` (the tree) leaves out who (the `by` id): the session view has it.
  */
 export function markerText(entry, { short = false } = {}) {
+  if (entry.action === "discarded") {
+    // A steer no boundary took: the stop that discarded it, or the turn's end, came first.
+    const stop = entry.data && entry.data.stop;
+    const why = stop ? `the ${stop} came first` : "the turn ended first";
+    return `⊘ Discarded steer by ${who(entry.origin, entry.by, { short })} (${why}): ${entry.reason || ""}`;
+  }
   const known = VERBS[entry.action];
   if (!known && !entry.action) return entry.text;
   const [mark, verb] = known || ["⊘", entry.action.charAt(0).toUpperCase() + entry.action.slice(1)];
-  const by = entry.by && !short ? ` (${entry.by})` : "";
-  const who = known && entry.origin ? ` by ${entry.origin}${by}` : "";
-  return `${mark} ${verb}${who}${entry.reason ? `: ${entry.reason}` : ""}`;
+  const by = known && entry.origin ? ` by ${who(entry.origin, entry.by, { short })}` : "";
+  return `${mark} ${verb}${by}${entry.reason ? `: ${entry.reason}` : ""}`;
 }
 
 let view = null; // {id, lastSeq, more, busy, again}
@@ -188,7 +203,7 @@ function when(ts) {
 function reportBody(r) {
   if (!r) return h("p", { class: "quiet" }, "No stop report: no stop took effect on this turn.");
   const rows = [
-    ["Stop", `${r.kind} by ${r.origin} (${r.by})${r.reason ? `: ${r.reason}` : ""}`],
+    ["Stop", `${r.kind} by ${who(r.origin, r.by)}${r.reason ? `: ${r.reason}` : ""}`],
     ["Requested", when(r.requested_at)],
     [
       "Effective",
