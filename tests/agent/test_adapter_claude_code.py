@@ -669,15 +669,13 @@ def test_mcp_tools_opened_by_tether_answer_and_a_preempt_of_a_hung_call_reaches_
 def test_an_mcp_server_named_like_tethers_own_tools_is_a_config_mistake(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:
-    rec = Recorder(rt)
     mcp, _log = mcp_files(tmp_path)
     mcp = {**mcp, "servers": {"tether": mcp["servers"]["files"]}}
     root = rt.open_session(SCRIPTED)
     config = _config(server, tmp_path / "home") | {"mcp": mcp}
-    child = rt.spawn(root, AGENT, slug="claude", config=config)
-    rt.send(child, "go", authority=User(parent=root))
-    ended = rec.turn_ended(child, timeout=TIMEOUT)
-    assert ended["outcome"] == "failed" and "'tether' is Tether's own" in ended["error"]
+    # refused when the session is opened (its config is checked there), before any turn
+    with pytest.raises(tether.InvalidParams, match="'tether' is Tether's own"):
+        rt.spawn(root, AGENT, slug="claude", config=config)
     assert server.requests == []
 
 
