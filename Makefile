@@ -44,7 +44,7 @@ test: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster"
 
 # The tests marked `unit`: one process, no worker, no server (a process start fails the
-# test), in well under a minute: the state machines, outcomes, records, codecs, the store.
+# test), about 70 s of CPU: the state machines, outcomes, records, codecs, the store.
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit -q
 
