@@ -56,7 +56,7 @@ def _check_times(r: tether.StopReport) -> None:
 def test_a_cancel_taken_at_a_boundary_reports_when_it_landed_and_the_tool_it_found_open(
     rt: tether.Runtime,
 ) -> None:
-    root, kid, me = family(rt, root_slug="lead", slug="kid")
+    _, kid, me = family(rt, root_slug="lead", slug="kid")
     rt.send(kid, "go", authority=me, data=steps({"op": "tool", "argv": ["sleep", "1.5"]}, HANG_OP))
     worker_with_tool(rt, "sleep")  # the command runs: the cancel finds it open
     turn = rt.interrupt(kid, authority=me, kind="cancel", reason="wrong approach")
@@ -67,7 +67,7 @@ def test_a_cancel_taken_at_a_boundary_reports_when_it_landed_and_the_tool_it_fou
     assert (first.kind, first.origin, first.by, first.reason) == (
         "cancel",
         "user",
-        root,
+        "user",  # a person who gave no name: never the parent address they presented
         "wrong approach",
     )
     assert first.outcome is None and first.effective_at is None
@@ -490,7 +490,7 @@ def test_a_subtree_abort_of_a_three_level_tree_stops_every_running_turn_and_leav
             assert (rec.outcome, rec.cause, rec.by, rec.reason) == (
                 "aborted",
                 "user",
-                root,
+                "user",  # a person who gave no name
                 "all of it",
             )
             r = final_report(rt, turn)
