@@ -390,8 +390,8 @@ class Session:
             return None  # already being killed
         self.services.executor.freeze(t.id)
         t.paused = True
-        stops.hold(self, t)  # the stop's clock stops
-        watchdog.hold(t)  # a paused turn is never stalled
+        stops.pause(self, t)  # the stop's clock stops
+        watchdog.pause(t)  # a paused turn is never stalled
         self.marker(t, "paused", origin, by, reason)
         log.info("turn.paused", session=self.header.id, turn=t.id, by=by)
         listener.paused(t, origin, by, reason)

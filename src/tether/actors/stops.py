@@ -16,7 +16,8 @@ The stop's clock, one timer at a time:
   ``ESCALATE_WAIT``: on its ``Escalating`` answer, or when that runs out, a kill is
   requested (``escalate``); a turn no worker has taken escalates at once;
 - an abort disarms it and kills at once;
-- a pause holds what is left of it (``hold``), a resume runs it again (``resume``);
+- a pause stops it, keeping what is left of it (``pause``), a resume runs it again
+  (``resume``);
 - a dispose shortens a pending cancel's deadline to its grace, never lengthens it.
 
 A timer carries the clock's generation, so one re-armed or cancelled meanwhile is
@@ -58,8 +59,8 @@ __all__ = [
     "dispose",
     "escalating",
     "fired",
-    "hold",
     "issue",
+    "pause",
     "resume",
 ]
 
@@ -107,7 +108,8 @@ class PendingStop:
     timer: Timer | None = None
     due: float = 0.0  # the monotonic time at which the clock fires
     gen: int = 0
-    held: tuple[TimerKind, float] | None = None  # the clock a pause stopped, and what was left
+    # the clock a pause stopped: which, and what was left of it
+    stopped_clock: tuple[TimerKind, float] | None = None
 
     @property
     def kind(self) -> Literal["cancel", "abort"]:
@@ -180,7 +182,7 @@ def _abort(s: Session, t: Turn, i: Interrupt) -> Stop | None:
     else:  # over a pending cancel
         p.stop, p.grace, p.at = stop, i.grace, now
     disarm(p)
-    p.held = None
+    p.stopped_clock = None
     h.executor.kill(t.id)  # a frozen tree too: SIGKILL needs no thaw
     s.marker(t, "aborted", stop.origin, stop.by, stop.reason)
     reports.accepted(s, t, p)
@@ -225,7 +227,7 @@ def fired(s: Session, t: Turn, which: TimerKind, gen: int) -> None:
     """The stop's clock fired (``gen``: the generation it was armed with)."""
     p = t.stop
     if p is None or gen != p.gen or t.paused or p.kind != "cancel":
-        return  # stale, or held by a pause (re-armed on resume)
+        return  # stale, or stopped by a pause (re-armed on resume)
     p.timer = p.clock = None
     h = s.services
     if which == "grace":
@@ -254,7 +256,7 @@ def _arm(s: Session, t: Turn, p: PendingStop, delay: float, which: TimerKind) ->
     """Run the stop's clock; a paused turn holds it until resumed (semantics §14.4)."""
     disarm(p)
     if t.paused:
-        p.held = (which, delay)
+        p.stopped_clock = (which, delay)
         return
     p.gen += 1
     p.clock = which
@@ -270,21 +272,21 @@ def disarm(p: PendingStop) -> None:
     p.gen += 1
 
 
-def hold(s: Session, t: Turn) -> None:
+def pause(s: Session, t: Turn) -> None:
     """A pause: the stop's clock stops, keeping what was left of it."""
     p = t.stop
     if p is not None and p.timer is not None and p.clock is not None:
-        held = (p.clock, max(p.due - s.services.clock.monotonic(), 0.0))
+        stopped = (p.clock, max(p.due - s.services.clock.monotonic(), 0.0))
         disarm(p)
-        p.held = held
+        p.stopped_clock = stopped
 
 
 def resume(s: Session, t: Turn) -> None:
-    """A resume: the clock a pause held runs again for what was left of it."""
+    """A resume: the clock a pause stopped runs again for what was left of it."""
     p = t.stop
-    if p is not None and p.held is not None:
-        which, left = p.held
-        p.held = None
+    if p is not None and p.stopped_clock is not None:
+        which, left = p.stopped_clock
+        p.stopped_clock = None
         _arm(s, t, p, left, which)
 
 

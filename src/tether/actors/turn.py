@@ -27,6 +27,8 @@ __all__ = ["Turn"]
 
 @dataclass(slots=True)
 class Turn:
+    """One claimed turn of a session, from its claim to its end."""
+
     id: str
     message: Message
     # The turn's latest assistant text, kept as the worker says it, so that its end can

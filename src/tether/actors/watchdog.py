@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Watch",
     "fired",
-    "hold",
+    "pause",
     "progress",
     "progress_every",
     "resume",
@@ -95,7 +95,7 @@ def progress(s: Session, t: Turn, frame: Progress) -> None:
             _arm(s, t, w, w.policy.after)
 
 
-def hold(t: Turn) -> None:
+def pause(t: Turn) -> None:
     """A pause: a paused turn is never stalled."""
     w = t.watch
     if w is not None and w.timer is not None:
