@@ -74,8 +74,10 @@ from hypothesis.stateful import (
 )
 
 from drivers import ROOT
-from tether.actors.agent import Interrupt, Session, SessionServices, TimerKind
+from tether.actors.agent import Session
 from tether.actors.ports import EndRecord, TurnOver, TurnSpec
+from tether.actors.services import SessionServices, TimerKind
+from tether.actors.stops import Interrupt
 from tether.runtime.backends._held import Held
 from tether.wire.errors import StoreUnavailable
 from tether.wire.frames import (
@@ -101,7 +103,7 @@ pytestmark = pytest.mark.unit  # starts no process: make test-unit
 SID = "s_kid"
 PARENT = "s_lead"
 EPS = 1e-6
-ESCALATE_WAIT = 1.0  # agent._ESCALATE_WAIT: how long the host waits for an Escalating
+ESCALATE_WAIT = 1.0  # stops.ESCALATE_WAIT: how long the host waits for an Escalating
 
 
 class Violation(AssertionError):
@@ -834,7 +836,7 @@ class SessionMachine(RuleBasedStateMachine):
             self.open
             and t is not None
             and not t.paused
-            and (t.stop is None or (t.stop.kind == "cancel" and not t.delivered))
+            and (t.stop is None or (t.stop.kind == "cancel" and not t.stop.delivered))
         )
         self.host(s.dispose, who[0], who[1], grace)
         if rearms and log is not None:
@@ -884,9 +886,9 @@ class SessionMachine(RuleBasedStateMachine):
     def check_watchdog_waited(self) -> None:
         t = self.session.turn
         stall = self.header.stall
-        if t is None or stall is None:
+        if t is None or stall is None or t.watch is None:
             raise Violation("a watchdog step with no turn or no policy")
-        idle = self.clock.mono - t.last_progress
+        idle = self.clock.mono - t.watch.last_progress
         if idle + EPS < stall.after:
             raise Violation(f"a watchdog step after {idle}s without progress")
 
@@ -942,14 +944,16 @@ class SessionMachine(RuleBasedStateMachine):
             raise Violation(f"{t.id} runs but was never submitted")
         if t.paused != w.frozen:
             raise Violation(f"{t.id}: paused={t.paused} but its worker frozen={w.frozen}")
-        if t.paused and t.watch is not None and not t.watch.cancelled:  # type: ignore[attr-defined]
+        watch = t.watch
+        clock = None if watch is None else watch.timer
+        if t.paused and clock is not None and not clock.cancelled:  # type: ignore[attr-defined]
             raise Violation("a paused turn's watchdog is armed")
         stall = self.header.stall
         if (
             stall is not None
             and not t.paused
             and not s.disposing
-            and t.step < len(stall.steps)
+            and (watch is None or watch.step < len(stall.steps))
             and not self.timers.armed(t.id, "watchdog")
         ):
             raise Violation("the watchdog's clock is not armed while its ladder has steps left")
@@ -1057,7 +1061,8 @@ def test_one_session_keeps_every_rule_under_any_order_of_events() -> None:
 def test_the_session_reads_no_clock_of_its_own() -> None:
     """The state machine's modules import no clock: time comes from the services."""
     src = ROOT / "src" / "tether" / "actors"
-    for name in ("agent.py", "outcomes.py"):
+    helpers = ("turn.py", "stops.py", "watchdog.py", "reports.py", "listener.py")
+    for name in ("agent.py", *helpers, "outcomes.py"):
         tree = ast.parse((src / name).read_text())
         imported = set()
         for node in ast.walk(tree):
@@ -1167,4 +1172,5 @@ def test_a_turn_that_makes_progress_after_its_ladder_ran_out_is_watched_again() 
     m.the_host_reads(n=1)
     m.the_session_keeps_its_promises()
     t = m.session.turn
-    assert t is not None and t.step == 0 and m.timers.armed(t.id, "watchdog")
+    assert t is not None and t.watch is not None and t.watch.step == 0
+    assert m.timers.armed(t.id, "watchdog")

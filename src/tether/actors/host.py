@@ -31,19 +31,14 @@ import pykka
 import structlog
 
 from tether.actors._timers import TimerHandle, TimerQueue
-from tether.actors.agent import (
-    Interrupt,
-    Session,
-    SessionServices,
-    TimerKind,
-    Wake,
-    make_info,
-)
+from tether.actors.agent import Session, Wake, make_info
 from tether.actors.authority import Authority, Host
 from tether.actors.budget import Governor, TurnStep
 from tether.actors.directory import Directory
 from tether.actors.ports import AgentStore, EventSink, Executor, TurnOver
+from tether.actors.services import SessionServices, TimerKind
 from tether.actors.states import AgentState
+from tether.actors.stops import Interrupt
 from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
 from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled
@@ -628,16 +623,16 @@ class SessionHost(pykka.ThreadingActor):
         """The live target an authorized control action acts on; None: an accepted no-op.
         With telemetry on, a refused or no-op action's span is ended here (one that
         reaches its session is the session's to end)."""
-        tel = self._services.telemetry
-        if not tel.on:
+        listener = self._services.listener
+        if not listener.on:
             return self._dir.authorize_interrupt(target, auth)
         try:
             s = self._dir.authorize_interrupt(target, auth)
         except TetherError:
-            _control_at_door(tel, "refused", verb, target, auth, turn, trace)
+            listener.unbound("refused", verb, auth.origin, auth.by, target, turn, trace)
             raise
         if s is None:
-            _control_at_door(tel, "no-op", verb, target, auth, turn, trace)
+            listener.unbound("no-op", verb, auth.origin, auth.by, target, turn, trace)
         return s
 
     def _pause(self, op: PauseOp) -> str | None:
@@ -730,8 +725,9 @@ class SessionHost(pykka.ThreadingActor):
 
     def on_stop(self) -> None:
         for s in self._live.values():
-            if s.turn is not None and s.turn.timer is not None:
-                s.turn.timer.cancel()
+            t = s.turn
+            if t is not None and t.stop is not None and t.stop.timer is not None:
+                t.stop.timer.cancel()
         self._live.clear()
         # Calls that will never be handled must not leave their askers blocked.
         while not self.actor_inbox.empty():
@@ -742,26 +738,3 @@ class SessionHost(pykka.ThreadingActor):
 
 def _with_dispatched(info: AgentInfo) -> AgentInfo:
     return msgspec.structs.replace(info, dispatched=True)
-
-
-def _control_at_door(
-    tel: Telemetry,
-    outcome: str,
-    verb: str,
-    target: str,
-    auth: Authority | Host,
-    turn: str | None,
-    trace: str | None,
-) -> None:
-    """The span of a control action that never reached a running turn."""
-    span = tel.control(
-        verb=verb,
-        origin=auth.origin,
-        by=auth.by,
-        target=target,
-        expected_turn=turn,
-        turn=None,
-        parent=trace,
-    )
-    if span is not None:
-        tel.control_ended(span, outcome)

@@ -23,11 +23,11 @@ from typing import Any
 
 import psutil
 
-from tether.contain.cgroup import Leaf
+from tether.contain.cgroup import LIMIT_CONTROLLERS, Leaf
 from tether.contain.procs import alive, exiting
 from tether.wire.records import ProcessFate
 
-__all__ = ["cgroup_pass", "describe", "fates"]
+__all__ = ["cgroup_pass", "describe", "fates", "start_turn"]
 
 
 def describe(
@@ -107,3 +107,24 @@ def kill_pids(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def start_turn(leaf: Leaf | None, limits: dict[str, float] | None) -> str | None:
+    """A turn's limits on its worker's leaf, and its figures' baselines; the reason if
+    they cannot be applied (the turn then ends crashed rather than run unlimited: a
+    session's limits were checked when it was made, but a later host on the same store
+    may not have the controllers)."""
+    missing = (
+        sorted(limits or ())
+        if leaf is None
+        else sorted(k for k in limits or () if LIMIT_CONTROLLERS[k] not in leaf.controllers)
+    )
+    if missing:
+        return f"the session's limits {missing} cannot be enforced by this host"
+    assert leaf is not None
+    try:
+        leaf.set_limits(limits)
+        leaf.begin_turn()
+    except OSError as exc:
+        return f"cannot apply the turn's limits to its cgroup: {exc}"
+    return None

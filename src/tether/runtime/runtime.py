@@ -1,52 +1,28 @@
 """The public ``Runtime`` facade (semantics §12): one embedded host.
 
 It owns the store, the worker pool, the timer queue, the supervisor actor and the
-dispatcher's session hosts. Every call validates its input first (bad input raises a
-typed error and changes nothing: ``_checks``), then asks the one actor that decides: the
-supervisor for the tree (spawn, dispose, list), the session's host for everything about
-one session (send, interrupt, status, release).
+dispatcher's session hosts (``_engine.Engine``, its base: what it owns and the steps that
+open it). Every call validates its input first (bad input raises a typed error and
+changes nothing: ``_checks``), then asks the one actor that decides: the supervisor for
+the tree (spawn, dispose, list), the session's host for everything about one session
+(send, interrupt, status, release); a subtree's stop or pause walks it (``_walks``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, overload
 
-import pykka
 import structlog
 
 from tether.actors._ids import new_id
-from tether.actors._timers import TimerQueue
 from tether.actors.authority import Authority, Host, sender_of
-from tether.actors.budget import Governor, StateStep, Step, TurnStep
-from tether.actors.directory import Directory
-from tether.actors.host import (
-    Dispatcher,
-    Enqueued,
-    InterruptOp,
-    PauseOp,
-    RefOp,
-    ReleaseOp,
-    RunningOp,
-    SessionHost,
-    StatusOp,
-)
-from tether.actors.ports import Executor
-from tether.actors.supervisor import (
-    Create,
-    DisposeReq,
-    ListReq,
-    Recover,
-    SupervisorActor,
-    Walk,
-    crash_notice,
-)
-from tether.contain.cgroup import Cgroups, CgroupUnavailable
+from tether.actors.host import Enqueued, InterruptOp, PauseOp, RefOp, ReleaseOp, StatusOp
+from tether.actors.supervisor import Create, DisposeReq, ListReq
 from tether.contain.prctl import set_subreaper
 from tether.runtime import _at_exit
 from tether.runtime._checks import (
@@ -72,23 +48,19 @@ from tether.runtime._checks import (
     check_turn,
     convert,
 )
+from tether.runtime._engine import Engine
 from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
 from tether.runtime._oneshot import OneShot
 from tether.runtime._secrets import Secrets
 from tether.runtime._tools import HostTools
-from tether.runtime.backend import (
-    Backend,
-    BackendFactory,
-    check_backend,
-    make_backend,
-)
-from tether.runtime.store import Store
-from tether.telemetry import WORKER_MODULES, Telemetry
+from tether.runtime._walks import pause_subtree, stop_subtree
+from tether.runtime.backend import BackendFactory, check_backend
+from tether.telemetry import Telemetry
 from tether.telemetry import make as make_telemetry
 from tether.telemetry import resolve as resolve_telemetry
 from tether.wire.budget import Budget, BudgetStatus, check_budget
-from tether.wire.errors import InvalidParams, NotFound, TetherError
+from tether.wire.errors import InvalidParams, NotFound
 from tether.wire.records import (
     STATES,
     AgentInfo,
@@ -101,13 +73,7 @@ from tether.wire.records import (
     TurnRecord,
 )
 from tether.wire.text import cap
-from tether.wire.vocab import (
-    MAX_SECONDS,
-    Grace,
-    Kind,
-    Seconds,
-    StallPolicy,
-)
+from tether.wire.vocab import MAX_SECONDS, Grace, Kind, Seconds, StallPolicy
 
 # The checks' constants and public checks are imported from here too.
 __all__ = [
@@ -130,10 +96,9 @@ CANCEL_DEADLINE_MIN = 1.0
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
-_HOSTS = 4  # session-hosting actors: enough that one busy host does not hold up others
 
 
-class Runtime:
+class Runtime(Engine):
     """One embedded Tether host. Use it as a context manager, or call ``close()``; one
     left open is closed, as ``close()`` would, when the program's main thread ends."""
 
@@ -207,154 +172,12 @@ class Runtime:
         catalog = self._open_store(path, containment, backend)
         for header in catalog:  # before a worker starts: none inherits a key they name
             self._secrets.learn(header.config)
-        self._open_backend(backend, workers, containment, ray_address, ray_options, tool_user)
+        tools = HostTools(self, self._secrets, tool_user)
+        self._open_backend(backend, workers, containment, ray_address, ray_options, tools)
         self._open_hosts(catalog)
         # Only a process's own runtimes close at its exit: a forked child's copy does not.
         self._pid = os.getpid()
         _at_exit.register(self)
-
-    # ---- the start, step by step: a start that fails gives back all it holds ----
-
-    def _open_store(
-        self,
-        path: str | os.PathLike[str] | None,
-        containment: str,
-        backend: str | BackendFactory,
-    ) -> list[SessionHeader]:
-        """The store, recovered, then the containment and the directory; the catalog as
-        recovery left it."""
-        if path is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            _private_file(os.fspath(path))
-        # One host per store: a store another live host holds is refused here
-        # (StoreLocked), before anything in it is read or changed.
-        self._store = Store(None if path is None else os.fspath(path))
-        try:
-            catalog = self._recover_store()
-            self._open_containment(containment, backend, None if path is None else os.fspath(path))
-            self._dir = Directory(self._store.boot())
-        except BaseException:
-            self._release_start()
-            raise
-        return catalog
-
-    def _recover_store(self) -> list[SessionHeader]:
-        """What a dead host left in the store, settled; the catalog after it."""
-        # a disposal the dead host had accepted and not finished: finished now, so
-        # the catalog and the crashed turns' notices below see it settled
-        disposed = self._store.finish_disposals()
-        if disposed:
-            log.warning("recovery.disposals_finished", sessions=len(disposed))
-        # the catalog as the dead host left it; its open turns closed, and their
-        # parents told, in one commit
-        catalog = self._store.sessions()
-        headers = {h.id: h for h in catalog}
-        crashed = self._store.recover(functools.partial(crash_notice, headers))
-        if crashed:
-            log.warning("recovery.crashed_turns", turns=len(crashed))
-        return catalog
-
-    def _open_containment(
-        self, containment: str, backend: str | BackendFactory, path: str | None
-    ) -> None:
-        """The cgroup group for ``containment`` (none for the walk, with the reason when
-        none is available); ``self.containment`` says which is in force."""
-        self._cgroups: Cgroups | None = None
-        self._cgroup_reason = ""
-        try:
-            self._cgroups = _containment(containment, backend, path)
-        except CgroupUnavailable as exc:
-            self._cgroup_reason = str(exc)
-            if containment == "cgroup":
-                raise InvalidParams(f"cgroup containment is not available: {exc}") from None
-        self.containment = "walk" if self._cgroups is None else "cgroup"
-
-    def _open_backend(
-        self,
-        backend: str | BackendFactory,
-        workers: int,
-        containment: str,
-        ray_address: str | None,
-        ray_options: dict[str, Any] | None,
-        tool_user: str | None,
-    ) -> None:
-        """The timers, the dispatcher, and the backend with its workers."""
-        self._timers = TimerQueue()
-        self._dispatcher = Dispatcher(_HOSTS)
-        try:
-            self._pool: Backend = make_backend(
-                backend,
-                workers,
-                HostTools(self, self._secrets, tool_user),
-                ray_address=ray_address,
-                ray_options=ray_options,
-                cgroups=self._cgroups,
-                containment=containment,
-                preload=WORKER_MODULES if self._tel.on else (),
-            )
-        except BaseException:  # workers that fail to start: release all we hold
-            self._dispatcher.close()
-            self._timers.close()
-            self._release_start()
-            raise
-        if backend == "ray":  # what the slots' nodes gave
-            self.containment = str(getattr(self._pool, "containment", "walk"))
-
-    def _open_hosts(self, catalog: list[SessionHeader]) -> None:
-        """The budget governor, the session hosts and the supervisor, then the tree
-        recovered over ``catalog``."""
-        # A turn reaches a worker only once its claim is durable: the turn table holds
-        # it until then (docs/design.md, section 4).
-        executor: Executor = self._pool
-        self._gov = Governor(
-            store=self._store,
-            act=self._budget_step,
-            subtree=self._below,
-            arm=self._timers.after,
-        )
-        self._store.take_usage_from(self._gov.take_usage)
-        try:
-            for _ in range(_HOSTS):
-                self._dispatcher.refs.append(
-                    SessionHost.start(
-                        directory=self._dir,
-                        dispatcher=self._dispatcher,
-                        store=self._store,
-                        executor=executor,
-                        events=self._events,
-                        timers=self._timers,
-                        grace=self.grace,
-                        cancel_deadline=self.cancel_deadline,
-                        telemetry=self._tel,
-                        governor=self._gov,
-                    )
-                )
-            self._sup = SupervisorActor.start(
-                store=self._store,
-                executor=executor,
-                directory=self._dir,
-                dispatcher=self._dispatcher,
-            )
-            self._recover_tree(catalog)
-        except BaseException:
-            self._shutdown()
-            raise
-
-    def _recover_tree(self, catalog: list[SessionHeader]) -> None:
-        """The sessions of ``catalog`` back in the tree (every root parked), and their
-        budgets in force."""
-        self._sup.ask(Recover(catalog))
-        # The budgets, over the catalog just loaded: in force before this returns,
-        # so before any waking send can start a turn (every root is parked).
-        self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
-
-    def _release_start(self) -> None:
-        """A start that failed: give back the store (and its lock) and the cgroups."""
-        cgroups: Cgroups | None = getattr(self, "_cgroups", None)
-        if cgroups is not None:
-            cgroups.close()
-        self._store.close()
-        self._tel.close()
 
     def __enter__(self) -> Runtime:
         return self
@@ -555,8 +378,8 @@ class Runtime:
         args = check_interrupt(scope, kind, reason, grace, deadline, turn)
         g = self.grace if args.grace is None else args.grace
         if scope == "subtree":
-            return self._interrupt_subtree(
-                target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
+            return stop_subtree(
+                self, target, authority, args.kind, cap(args.reason), g, args.deadline, args.turn
             )
         op = InterruptOp(
             target,
@@ -569,47 +392,6 @@ class Runtime:
             self._tel.current(),
         )
         return self._interrupt(op)
-
-    def _interrupt_subtree(
-        self,
-        target: str,
-        auth: Authority,
-        kind: Kind,
-        reason: str,
-        grace: float,
-        deadline: float | None,
-        turn: str | None,
-    ) -> list[str]:
-        """Stop every running turn from ``target`` down, top first (so a stopped parent
-        is parked before its children's turn-end notices reach it)."""
-        self._check_open()
-        check_id(target)
-        self._dir.authorize_subtree(target, auth, what="stop")
-        # Authorized at the top: below it, the same person or ancestor acts on each.
-        delegate = Host(auth.origin, auth.by)
-        nodes = self._dir.catalog.nodes
-        turns: list[str] = []
-        trace = self._tel.current()
-        # The subtree as of the mark; a spawn below it is refused until the walk ends.
-        ids: list[str] = self._ask(Walk(target, "stopped", on=True))
-        try:
-            for sid in ids:
-                node = nodes.get(sid)
-                if node is None or node.header.mode == "one-shot":
-                    continue  # a one-shot belongs to its handle's holder, not to the subtree
-                guard = turn if sid == target else None  # the guard names the target's turn
-                op = InterruptOp(sid, delegate, kind, reason, grace, deadline, guard, trace)
-                bound = self._dispatcher.ask(sid, op)
-                if bound is not None:
-                    turns.append(str(bound))
-        finally:
-            self._walk_end(target, "stopped")
-        return turns
-
-    def _walk_end(self, target: str, what: str) -> None:
-        """Spawns below ``target`` land again; a runtime closed meanwhile has no tree."""
-        with contextlib.suppress(pykka.ActorDeadError):
-            self._sup.ask(Walk(target, what, on=False))
 
     def stop_report(self, turn: str) -> StopReport | None:
         """What the stop that reached ``turn`` did (semantics §15.6), durable; None when no
@@ -647,23 +429,6 @@ class Runtime:
         lineage = self._dir.catalog.lineage(target)
         self._gov.set_budget(target, lineage, checked).wait()
         log.info("budget.set", session=target, budget=None if checked is None else checked.limits())
-
-    def _budget_step(self, step: Step) -> None:
-        """The governor's step, to the host of the session it is for; a state change is
-        an event (``budget``, data ``{"state"}``) for observers (the console's bar)."""
-        match step:
-            case StateStep(session=session, state=state):
-                if self._events.wants("budget") and session in self._dir.catalog.nodes:
-                    lineage = self._dir.catalog.lineage(session)
-                    self._events.emit("budget", session, lineage, {"state": state})
-            case TurnStep(session=session):
-                self._dispatcher.tell(session, step)
-
-    def _below(self, session: str) -> list[str]:
-        """Every session below ``session`` (none for one not in the catalog yet)."""
-        if session not in self._dir.catalog.nodes:
-            return []
-        return self._dir.catalog.preorder(session)
 
     def pause(
         self,
@@ -713,30 +478,7 @@ class Runtime:
             op = PauseOp(target, auth, reason, resume, turn, trace)
             bound = self._dispatcher.ask(target, op)
             return [] if bound is None else [str(bound)]
-        self._dir.authorize_subtree(target, auth)
-        # Authorized at the top: below it, the same person or ancestor acts on each.
-        # A one-shot belongs to its handle's holder and is absent to every continuable
-        # path: a subtree pause passes it by (its holder's result() must not hang).
-        delegate = Host(auth.origin, auth.by)
-        nodes = self._dir.catalog.nodes
-        turns: list[str] = []
-        if resume:  # a child spawned meanwhile was never paused: nothing to hold off
-            ids = [target, *self._dir.catalog.preorder(target)]
-        else:  # as for a subtree stop: what the mark read; no spawn below until the end
-            ids = self._ask(Walk(target, "paused", on=True))
-        try:
-            for sid in ids:
-                if nodes[sid].header.mode == "one-shot":
-                    continue
-                guard = turn if sid == target else None  # the guard names the target's turn
-                op = PauseOp(sid, delegate, reason, resume, guard, trace)
-                bound = self._dispatcher.ask(sid, op)
-                if bound is not None:
-                    turns.append(str(bound))
-        finally:
-            if not resume:
-                self._walk_end(target, "paused")
-        return turns
+        return pause_subtree(self, target, auth, reason, resume=resume, turn=turn, trace=trace)
 
     def list_agents(self, root: str, *, scope: str = "children") -> list[AgentInfo]:
         """One consistent pre-order walk below ``root`` (semantics §7), taken after the
@@ -836,26 +578,6 @@ class Runtime:
         finally:
             self._shutdown()
 
-    def _shutdown(self) -> None:
-        self._pool.close()
-        if self._cgroups is not None:
-            self._cgroups.close()
-        for ref in [*self._dispatcher.refs, *([self._sup] if hasattr(self, "_sup") else [])]:
-            with contextlib.suppress(pykka.ActorDeadError):
-                ref.stop()
-        self._dispatcher.close()
-        self._timers.close()
-        self._store.close()
-        self._tel.close()  # after the actors: the last turns' spans have ended
-
-    def _running(self) -> list[tuple[str, bool]]:
-        """(session, paused) for every session with a turn claimed."""
-        out: list[tuple[str, bool]] = []
-        for ref in self._dispatcher.refs:
-            running: Any = ref.ask(RunningOp())
-            out.extend(running)
-        return out
-
     def _stop_all(self, running: list[Any], kind: Kind, timeout: float) -> None:
         """Stop every turn in ``sessions`` (a cancel escalates after ``grace`` with no
         boundary) and wait up to ``timeout`` for them to end."""
@@ -879,14 +601,6 @@ class Runtime:
         return self._pool.worker_pids()
 
     # ---- internals --------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TetherError("the runtime is closed")
-
-    def _ask(self, message: Any) -> Any:
-        self._check_open()
-        return self._sup.ask(message)
 
     def _create(self, create: Create) -> str:
         self._store.check_writable()  # refused before anything changes while it is down
@@ -997,25 +711,3 @@ class Runtime:
             limits=checked_limits,
             budget=checked_budget,
         )
-
-
-def _private_file(path: str) -> None:
-    """A new store readable by its owner alone (SQLite gives its journal the same mode):
-    it holds every tree's transcripts, which a tool run as another user must not read
-    (semantics §17.4)."""
-    with contextlib.suppress(FileExistsError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-
-
-def _containment(mode: str, backend: object, path: str | None) -> Cgroups | None:
-    """The host's cgroup group for ``mode``, or None for the walk. CgroupUnavailable
-    says why none is available."""
-    if mode == "walk":
-        if path is not None:  # a previous host on this store may have used cgroups
-            Cgroups.recover_existing(path)
-        return None
-    if backend == "ray":
-        return None  # each Ray slot makes its own group on its node (see _ray_actors)
-    if backend != "local":
-        raise CgroupUnavailable("cgroup containment runs on the local and Ray backends only")
-    return Cgroups.open(path)

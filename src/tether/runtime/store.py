@@ -2,14 +2,13 @@
 host per store; writes go through the group-commit engine (``group_commit``).
 
 How writes are queued and committed, what a failed commit does, the WAL's bound and the
-store's lock: docs/design.md, section 8; recovery at start: section 9.
+store's lock: docs/design.md, section 8; recovery at start: section 9. The tables, their
+upgrades and the lock are ``_store_file``'s; recovery's transactions ``_recovery``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import itertools
 import os
 import sqlite3
@@ -22,6 +21,8 @@ import structlog
 
 from tether.actors.budget import Spent
 from tether.actors.ports import EndRecord, ParentNotice
+from tether.runtime import _recovery
+from tether.runtime._store_file import create_tables, lock_host
 from tether.runtime.group_commit import (
     WAL_LIMIT,
     GroupCommit,
@@ -31,7 +32,7 @@ from tether.runtime.group_commit import (
     configure,
 )
 from tether.wire.budget import Budget
-from tether.wire.errors import StoreLocked, StoreUnavailable
+from tether.wire.errors import StoreUnavailable
 from tether.wire.records import (
     Entry,
     EntryKind,
@@ -49,82 +50,6 @@ from tether.wire.vocab import StallPolicy
 __all__ = ["MAX_PAGE", "Store"]
 
 log = structlog.get_logger("tether.store")
-
-# Rows are never deleted, so plain INTEGER PRIMARY KEYs only grow (AUTOINCREMENT would
-# cost an extra write per insert for a guarantee we do not need).
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    key         TEXT PRIMARY KEY,
-    value       INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS sessions (
-    seq         INTEGER PRIMARY KEY,
-    id          TEXT NOT NULL UNIQUE,
-    parent      TEXT,
-    mode        TEXT NOT NULL,
-    slug        TEXT,
-    driver      TEXT NOT NULL,
-    config      BLOB,
-    permissions BLOB,
-    created_at  REAL NOT NULL,
-    settled     INTEGER NOT NULL DEFAULT 0,
-    stall       BLOB,
-    limits      BLOB,
-    disposing   INTEGER NOT NULL DEFAULT 0,  -- a disposal was accepted (see finish_disposals)
-    budget      BLOB                         -- the session's own budget (semantics §16.2)
-);
-CREATE TABLE IF NOT EXISTS messages (
-    id          INTEGER PRIMARY KEY,
-    session     TEXT NOT NULL,
-    content     TEXT NOT NULL,
-    data        BLOB,
-    kind        TEXT NOT NULL,
-    sender      TEXT,
-    created_at  REAL NOT NULL,
-    state       TEXT NOT NULL DEFAULT 'pending',   -- pending | claimed | closed
-    turn        TEXT,
-    trace       TEXT               -- the sending span's traceparent (telemetry on)
-);
-CREATE INDEX IF NOT EXISTS messages_pending ON messages (session, id) WHERE state='pending';
-CREATE TABLE IF NOT EXISTS turns (
-    seq         INTEGER PRIMARY KEY,
-    id          TEXT NOT NULL,   -- random and never looked up alone: no index to maintain
-    session     TEXT NOT NULL,
-    message_id  INTEGER NOT NULL,
-    started_at  REAL NOT NULL,
-    ended_at    REAL,
-    outcome     TEXT,
-    cause       TEXT,
-    by          TEXT,
-    forced      INTEGER NOT NULL DEFAULT 0,
-    escalated   INTEGER NOT NULL DEFAULT 0,
-    reason      TEXT,
-    error       TEXT,
-    usage       BLOB,
-    resources   BLOB,
-    woken_by    INTEGER            -- the key of the message whose waking send started it
-);
-CREATE INDEX IF NOT EXISTS turns_session ON turns (session, seq);
-CREATE TABLE IF NOT EXISTS entries (
-    seq         INTEGER PRIMARY KEY,
-    session     TEXT NOT NULL,
-    turn        TEXT,
-    kind        TEXT NOT NULL,
-    text        TEXT NOT NULL,
-    action      TEXT,
-    origin      TEXT,
-    by          TEXT,
-    reason      TEXT,
-    data        BLOB,
-    created_at  REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS entries_session ON entries (session, seq);
-CREATE TABLE IF NOT EXISTS stop_reports (
-    turn        TEXT PRIMARY KEY,
-    session     TEXT NOT NULL,
-    report      BLOB NOT NULL    -- a StopReport, JSON
-);
-"""
 
 MAX_PAGE = 1000  # entries one read returns at most
 _PREVIEW = 200
@@ -163,33 +88,6 @@ def _probe(db: sqlite3.Connection) -> None:
     db.execute("UPDATE meta SET value = value WHERE key = 'boots'")
 
 
-def _lock(path: str) -> int:
-    """Take the store's host lock (see the module doc); the open descriptor holds it."""
-    lock_path = path + ".lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = b""
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            # The holder writes its pid just after it locks: give it a moment.
-            for _ in range(50):
-                holder = os.pread(fd, 32, 0).strip()
-                if holder:
-                    break
-                time.sleep(0.002)
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise StoreUnavailable(f"cannot lock the store {path}: {exc.strerror}") from None
-        pid = holder.decode(errors="replace") or "unknown"
-        raise StoreLocked(
-            f"the store {path} is in use by a live host (pid {pid}); one host at a time"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
 class Store:
     """Catalog, inboxes with claim state, turn records and transcripts."""
 
@@ -202,7 +100,7 @@ class Store:
         give_up: float | None = None,
     ) -> None:
         self.path = path
-        self._lock_fd = None if path is None else _lock(path)
+        self._lock_fd = None if path is None else lock_host(path)
         try:
             self._db = sqlite3.connect(
                 path or ":memory:", check_same_thread=False, isolation_level=None
@@ -243,23 +141,7 @@ class Store:
 
     def _open_db(self, path: str | None, durability: str, wal_limit: int) -> None:
         configure(self._db, path, durability, wal_limit)
-        self._db.executescript(_SCHEMA)
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
-        if "stall" not in columns:  # a store written before the stall watchdog
-            self._db.execute("ALTER TABLE sessions ADD COLUMN stall BLOB")
-        if "limits" not in columns:  # a store written before v3's limits
-            self._db.execute("ALTER TABLE sessions ADD COLUMN limits BLOB")
-        if "disposing" not in columns:  # a store written before round 4
-            self._db.execute("ALTER TABLE sessions ADD COLUMN disposing INTEGER NOT NULL DEFAULT 0")
-        if "budget" not in columns:  # a store written before v4's budgets
-            self._db.execute("ALTER TABLE sessions ADD COLUMN budget BLOB")
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(messages)")}
-        if "trace" not in columns:  # a store written before telemetry
-            self._db.execute("ALTER TABLE messages ADD COLUMN trace TEXT")
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(turns)")}
-        for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
-            if column not in columns:  # a store written before v3
-                self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
+        create_tables(self._db)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -333,86 +215,30 @@ class Store:
 
     def finish_disposals(self) -> list[str]:
         """Settle every session whose disposal was accepted (``dispose_accepted``) but
-        not finished: its host was killed meanwhile. What the dead host had not done yet
-        is what a finished disposal leaves: the inbox closed (its pending messages kept,
-        marked closed), the session settled. A disposal marks the whole subtree in one
-        commit, so its descendants are among these. Runs before the catalog is read and
-        before ``recover``, which then closes their open turns as crashed (their parents
-        told, unless settled). Returns the sessions settled."""
+        not finished: its host was killed meanwhile (``_recovery.finish_disposals``).
+        Returns the sessions settled."""
         with self._lock, _readable():
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                rows = self._db.execute(
-                    "SELECT id FROM sessions WHERE disposing=1 AND settled=0 ORDER BY seq"
-                ).fetchall()
-                if rows:
-                    self._db.execute(
-                        "UPDATE messages SET state='closed' WHERE state='pending' AND session"
-                        " IN (SELECT id FROM sessions WHERE disposing=1 AND settled=0)"
-                    )
-                    self._db.execute("UPDATE sessions SET settled=1 WHERE disposing=1")
-                self._db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                raise
-        return [str(r[0]) for r in rows]
+            return _recovery.finish_disposals(self._db)
 
     def recover(
         self, notice: Callable[[str, str, str | None], ParentNotice | None] | None = None
     ) -> list[tuple[str, str, str | None]]:
         """Close every turn with no end record as ``crashed``, and write the parents'
         notices that ``notice(session, turn, last assistant text)`` composes, in one
-        commit: a host killed during recovery leaves either both or neither, so no
-        crashed turn is ever closed with its parent untold.
+        commit (``_recovery.close_open_turns``).
 
         Returns (session, turn, last assistant text) for each turn closed.
         """
         now = time.time()
+
+        def new_key() -> int:
+            with self._mutex:
+                key = self._next_key
+                self._next_key += 1
+            return key
+
         with self._lock, _readable():
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                rows = self._db.execute(
-                    "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
-                ).fetchall()
-                out = []
-                for turn, session in rows:
-                    last = self._db.execute(
-                        "SELECT text FROM entries WHERE session=? AND turn=?"
-                        " AND kind='assistant' ORDER BY seq DESC LIMIT 1",
-                        (session, turn),
-                    ).fetchone()
-                    out.append((str(session), str(turn), None if last is None else str(last[0])))
-                for session, turn, partial in out:
-                    told = None if notice is None else notice(session, turn, partial)
-                    if told is None:
-                        continue
-                    with self._mutex:
-                        key = self._next_key
-                        self._next_key += 1
-                    self._db.execute(
-                        "INSERT INTO messages (id, session, content, data, kind, sender,"
-                        " created_at) VALUES (?,?,?,?,'notice',?,?)",
-                        (key, told.parent, told.content, _dump(told.data), told.sender, now),
-                    )
-                self._db.execute(
-                    "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
-                    " error='the host stopped while the turn ran' WHERE outcome IS NULL",
-                    (now,),
-                )
-                # a notice committed into an inbox already settled (the child's end and
-                # the parent's settle crossed, and the host died before the notice's
-                # close): closed, as the live host would have
-                self._db.execute(
-                    "UPDATE messages SET state='closed' WHERE state='pending' AND session IN"
-                    " (SELECT id FROM sessions WHERE settled=1)"
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                raise
-        return out
+            return _recovery.close_open_turns(self._db, notice, new_key, now)
 
     # ---- catalog ------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """The host's telemetry hooks, as the engine calls them: no-ops unless telemetry is on.
 
-The session state machine (``actors.agent``) holds a ``Telemetry`` from its services and
-calls it at a turn's start and end, at a pause and a resume, and for each control
-action; the runtime asks it for the caller's trace context. Off, every hook returns at
-once and ``on`` is False, so the engine can skip even building their arguments. On, a
-turn costs the host only the choice of its span's ids: the worker makes the span.
+The session state machine tells its listener (``actors.listener``) what happened, and
+the listener calls these at a turn's start and end, at a pause and a resume, and for
+each control action; the runtime asks it for the caller's trace context. Off, every
+hook returns at once and ``on`` is False, so the engine can skip even building their
+arguments. On, a turn costs the host only the choice of its span's ids: the worker
+makes the span.
 """
 
 from __future__ import annotations

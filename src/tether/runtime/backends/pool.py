@@ -23,7 +23,7 @@ import structlog
 
 from tether.actors.ports import TurnSpec
 from tether.contain import hooks
-from tether.contain.cgroup import LIMIT_CONTROLLERS, Cgroups, Leaf
+from tether.contain.cgroup import Cgroups, Leaf
 from tether.contain.limits import LimitWatch
 from tether.contain.procs import alive, exiting, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime._launcher import Launcher
@@ -167,7 +167,7 @@ class _Worker:
     def start(self, spec: TurnSpec, run: RunTurn, rest: list[HostFrame]) -> None:
         payloads = [encode_frame(_encoder, frame) for frame in (run, *rest)]  # may refuse
         if self.leaf is not None or spec.limits:
-            error = _start_in_leaf(self.leaf, spec)
+            error = hooks.start_turn(self.leaf, spec.limits)
             if error is not None:
                 self.error = error
                 self.pool._doom_locked(self)  # the turn ends crashed, with the reason
@@ -779,24 +779,3 @@ class Pool(TableBackend["_Worker"]):
         with self._lock:
             self._all.discard(w)
             self._changed.notify_all()
-
-
-def _start_in_leaf(leaf: Leaf | None, spec: TurnSpec) -> str | None:
-    """The turn's limits on its worker's leaf, and its figures' baselines; the reason if
-    they cannot be applied (the turn then ends crashed rather than run unlimited: a
-    session's limits were checked when it was made, but a later host on the same store
-    may not have the controllers)."""
-    missing = (
-        sorted(spec.limits or ())
-        if leaf is None
-        else sorted(k for k in spec.limits or () if LIMIT_CONTROLLERS[k] not in leaf.controllers)
-    )
-    if missing:
-        return f"the session's limits {missing} cannot be enforced by this host"
-    assert leaf is not None
-    try:
-        leaf.set_limits(spec.limits)
-        leaf.begin_turn()
-    except OSError as exc:
-        return f"cannot apply the turn's limits to its cgroup: {exc}"
-    return None

@@ -1,0 +1,101 @@
+"""What a dead host left in its store, settled at start before anything reads it
+(docs/design.md, section 9): the disposals it had accepted and not finished, then the
+turns it left open, each in one transaction on the store's connection, which the caller
+(``Store``) holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable, Iterator
+
+import msgspec
+
+from tether.actors.ports import ParentNotice
+
+__all__ = ["close_open_turns", "finish_disposals"]
+
+
+def finish_disposals(db: sqlite3.Connection) -> list[str]:
+    """Settle every session whose disposal was accepted but not finished. What the dead
+    host had not done yet is what a finished disposal leaves: the inbox closed (its
+    pending messages kept, marked closed), the session settled. A disposal marks the
+    whole subtree in one commit, so its descendants are among these. Runs before the
+    catalog is read and before ``close_open_turns``, which then closes their open turns
+    as crashed (their parents told, unless settled). Returns the sessions settled."""
+    with _transaction(db):
+        rows = db.execute(
+            "SELECT id FROM sessions WHERE disposing=1 AND settled=0 ORDER BY seq"
+        ).fetchall()
+        if rows:
+            db.execute(
+                "UPDATE messages SET state='closed' WHERE state='pending' AND session"
+                " IN (SELECT id FROM sessions WHERE disposing=1 AND settled=0)"
+            )
+            db.execute("UPDATE sessions SET settled=1 WHERE disposing=1")
+    return [str(r[0]) for r in rows]
+
+
+def close_open_turns(
+    db: sqlite3.Connection,
+    notice: Callable[[str, str, str | None], ParentNotice | None] | None,
+    new_key: Callable[[], int],
+    now: float,
+) -> list[tuple[str, str, str | None]]:
+    """Close every turn with no end record as ``crashed``, and write the parents' notices
+    that ``notice(session, turn, last assistant text)`` composes (each keyed by
+    ``new_key``), in one commit: a host killed during recovery leaves either both or
+    neither, so no crashed turn is ever closed with its parent untold.
+
+    Returns (session, turn, last assistant text) for each turn closed.
+    """
+    with _transaction(db):
+        rows = db.execute(
+            "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
+        ).fetchall()
+        out = []
+        for turn, session in rows:
+            last = db.execute(
+                "SELECT text FROM entries WHERE session=? AND turn=?"
+                " AND kind='assistant' ORDER BY seq DESC LIMIT 1",
+                (session, turn),
+            ).fetchone()
+            out.append((str(session), str(turn), None if last is None else str(last[0])))
+        for session, turn, partial in out:
+            told = None if notice is None else notice(session, turn, partial)
+            if told is None:
+                continue
+            data = None if told.data is None else msgspec.json.encode(told.data)
+            db.execute(
+                "INSERT INTO messages (id, session, content, data, kind, sender,"
+                " created_at) VALUES (?,?,?,?,'notice',?,?)",
+                (new_key(), told.parent, told.content, data, told.sender, now),
+            )
+        db.execute(
+            "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
+            " error='the host stopped while the turn ran' WHERE outcome IS NULL",
+            (now,),
+        )
+        # a notice committed into an inbox already settled (the child's end and the
+        # parent's settle crossed, and the host died before the notice's close): closed,
+        # as the live host would have
+        db.execute(
+            "UPDATE messages SET state='closed' WHERE state='pending' AND session IN"
+            " (SELECT id FROM sessions WHERE settled=1)"
+        )
+    return out
+
+
+@contextlib.contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction, taken at once (``BEGIN IMMEDIATE``), rolled back whole on
+    any failure."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise
