@@ -558,7 +558,8 @@ def worker_with_tool(rt: tether.Runtime, name: str, *, count: int = 1) -> psutil
                     return w
         return None
 
-    return eventually(find, timeout=5.0, what=f"{count} {name!r} process(es) under a worker")
+    # generous: a loaded machine starts a tool slowly; it passes at once when it is there
+    return eventually(find, timeout=30.0, what=f"{count} {name!r} process(es) under a worker")
 
 
 def tree_of(proc: psutil.Process) -> list[psutil.Process]:

@@ -8,6 +8,7 @@ section 1.
 from tether import tools
 from tether.actors.authority import Ancestor, User
 from tether.driver import AsyncScripted, AsyncTurnContext, CommandResult, Scripted, TurnContext
+from tether.driver.calls import current_call_id
 from tether.runtime.runtime import OneShot, Runtime
 from tether.wire.budget import Budget, BudgetStatus
 from tether.wire.errors import (
@@ -33,9 +34,11 @@ from tether.wire.records import (
     Message,
     PendingMessage,
     ProcessFate,
+    Recovered,
     StopReport,
     ToolFate,
     TurnRecord,
+    UnknownCall,
 )
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "PendingMessage",
     "Preempted",
     "ProcessFate",
+    "Recovered",
     "Runtime",
     "Scripted",
     "Steer",
@@ -73,6 +77,8 @@ __all__ = [
     "TurnFailed",
     "TurnRecord",
     "Unauthorized",
+    "UnknownCall",
     "User",
+    "current_call_id",
     "tools",
 ]

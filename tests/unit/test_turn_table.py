@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -94,6 +95,9 @@ class Sink:
         self.log.setdefault(turn, []).append(item)
 
     def said(self, frame: Say) -> None:
+        self._add(frame.turn, frame)
+
+    def begin_call(self, frame: Any, answer: Any) -> None:
         self._add(frame.turn, frame)
 
     def delivered(self, frame: Delivered) -> None:

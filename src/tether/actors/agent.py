@@ -17,22 +17,32 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 import structlog
 
-from tether.actors import reports, stops, watchdog
+from tether.actors import recovery, reports, stops, watchdog
 from tether.actors._ids import new_id
 from tether.actors.budget import StepKind
 from tether.actors.outcomes import TurnOutcome
-from tether.actors.ports import Durable, EndRecord, ParentNotice, TurnOver, TurnSpec
+from tether.actors.ports import Durable, EndRecord, KeptTurn, ParentNotice, TurnOver, TurnSpec
 from tether.actors.services import SessionServices, TimerKind
 from tether.actors.states import AgentState, check_transition
 from tether.actors.stops import Interrupt
 from tether.actors.turn import Turn
 from tether.wire.errors import InvalidParams, TetherError
-from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled, TurnEnd
+from tether.wire.frames import (
+    Delivered,
+    Escalating,
+    Progress,
+    Say,
+    ToolCall,
+    ToolKilled,
+    ToolReply,
+    TurnEnd,
+)
 from tether.wire.records import (
     AgentInfo,
     ChildTurnEnded,
@@ -96,6 +106,7 @@ class Session:
         "services",
         "settled",
         "stall",
+        "suspended",
         "turn",
         "woken_by",
     )
@@ -125,6 +136,9 @@ class Session:
         self.horizon = horizon
         self.parked = parked  # nothing starts until a waking send (AgentState.PARKED)
         self.turn: Turn | None = None
+        # Its host is closing with its turn left open, to recover at the next start
+        # (semantics §17.1): nothing of the turn is recorded, and no turn starts.
+        self.suspended = False
         self.disposing = False
         self.settled = False
         self._started = 0
@@ -181,6 +195,7 @@ class Session:
         h = self.services
         return (
             self.turn is None
+            and not self.suspended
             and not self.disposing
             and not self.settled
             and not self.parked
@@ -190,7 +205,7 @@ class Session:
             and (self.header.mode != "one-shot" or self._started == 0)
         )
 
-    def _spec(self, t: Turn, claim: Durable) -> TurnSpec:
+    def spec(self, t: Turn, claim: Durable) -> TurnSpec:
         """What the executor is handed for ``t``: what this session decided, frozen."""
         h, stall = self.header, self.stall
         return TurnSpec(
@@ -207,6 +222,7 @@ class Session:
             limits=h.limits,
             trace=None if t.span is None else t.span.trace,
             watched=stall is not None,
+            recovered=t.recovered,
         )
 
     def start_next(self) -> None:
@@ -231,7 +247,7 @@ class Session:
         claim = host.store.start_turn(turn_id, message, woken_by)
         self.turn = t = Turn(turn_id, message)
         host.listener.turn_started(t, h, self.lineage)
-        spec = self._spec(t, claim)
+        spec = self.spec(t, claim)
         self._started += 1
         watchdog.start(self, t)
         try:
@@ -284,6 +300,10 @@ class Session:
                 self.escalating(frame)
             case Progress():
                 self.progress(frame)
+
+    def begin_call(self, frame: ToolCall, answer: Callable[[ToolReply], None]) -> None:
+        """A tool call's start, made durable before its tool runs (``actors.recovery``)."""
+        recovery.begin_call(self, frame, answer)
 
     def said(self, frame: Say) -> None:
         """The driver's entry, written here, in the order of its worker's reports: after
@@ -447,8 +467,13 @@ class Session:
 
     def ended(self, over: TurnOver) -> None:
         t = self.turn
-        if t is None or t.id != over.turn:
-            return
+        if t is None or t.id != over.turn or self.suspended:
+            return  # suspended: the turn stays open in the store, to recover
+        if over.crashed:
+            crashed = recovery.crashed(self, t, over)
+            if crashed is None:
+                return  # it runs on, on another worker
+            over = crashed
         # The end observed (for a kill: the executor has confirmed the tree dead), taken
         # before the end record's own time, which the stop report's effect precedes.
         host = self.services
@@ -475,6 +500,18 @@ class Session:
         if parent is not None and notice_msg is not None:
             host.notify_parent(parent, notice_msg)
         self._after_end(t)
+
+    # ---- durable turns (actors.recovery) -------------------------------------------------
+
+    def suspend(self) -> bool:
+        return recovery.suspend(self)
+
+    def recover_kept(self, kept: KeptTurn) -> None:
+        recovery.recover_kept(self, kept)
+
+    def started_one(self) -> None:
+        """A turn was claimed here (a one-shot's one turn is counted by it)."""
+        self._started += 1
 
     def _usage(self, t: Turn, end: TurnEnd | None) -> dict[str, int] | None:
         """The record's usage: the end's, else what the worker reported as it went (a

@@ -236,6 +236,18 @@ class Governor:
         self._issue(steps)
         return allowed
 
+    def rejoin(self, session: str, lineage: tuple[str, ...], turn: str) -> None:
+        """A turn a dead host left open recovers on this one (semantics §17.1): under
+        its tree's budgets again, counted already (the store kept its spending), and
+        timed from now, so the time the host was down counts toward no budget."""
+        with self._lock:
+            chain = self._chain(session, lineage)
+            own = self._own_of(session)
+            now = self._clock.monotonic()
+            self._runs[turn] = _Run(session, lineage, now, own, chain=chain, gen=self._gen)
+            if self._timed:
+                self._reschedule_locked()
+
     def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
         """One response's usage (a worker's frame), on the backend's thread. ``delta``'s
         values are ints (the frame's typed decode checked them) and it is not changed

@@ -35,13 +35,21 @@ from tether.actors.agent import Session, Wake, make_info
 from tether.actors.authority import Authority, Host
 from tether.actors.budget import Governor, TurnStep
 from tether.actors.directory import Directory
-from tether.actors.ports import AgentStore, EventSink, Executor, TurnOver
+from tether.actors.ports import AgentStore, EventSink, Executor, KeptTurn, TurnOver
 from tether.actors.services import SessionServices, TimerKind
 from tether.actors.states import AgentState
 from tether.actors.stops import Interrupt
 from tether.telemetry.hooks import NOOP, Telemetry
 from tether.wire.errors import InvalidParams, NotFound, TetherError
-from tether.wire.frames import Delivered, Escalating, Progress, Say, ToolKilled
+from tether.wire.frames import (
+    Delivered,
+    Escalating,
+    Progress,
+    Say,
+    ToolCall,
+    ToolKilled,
+    ToolReply,
+)
 from tether.wire.records import AgentInfo, AgentRef, Message, SessionHeader, StopOrigin
 from tether.wire.vocab import Kind
 
@@ -52,11 +60,13 @@ __all__ = [
     "Enqueued",
     "InterruptOp",
     "PauseOp",
+    "RecoverTurn",
     "RefOp",
     "ReleaseOp",
     "RunningOp",
     "SessionHost",
     "StatusOp",
+    "SuspendOp",
     "SyncOp",
     "simple_inbox",
 ]
@@ -155,6 +165,18 @@ class SyncOp:
     """Answered once everything told to this host before it has been handled."""
 
 
+class SuspendOp:
+    """The runtime closes with ``turns="suspend"``: each recoverable turn of this host's
+    sessions is left open, to recover at the next start; the ids of their sessions."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverTurn:
+    """A turn a dead host left open runs on, on this one (semantics §17.1)."""
+
+    turn: KeptTurn
+
+
 @dataclass(frozen=True, slots=True)
 class _Notice:
     parent: str
@@ -168,6 +190,16 @@ class _Frame:
 
     session: str
     frame: Say | Delivered | ToolKilled | Progress | Escalating
+
+
+@dataclass(frozen=True, slots=True)
+class _Begin:
+    """A tool call's start, to make durable before its tool runs: ``answer`` gets the
+    call key once it is."""
+
+    session: str
+    frame: ToolCall
+    answer: Callable[[ToolReply], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +295,9 @@ class _Sink:
 
     def tool_killed(self, frame: ToolKilled) -> None:
         _tell(self._ref, _Frame(self._session, frame))
+
+    def begin_call(self, frame: ToolCall, answer: Callable[[ToolReply], None]) -> None:
+        _tell(self._ref, _Begin(self._session, frame, answer))
 
     def started(self, turn: str) -> None:
         _tell(self._ref, _Took(self._session, turn))
@@ -437,7 +472,13 @@ class SessionHost(pykka.ThreadingActor):
             case ReleaseOp(session=sid):
                 return self._release(sid)
             case RunningOp():
-                return [(sid, s.turn.paused) for sid, s in self._live.items() if s.turn]
+                return [
+                    (sid, s.turn.paused)
+                    for sid, s in self._live.items()
+                    if s.turn and not s.suspended
+                ]
+            case SuspendOp():
+                return [sid for sid, s in self._live.items() if s.suspend()]
             case SyncOp():
                 return None
         # Told: a failure here has no caller to reach, and must not stop the actor.
@@ -466,6 +507,8 @@ class SessionHost(pykka.ThreadingActor):
                 self._quietly(sid, lambda s: s.progress(beat))
             case _Took(session=sid, turn=turn):
                 self._quietly(sid, lambda s: s.took(turn))
+            case _Begin(session=sid, frame=frame, answer=answer):
+                self._begin_call(sid, frame, answer)
             case _Frame(session=sid, frame=frame):
                 self._on(sid, lambda s: s.from_worker(frame))
             case _Ended(session=sid, over=over):
@@ -476,6 +519,15 @@ class SessionHost(pykka.ThreadingActor):
                 self._on(sid, lambda s: s.budget_step(turn, kind, text))
             case DisposeOp():
                 self._dispose(message)
+            case RecoverTurn(turn=kept):
+                self._on(kept.session, lambda s: s.recover_kept(kept))
+
+    def _begin_call(self, sid: str, frame: ToolCall, answer: Callable[[ToolReply], None]) -> None:
+        s = self._live.get(sid)
+        if s is None:  # its turn is over: nobody runs the tool
+            answer(ToolReply(frame.turn, frame.call, code="not-found", message="no such turn"))
+            return
+        s.begin_call(frame, answer)
 
     def _quietly(self, sid: str, action: Callable[[Session], None]) -> None:
         s = self._live.get(sid)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from tether.actors.outcomes import TurnOutcome
 from tether.wire.frames import (
@@ -20,7 +20,9 @@ from tether.wire.frames import (
     HostFrame,
     Progress,
     Say,
+    ToolCall,
     ToolKilled,
+    ToolReply,
     Trace,
     TurnEnd,
 )
@@ -30,9 +32,11 @@ from tether.wire.records import (
     MarkerAction,
     Message,
     ProcessFate,
+    Recovered,
     SessionHeader,
     StopOrigin,
     StopReport,
+    UnknownCall,
 )
 
 __all__ = [
@@ -41,6 +45,8 @@ __all__ = [
     "EndRecord",
     "EventSink",
     "Executor",
+    "Keep",
+    "KeptTurn",
     "ParentNotice",
     "TurnOver",
     "TurnSink",
@@ -64,6 +70,10 @@ class TurnSink(Protocol):
     def usage(self, turn: str, usage: dict[str, int]) -> None:
         """One response's usage, as it was reported (the budgets', semantics §16.2): a
         ``Usage`` frame's, or a ``Say``'s that brought its response's usage."""
+
+    def begin_call(self, frame: ToolCall, answer: Callable[[ToolReply], None]) -> None:
+        """A tool call's start, to make durable before the tool runs (semantics §17.1):
+        ``answer`` gets its call key once it is (or the error), on any thread."""
 
     def started(self, turn: str) -> None:
         """A worker took ``turn`` (told only of a turn whose spec is ``watched``)."""
@@ -100,6 +110,8 @@ class TurnSpec:
     # for one: the executor says when (``TurnSink.started``), and only then, as it costs
     # a message to the session's host.
     watched: bool = False
+    # Set when a crash interrupted this turn and it runs on (semantics §17.1).
+    recovered: Recovered | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +126,9 @@ class TurnOver:
     via: KillVia | None = None
     processes: tuple[ProcessFate, ...] = ()
     resources: dict[str, float] | None = None
+    # Its worker died of something Tether did not do (a SIGKILL from outside, the OOM
+    # killer, a segfault): a crash, which a recoverable turn recovers from (§17.1).
+    crashed: bool = False
 
 
 class Executor(Protocol):
@@ -151,6 +166,22 @@ class Durable(Protocol):
     def wait(self, timeout: float | None = None) -> None: ...
     def then(self, fn: Callable[[BaseException | None], None]) -> None:
         """Call ``fn(error)`` once done (at once if done); ``error`` None: committed."""
+
+
+# What a start on a store does with a turn a dead host left open (semantics §17.1).
+Keep = Literal["recover", "end", "exhausted"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeptTurn:
+    """A turn a dead host left open that recovers on this one: its session, id, the
+    message it claimed, how often it recovered before, its row in the store."""
+
+    session: str
+    turn: str
+    message: Message
+    recoveries: int
+    row: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +252,22 @@ class AgentStore(Protocol):
         reason: str | None = None,
         data: dict[str, Any] | None = None,
     ) -> Any: ...
+    def begin_call(
+        self,
+        key: str,
+        session: str,
+        turn: str,
+        name: str,
+        arguments: str,
+        tool_call_id: str | None,
+    ) -> Durable:
+        """Record a tool call's start (its write-ahead, semantics §17.1), after every
+        write queued before it."""
+
+    def recovered(self, turn: str, recoveries: int) -> Durable: ...
+    def turn_steps(self, session: str, turn: str) -> int: ...
+    def last_assistant_text(self, session: str, turn: str) -> str | None: ...
+    def unknown_calls(self, session: str, turn: str) -> list[UnknownCall]: ...
     def settle(self, session: str) -> Durable: ...
     def dispose_accepted(self, sessions: list[str]) -> Durable:
         """Record that a disposal of ``sessions`` was accepted (finished at recovery if

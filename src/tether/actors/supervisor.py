@@ -13,7 +13,7 @@ tells.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -23,8 +23,8 @@ import structlog
 from tether.actors.agent import Session, notice_text
 from tether.actors.authority import MAX_DEPTH, Authority, Host
 from tether.actors.directory import Directory
-from tether.actors.host import Adopt, Dispatcher, DisposeOp, simple_inbox
-from tether.actors.ports import AgentStore, Durable, Executor, ParentNotice
+from tether.actors.host import Adopt, Dispatcher, DisposeOp, RecoverTurn, simple_inbox
+from tether.actors.ports import AgentStore, Durable, Executor, KeptTurn, ParentNotice
 from tether.actors.states import AgentState
 from tether.wire.errors import InvalidParams, NotFound
 from tether.wire.records import AgentInfo, ChildTurnEnded, Message, SessionHeader
@@ -131,9 +131,11 @@ class Walk:
 class Recover:
     """Load the catalog and materialize root sessions with their inboxes parked (the
     turns a dead host left were closed, and their parents told, by the store's
-    ``recover``: see ``crash_notice``)."""
+    ``recover``: see ``crash_notice``), and each session whose turn the dead host left
+    open and that recovers (``kept``, semantics §17.1), live, its turn running on."""
 
     rows: list[SessionHeader]
+    kept: list[KeptTurn] = field(default_factory=list)
 
 
 class SupervisorActor(pykka.ThreadingActor):
@@ -169,8 +171,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._dispose(message)
             case Walk():
                 return self._walk(message)
-            case Recover(rows=rows):
-                return self._recover(rows)
+            case Recover(rows=rows, kept=kept):
+                return self._recover(rows, kept)
         return None
 
     # ---- create ---------------------------------------------------------------------
@@ -248,14 +250,20 @@ class SupervisorActor(pykka.ThreadingActor):
 
     # ---- recovery -------------------------------------------------------------------
 
-    def _recover(self, rows: list[SessionHeader]) -> list[str]:
+    def _recover(self, rows: list[SessionHeader], kept: list[KeptTurn]) -> list[str]:
         for row in rows:
             self._catalog.add(row)
         nodes = self._catalog.nodes
+        running = {k.session: k for k in kept}
         roots = [sid for sid in self._catalog.roots if not nodes[sid].settled]
         for sid in roots:
-            inbox, horizon = self._store.pending(sid)
-            self._adopt(nodes[sid].header, inbox, parked=True, horizon=horizon)
+            if sid not in running:
+                inbox, horizon = self._store.pending(sid)
+                self._adopt(nodes[sid].header, inbox, parked=True, horizon=horizon)
+        for k in kept:  # live, not dormant: its turn runs on without a waking send
+            inbox, horizon = self._store.pending(k.session)
+            self._adopt(nodes[k.session].header, inbox, parked=False, horizon=horizon)
+            self._dispatcher.tell(k.session, RecoverTurn(k))
         return roots
 
     # ---- discovery ------------------------------------------------------------------

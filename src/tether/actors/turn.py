@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tether.wire.frames import Steer
-from tether.wire.records import Message
+from tether.wire.records import Message, Recovered
 
 if TYPE_CHECKING:
     from tether.actors.listener import Controls
@@ -40,6 +40,10 @@ class Turn:
     # last few, ``actors.stops``): those left when the turn ends were never delivered, and
     # the transcript says so, since whoever issued one was told it was bound to this turn.
     steers: deque[Steer] | None = None
+    # A crash interrupted it and it runs on (semantics §17.1, ``actors.recovery``): how
+    # often, and what its driver is told of the latest time.
+    recoveries: int = 0
+    recovered: Recovered | None = None
     # The helpers' parts:
     stop: PendingStop | None = None  # the stop that stands and its clock (actors.stops)
     watch: Watch | None = None  # the stall watchdog's clock and ladder (actors.watchdog)

@@ -22,14 +22,15 @@ import structlog
 from tether.agents.drain import drained
 from tether.agents.mcp import McpTimeout, McpTools
 from tether.driver.async_context import AsyncTurnContext
+from tether.driver.calls import calling
 from tether.driver.disposal import on_disposed
 from tether.driver.toolenv import model_key
 from tether.driver.tools import TOOLS, schemas
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Cancel, Preempt, Steer
-from tether.wire.records import Entry, Stop
-from tether.wire.text import neutralize, render_frame, who
+from tether.wire.records import Entry, Stop, UnknownCall
+from tether.wire.text import neutralize, render_frame, unknown_call_text, who
 
 __all__ = ["ChatAgent", "ModelError", "openai_client"]
 
@@ -240,6 +241,9 @@ class ChatAgent:
     ``resume_agent``), ``mcp`` {``servers``}, ``tool_policy``, ``max_steps``.
     """
 
+    # A turn a crash interrupted runs on from its last durable step (semantics §17.1).
+    recoverable = True
+
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
         """At open and spawn, in a worker: the config the turn will read (its _config)."""
@@ -272,10 +276,22 @@ class ChatAgent:
             for server, why in missing.items():
                 # in the transcript, never in the model's history (no tool_call_id)
                 ctx.record_tool(why, data={"mcp_unavailable": server})
-        messages = _messages(cfg, await ctx.load_history(), ctx)
+        history = await ctx.load_history()
+        raw = _replayed_with_system(cfg, history, ctx)
+        done = 0
+        if ctx.recovered is not None:
+            mine = [e for e in history if e.turn == ctx.turn]
+            done = sum(1 for e in mine if e.kind == "assistant")
+            last = next((e for e in reversed(mine) if e.kind == "assistant"), None)
+            if last is not None and not _calls_of(last):
+                return None  # its final reply was durable: it is the turn's final text
+            for call in _unanswered(mine, last):
+                result = await self._recovered_call(ctx, cfg, mcp, call)
+                raw.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        messages = _paired(raw)
         if missing:
             _tell_missing(messages, missing)
-        for _ in range(cfg.max_steps):
+        for _ in range(max(cfg.max_steps - done, 0)):
             messages.extend(_steers(await ctx.checkpoint()))  # a boundary before each request
             reply = await self._request(ctx, cfg, client, messages, tools)
             messages.append(reply.message())
@@ -350,16 +366,50 @@ class ChatAgent:
 
     # ---- tools --------------------------------------------------------------------------
 
-    async def _tool(
+    async def _recovered_call(
         self, ctx: AsyncTurnContext, cfg: _Config, mcp: Any, call: dict[str, Any]
     ) -> str:
-        """Run one tool call; the text the model gets back (also its ``tool`` entry)."""
+        """A call of the last durable reply with no durable result, on a recovered turn:
+        never started, it runs now; started (it may have run), it is unknown, unless its
+        policy says it is idempotent: then it runs again with the same call key."""
+        assert ctx.recovered is not None
+        name = call["function"]["name"]
+        unknown = _unknown(ctx.recovered.unknown_calls, call["id"])
+        if unknown is None:
+            return await self._tool(ctx, cfg, mcp, call)
+        if _idempotent(cfg, mcp, name):
+            return await self._tool(ctx, cfg, mcp, call, key=unknown.key)
+        text = unknown_call_text(ctx.recovered.cause)
+        data = {
+            "tool_call_id": call["id"],
+            "name": name,
+            "arguments": call["function"]["arguments"],
+            "call": unknown.key,
+            "unknown": True,
+        }
+        ctx.record_tool(text, data=data)
+        return text
+
+    async def _tool(
+        self,
+        ctx: AsyncTurnContext,
+        cfg: _Config,
+        mcp: Any,
+        call: dict[str, Any],
+        *,
+        key: str | None = None,
+    ) -> str:
+        """Run one tool call; the text the model gets back (also its ``tool`` entry). Its
+        start is durable first (write-ahead): a crash while it runs makes it unknown,
+        never silently run twice. ``key``: an idempotent call run again, by its key."""
         name = call["function"]["name"]
         arguments = call["function"]["arguments"]
-        data = {"tool_call_id": call["id"], "name": name, "arguments": arguments}
+        if key is None:
+            key = await ctx.begin_call(name, arguments, call["id"])
+        data = {"tool_call_id": call["id"], "name": name, "arguments": arguments, "call": key}
         started = time.monotonic()
         try:
-            with spans.tool(name, call_id=call["id"]) as span:
+            with spans.tool(name, call_id=call["id"]) as span, calling(key):
                 span.content("gen_ai.tool.call.arguments", arguments)
                 text = await self._run_tool(ctx, cfg, mcp, name, arguments)
                 span.content("gen_ai.tool.call.result", text)
@@ -559,31 +609,72 @@ def _replayed(
     history: list[Entry],
     ctx: AsyncTurnContext,
     said: Callable[[Entry, dict[str, Any]], list[Any]],
+    *,
+    own: bool = False,
 ) -> list[Any]:
     """Earlier turns' entries as a model's input, then this turn's message: a user's
     message, a notice and a steer taken (its marker) are the user's; a reply or a tool
     result is what ``said`` makes of it (the entry and its data) in the API's own items.
-    ChatAgent's messages and the Agents SDK adapter's input items; not yet paired."""
+    ChatAgent's messages and the Agents SDK adapter's input items; not yet paired.
+    ``own``: this turn's steps recorded so far follow its message."""
     out: list[Any] = []
     for e in history:
-        if e.turn == ctx.turn:
-            continue  # this turn's own message comes last, from ctx.message
-        match e.kind:
-            case "user" | "notice":
-                out.append({"role": "user", "content": e.text})
-            case "assistant" | "tool":
-                out.extend(said(e, e.data or {}))
-            case "marker" if e.action == "steered":
-                steer = render_frame("steer", e.origin or "", e.by or "", e.reason or "")
-                out.append({"role": "user", "content": steer})
+        if e.turn != ctx.turn:
+            out.extend(_item(e, said))
     out.append({"role": "user", "content": ctx.message.content})
+    if own:  # this turn's own steps, after its message: a recovered turn's kept ones
+        for e in history:
+            if e.turn == ctx.turn and e.kind != "user":  # its message is ctx.message
+                out.extend(_item(e, said))
     return out
 
 
-def _messages(cfg: _Config, history: list[Entry], ctx: AsyncTurnContext) -> list[dict[str, Any]]:
-    """The request's messages: the system prompt, earlier turns' entries, this message."""
+def _item(e: Entry, said: Callable[[Entry, dict[str, Any]], list[Any]]) -> list[Any]:
+    match e.kind:
+        case "user" | "notice":
+            return [{"role": "user", "content": e.text}]
+        case "assistant" | "tool":
+            return said(e, e.data or {})
+        case "marker" if e.action == "steered":
+            steer = render_frame("steer", e.origin or "", e.by or "", e.reason or "")
+            return [{"role": "user", "content": steer}]
+    return []
+
+
+def _replayed_with_system(
+    cfg: _Config, history: list[Entry], ctx: AsyncTurnContext
+) -> list[dict[str, Any]]:
+    """The request's messages, not yet paired: the system prompt, earlier turns' entries,
+    this message, then this turn's own entries (a recovered turn's kept steps)."""
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    return _paired(system + _replayed(history, ctx, _said))
+    return system + _replayed(history, ctx, _said, own=True)
+
+
+def _calls_of(entry: Entry) -> list[dict[str, Any]]:
+    data = entry.data or {}
+    calls = data.get("tool_calls")
+    return [] if data.get("cut") or not isinstance(calls, list) else calls
+
+
+def _unanswered(mine: list[Entry], last: Entry | None) -> list[dict[str, Any]]:
+    """The calls of this turn's last durable reply that have no durable result, in order."""
+    if last is None:
+        return []
+    answered = {
+        (e.data or {}).get("tool_call_id") for e in mine if e.kind == "tool" and e.seq > last.seq
+    }
+    return [c for c in _calls_of(last) if c.get("id") not in answered]
+
+
+def _unknown(calls: list[UnknownCall], call_id: str) -> UnknownCall | None:
+    return next((c for c in calls if c.tool_call_id == call_id), None)
+
+
+def _idempotent(cfg: _Config, mcp: Any, name: str) -> bool:
+    """Whether the tool's policy lets an unknown call of it run again (``idempotent``)."""
+    if mcp is not None and name.startswith("mcp__"):
+        return bool(mcp.policy(name).idempotent)
+    return bool((cfg.tool_policy.get(name) or {}).get("idempotent"))
 
 
 def _said(e: Entry, data: dict[str, Any]) -> list[Any]:

@@ -200,6 +200,10 @@ def _stall(args: argparse.Namespace) -> dict[str, Any]:
         out["limits"] = args.limits
     if getattr(args, "budget", None) is not None:
         out["budget"] = args.budget
+    if getattr(args, "on_crash", None) is not None:
+        out["on_crash"] = args.on_crash
+    if getattr(args, "max_recoveries", None) is not None:
+        out["max_recoveries"] = args.max_recoveries
     return out
 
 
@@ -636,6 +640,7 @@ def _run_serve(serve: Any, args: argparse.Namespace) -> int:
             otlp=args.otlp,
             tool_user=args.tool_user,
             secret_env=args.secret_env,
+            on_stop=args.on_stop,
         )
     )
 
@@ -710,6 +715,22 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
         help="the tree's budget: tokens=N,cost_usd=X,turn_seconds=S,turns=K[,soft=0.8]"
         "[,on_soft=steer|pause|none][,on_hard=cancel|abort|pause] (a child's must fit in "
         "what its ancestors' have left)",
+    )
+    p.add_argument(
+        "--on-crash",
+        choices=("recover", "park"),
+        default=None,
+        help="what a crash does to a running turn of a recoverable driver: it runs on from"
+        " its last step (recover), or ends crashed (park) (default: the parent's, else"
+        " the server's: recover)",
+    )
+    p.add_argument(
+        "--max-recoveries",
+        type=int,
+        default=None,
+        metavar="N",
+        help="how often one turn may recover before it ends crashed (default: the parent's,"
+        " else 3)",
     )
 
 
@@ -947,8 +968,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the runtime as a server (JSON-RPC at /rpc, events at /events)",
         description="Run a Tether runtime with a durable store behind JSON-RPC 2.0\n"
-        "(POST /rpc) and server-sent events (GET /events). SIGINT/SIGTERM drain it:\n"
-        "running turns are cancelled with grace, the rest aborted, no process left.",
+        "(POST /rpc) and server-sent events (GET /events). SIGINT/SIGTERM stop it:\n"
+        "recoverable turns (ChatAgent's, the adapters') are left open to recover at the\n"
+        "next start (--on-stop suspend), the others cancelled with grace, the rest\n"
+        "aborted; no process is left.",
         epilog="example:\n  tether serve --path ./.tether/state.db --port 7777\n"
         "  TETHER_TOKEN=$(openssl rand -hex 32) tether serve --host 0.0.0.0",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -980,6 +1003,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="an environment variable no agent's tool may see (repeatable; default: none);"
         " the token and the variables sessions name as keys (api_key_env) are kept from"
         " them anyway",
+    )
+    p.add_argument(
+        "--on-stop",
+        choices=("suspend", "cancel"),
+        default="suspend",
+        help="what SIGINT/SIGTERM does to a running recoverable turn: leave it open to"
+        " recover at the next start, so a deploy loses nothing (suspend), or cancel it"
+        " (default: %(default)s)",
     )
     p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
     p.add_argument(

@@ -246,6 +246,19 @@ class AsyncTurnContext(BaseContext):
             self._history = history
         return self._history
 
+    async def load_turn(self) -> list[Entry]:
+        """This turn's own entries recorded so far: on a recovered turn (``recovered``),
+        the steps kept from before the crash."""
+        return [e for e in await self.load_history() if e.turn == self.turn]
+
+    async def begin_call(
+        self, name: str, arguments: str = "", tool_call_id: str | None = None
+    ) -> str:
+        """Write this tool call's start, durably, before the tool runs; returns its call
+        key (semantics §17.1). A crash before its result is recorded makes it unknown."""
+        args = self._begin_args(name, arguments, tool_call_id)
+        return str(await self._host_call_sent("begin_call", args))
+
     async def spawn_agent(
         self,
         *,
@@ -255,6 +268,7 @@ class AsyncTurnContext(BaseContext):
         data: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
         budget: dict[str, Any] | None = None,
+        on_crash: str | None = None,
     ) -> str:
         """Spawn a child running this session's own driver and config."""
         args = {
@@ -264,6 +278,7 @@ class AsyncTurnContext(BaseContext):
             "data": data,
             "permissions": permissions,
             "budget": budget,
+            "on_crash": on_crash,
         }
         return str(await self._host_call("spawn_agent", args))
 

@@ -33,7 +33,7 @@ from tether.wire.frames import (
     ToolKilled,
     Usage,
 )
-from tether.wire.records import AgentInfo, Entry, Message, StopReport, Via
+from tether.wire.records import AgentInfo, Entry, Message, Recovered, StopReport, Via
 
 __all__ = ["BaseContext", "CommandResult", "TurnContext"]
 
@@ -89,6 +89,9 @@ class BaseContext:
         self.session = run.session
         self.turn = run.turn
         self.message: Message = run.message
+        # Set when a crash interrupted this turn and it runs on from its last step
+        # (semantics §17.1); None on a fresh turn.
+        self.recovered: Recovered | None = run.recovered
         self.config: dict[str, Any] = dict(run.config or {})
         self.permissions: dict[str, str] = dict(run.permissions or {})
         model = self.config.get("model")
@@ -262,6 +265,13 @@ class BaseContext:
             self._history = self._fetch_history()
         return self._history
 
+    @staticmethod
+    def _begin_args(name: str, arguments: str, tool_call_id: str | None) -> dict[str, Any]:
+        args: dict[str, Any] = {"name": name, "arguments": arguments}
+        if tool_call_id is not None:
+            args["tool_call_id"] = tool_call_id
+        return args
+
 
 class TurnContext(BaseContext):
     """What a sync driver's ``run(ctx)`` gets. Tool calls go to the host, bound to this
@@ -302,6 +312,7 @@ class TurnContext(BaseContext):
         data: dict[str, Any] | None = None,
         permissions: dict[str, str] | None = None,
         budget: dict[str, Any] | None = None,
+        on_crash: str | None = None,
     ) -> str:
         """Spawn a child running this session's own driver and config (the host chooses
         what loads code); ``permissions`` can only narrow this session's own."""
@@ -312,6 +323,7 @@ class TurnContext(BaseContext):
             "data": data,
             "permissions": permissions,
             "budget": budget,
+            "on_crash": on_crash,
         }
         return str(self._host_call("spawn_agent", args))
 
@@ -401,6 +413,12 @@ class TurnContext(BaseContext):
                 self._worker.kill_leftovers(None if last else cmd.tag)
             self._drained(cmd)
         return self._command_result(cmd, preempt)
+
+    def begin_call(self, name: str, arguments: str = "", tool_call_id: str | None = None) -> str:
+        """Write this tool call's start, durably, before the tool runs; returns its call
+        key (semantics §17.1). A crash before its result is recorded makes it unknown."""
+        args = self._begin_args(name, arguments, tool_call_id)
+        return str(self._blocking_call("begin_call", args))
 
     def call_tool(self, name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
         """Validate a model's tool call and run it; errors come back as ``{"error": ...}``."""

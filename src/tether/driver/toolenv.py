@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tether.driver.calls import CALL_ENV, current_call_id
+
 __all__ = [
     "ToolUser",
     "enter_turn",
@@ -80,6 +82,9 @@ def tool_env(
     holds no secret of the host's), as the tool user names it where one is set, and
     ``extra``."""
     env = dict(os.environ if base is None else base)
+    key = current_call_id()
+    if key is not None:  # the tool call it runs for: its key, for an idempotent tool
+        env[CALL_ENV] = key
     user = _user
     if user is not None:
         env.update(HOME=user.home, USER=user.name, LOGNAME=user.name, SHELL=user.shell)

@@ -62,6 +62,7 @@ class ToolHost(Protocol):
         prompt: str | None = ...,
         data: dict[str, Any] | None = ...,
         budget: dict[str, Any] | None = ...,
+        on_crash: str | None = ...,
     ) -> str: ...
 
     def budget(self) -> dict[str, Any]: ...
@@ -146,6 +147,16 @@ class SpawnAgentArgs(_Args):
             Meta(
                 description='The child\'s own budget, e.g. {"tokens": 50000, "cost_usd": 1.0,'
                 ' "turn_seconds": 600, "turns": 20}: it must fit in what your tree has left.'
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
+    on_crash: (
+        Annotated[
+            Literal["recover", "park"],
+            Meta(
+                description="If its host or worker dies mid-turn: recover (default: yours) runs"
+                " the turn on from its last step; park ends it crashed."
             ),
         ]
         | UnsetType
@@ -269,7 +280,9 @@ def _given(value: Any) -> Any:
 
 
 def _spawn(host: Any, a: SpawnAgentArgs) -> Any:
-    extra = {} if a.budget is UNSET else {"budget": a.budget}
+    extra: dict[str, Any] = {} if a.budget is UNSET else {"budget": a.budget}
+    if a.on_crash is not UNSET:
+        extra["on_crash"] = a.on_crash
     return host.spawn_agent(
         slug=_given(a.slug), mode=a.mode, prompt=_given(a.prompt), data=_given(a.data), **extra
     )

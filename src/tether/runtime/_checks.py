@@ -20,6 +20,7 @@ from tether.actors.authority import Ancestor, User
 from tether.contain.cgroup import LIMIT_CONTROLLERS, Cgroups
 from tether.wire.budget import check_price
 from tether.wire.errors import InvalidParams
+from tether.wire.records import OnCrash
 from tether.wire.text import TERMINAL_CONTROLS, cap
 from tether.wire.vocab import (
     Grace,
@@ -49,6 +50,7 @@ __all__ = [
     "check_limits",
     "check_message",
     "check_name",
+    "check_recovery",
     "check_secret_env",
     "check_settings",
     "check_slug",
@@ -87,6 +89,31 @@ def convert(value: Any, kind: Any, what: str) -> Any:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as exc:
         raise InvalidParams(f"{what}: {exc}") from None
+
+
+ON_CRASH = ("recover", "park")
+MAX_RECOVERIES = 100
+
+
+def check_recovery(
+    on_crash: object, max_recoveries: object, inherited: tuple[OnCrash, int] | None
+) -> tuple[OnCrash, int]:
+    """``on_crash`` and ``max_recoveries`` (semantics §17.1), each None for ``inherited``'s."""
+    if on_crash is None and inherited is not None:
+        on_crash = inherited[0]
+    if on_crash not in ON_CRASH:
+        raise InvalidParams(f"on_crash must be one of {ON_CRASH}, not {on_crash!r}")
+    if max_recoveries is None and inherited is not None:
+        max_recoveries = inherited[1]
+    if (
+        not isinstance(max_recoveries, int)
+        or isinstance(max_recoveries, bool)
+        or not 0 <= max_recoveries <= MAX_RECOVERIES
+    ):
+        raise InvalidParams(
+            f"max_recoveries must be an integer from 0 to {MAX_RECOVERIES}, not {max_recoveries!r}"
+        )
+    return on_crash, max_recoveries  # type: ignore[return-value]  # checked just above
 
 
 def check_text(name: str, value: str) -> None:

@@ -20,8 +20,8 @@ import structlog
 from tether.actors._timers import TimerQueue
 from tether.actors.budget import Governor, StateStep, Step, TurnStep
 from tether.actors.directory import Directory
-from tether.actors.host import Dispatcher, RunningOp, SessionHost
-from tether.actors.ports import Executor
+from tether.actors.host import Dispatcher, RunningOp, SessionHost, SyncOp
+from tether.actors.ports import Executor, Keep, KeptTurn
 from tether.actors.supervisor import Recover, SupervisorActor, crash_notice
 from tether.contain.cgroup import Cgroups, CgroupUnavailable
 from tether.runtime._events import EventBus
@@ -97,9 +97,19 @@ class Engine:
         # parents told, in one commit
         catalog = self._store.sessions()
         headers = {h.id: h for h in catalog}
-        crashed = self._store.recover(functools.partial(crash_notice, headers))
+
+        def keep(session: str, recoveries: int) -> Keep:
+            h = headers.get(session)
+            if h is None or not h.recoverable or h.on_crash != "recover" or h.settled:
+                return "end"
+            return "recover" if recoveries < h.max_recoveries else "exhausted"
+
+        self._kept: list[KeptTurn]
+        crashed, self._kept = self._store.recover(functools.partial(crash_notice, headers), keep)
         if crashed:
             log.warning("recovery.crashed_turns", turns=len(crashed))
+        if self._kept:
+            log.warning("recovery.turns_kept", turns=len(self._kept))
         return catalog
 
     def _open_containment(
@@ -192,10 +202,15 @@ class Engine:
     def _recover_tree(self, catalog: list[SessionHeader]) -> None:
         """The sessions of ``catalog`` back in the tree (every root parked), and their
         budgets in force."""
-        self._sup.ask(Recover(catalog))
         # The budgets, over the catalog just loaded: in force before this returns,
-        # so before any waking send can start a turn (every root is parked).
+        # so before any waking send can start a turn (every root is parked), and before
+        # a turn the dead host left open recovers.
         self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
+        self._sup.ask(Recover(catalog, self._kept))
+        if self._kept:  # each kept turn claimed (its recovery counted) before this returns
+            for ref in self._dispatcher.refs:
+                ref.ask(SyncOp())
+            self._store.flush()
 
     def _release_start(self) -> None:
         """A start that failed: give back the store (and its lock) and the cgroups."""

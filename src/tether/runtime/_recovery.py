@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
-from tether.actors.ports import ParentNotice
+from tether.actors.ports import Keep, KeptTurn, ParentNotice
+from tether.wire.records import Message
 
 __all__ = ["close_open_turns", "finish_disposals"]
 
@@ -42,20 +43,35 @@ def close_open_turns(
     notice: Callable[[str, str, str | None], ParentNotice | None] | None,
     new_key: Callable[[], int],
     now: float,
-) -> list[tuple[str, str, str | None]]:
+    keep: Callable[[str, int], Keep] | None = None,
+) -> tuple[list[tuple[str, str, str | None]], list[KeptTurn]]:
     """Close every turn with no end record as ``crashed``, and write the parents' notices
     that ``notice(session, turn, last assistant text)`` composes (each keyed by
     ``new_key``), in one commit: a host killed during recovery leaves either both or
-    neither, so no crashed turn is ever closed with its parent untold.
+    neither, so no crashed turn is ever closed with its parent untold. A turn that
+    ``keep(session, recoveries)`` says ``"recover"`` stays open, to recover (semantics
+    §17.1); ``"exhausted"``: closed saying it crashed too often.
 
-    Returns (session, turn, last assistant text) for each turn closed.
+    Returns (session, turn, last assistant text) for each turn closed, and those kept.
     """
     with _transaction(db):
         rows = db.execute(
-            "SELECT id, session FROM turns WHERE outcome IS NULL ORDER BY seq"
+            "SELECT id, session, recoveries, seq, message_id FROM turns"
+            " WHERE outcome IS NULL ORDER BY seq"
         ).fetchall()
         out = []
-        for turn, session in rows:
+        kept: list[KeptTurn] = []
+        for turn, session, recoveries, row, message_id in rows:
+            verdict = "end" if keep is None else keep(str(session), int(recoveries))
+            if verdict == "recover":
+                kept.append(_kept(db, str(session), str(turn), int(recoveries), row, message_id))
+                continue
+            if verdict == "exhausted":
+                db.execute(
+                    "UPDATE turns SET outcome='crashed', cause='system', ended_at=?, error=?"
+                    " WHERE seq=?",
+                    (now, f"crashed {recoveries + 1} times; not recovered again", row),
+                )
             last = db.execute(
                 "SELECT text FROM entries WHERE session=? AND turn=?"
                 " AND kind='assistant' ORDER BY seq DESC LIMIT 1",
@@ -72,9 +88,11 @@ def close_open_turns(
                 " created_at) VALUES (?,?,?,?,'notice',?,?)",
                 (new_key(), told.parent, told.content, data, told.sender, now),
             )
+        # the rest (the kept ones stay open, to recover)
         db.execute(
             "UPDATE turns SET outcome='crashed', cause='system', ended_at=?,"
-            " error='the host stopped while the turn ran' WHERE outcome IS NULL",
+            " error='the host stopped while the turn ran' WHERE outcome IS NULL"
+            f" AND seq NOT IN ({','.join(str(k.row) for k in kept)})",
             (now,),
         )
         # a notice committed into an inbox already settled (the child's end and the
@@ -84,7 +102,28 @@ def close_open_turns(
             "UPDATE messages SET state='closed' WHERE state='pending' AND session IN"
             " (SELECT id FROM sessions WHERE settled=1)"
         )
-    return out
+    return out, kept
+
+
+def _kept(
+    db: sqlite3.Connection, session: str, turn: str, recoveries: int, row: int, message_id: int
+) -> KeptTurn:
+    r = db.execute(
+        "SELECT id, session, content, data, kind, sender, created_at, trace FROM messages"
+        " WHERE id=?",
+        (message_id,),
+    ).fetchone()
+    message = Message(
+        id=f"m_{r[0]}",
+        session=r[1],
+        content=r[2],
+        data=None if r[3] is None else msgspec.json.decode(r[3]),
+        kind=r[4],
+        sender=r[5],
+        created_at=r[6],
+        trace=r[7],
+    )
+    return KeptTurn(session, turn, message, recoveries, row)
 
 
 @contextlib.contextmanager

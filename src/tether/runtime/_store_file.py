@@ -37,7 +37,10 @@ CREATE TABLE IF NOT EXISTS sessions (
     stall       BLOB,
     limits      BLOB,
     disposing   INTEGER NOT NULL DEFAULT 0,  -- a disposal was accepted (see finish_disposals)
-    budget      BLOB                         -- the session's own budget (semantics §16.2)
+    budget      BLOB,                        -- the session's own budget (semantics §16.2)
+    on_crash    TEXT,                        -- recover | park (semantics §17.1)
+    max_recoveries INTEGER,
+    recoverable INTEGER NOT NULL DEFAULT 0   -- its driver continues a crashed turn
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -68,7 +71,8 @@ CREATE TABLE IF NOT EXISTS turns (
     error       TEXT,
     usage       BLOB,
     resources   BLOB,
-    woken_by    INTEGER            -- the key of the message whose waking send started it
+    woken_by    INTEGER,           -- the key of the message whose waking send started it
+    recoveries  INTEGER NOT NULL DEFAULT 0  -- times a crash interrupted it and it recovered
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, seq);
 CREATE TABLE IF NOT EXISTS entries (
@@ -85,6 +89,16 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at  REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_session ON entries (session, seq);
+CREATE TABLE IF NOT EXISTS calls (   -- each tool call's start, before it runs (§17.1)
+    key          TEXT PRIMARY KEY,      -- Tether's call key: TETHER_CALL_ID
+    session      TEXT NOT NULL,
+    turn         TEXT NOT NULL,
+    name         TEXT NOT NULL,
+    arguments    TEXT NOT NULL,
+    tool_call_id TEXT,                  -- the model's own id for the call
+    started_at   REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS calls_turn ON calls (turn);
 CREATE TABLE IF NOT EXISTS stop_reports (
     turn        TEXT PRIMARY KEY,
     session     TEXT NOT NULL,
@@ -106,12 +120,21 @@ def create_tables(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE sessions ADD COLUMN disposing INTEGER NOT NULL DEFAULT 0")
     if "budget" not in columns:  # a store written before v4's budgets
         db.execute("ALTER TABLE sessions ADD COLUMN budget BLOB")
+    if "on_crash" not in columns:  # a store written before v5's durable turns
+        db.execute("ALTER TABLE sessions ADD COLUMN on_crash TEXT")
+        db.execute("ALTER TABLE sessions ADD COLUMN max_recoveries INTEGER")
+        db.execute("ALTER TABLE sessions ADD COLUMN recoverable INTEGER NOT NULL DEFAULT 0")
     columns = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
     if "trace" not in columns:  # a store written before telemetry
         db.execute("ALTER TABLE messages ADD COLUMN trace TEXT")
     columns = {r[1] for r in db.execute("PRAGMA table_info(turns)")}
-    for column, kind in (("usage", "BLOB"), ("resources", "BLOB"), ("woken_by", "INTEGER")):
-        if column not in columns:  # a store written before v3
+    for column, kind in (
+        ("usage", "BLOB"),
+        ("resources", "BLOB"),
+        ("woken_by", "INTEGER"),
+        ("recoveries", "INTEGER NOT NULL DEFAULT 0"),
+    ):
+        if column not in columns:  # a store written before v3 (v5: recoveries)
             db.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
 
 

@@ -159,6 +159,7 @@ class HostTools(WorkerHost):
             config=spec.config,
             permissions=call.permissions,
             budget=call.budget,
+            on_crash=call.on_crash,
         )
         return result if isinstance(result, str) else result.id  # a one-shot's handle
 

@@ -41,10 +41,11 @@ BACKENDS = ("local", "ray")
 class Backend(Executor, Protocol):
     """An :class:`Executor` the ``Runtime`` can also probe, drain, close and list."""
 
-    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> bool:
         """Check that a worker can load ``driver`` (DriverNotFound otherwise) and, where
         its class has ``check_config``, that it takes ``config`` (that check's error
-        otherwise); the host never imports driver code itself."""
+        otherwise); the host never imports driver code itself. Returns whether its class
+        continues a crashed turn (``recoverable``, semantics §17.1)."""
 
     def drain(self) -> None:
         """Take no new turns (the runtime is closing); running ones go on."""

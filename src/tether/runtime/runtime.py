@@ -21,7 +21,15 @@ import structlog
 
 from tether.actors._ids import new_id
 from tether.actors.authority import Authority, Host, sender_of
-from tether.actors.host import Enqueued, InterruptOp, PauseOp, RefOp, ReleaseOp, StatusOp
+from tether.actors.host import (
+    Enqueued,
+    InterruptOp,
+    PauseOp,
+    RefOp,
+    ReleaseOp,
+    StatusOp,
+    SuspendOp,
+)
 from tether.actors.supervisor import Create, DisposeReq, ListReq
 from tether.contain.prctl import set_subreaper
 from tether.runtime import _at_exit
@@ -39,6 +47,7 @@ from tether.runtime._checks import (
     check_interrupt,
     check_limits,
     check_message,
+    check_recovery,
     check_secret_env,
     check_settings,
     check_slug,
@@ -96,6 +105,7 @@ CANCEL_DEADLINE_MIN = 1.0
 _ABORT_WAIT = 5.0  # seconds close() waits for aborted turns' trees to be reaped
 _MODES = ("continuable", "one-shot")
 _SCOPES = ("children", "descendants")
+_CLOSE_TURNS = ("cancel", "suspend")
 
 
 class Runtime(Engine):
@@ -117,6 +127,8 @@ class Runtime(Engine):
         telemetry: bool | dict[str, Any] | None = None,
         secret_env: Iterable[str] = (),
         tool_user: str | None = None,
+        on_crash: str = "recover",
+        max_recoveries: int = 3,
     ) -> None:
         """``backend`` is where turns run (semantics §14.6): ``"local"`` (the process pool),
         ``"ray"`` (a Ray cluster, the extra ``tether-runtime[ray]``: ``ray_address`` names it,
@@ -149,7 +161,12 @@ class Runtime(Engine):
         that user, so they can read neither the host's files nor its memory: the host
         must be able to switch users (root, or ``CAP_SETUID`` and ``CAP_SETGID``), on
         the local backend; without it, a tool runs as the host's user and can read what
-        that user can read."""
+        that user can read.
+
+        ``on_crash`` and ``max_recoveries`` are the default of every root session
+        (semantics §17.1): ``"recover"`` runs a recoverable turn a crash interrupted on
+        from its last step, at most ``max_recoveries`` times; ``"park"`` ends it
+        ``crashed``, as before."""
         configure_logging()
         if subreaper:
             set_subreaper()
@@ -163,6 +180,7 @@ class Runtime(Engine):
         tool_user = check_tool_user(tool_user, backend)
         check_backend(backend, ray_address)
         self._secrets = Secrets(check_secret_env(secret_env))
+        self._on_crash, self._max_recoveries = check_recovery(on_crash, max_recoveries, None)
         self._tel: Telemetry = make_telemetry(resolve_telemetry(telemetry))
         containment = check_containment(containment)
         self.grace = grace
@@ -197,6 +215,8 @@ class Runtime(Engine):
         stall: dict[str, Any] | StallPolicy | None = None,
         limits: dict[str, float] | None = None,
         budget: dict[str, Any] | Budget | None = None,
+        on_crash: str | None = None,
+        max_recoveries: int | None = None,
     ) -> str:
         """Open a root session; its owner prompts it with ``prompt``.
 
@@ -204,9 +224,21 @@ class Runtime(Engine):
         turn's ``memory_mb``, ``pids`` and ``cpu`` (cores), enforced by the turn's cgroup
         (semantics §15.5); one the kernel cannot enforce here is InvalidParams. ``budget``:
         the tree's budget (semantics §16.2, ``tether.Budget`` or its dict), see ``set_budget``.
+        ``on_crash`` (``"recover"`` or ``"park"``) and ``max_recoveries``: what a crash does
+        to its turns (semantics §17.1); default: the runtime's.
         """
         header = self._header(
-            None, driver, "continuable", slug, config, permissions, stall, limits, budget
+            None,
+            driver,
+            "continuable",
+            slug,
+            config,
+            permissions,
+            stall,
+            limits,
+            budget,
+            on_crash,
+            max_recoveries,
         )
         return self._create(Create(header))
 
@@ -232,6 +264,8 @@ class Runtime(Engine):
         stall: dict[str, Any] | StallPolicy | None = ...,
         limits: dict[str, float] | None = ...,
         budget: dict[str, Any] | Budget | None = ...,
+        on_crash: str | None = ...,
+        max_recoveries: int | None = ...,
     ) -> str: ...
 
     @overload
@@ -249,6 +283,8 @@ class Runtime(Engine):
         stall: dict[str, Any] | StallPolicy | None = ...,
         limits: dict[str, float] | None = ...,
         budget: dict[str, Any] | Budget | None = ...,
+        on_crash: str | None = ...,
+        max_recoveries: int | None = ...,
     ) -> OneShot: ...
 
     @overload
@@ -266,6 +302,8 @@ class Runtime(Engine):
         stall: dict[str, Any] | StallPolicy | None = ...,
         limits: dict[str, float] | None = ...,
         budget: dict[str, Any] | Budget | None = ...,
+        on_crash: str | None = ...,
+        max_recoveries: int | None = ...,
     ) -> str | OneShot: ...
 
     def spawn(
@@ -282,6 +320,8 @@ class Runtime(Engine):
         stall: dict[str, Any] | StallPolicy | None = None,
         limits: dict[str, float] | None = None,
         budget: dict[str, Any] | Budget | None = None,
+        on_crash: str | None = None,
+        max_recoveries: int | None = None,
     ) -> str | OneShot:
         """Spawn a subagent of ``parent``; ``prompt`` becomes its first message.
 
@@ -289,7 +329,8 @@ class Runtime(Engine):
         its own ``stall`` policy it inherits its parent's (semantics §14.5), and likewise its
         ``limits`` (semantics §15.5). Its own ``budget`` (semantics §16.2) must fit in what every
         budgeted ancestor has left (InvalidParams); under a tree whose budget is spent
-        the spawn is refused with ``BudgetExhausted``.
+        the spawn is refused with ``BudgetExhausted``. Without its own ``on_crash`` and
+        ``max_recoveries`` (semantics §17.1) it inherits its parent's.
         """
         if mode not in _MODES:
             raise InvalidParams(f"mode must be one of {_MODES}, not {mode!r}")
@@ -300,7 +341,17 @@ class Runtime(Engine):
         if not isinstance(parent, str):
             raise InvalidParams("parent must be a session id")
         header = self._header(
-            parent, driver, mode, slug, config, permissions, stall, limits, budget
+            parent,
+            driver,
+            mode,
+            slug,
+            config,
+            permissions,
+            stall,
+            limits,
+            budget,
+            on_crash,
+            max_recoveries,
         )
         sid = self._create(Create(header, prompt, data, self._tel.current()))
         return OneShot(self, sid) if mode == "one-shot" else sid
@@ -561,13 +612,23 @@ class Runtime(Engine):
         """Call ``callback(event)`` for every event; it must not block. Returns unsubscribe."""
         return self._events.subscribe(callback)
 
-    def close(self) -> None:
-        """Drain: cancel running turns with grace, abort the rest, stop every process."""
+    def close(self, *, turns: str = "cancel") -> None:
+        """Drain: cancel running turns with grace, abort the rest, stop every process.
+
+        ``turns="suspend"`` (semantics §17.1): a recoverable turn with no stop or pause
+        in force is left open instead, its worker stopped, to recover at the next start
+        on the store, as after a crash; ``tether serve`` closes so on SIGTERM."""
+        if turns not in _CLOSE_TURNS:
+            raise InvalidParams(f"turns must be one of {_CLOSE_TURNS}, not {turns!r}")
         if self._closed:
             return
         self._closed = True
         _at_exit.unregister(self)
         self._pool.drain()
+        if turns == "suspend":
+            suspended = [sid for ref in self._dispatcher.refs for sid in ref.ask(SuspendOp())]
+            if suspended:
+                log.warning("close.turns_suspended", sessions=len(suspended))
         try:
             # A frozen turn reaches no boundary: close aborts it (semantics §14.4).
             self._stop_all([sid for sid, paused in self._running() if paused], "abort", 0.0)
@@ -685,6 +746,8 @@ class Runtime(Engine):
         stall: dict[str, Any] | StallPolicy | None = None,
         limits: dict[str, float] | None = None,
         budget: object = None,
+        on_crash: str | None = None,
+        max_recoveries: int | None = None,
     ) -> SessionHeader:
         checked_limits = None
         if limits is not None:
@@ -696,8 +759,14 @@ class Runtime(Engine):
         check_slug(slug)
         perms = check_settings(config, permissions)
         policy = None if stall is None else check_stall(stall)
+        if parent is not None and parent in self._dir.catalog.nodes:  # else NotFound later
+            above = self._dir.catalog.nodes[parent].header
+            crash_policy = (above.on_crash, above.max_recoveries)
+        else:
+            crash_policy = (self._on_crash, self._max_recoveries)
+        crash, most = check_recovery(on_crash, max_recoveries, crash_policy)
         self._secrets.learn(config)  # from now on no worker's tool sees the keys it names
-        self._pool.probe(driver, config)
+        recoverable = self._pool.probe(driver, config)
         return SessionHeader(
             id=new_id("s_"),
             parent=parent,
@@ -710,4 +779,7 @@ class Runtime(Engine):
             stall=policy,
             limits=checked_limits,
             budget=checked_budget,
+            on_crash=crash,
+            max_recoveries=most,
+            recoverable=recoverable,
         )

@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from tether.actors.budget import Spent
-from tether.actors.ports import EndRecord, ParentNotice
+from tether.actors.ports import EndRecord, Keep, KeptTurn, ParentNotice
 from tether.runtime import _recovery
 from tether.runtime._store_file import create_tables, lock_host
 from tether.runtime.group_commit import (
@@ -43,6 +43,7 @@ from tether.wire.records import (
     StopOrigin,
     StopReport,
     TurnRecord,
+    UnknownCall,
     message_key,
 )
 from tether.wire.vocab import StallPolicy
@@ -221,13 +222,16 @@ class Store:
             return _recovery.finish_disposals(self._db)
 
     def recover(
-        self, notice: Callable[[str, str, str | None], ParentNotice | None] | None = None
-    ) -> list[tuple[str, str, str | None]]:
+        self,
+        notice: Callable[[str, str, str | None], ParentNotice | None] | None = None,
+        keep: Callable[[str, int], Keep] | None = None,
+    ) -> tuple[list[tuple[str, str, str | None]], list[KeptTurn]]:
         """Close every turn with no end record as ``crashed``, and write the parents'
         notices that ``notice(session, turn, last assistant text)`` composes, in one
-        commit (``_recovery.close_open_turns``).
+        commit (``_recovery.close_open_turns``); a turn ``keep`` says ``"recover"``
+        stays open, to recover (semantics §17.1).
 
-        Returns (session, turn, last assistant text) for each turn closed.
+        Returns (session, turn, last assistant text) for each turn closed, and those kept.
         """
         now = time.time()
 
@@ -238,7 +242,10 @@ class Store:
             return key
 
         with self._lock, _readable():
-            return _recovery.close_open_turns(self._db, notice, new_key, now)
+            closed, kept = _recovery.close_open_turns(self._db, notice, new_key, now, keep)
+        for k in kept:  # open here now: its end is this host's to record
+            self._open[k.turn] = (k.session, k.row)
+        return closed, kept
 
     # ---- catalog ------------------------------------------------------------------
 
@@ -255,11 +262,15 @@ class Store:
             None if row.stall is None else _enc.encode(row.stall),
             _dump(row.limits),
             None if row.budget is None else _enc.encode(row.budget),
+            row.on_crash,
+            row.max_recoveries,
+            row.recoverable,
         )
         return self.submit(
             Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
-                " created_at, stall, limits, budget) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                " created_at, stall, limits, budget, on_crash, max_recoveries, recoverable)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 params,
             ),
             waited=True,
@@ -269,7 +280,8 @@ class Store:
         """Every session, in creation order."""
         rows = self._read(
             "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled,"
-            " stall, limits, budget FROM sessions ORDER BY seq"
+            " stall, limits, budget, on_crash, max_recoveries, recoverable"
+            " FROM sessions ORDER BY seq"
         )
         return [
             SessionHeader(
@@ -285,6 +297,9 @@ class Store:
                 stall=None if r[9] is None else msgspec.json.decode(r[9], type=StallPolicy),
                 limits=_load(r[10]),
                 budget=None if r[11] is None else msgspec.json.decode(r[11], type=Budget),
+                on_crash=r[12] or "recover",
+                max_recoveries=3 if r[13] is None else r[13],
+                recoverable=bool(r[14]),
             )
             for r in rows
         ]
@@ -571,7 +586,7 @@ class Store:
     def turns(self, session: str) -> list[TurnRecord]:
         rows = self._read(
             "SELECT id, session, message_id, outcome, cause, by, forced, escalated, reason,"
-            " error, started_at, ended_at, usage, resources, woken_by FROM turns"
+            " error, started_at, ended_at, usage, resources, woken_by, recoveries FROM turns"
             " WHERE session=?"
             " ORDER BY seq",
             (session,),
@@ -594,6 +609,7 @@ class Store:
                 usage=_load(r[12]),
                 resources=_load(r[13]),
                 woken_by=None if r[14] is None else f"m_{r[14]}",
+                recoveries=r[15],
             )
             for r in rows
         ]
@@ -683,6 +699,74 @@ class Store:
                 created_at=r[10],
             )
             for r in rows
+        ]
+
+    # ---- tool calls' write-ahead (semantics §17.1) ---------------------------------
+
+    def begin_call(
+        self,
+        key: str,
+        session: str,
+        turn: str,
+        name: str,
+        arguments: str,
+        tool_call_id: str | None,
+    ) -> Ticket:
+        """Queue a tool call's start after every write queued before it (its reply's
+        entry among them); the ticket is done once it is durable."""
+        params = (key, session, turn, name, arguments, tool_call_id, time.time())
+        with self._mutex:
+            ticket = Ticket(self._commits)
+            self._submit_locked(
+                Statement(
+                    "INSERT INTO calls (key, session, turn, name, arguments, tool_call_id,"
+                    " started_at) VALUES (?,?,?,?,?,?,?)",
+                    params,
+                ),
+                ticket,
+                urgent=True,
+            )
+        return ticket
+
+    def recovered(self, turn: str, recoveries: int) -> Ticket:
+        """Count a recovery of ``turn``; the ticket is done once it is durable (the
+        recovered turn is dispatched then)."""
+        with self._mutex:
+            ticket = Ticket(self._commits)
+            self._submit_locked(
+                Statement("UPDATE turns SET recoveries=? WHERE id=?", (recoveries, turn)),
+                ticket,
+                urgent=True,
+            )
+        return ticket
+
+    def turn_steps(self, session: str, turn: str) -> int:
+        """How many durable steps ``turn`` has: its replies and its tools' results."""
+        rows = self._read(
+            "SELECT COUNT(*) FROM entries WHERE session=? AND turn=?"
+            " AND kind IN ('assistant', 'tool')",
+            (session, turn),
+        )
+        return int(rows[0][0])
+
+    def unknown_calls(self, session: str, turn: str) -> list[UnknownCall]:
+        """The calls of ``turn`` whose start is durable and whose result (a ``tool`` entry
+        naming its key) is not: each may or may not have run."""
+        calls = self._read(
+            "SELECT key, name, arguments, tool_call_id FROM calls WHERE turn=? ORDER BY rowid",
+            (turn,),
+        )
+        if not calls:
+            return []
+        rows = self._read(
+            "SELECT data FROM entries WHERE session=? AND turn=? AND kind='tool'",
+            (session, turn),
+        )
+        ended = {(_load(r[0]) or {}).get("call") for r in rows}
+        return [
+            UnknownCall(key=r[0], name=r[1], arguments=r[2], tool_call_id=r[3])
+            for r in calls
+            if r[0] not in ended
         ]
 
     def last_assistant_text(self, session: str, turn: str) -> str | None:

@@ -101,14 +101,16 @@ def load_driver(spec: str) -> type[Any]:
 
 def probe_driver(driver: str, config: dict[str, Any] | None) -> ProbeReply:
     """Whether ``driver`` loads and, where its class has ``check_config(config)``, takes
-    ``config``: what the host asks a worker at open and spawn (it runs no driver code)."""
+    ``config``: what the host asks a worker at open and spawn (it runs no driver code but
+    the check). Also whether its class continues a crashed turn (``recoverable``)."""
     try:
         cls = load_driver(driver)
     except DriverNotFound as exc:
         return ProbeReply(driver=driver, error=exc.message)
+    recoverable = getattr(cls, "recoverable", False) is True
     hook = getattr(cls, "check_config", None)
     if not callable(hook):
-        return ProbeReply(driver=driver)
+        return ProbeReply(driver=driver, recoverable=recoverable)
     try:
         hook(config or {})
     except TetherError as exc:
@@ -116,7 +118,7 @@ def probe_driver(driver: str, config: dict[str, Any] | None) -> ProbeReply:
     except Exception as exc:  # the hook's own bug: the open is refused, with its words
         error = f"driver {driver!r}: its config check failed: {type(exc).__name__}: {exc}"
         return ProbeReply(driver=driver, error=error, checks_config=True)
-    return ProbeReply(driver=driver, checks_config=True)
+    return ProbeReply(driver=driver, checks_config=True, recoverable=recoverable)
 
 
 def _kill_command(proc: subprocess.Popen[bytes]) -> None:

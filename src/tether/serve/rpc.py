@@ -83,6 +83,8 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             stall=p.stall,
             limits=p.limits,
             budget=p.budget,
+            on_crash=p.on_crash,
+            max_recoveries=p.max_recoveries,
         )
         return SessionResult(sid)
 
@@ -106,6 +108,8 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
             stall=p.stall,
             limits=p.limits,
             budget=p.budget,
+            on_crash=p.on_crash,
+            max_recoveries=p.max_recoveries,
         )
         return SessionResult(child if isinstance(child, str) else child.id)
 

@@ -227,6 +227,7 @@ def serve(
     otlp: str | None = None,
     tool_user: str | None = None,
     secret_env: Sequence[str] = (),
+    on_stop: str = "suspend",
 ) -> int:
     """Run the server until SIGINT/SIGTERM, then drain the runtime. Returns the exit code.
 
@@ -235,8 +236,11 @@ def serve(
     (binding beyond loopback needs a token given).
     ``faces``: the driver and config of the roots that MCP and A2A clients open.
     ``otlp``: export traces to this OTLP/HTTP base URL (semantics §16.3); None leaves it to
-    the ``OTEL_*`` variables. ``tool_user``, ``secret_env``: the Runtime's.
+    the ``OTEL_*`` variables. ``tool_user``, ``secret_env``: the Runtime's. ``on_stop``:
+    the close's ``turns`` (``"suspend"``: a recoverable turn recovers at the next start).
     """
+    if on_stop not in ("suspend", "cancel"):
+        raise ValueError(f"on_stop must be 'suspend' or 'cancel', not {on_stop!r}")
     token = blank_is_none(token)
     if token is None and not is_loopback(host):
         raise ValueError(f"binding {host} (not loopback) requires a token")
@@ -306,7 +310,7 @@ def serve(
                 assert token_path is not None
                 forget_server(bound, token_path)
     finally:
-        log.info("serve.draining")
-        rt.close()
+        log.info("serve.draining", on_stop=on_stop)
+        rt.close(turns=on_stop)
         log.info("serve.stopped")
     return 0

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.wire.records import Message, ProcessFate, Stop, StopKind, StopOrigin, Via
+from tether.wire.records import Message, ProcessFate, Recovered, Stop, StopKind, StopOrigin, Via
 from tether.wire.text import render_frame
 
 __all__ = [
@@ -133,6 +133,9 @@ class RunTurn(msgspec.Struct, frozen=True, tag="run"):
     # The host's secrets by name, to take out of the worker's environment before the
     # turn runs: those the host learnt of after the worker started.
     hide: list[str] = []
+    # Set when a crash interrupted this turn and it runs on from its last step
+    # (semantics §17.1): the driver reads it as ``ctx.recovered``.
+    recovered: Recovered | None = None
 
 
 class SteerFrame(msgspec.Struct, frozen=True, tag="steer"):
@@ -338,6 +341,7 @@ class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
     error: str | None = None
     code: str = "driver-not-found"
     checks_config: bool = False
+    recoverable: bool = False  # its class continues a crashed turn (semantics §17.1)
 
 
 WorkerFrame = (

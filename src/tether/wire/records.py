@@ -28,10 +28,13 @@ __all__ = [
     "MarkerAction",
     "Message",
     "Mode",
+    "OnCrash",
     "Origin",
     "Outcome",
     "PendingMessage",
     "ProcessFate",
+    "Recovered",
+    "RecoveryCause",
     "SessionHeader",
     "Stop",
     "StopKind",
@@ -39,6 +42,7 @@ __all__ = [
     "StopReport",
     "ToolFate",
     "TurnRecord",
+    "UnknownCall",
     "Via",
     "message_key",
 ]
@@ -61,11 +65,17 @@ MarkerAction = Literal[
     "forced",
     "escalated",
     "discarded",  # a steer no boundary took: a stop discarded it, or the turn ended first
+    "recovered",  # a turn a crash interrupted runs on from its last step (semantics §17.1)
 ]
 # How a stop took effect: the driver took it at a boundary, or at an await it was in;
 # or its tree was killed, whole by its cgroup or by the walk.
 Via = Literal["boundary", "cancel-at-await", "cgroup", "walk"]
 KillVia = Literal["cgroup", "walk"]  # the kill's share of Via
+# What a session's turn does when a crash interrupts it (semantics §17.1).
+OnCrash = Literal["recover", "park"]
+# What interrupted a recovered turn: its host stopped (a crash or a suspending close),
+# or its worker died of something Tether did not do.
+RecoveryCause = Literal["host", "worker"]
 EntryKind = Literal["user", "assistant", "marker", "tool", "notice"]
 
 
@@ -180,6 +190,27 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     # What the turn's cgroup counted (semantics §15.5): {"cpu_ms", "processes",
     # "memory_peak_mb"}, each only where its controller is available; None without one.
     resources: dict[str, float] | None = None
+    # How many times a crash interrupted this turn and it recovered (semantics §17.1).
+    recoveries: int = 0
+
+
+class UnknownCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call whose start was durable and whose result was not when its turn's host
+    or worker died: it may or may not have taken effect."""
+
+    key: str  # Tether's call key (``TETHER_CALL_ID``), unique in the store
+    name: str
+    arguments: str = ""
+    tool_call_id: str | None = None  # the model's own id for the call, where it has one
+
+
+class Recovered(msgspec.Struct, frozen=True, kw_only=True):
+    """What a recovered turn's driver is told (``ctx.recovered``; semantics §17.1)."""
+
+    attempt: int  # 1 for the first recovery of this turn
+    cause: RecoveryCause
+    steps: int  # this turn's durable entries kept (replies and tool results)
+    unknown_calls: list[UnknownCall] = []
 
 
 class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,6 +249,12 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     # The budget of this session and its subtree (semantics §16.2), as it was set at creation
     # (``set_budget`` changes the stored one; the runtime's governor holds the live one).
     budget: Budget | None = None
+    # What a crash does to this session's turn, and how often a turn may recover
+    # (semantics §17.1); a child inherits both. ``recoverable``: its driver can continue
+    # a turn from its last step (found when the session was opened).
+    on_crash: OnCrash = "recover"
+    max_recoveries: int = 3
+    recoverable: bool = False
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

@@ -139,6 +139,9 @@ class OpenParams(_Params):
     # the kernel cannot enforce there is invalid-params and opens nothing
     limits: JsonObject | None = None
     budget: Budget | None = None  # the tree's budget (semantics §16.2)
+    # what a crash does to its turns (semantics §17.1); null: the server's default
+    on_crash: Literal["recover", "park"] | None = None
+    max_recoveries: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
 
 
 class PromptParams(_Params):
@@ -166,6 +169,8 @@ class SpawnParams(_Params):
     limits: JsonObject | None = None  # likewise
     # its own budget, which must fit in what its ancestors' have left (semantics §16.2)
     budget: Budget | None = None
+    on_crash: Literal["recover", "park"] | None = None  # null: its parent's
+    max_recoveries: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
 
 
 class SendParams(_Params):

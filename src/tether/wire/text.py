@@ -23,7 +23,9 @@ __all__ = [
     "marker_text",
     "neutralize",
     "neutralized",
+    "recovery_reason",
     "render_frame",
+    "unknown_call_text",
     "who",
 ]
 
@@ -105,6 +107,8 @@ def marker_text(action: str, origin: str, by: str, reason: str) -> str:
     watchdog's ``↪ Steered by watchdog: ...``); a pause ``⏸ Paused by ...`` and a resume
     ``▶ Resumed by ...``.
     """
+    if action == "recovered":  # the system's, and says what was kept
+        return f"↻ Recovered {escape(reason)}"
     verb = _VERBS.get(action)
     sign = _SIGNS.get(action, "⊘")
     if verb is None:
@@ -119,6 +123,25 @@ def discarded_text(origin: str, by: str, stop: str | None, text: str) -> str:
     cancel came first): <its text>``, escaped; ``stop`` None: the turn ended first."""
     why = "the turn ended first" if stop is None else f"the {stop} came first"
     return f"⊘ Discarded steer by {escape(who(origin, by))} ({why}): {escape(text)}"
+
+
+def unknown_call_text(cause: str) -> str:
+    """What a model reads for a call whose start was durable and its result not, when a
+    crash interrupted its turn (semantics §17.1): never that it ran, never that it did not."""
+    who_stopped = "the host stopped" if cause == "host" else "its worker died"
+    return f"unknown: {who_stopped} while this call ran; it may or may not have taken effect"
+
+
+def recovery_reason(cause: str, attempt: int, steps: int, unknown: list[str]) -> str:
+    """``after the host stopped (attempt 1): 4 steps kept, 1 tool call unknown
+    (run_command)``: what a recovered turn's marker says after ``↻ Recovered``."""
+    after = "the host stopped" if cause == "host" else "the worker died"
+    kept = f"{steps} step{'' if steps == 1 else 's'} kept"
+    if unknown:
+        n = len(unknown)
+        names = ", ".join(unknown)  # escaped with the rest by marker_text
+        kept += f", {n} tool call{'' if n == 1 else 's'} unknown ({names})"
+    return f"after {after} (attempt {attempt}): {kept}"
 
 
 def render_frame(tag: str, origin: str, by: str, text: str) -> str:

@@ -49,6 +49,7 @@ class SpawnCall(_Call, frozen=True, tag="spawn_agent"):
     slug: str | None = None
     permissions: dict[str, str] | None = None
     budget: dict[str, Any] | None = None
+    on_crash: str | None = None
     # Never the caller's to choose (the host sets what loads code): present only so the
     # refusal can name them.
     driver: Any = None

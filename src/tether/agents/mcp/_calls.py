@@ -37,6 +37,7 @@ from tether.agents.mcp._transport import (
     stdio_transport,
     tapped,
 )
+from tether.driver.calls import CALL_META, current_call_id
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams
 
@@ -329,11 +330,14 @@ class McpTools:
         # The call's trace context rides in the request (semantics §16.3): a server that
         # traces joins the caller's trace.
         traceparent = spans.traceparent()
-        meta = None if traceparent is None else {"traceparent": traceparent}
+        meta: dict[str, str] = {} if traceparent is None else {"traceparent": traceparent}
+        key = current_call_id()
+        if key is not None:  # the call's key, for a server that makes itself idempotent
+            meta[CALL_META] = key
         try:
             inner = asyncio.create_task(
                 conn.client.call_tool(
-                    tool, arguments, progress_callback=progressed, meta=cast(Any, meta)
+                    tool, arguments, progress_callback=progressed, meta=cast(Any, meta or None)
                 )
             )
         finally:

@@ -40,6 +40,8 @@ class ToolPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     idle_timeout: float | None = None  # seconds without notifications/progress: the same
     grace: float | None = None  # how long a stopped call may take to end
     preempt: Preempt = "cooperative"
+    # A call a crash left unknown may run again with the same call key (semantics §17.1).
+    idempotent: bool = False
 
 
 # ---- configuration -------------------------------------------------------------------

@@ -79,5 +79,6 @@ class Held:
             trace=spec.trace,
             keys=keys,
             hide=hide or [],
+            recovered=spec.recovered,
         )
         return run, rest

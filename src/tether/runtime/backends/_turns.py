@@ -158,7 +158,7 @@ class _Entry(Generic[W]):
             raise RuntimeError(f"turn {self.spec.turn}: no way from {self.state} to {state}")
         self.state = state
 
-    def over(self, end: TurnEnd | None, error: str | None) -> TurnOver:
+    def over(self, end: TurnEnd | None, error: str | None, crashed: bool = False) -> TurnOver:
         return TurnOver(
             self.spec.turn,
             end,
@@ -166,6 +166,7 @@ class _Entry(Generic[W]):
             via=self.via,
             processes=self.processes,
             resources=self.resources,
+            crashed=crashed,
         )
 
 
@@ -369,17 +370,22 @@ class TurnTable(Generic[W]):
             rec.reason = error
             w.kill()
 
-    def dead(self, w: W, error: str | None, *, turn: str | None = None) -> TurnSpec | None:
+    def dead(
+        self, w: W, error: str | None, *, turn: str | None = None, crashed: bool = False
+    ) -> TurnSpec | None:
         """``w``'s tree is dead: end its turn (``turn``: only if it is that one) with
-        ``error``, else the kill's reason, and forget it. Returns the spec it reported,
-        None when ``w`` had no turn left to report."""
+        ``error``, else the kill's reason, and forget it. ``crashed``: it died of
+        something Tether did not do. Returns the spec it reported, None when ``w`` had
+        no turn left to report."""
         with self.lock:
             rec = self._on.get(w)
             if rec is None or (turn is not None and rec.spec.turn != turn):
                 return None
+            crashed = crashed and rec.reason is None  # a kill of Tether's is no crash
             self._forget_locked(rec)
             self.dispatch_locked()
-        self._report(rec.spec, rec.over(None, error or rec.reason or "the worker ended"))
+        why = error or rec.reason or "the worker ended"
+        self._report(rec.spec, rec.over(None, why, crashed))
         return rec.spec
 
     def close_locked(self) -> list[TurnSpec]:
@@ -427,6 +433,10 @@ class TurnTable(Generic[W]):
                 if frame.usage:
                     sink.usage(frame.turn, frame.usage)
                 sink.said(frame)
+            case ToolCall(name="begin_call"):
+                # a tool call's write-ahead goes through its session, in its reports'
+                # order, and is answered once durable, off this thread
+                sink.begin_call(frame, lambda reply: self._answer(w, spec, reply))
             case ToolCall():
                 self._answer(w, spec, self.host.on_tool_call(spec, frame))
             case Delivered():
@@ -548,6 +558,7 @@ class DriverChecks:
 
     def __init__(self) -> None:
         self._checked: set[str] = set()
+        self._recoverable: set[str] = set()  # of those, the drivers that recover (§17.1)
         self._hooked: set[str] = set()  # of those, the drivers that check their config
         self._configs: OrderedDict[tuple[str, str], None] = OrderedDict()  # passed
         self._lock = threading.Lock()
@@ -557,17 +568,18 @@ class DriverChecks:
         driver: str,
         config: dict[str, Any] | None,
         ask: Callable[[str, dict[str, Any] | None], ProbeReply],
-    ) -> None:
+    ) -> bool:
         """``ask(driver, config)``: a worker's answer; raises WorkerGone when that worker
-        died. The answer's error as its code's TetherError (DriverNotFound, mostly)."""
+        died. The answer's error as its code's TetherError (DriverNotFound, mostly).
+        Returns whether the driver's class continues a crashed turn (``recoverable``)."""
         if driver in self._checked and driver not in self._hooked:
-            return
+            return driver in self._recoverable
         key = (driver, json.dumps(config, sort_keys=True, default=str))
         with self._lock:
             if driver in self._checked and (driver not in self._hooked or key in self._configs):
                 if key in self._configs:
                     self._configs.move_to_end(key)
-                return
+                return driver in self._recoverable
             for _ in range(3):
                 try:
                     reply = ask(driver, config)
@@ -578,9 +590,11 @@ class DriverChecks:
                 if reply.error is not None:
                     raise error_from_code(reply.code, reply.error)
                 self._checked.add(driver)
+                if reply.recoverable:
+                    self._recoverable.add(driver)
                 if reply.checks_config:
                     self._configs[key] = None
                     while len(self._configs) > _CONFIGS_KEPT:
                         self._configs.popitem(last=False)
-                return
+                return reply.recoverable
         raise TetherError("workers kept dying while checking the driver")

@@ -327,13 +327,13 @@ class Pool(TableBackend["_Worker"]):
         with self._lock:
             return self._failures > 0
 
-    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> bool:
         """Check that a worker can load ``driver`` and that its class takes ``config``
         (``check_config``); DriverNotFound (or the check's error) otherwise.
 
         The warm spare does the import, so the host never runs driver code.
         """
-        self._checks.check(driver, config, self._probe_spare)
+        return self._checks.check(driver, config, self._probe_spare)
 
     def _probe_spare(self, driver: str, config: dict[str, Any] | None) -> ProbeReply:
         with self._lock:
@@ -771,7 +771,9 @@ class Pool(TableBackend["_Worker"]):
             log.warning("worker.leaf_left", pid=w.pid, leaf=w.leaf.path)
         reap(w.tree_pids)  # its tools, re-parented to us if we are a subreaper
         code = w.process.exitcode
-        spec = self.turns.dead(w, w.error or f"the worker exited with code {code}")
+        # Nothing of Tether's killed it (no kill, no limit, no fault found): a crash.
+        crashed = not w.killed and w.error is None
+        spec = self.turns.dead(w, w.error or f"the worker exited with code {code}", crashed=crashed)
         if spec is not None:
             log.warning("worker.crashed", pid=w.pid, turn=spec.turn, exitcode=code)
         elif w.killed:

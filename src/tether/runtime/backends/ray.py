@@ -356,11 +356,11 @@ class RayBackend(TableBackend[_Slot]):
             slots = list(self._all)
         return "cgroup" if slots and all(s.containment == "cgroup" for s in slots) else "walk"
 
-    def probe(self, driver: str, config: dict[str, Any] | None = None) -> None:
+    def probe(self, driver: str, config: dict[str, Any] | None = None) -> bool:
         """A slot's idle child imports ``driver`` (the host never runs driver code): a
         spare's, else an idle slot's, else (every slot busy, ``spare=0``) a new process
         beside a busy slot's turn."""
-        self._checks.check(driver, config, self._probe_slot)
+        return self._checks.check(driver, config, self._probe_slot)
 
     def _probe_slot(self, driver: str, config: dict[str, Any] | None) -> ProbeReply:
         with self._lock:

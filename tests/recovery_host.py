@@ -1,0 +1,41 @@
+"""A Tether host running a ChatAgent turn, for the durable-turn tests (run as a script).
+
+Usage: ``python recovery_host.py DB_PATH CONFIG_JSON MARK``. It opens a root ChatAgent
+session with the config, sends it one message, waits until the file ``MARK`` exists (the
+turn's tool wrote it: the tool runs), prints one JSON line ``{"root": ..., "turn": ...}``,
+and then waits to be killed (SIGKILL) or stopped (SIGTERM: the runtime is closed with
+``turns="suspend"``, as ``tether serve`` does on a deploy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import tether
+
+
+def main() -> None:
+    path, config, mark = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    rt = tether.Runtime(path, workers=1, grace=1.0)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    root = rt.open_session("tether.agents:ChatAgent", config=config)
+    rt.prompt(root, "run it")
+    turn = rt.wait(root, until="running", timeout=30.0).turn
+    deadline = time.monotonic() + 30.0
+    while not os.path.exists(mark):  # the tool's own file: no event reaches this process
+        assert time.monotonic() < deadline, "the tool never ran"
+        time.sleep(0.01)
+    print(json.dumps({"root": root, "turn": turn}), flush=True)
+    stop.wait(60.0)
+    rt.close(turns="suspend")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
