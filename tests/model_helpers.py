@@ -5,6 +5,7 @@ open, the parent's notice. They run in the test process only.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -104,3 +105,22 @@ def last_notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
     assert data is not None
     found: dict[str, Any] = data["notice"]
     return found
+
+
+def assert_cut_reply_counted(
+    rt: tether.Runtime, sid: str, request: Any, cut: str
+) -> dict[str, Any]:
+    """``sid``'s last turn, cut mid-reply by a stop, counted its request (semantics §15.2):
+    about the prompt tokens the server counts for the same request when it reports them
+    (four characters a token), the completion that streamed (``cut``) at the same rate,
+    ``estimated``, and its budget spent what its record says. Its usage."""
+    body = request.body
+    server_count = len(json.dumps([body.get("messages", []), "", body.get("tools") or []])) // 4
+    usage = rt.turns(sid)[-1].usage
+    assert usage is not None, "the cut reply cost nothing"
+    assert usage.get("estimated") is True, usage
+    assert abs(usage["prompt_tokens"] - server_count) <= server_count / 4, (usage, server_count)
+    assert abs(usage.get("completion_tokens", 0) - len(cut) / 4) <= 1, (usage, cut)
+    spent = rt.budget(sid).spent["tokens"]
+    assert spent == usage["prompt_tokens"] + usage.get("completion_tokens", 0), (spent, usage)
+    return usage

@@ -728,6 +728,90 @@ def test_each_response_counts_against_a_budget_as_it_streams_so_a_budget_stops_t
     assert rt.budget(child).spent["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+# What one response of 1,000 prompt and 100 completion tokens costs at Sonnet's list price
+# ($3 and $15 a million), in micro-dollars: the CLI's own figure for it
+SPEND = {"input_tokens": 1000, "output_tokens": 100}
+SPEND_MICROUSD = 1000 * 3 + 100 * 15
+
+
+def test_a_cost_budget_stops_the_cli_within_one_response_of_the_one_that_crossed_it(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    # No model.price: each response is priced as it streams, not at the turn's end. The
+    # third reply never ends: only a stop ends this turn.
+    rec = Recorder(rt)
+    replies: list[dict[str, Any]] = [
+        {"text": "Step one.", "tool_calls": [_bash("echo one")], "usage": SPEND},
+        {"text": "Step two.", "tool_calls": [_bash("echo two")], "usage": SPEND},
+        {"text": "Step three, at length " * 10, "chunk": 8, "hang": True, "usage": SPEND},
+        {"text": "Step four.", "tool_calls": [_bash("echo four")], "usage": SPEND},
+        {"text": "Done.", "usage": SPEND},
+    ]
+    server.script(MODEL, replies)
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, tmp_path / "home")
+    budget = {"cost_usd": 0.008, "on_soft": "none"}  # crossed by the second response
+    child = rt.spawn(root, AGENT, slug="claude", config=config, budget=budget)
+    rt.send(child, "work", authority=User(parent=root))
+    ended = rec.turn_ended(child, timeout=TIMEOUT)
+    assert ended["outcome"] == "cancelled" and ended["by"] == "budget", ended
+    # at most the request the CLI had sent before the stop arrived went out after it
+    assert len(server.requests_for(MODEL)) <= 3, len(server.requests_for(MODEL))
+    usage = rt.turns(child)[0].usage
+    assert usage is not None and usage["cost_microusd"] >= 2 * SPEND_MICROUSD, usage
+    assert rt.budget(child).spent["cost_usd"] == usage["cost_microusd"] / 1_000_000
+
+
+def test_an_aborted_turn_counts_the_cost_of_the_responses_it_had(
+    rt: tether.Runtime, server: ModelServer, tmp_path: Path
+) -> None:
+    rec = Recorder(rt)
+    started, release = tmp_path / "started", tmp_path / "release"
+    wait = f"touch {started}; while [ ! -e {release} ]; do sleep 0.1; done"
+    server.script(MODEL, [{"text": "Waiting.", "tool_calls": [_bash(wait)], "usage": SPEND}])
+    root = rt.open_session(SCRIPTED)
+    config = _config(server, tmp_path / "home")
+    child = rt.spawn(root, AGENT, slug="claude", config=config, budget={"cost_usd": 1.0})
+    rt.send(child, "wait", authority=User(parent=root))
+    eventually(started.exists, timeout=TIMEOUT, what="the command to run")
+    rt.interrupt(child, authority=User(parent=root), kind="abort", reason="enough")
+    assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "aborted"
+    usage = rt.turns(child)[0].usage
+    assert usage is not None, "the aborted turn cost nothing"
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1000, 100), usage
+    assert usage["cost_microusd"] == SPEND_MICROUSD, usage
+    assert rt.budget(child).spent["cost_usd"] == SPEND_MICROUSD / 1_000_000
+
+
+def test_a_reply_cut_by_a_cancel_counts_the_servers_prompt_and_what_streamed_as_estimated(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    text = "I am halfway through a long answer about everything"
+    usage_given = {"input_tokens": 1234, "output_tokens": 999}  # the 999 never arrives
+    with runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        server.script(MODEL, [{"text": text, "chunk": 4, "hang": True, "usage": usage_given}])
+        root = rt.open_session(SCRIPTED)
+        config = _config(server, tmp_path / "home")
+        child = rt.spawn(root, AGENT, slug="claude", config=config, budget={"tokens": 10**6})
+        me = User(parent=root)
+        rt.send(child, "tell me everything", authority=me)
+        server.wait_requests(1, script=MODEL, timeout=TIMEOUT)
+        server.wait_for(lambda s: s.requests_for(MODEL)[0].hanging, what="the hang")
+        eventually(lambda: all_read(server), timeout=10.0, what="the CLI to read what was sent")
+        rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+        assert rec.turn_ended(child, timeout=TIMEOUT)["outcome"] == "cancelled"
+        cut = "".join(texts(rt, child, "assistant"))
+        usage = rt.turns(child)[0].usage
+        assert usage is not None and usage.get("estimated") is True, usage
+        assert usage["prompt_tokens"] == 1234  # the server's own count, from its stream
+        assert abs(usage["completion_tokens"] - len(cut) / 4) <= 1, (usage, cut)
+        cost = 1234 * 3 + usage["completion_tokens"] * 15
+        assert usage["cost_microusd"] == cost, usage
+        spent = rt.budget(child).spent["tokens"]
+        assert spent == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 def test_a_tool_call_the_cli_refuses_by_itself_is_named_and_follows_the_reply_that_asked(
     rt: tether.Runtime, server: ModelServer, tmp_path: Path
 ) -> None:

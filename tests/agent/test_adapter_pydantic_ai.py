@@ -28,7 +28,15 @@ from drivers import (
     runtime,
     texts,
 )
-from model_helpers import CUT_REPLIES, all_read, cut_every_time, last_notice, mcp_files, talking_to
+from model_helpers import (
+    CUT_REPLIES,
+    all_read,
+    assert_cut_reply_counted,
+    cut_every_time,
+    last_notice,
+    mcp_files,
+    talking_to,
+)
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import read_log
@@ -155,6 +163,29 @@ def test_a_cancel_mid_stream_closes_the_connection_and_keeps_the_partial_reply(
         ("assistant", cut.text),
         ("user", "go on"),
     ]
+
+
+def test_a_reply_cut_by_a_cancel_counts_its_prompt_and_what_streamed_as_estimated_usage(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    # The stream's usage chunk comes at its end, which a cut reply never reaches
+    rec = Recorder(rt)
+    script = "pyd-cut-costs"
+    server.script(
+        script, [{"text": "I am halfway through a long answer", "chunk": 4, "hang": True}]
+    )
+    config = _config(server, script)
+    _root, child, me = family(
+        rt, ADAPTER, root_driver=SCRIPTED, slug="agent", config=config, budget={"tokens": 10**6}
+    )
+    rt.send(child, "tell me everything", authority=me)
+    [request] = server.wait_requests(1, script=script, timeout=60.0)
+    server.wait_for(lambda s: s.requests_for(script)[0].hanging, what="the hang")
+    eventually(lambda: all_read(server), timeout=10.0, what="the agent to read what was sent")
+
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "cancelled"
+    assert_cut_reply_counted(rt, child, request, "".join(texts(rt, child, "assistant")))
 
 
 def test_a_cancel_while_a_tool_runs_ends_the_turn_and_the_next_turn_sees_the_call_stopped(

@@ -41,7 +41,15 @@ from drivers import (
     wait_entry,
     worker_with_tool,
 )
-from model_helpers import CUT_REPLIES, all_read, cut_every_time, last_notice, mcp_files, talking_to
+from model_helpers import (
+    CUT_REPLIES,
+    all_read,
+    assert_cut_reply_counted,
+    cut_every_time,
+    last_notice,
+    mcp_files,
+    talking_to,
+)
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import LOG_ENV, read_log
@@ -162,6 +170,32 @@ def test_a_cancel_mid_stream_closes_the_connection_before_the_turn_ends_and_keep
     assert entries(rt, child, "assistant")[-1].data == {"cut": True}
     notice = last_notice(rt, root)
     assert (notice["outcome"], notice["partial"]) == ("cancelled", cut)
+
+
+def test_a_reply_cut_by_a_cancel_counts_its_prompt_and_what_streamed_as_estimated_usage(
+    rt: tether.Runtime, server: ModelServer
+) -> None:
+    # The stream's usage chunk comes at its end, which a cut reply never reaches
+    rec = Recorder(rt)
+    script = "cut-costs"
+    text = "I am halfway through a long answer"
+    server.script(script, [{"text": text, "chunk": 4, "hang": True}])
+    _root, child, me = family(
+        rt,
+        CHAT,
+        root_driver=SCRIPTED,
+        slug="agent",
+        config=_config(server, script),
+        budget={"tokens": 1_000_000},
+    )
+    rt.send(child, "tell me everything", authority=me)
+    [request] = server.wait_requests(1, script=script, timeout=30.0)
+    server.wait_for(lambda s: s.requests_for(script)[0].hanging, what="the hang")
+    eventually(lambda: all_read(server), timeout=10.0, what="the agent to read what was sent")
+
+    rt.interrupt(child, authority=me, kind="cancel", reason="enough")
+    assert rec.turn_ended(child, timeout=30.0)["outcome"] == "cancelled"
+    assert_cut_reply_counted(rt, child, request, "".join(texts(rt, child, "assistant")))
 
 
 def test_a_steer_sent_mid_stream_reaches_the_next_request_as_a_steer_message(

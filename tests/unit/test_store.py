@@ -190,6 +190,19 @@ def test_a_turns_record_has_its_ends_usage_and_a_turn_with_no_end_what_it_report
     assert gov.ended("t_3") == {"prompt_tokens": 3 * _PENDING_MOST}
 
 
+def test_a_killed_turns_record_says_estimated_once_whatever_many_reports_estimated() -> None:
+    # what two cut replies reported, then a kill: no end, so the record is the reports'
+    gov = Governor(store=Store(), act=lambda step: None, subtree=lambda sid: [])
+    assert gov.start("s_a", (), "t_1")
+    gov.usage("s_a", "t_1", {"prompt_tokens": 5, "estimated": True})
+    gov.usage("s_a", "t_1", {"prompt_tokens": 6, "completion_tokens": 2})
+    gov.usage("s_a", "t_1", {"prompt_tokens": 7, "estimated": True})
+    usage = gov.ended("t_1")
+    assert usage == {"prompt_tokens": 18, "completion_tokens": 2, "estimated": True}
+    assert usage["estimated"] is True  # a flag, not a count of the reports
+    assert gov.status("s_a", ()).spent["tokens"] == 20
+
+
 def test_reports_racing_the_stores_writes_are_never_lost_nor_seen_out_of_order(
     tmp_path: Path,
 ) -> None:

@@ -34,7 +34,14 @@ import structlog
 
 from tether.actors.clock import SYSTEM_CLOCK, Clock, Timer
 from tether.actors.ports import Durable
-from tether.wire.budget import Budget, BudgetState, BudgetStatus, limit_text, spent_text
+from tether.wire.budget import (
+    Budget,
+    BudgetState,
+    BudgetStatus,
+    limit_text,
+    merge_usage,
+    spent_text,
+)
 from tether.wire.errors import BudgetExhausted, InvalidParams
 
 __all__ = ["Governor", "Spent", "SpentStore", "StateStep", "Step", "StepKind", "TurnStep"]
@@ -153,8 +160,7 @@ def _merged(run: _Run) -> dict[str, int]:
     """``run``'s usage with its pending reports added (under the governor's lock)."""
     total = run.usage
     for delta in run.pending:
-        for key, value in delta.items():
-            total[key] = total.get(key, 0) + value
+        merge_usage(total, delta)
     run.pending.clear()
     return total
 

@@ -150,6 +150,24 @@ class _Reply:
         ]
 
 
+@dataclass
+class _Response:
+    """One model response as its stream counts it: its figures so far (the Anthropic
+    wire's usage keys), what was reported of it (prompt and completion tokens,
+    micro-dollars), and the characters of content it streamed."""
+
+    model: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    counted: tuple[int, int, int] = (0, 0, 0)
+    chars: int = 0
+    stop: str | None = None  # its stop reason (its message_delta's): none if it was cut
+
+
+_COUNTS = ("prompt_tokens", "completion_tokens", "cost_microusd")
+# What a content delta streams, by its type (text, a tool call's input, thinking)
+_STREAMED = ("text", "partial_json", "thinking")
+
+
 def _kind(obj: Any) -> str:
     return type(obj).__name__
 
@@ -194,8 +212,11 @@ class _Turn:
         self.before: set[int] = set()  # the worker's children before the CLI started
         self.said = ""  # the last reply text said this turn
         self.mcp_preempted: set[str] = set()  # preempted texts MCP calls gave the CLI
-        self.prompt = 0  # the streaming response's prompt tokens (its message_start)
-        self.reported = [0, 0]  # prompt and completion tokens reported this turn
+        # The responses streaming now, by the tool call whose subagent asked (None: the
+        # turn's own): what each has counted so far
+        self.responses: dict[str | None, _Response] = {}
+        self.reported = [0, 0, 0]  # prompt and completion tokens, micro-dollars, this turn
+        self.priced = bool((ctx.config.get("model") or {}).get("price"))  # by the context
         self.deltas = 0  # content deltas the CLI streamed to us this turn
         self.missed: list[str] = []  # earlier turns' user texts the saved session lacks
         self.held: list[Any] = []  # tool results of the reply still streaming
@@ -225,6 +246,7 @@ class _Turn:
         ctx.progress()  # every message from the CLI is progress for the stall watchdog
         name = _kind(msg)
         if name == "StreamEvent":
+            self._response_usage(msg.parent_tool_use_id, msg.event)
             self._event(msg.event)
         elif name == "AssistantMessage":
             if msg.parent_tool_use_id is None:
@@ -238,14 +260,16 @@ class _Turn:
                     if _kind(block) == "ToolResultBlock":
                         self._tool_result(block)
         elif name == "ResultMessage":
+            self.cut_usage()  # a response still open at the end never ends
             self._usage(msg)
             return msg
         return None
 
     def _usage(self, result: Any) -> None:
-        """The turn's result: what its responses' stream events did not report yet (the
-        CLI's totals minus what was reported), and the cost the CLI computed, unless
-        ``model.price`` priced each response already (both would count it twice)."""
+        """The turn's result: what its responses' stream events did not report (the CLI's
+        totals beyond what was reported), and its cost beyond what the responses' list
+        prices came to (the CLI knows its models' prices best), unless ``model.price``
+        priced each response (the CLI's figure would count it twice)."""
         usage = result.usage or {}
         delta: dict[str, int] = {}
         if usage:
@@ -256,31 +280,85 @@ class _Turn:
             if completion > 0:
                 delta["completion_tokens"] = completion
         cost = result.total_cost_usd
-        priced = bool((self.ctx.config.get("model") or {}).get("price"))
-        if isinstance(cost, (int, float)) and cost > 0 and not priced:
+        if isinstance(cost, (int, float)) and not self.priced:
             # TurnRecord.usage holds ints: the cost in millionths of a dollar
-            delta["cost_microusd"] = round(float(cost) * 1_000_000)
+            beyond = round(float(cost) * 1_000_000) - self.reported[2]
+            if beyond > 0:
+                delta["cost_microusd"] = beyond
         if delta:
             self.ctx.add_usage(delta)
 
-    def _response_usage(self, kind: Any, event: dict[str, Any]) -> None:
-        """Each model response's tokens as its stream reports them (the prompt at its
-        start, the completion at its end), so that a budget acts within the turn."""
+    def _response_usage(self, parent: str | None, event: dict[str, Any]) -> None:
+        """Each model response counted as its stream reports it (the prompt at its start,
+        the completion at its end), priced as it comes, so that a budget acts within one
+        response (the CLI's own cost comes only with its result)."""
+        kind = event.get("type")
         if kind == "message_start":
-            self.prompt = _prompt_tokens((event.get("message") or {}).get("usage") or {})
+            message = event.get("message") or {}
+            broken = self.responses.get(parent)
+            if broken is not None:  # it never ended: a retry follows a broken stream
+                self._count(broken, {}, cut=True)
+            started = self.responses[parent] = _Response(str(message.get("model") or self.model))
+            self._count(started, message.get("usage") or {})
+            return
+        response = self.responses.get(parent)
+        if response is None:
+            return
+        if kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            response.chars += sum(len(str(delta.get(k) or "")) for k in _STREAMED)
         elif kind == "message_delta":
-            completion = int((event.get("usage") or {}).get("output_tokens") or 0)
-            if self.prompt or completion:
-                self.ctx.add_usage({"prompt_tokens": self.prompt, "completion_tokens": completion})
-                self.reported[0] += self.prompt
-                self.reported[1] += completion
-            self.prompt = 0
+            response.stop = (event.get("delta") or {}).get("stop_reason")
+            self._count(response, event.get("usage") or {})
+        elif kind == "message_stop":
+            # the CLI ends a stream its interrupt cut with a stop of no reason
+            del self.responses[parent]
+            self._count(response, {}, cut=not response.stop)
+
+    def _count(self, response: _Response, usage: dict[str, Any], *, cut: bool = False) -> None:
+        """Report what ``response`` has cost beyond what it reported: its figures so far
+        (``usage``'s, which are cumulative, merged in); ``cut``: it will not end, so its
+        completion is at least what streamed, estimated."""
+        figures = response.figures
+        figures.update({k: v for k, v in usage.items() if v is not None})
+        prompt = _prompt_tokens(figures)
+        completion = int(figures.get("output_tokens") or 0)
+        # a stream's completion figure before its end is no count of what streamed (its
+        # start says 0 or 1): a cut one counts at least what streamed
+        estimated = cut and chat._tokens_in(response.chars) > completion
+        if estimated:
+            completion = chat._tokens_in(response.chars)
+        cost = 0 if self.priced else _list_cost(response.model, figures, completion)
+        counts = (prompt, completion, cost)
+        delta: dict[str, int | bool] = {
+            key: now - before
+            for key, now, before in zip(_COUNTS, counts, response.counted, strict=True)
+            if now > before
+        }
+        if not delta:
+            return
+        response.counted = (
+            max(prompt, response.counted[0]),
+            max(completion, response.counted[1]),
+            max(cost, response.counted[2]),
+        )
+        for i, key in enumerate(_COUNTS):
+            self.reported[i] += int(delta.get(key, 0))
+        if estimated:
+            delta["estimated"] = True
+        self.ctx.add_usage(delta)
+
+    def cut_usage(self) -> None:
+        """The responses an interrupt cut (their streams will not end): what streamed of
+        each counted at least (semantics §15.2)."""
+        responses, self.responses = self.responses, {}
+        for response in responses.values():
+            self._count(response, {}, cut=True)
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
         if spans.on():
             self._chat_event(kind, event)
-        self._response_usage(kind, event)
         if kind == "message_start":
             self._flush()
             self.reply = _Reply()
@@ -653,6 +731,7 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
             raise  # not this turn's cancel
         steering.cancel()
         result = await _wrap_up(client, turn)
+        turn.cut_usage()  # with no result from the CLI, its cut response counts still
         # a session that never took this turn's message is not this turn's to keep: the
         # next turn resumes the one before and tells the CLI this message again
         return turn.finish(_save(home, turn) if turn.prompted else None)
@@ -984,6 +1063,40 @@ def _mcp_handler(ctx: AsyncTurnContext, tools: McpTools, name: str, told: set[st
         return {"content": [{"type": "text", "text": text}]}
 
     return call
+
+
+# Anthropic's list prices, dollars per million input and output tokens, by model id
+# prefix (the first that matches): each response is priced as it streams, so that a cost
+# budget acts within the turn; the CLI's own figure, which comes with its result, adds
+# what these miss. A model not here is priced as the CLI prices a model it does not know.
+_LIST_PRICES: tuple[tuple[str, float, float], ...] = (
+    ("claude-opus-4-0", 15.0, 75.0),
+    ("claude-opus-4-1", 15.0, 75.0),
+    ("claude-opus-4-2025", 15.0, 75.0),  # Opus 4, by its dated id
+    ("claude-3-opus", 15.0, 75.0),
+    ("claude-opus-4", 5.0, 25.0),  # 4.5 and later
+    ("claude-sonnet-4", 3.0, 15.0),
+    ("claude-3-7-sonnet", 3.0, 15.0),
+    ("claude-3-5-sonnet", 3.0, 15.0),
+    ("claude-haiku-4", 1.0, 5.0),
+    ("claude-3-5-haiku", 0.8, 4.0),
+    ("claude-3-haiku", 0.25, 1.25),
+)
+_UNKNOWN_PRICE = (5.0, 25.0)
+
+
+def _list_cost(model: str, usage: dict[str, Any], completion: int) -> int:
+    """What a response costs at its model's list price, in micro-dollars (a token at $X
+    per million costs X): cache writes at 1.25 times the input price (2 for an hour's),
+    cache reads at a tenth."""
+    given, out = next(((i, o) for p, i, o in _LIST_PRICES if model.startswith(p)), _UNKNOWN_PRICE)
+    writes = int(usage.get("cache_creation_input_tokens") or 0)
+    hour = min(
+        int((usage.get("cache_creation") or {}).get("ephemeral_1h_input_tokens") or 0), writes
+    )
+    reads = int(usage.get("cache_read_input_tokens") or 0)
+    sent = int(usage.get("input_tokens") or 0) + 1.25 * (writes - hour) + 2 * hour + 0.1 * reads
+    return round(given * sent + out * completion)
 
 
 def _prompt_tokens(usage: dict[str, Any]) -> int:

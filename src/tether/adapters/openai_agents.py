@@ -26,6 +26,7 @@ from tether.adapters._factory import check_factory
 from tether.agents.chat import (
     ModelError,
     _Config,
+    _cut_usage,
     _describe,
     _host_schemas,
     _max_duration,
@@ -116,6 +117,11 @@ class _Run:
     events: int = 0  # streamed events seen: what a cancel's drain watches move
     steers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (place, msg)
     asked: list[dict[str, Any]] = field(default_factory=list)  # the last reply's calls
+    # The request sent now (``stream_response``'s arguments), and the one whose answer
+    # began but has not ended: what it cost if it is cut, with the characters it streamed
+    sending: dict[str, Any] | None = None
+    open: dict[str, Any] | None = None
+    streamed: int = 0
 
     async def prepare(self, agent: Any, *, model: bool) -> Any:
         """The factory's agent with this session's model, usage asked for in streams,
@@ -222,12 +228,20 @@ class _Run:
         self.events += 1
         self.ctx.progress()
         kind = getattr(event, "type", "")
+        if self.open is None:  # the request's answer began: it costs from here on
+            self.open, self.streamed = self.sending, 0
         if kind == "response.created":
             self.partial = ""
         elif kind == "response.output_text.delta":
             self.partial += event.delta
+            self.streamed += len(event.delta)
+        elif kind == "response.function_call_arguments.delta":
+            self.streamed += len(event.delta)
+        elif kind == "response.output_item.added":
+            self.streamed += len(getattr(event.item, "name", None) or "")
         elif kind == "response.completed":
             self.partial = ""
+            self.open = None
             self._reply(event.response)
 
     def _reply(self, response: Any) -> None:
@@ -248,10 +262,23 @@ class _Run:
         return self.events
 
     def keep_partial(self) -> None:
-        """A cut reply: what arrived is kept (``cut``), as ChatAgent keeps it."""
+        """A cut reply: what arrived is kept (``cut``), as ChatAgent keeps it, and its
+        request counted."""
+        usage = self._cut_usage()
         if self.partial:
-            self.ctx.say(self.partial, data={"cut": True})
+            self.ctx.say(self.partial, data={"cut": True}, usage=usage)
             self.partial = ""
+        elif usage is not None:
+            self.ctx.add_usage(usage)
+
+    def _cut_usage(self) -> dict[str, int | bool] | None:
+        """What the request whose answer was cut cost, at least (semantics §15.2): the
+        SDK's stream reports usage only with its end, so estimates (None: no answer had
+        begun)."""
+        sent, self.open = self.open, None
+        if sent is None:
+            return None
+        return _cut_usage(0, 0, lambda: _sent(sent), self.streamed)
 
     # ---- tools ---------------------------------------------------------------------
 
@@ -370,6 +397,8 @@ class _Observed(Model):
         return response
 
     async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        self._run.sending = dict(zip(_STREAM_ARGS, args, strict=False)) | kwargs
+        self._run.open = None  # an earlier answer that broke off is the SDK's to retry
         # a span opened and ended by hand: an async generator may be closed elsewhere
         span = spans.open_chat("openai", self._name)
         try:
@@ -499,6 +528,33 @@ def _paired(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(item)
     close()
     return out
+
+
+# ``Model.stream_response``'s leading arguments, by name: what a request sends
+_STREAM_ARGS = (
+    "system_instructions",
+    "input",
+    "model_settings",
+    "tools",
+    "output_schema",
+    "handoffs",
+)
+
+
+def _sent(request: dict[str, Any]) -> str:
+    """A request's instructions, input items and tool schemas about as the wire carries
+    them (JSON), for the estimate of a cut reply's prompt."""
+    tools = [
+        {
+            "name": getattr(t, "name", None) or getattr(t, "tool_name", ""),
+            "description": getattr(t, "description", None) or getattr(t, "tool_description", ""),
+            "parameters": getattr(t, "params_json_schema", None)
+            or getattr(t, "input_json_schema", None),
+        }
+        for t in [*(request.get("tools") or ()), *(request.get("handoffs") or ())]
+    ]
+    sent = [request.get("system_instructions") or "", request.get("input") or "", tools]
+    return json.dumps(sent, ensure_ascii=False, default=str)
 
 
 def _usage(usage: Any) -> dict[str, int] | None:

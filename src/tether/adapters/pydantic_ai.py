@@ -191,6 +191,8 @@ class _Turn:
         self.offered: list[dict[str, Any]] = []  # the MCP tools' schemas this turn
         self.steers = SteerRelay(ctx)
         self.enqueued: dict[str, Steer] = {}  # the framework's enqueue id -> its steer
+        # The request whose reply is not said yet: what it sent, and its stream (opened)
+        self.open: tuple[list[Any], Any] | None = None
 
     async def _mcp(self) -> McpTools | None:
         """The config's MCP servers, opened by Tether (kept across the worker's turns)."""
@@ -280,6 +282,8 @@ class _Turn:
         async def read() -> Any:
             nonlocal events
             async with node.stream(run.ctx) as stream:
+                # the request went out, its answer began: it costs from here on
+                self.open = (list(run.ctx.state.message_history), stream)
                 async for event in stream:
                     events += 1
                     self.ctx.progress()  # every streamed event is progress for the watchdog
@@ -312,6 +316,7 @@ class _Turn:
         from pydantic_ai.messages import TextPart
 
         self.partial = ""
+        self.open = None
         usage = {
             "prompt_tokens": int(response.usage.input_tokens or 0),
             "completion_tokens": int(response.usage.output_tokens or 0),
@@ -367,10 +372,14 @@ class _Turn:
         self.ctx.record_tool(part.model_response_str(), data=data)
 
     def cut(self) -> None:
-        """The turn was cancelled: keep the partial reply, with the run's messages so far."""
+        """The turn was cancelled: keep the partial reply, with the run's messages so far,
+        and count what its request cost."""
         from pydantic_ai.messages import ModelResponse, TextPart
 
+        usage = self._cut_usage()
         if not self.partial:
+            if usage is not None:
+                self.ctx.add_usage(usage)
             return
         chunk = self._unsaved()
         if not chunk or not isinstance(chunk[-1], ModelResponse):
@@ -378,14 +387,60 @@ class _Turn:
             # not, what arrived is added, so the next turn sees what the model said
             chunk.append(ModelResponse(parts=[TextPart(self.partial)]))
         self.saved += len(chunk)
-        self.ctx.say(self.partial, data={"cut": True, _KEY: _dump(chunk)})
+        self.ctx.say(self.partial, data={"cut": True, _KEY: _dump(chunk)}, usage=usage)
         self.partial = ""
+
+    def _cut_usage(self) -> dict[str, int | bool] | None:
+        """What the request whose reply was not said cost, at least (semantics §15.2): the
+        server's counts of it where the stream gave them, else estimates (None: no
+        request had begun answering)."""
+        opened, self.open = self.open, None
+        if opened is None:
+            return None
+        sent, stream = opened
+        response = stream.response
+        usage = response.usage
+        # the stream's tool schemas were sent too; its parameters are not public
+        params = getattr(stream, "_model_request_parameters", None)
+        return chat._cut_usage(
+            int(usage.input_tokens or 0),
+            int(usage.output_tokens or 0),
+            lambda: _sent(sent, params),
+            sum(len(_part_text(p)) for p in response.parts),
+        )
 
 
 def _model_name(model: Any, agent: Any) -> str:
     """The model a request goes to, for its span's name."""
     chosen = model if model is not None else getattr(agent, "model", None)
     return str(getattr(chosen, "model_name", None) or chosen or "default")
+
+
+def _part_text(part: Any) -> str:
+    """What a message part carries to or from the model, as text."""
+    from pydantic_ai.messages import ToolCallPart
+
+    if isinstance(part, ToolCallPart):
+        return part.tool_name + part.args_as_json_str()
+    if hasattr(part, "model_response_str"):  # a tool's result
+        return str(part.model_response_str())
+    content = getattr(part, "content", "")
+    return content if isinstance(content, str) else json.dumps(content, default=str)
+
+
+def _sent(messages: list[Any], params: Any) -> str:
+    """A request's messages and tool schemas about as the wire carries them (JSON), for
+    the estimate of a cut reply's prompt."""
+    items: list[Any] = []
+    for m in messages:
+        if getattr(m, "instructions", None):
+            items.append({"role": "system", "content": m.instructions})
+        items += [{"role": p.part_kind, "content": _part_text(p)} for p in m.parts]
+    tools = [
+        {"name": t.name, "description": t.description, "parameters": t.parameters_json_schema}
+        for t in getattr(params, "function_tools", None) or ()
+    ]
+    return json.dumps([items, tools], ensure_ascii=False, default=str)
 
 
 def _calls(response: Any) -> dict[str, Any]:

@@ -348,14 +348,17 @@ class ChatAgent:
                     await drained(read(), reply.progress)
                     _answered(span, reply)
             except asyncio.CancelledError:
+                # a response that began costs what was sent and what streamed, at least
+                usage = _usage(reply) if stream is None else _cut(reply, kwargs)
                 if reply.text:  # what arrived is kept
-                    ctx.say(reply.text, data={"cut": True}, usage=_usage(reply))
-                elif reply.usage is not None:
-                    ctx.add_usage(_usage(reply) or {})
+                    ctx.say(reply.text, data={"cut": True}, usage=usage)
+                elif usage is not None:
+                    ctx.add_usage(usage)
                 raise
             except (openai.APIConnectionError, openai.APIStatusError) as exc:
-                if reply.usage is not None:  # a response that failed after its usage
-                    ctx.add_usage(_usage(reply) or {})
+                usage = _usage(reply) if stream is None else _cut(reply, kwargs)
+                if usage is not None:  # a response that failed after it began
+                    ctx.add_usage(usage)
                 attempt = await _retry(ctx, cfg, exc, attempt)
                 continue
             finally:
@@ -558,6 +561,44 @@ def _usage(reply: _Reply) -> dict[str, int] | None:
         return None
     prompt, completion = reply.usage
     return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def _cut(reply: _Reply, kwargs: dict[str, Any]) -> dict[str, int | bool]:
+    """What a response cut before its end cost, at least: see ``_cut_usage``."""
+    prompt, completion = reply.usage or (0, 0)
+    calls = reply.calls.values()
+    streamed = len(reply.text) + sum(len(c["name"]) + len(c["arguments"]) for c in calls)
+    return _cut_usage(
+        prompt, completion, lambda: json.dumps(kwargs["extra_body"], ensure_ascii=False), streamed
+    )
+
+
+def _tokens_in(chars: int) -> int:
+    """About one token per four characters: the estimate where a server gave no count.
+    No tokenizer: the exact ones fetch their tables at run time, and a model's own is
+    unknown here anyway."""
+    return (chars + 3) // 4
+
+
+def _cut_usage(
+    prompt: int, completion: int, sent: Callable[[], str], streamed: int
+) -> dict[str, int | bool]:
+    """What a response cut before its end (its usage comes at a stream's end) cost, at
+    least (semantics §15.2): the prompt as the server counted it for this request
+    (``prompt``; 0: it gave none), else about a token per four characters of what was
+    sent (``sent()``); the completion as the server counted it, else the same estimate
+    of the ``streamed`` characters; ``estimated`` where any of it is an estimate."""
+    out: dict[str, int | bool] = {}
+    if not prompt:
+        prompt = _tokens_in(len(sent()))
+        out["estimated"] = True
+    if not completion and streamed:
+        completion = _tokens_in(streamed)
+        out["estimated"] = True
+    out["prompt_tokens"] = prompt
+    if completion:
+        out["completion_tokens"] = completion
+    return out
 
 
 def _server(model: _Model) -> dict[str, Any]:

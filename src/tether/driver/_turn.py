@@ -83,7 +83,7 @@ class _TurnState:
         # Held to start a command and to clean up after one: a clean-up that sweeps
         # every orphan (the last command out) never meets a command just forked.
         self.spawn_lock = threading.Lock()
-        self.usage: dict[str, int] = {}
+        self.usage: dict[str, int | bool] = {}
         # An async turn (driver/async_context.py) hooks in here; the reader thread calls
         # each hook outside the lock (``on_reply`` inside it: it only pops a waiter and
         # schedules a callback), and the hooks hand the work to the event loop.

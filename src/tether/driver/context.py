@@ -19,7 +19,7 @@ import msgspec
 from tether.driver._command import check_command, drain, wait_exit
 from tether.driver._turn import WorkerPort, _TurnState
 from tether.telemetry import spans
-from tether.wire.budget import cost_microusd
+from tether.wire.budget import cost_microusd, merge_usage
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -113,10 +113,11 @@ class BaseContext:
         each streamed chunk of a model reply. Rate-limited: call it as often as you like."""
         self._progress()
 
-    def add_usage(self, usage: Mapping[str, int]) -> None:
+    def add_usage(self, usage: Mapping[str, int | bool]) -> None:
         """Add one model response's token counts (``{"prompt_tokens": 12,
         "completion_tokens": 30}``, and ``cost_microusd`` where a framework reports a
-        cost) to the turn's ``TurnRecord.usage``. Sent to the host at once, for the
+        cost) to the turn's ``TurnRecord.usage``; ``"estimated": True`` where a count is
+        an estimate (a cut reply's, semantics §15.2). Sent to the host at once, for the
         tree's budget (semantics §16.2); with ``model.price`` in the config, the tokens'
         cost is added as ``cost_microusd``. A response whose reply is said at once can
         bring its usage with it instead: ``say(text, usage=...)``, one frame, not two."""
@@ -124,10 +125,10 @@ class BaseContext:
         if delta:
             self._worker.send(Usage(turn=self.turn, usage=delta))
 
-    def _counted(self, usage: Mapping[str, int]) -> dict[str, int] | None:
+    def _counted(self, usage: Mapping[str, int | bool]) -> dict[str, int | bool] | None:
         """``usage``'s non-zero counts, priced, added to the turn's total: the delta
-        to send (None when nothing counts)."""
-        delta = {
+        to send (None when nothing counts; the ``estimated`` flag alone is nothing)."""
+        delta: dict[str, int | bool] = {
             key: value
             for key, value in usage.items()
             if isinstance(value, int) and not isinstance(value, bool) and value
@@ -141,9 +142,9 @@ class BaseContext:
                     delta["cost_microusd"] = cost
         if not delta:
             return None
-        total = self._state.usage
-        for key, value in delta.items():
-            total[key] = total.get(key, 0) + value
+        if usage.get("estimated") is True:
+            delta["estimated"] = True
+        merge_usage(self._state.usage, delta)
         return delta
 
     def say(
@@ -151,7 +152,7 @@ class BaseContext:
         text: str,
         *,
         data: dict[str, Any] | None = None,
-        usage: Mapping[str, int] | None = None,
+        usage: Mapping[str, int | bool] | None = None,
     ) -> None:
         """Append an assistant entry to the transcript; with ``usage``, the model
         response it is the reply of is counted as ``add_usage`` counts it, in the same

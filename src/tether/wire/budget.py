@@ -7,6 +7,7 @@ micro-dollars (``cost_microusd``), so sums never drift; the API speaks ``cost_us
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -23,6 +24,7 @@ __all__ = [
     "check_price",
     "cost_microusd",
     "limit_text",
+    "merge_usage",
     "parse_budget",
     "spent_text",
 ]
@@ -147,6 +149,17 @@ def cost_microusd(price: dict[str, Any], prompt: int, completion: int) -> int:
     cost = prompt * float(price.get("input_per_mtok") or 0.0)
     cost += completion * float(price.get("output_per_mtok") or 0.0)
     return round(cost)
+
+
+def merge_usage(total: dict[str, int | bool], delta: Mapping[str, int | bool]) -> None:
+    """Add ``delta``'s counts into ``total``. ``estimated`` is a flag, not a count: true
+    once any part of the total is an estimate (semantics §15.2, a cut reply)."""
+    for key, value in delta.items():
+        if key == "estimated":
+            if value:
+                total[key] = True
+        else:
+            total[key] = total.get(key, 0) + value
 
 
 def _amount(key: str, value: float) -> str:

@@ -231,7 +231,7 @@ class Say(msgspec.Struct, frozen=True, tag="say"):
     data: dict[str, Any] | None = None
     # The usage of the model response this is the reply of (``ctx.say(..., usage=...)``):
     # counted as a ``Usage`` frame's, one frame instead of two.
-    usage: dict[str, int] | None = None
+    usage: dict[str, int | bool] | None = None
 
 
 class ToolCall(msgspec.Struct, frozen=True, tag="call"):
@@ -282,7 +282,7 @@ class TurnEnd(msgspec.Struct, frozen=True, tag="end"):
     final: str | None = None
     error: str | None = None
     # Token usage the driver reported (``ctx.add_usage``), summed over the turn.
-    usage: dict[str, int] | None = None
+    usage: dict[str, int | bool] | None = None
 
 
 ToolFateName = Literal["returned", "preempted", "cancelled", "abandoned", "killed", "shielded"]
@@ -320,11 +320,12 @@ class Progress(msgspec.Struct, frozen=True, tag="progress"):
 class Usage(msgspec.Struct, frozen=True, tag="usage"):
     """What one model response cost (``ctx.add_usage``), sent as it is reported so the
     host's budgets (semantics §16.2) see it at once: a delta, e.g. ``{"prompt_tokens": 12,
-    "completion_tokens": 30, "cost_microusd": 240}``. The turn's sum still comes in its
-    ``TurnEnd``."""
+    "completion_tokens": 30, "cost_microusd": 240}``, and ``"estimated": true`` where a
+    count is an estimate (a cut reply's, semantics §15.2). The turn's sum still comes in
+    its ``TurnEnd``."""
 
     turn: str
-    usage: dict[str, int]
+    usage: dict[str, int | bool]
 
 
 class Escalating(msgspec.Struct, frozen=True, tag="escalating"):

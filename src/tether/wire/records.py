@@ -186,7 +186,8 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     woken_by: str | None = None
     # Token usage summed over the turn's model requests (semantics §15.2), e.g.
     # {"prompt_tokens": 12, "completion_tokens": 30}; None when nothing reported any.
-    usage: dict[str, int] | None = None
+    # ``"estimated": true`` when some of it is an estimate (a reply cut by a stop).
+    usage: dict[str, int | bool] | None = None
     # What the turn's cgroup counted (semantics §15.5): {"cpu_ms", "processes",
     # "memory_peak_mb"}, each only where its controller is available; None without one.
     resources: dict[str, float] | None = None
