@@ -24,9 +24,18 @@ from http.client import HTTPException, HTTPResponse
 from typing import Any, Final
 from urllib.parse import urlencode
 
-__all__ = ["DEFAULT_URL", "Client", "EventStream", "RpcError", "ServerEvent", "in_background"]
+__all__ = [
+    "BATCH",
+    "DEFAULT_URL",
+    "Client",
+    "EventStream",
+    "RpcError",
+    "ServerEvent",
+    "in_background",
+]
 
 DEFAULT_URL: Final = "http://127.0.0.1:7777"
+BATCH: Final = 100  # calls in one request, the server's bound (serve.rpc.MAX_BATCH)
 _STREAM_TIMEOUT: Final = 60.0  # the server sends a heartbeat every 15 s of silence
 
 _HTTP_CODES: Final = {401: "unauthorized", 403: "forbidden", 404: "not-found", 413: "too-large"}
@@ -95,11 +104,15 @@ class Client:
         return _result(answer)
 
     def batch(self, calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-        """Several calls in one request (the server runs them in order): each one's
-        ``result``, or the ``RpcError`` that refused it, in the order given. A failure of
-        the request itself raises."""
-        if not calls:
-            return []
+        """Several calls, in requests of at most ``BATCH`` (the server runs each request's
+        calls in order): each call's ``result``, or the ``RpcError`` that refused it, in the
+        order given. A failure of a request itself raises."""
+        out: list[Any] = []
+        for start in range(0, len(calls), BATCH):
+            out += self._batch(calls[start : start + BATCH])
+        return out
+
+    def _batch(self, calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
         # Ids need only tell the calls of this one request apart.
         body = [
             {"jsonrpc": "2.0", "id": i, "method": method, "params": params}
@@ -113,7 +126,7 @@ class Client:
         )
         with self._open(request, self._timeout) as response:
             answers = json.loads(response.read())
-        if not isinstance(answers, list):  # the batch as a whole was refused
+        if not isinstance(answers, list):  # the request as a whole was refused
             _result(answers)
             raise RpcError("internal", "the server answered a batch with one answer")
         by_id = {a.get("id"): a for a in answers if isinstance(a, dict)}

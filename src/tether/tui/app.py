@@ -45,7 +45,6 @@ _VIEW_DELAY: Final = 0.03  # a burst of the selected session's events: one read
 _BUDGET_DELAY: Final = 0.15
 _PAGE: Final = 500  # transcript entries a call
 _PAGES: Final = 4  # a view read reads at most this many pages, then goes on next time
-_BATCH: Final = 100  # calls in one request (the server's bound)
 
 _STOP_ITEMS: Final = [
     ("s", "Steer: guidance it reads at its next boundary, then goes on", "steer"),
@@ -408,12 +407,8 @@ class TetherTui(App[None]):
             return
 
         def work() -> list[tuple[str, Any]]:
-            out: list[tuple[str, Any]] = []
-            for i in range(0, len(ids), _BATCH):
-                chunk = ids[i : i + _BATCH]
-                answers = self.client.batch([("subagent.budget", {"session": s}) for s in chunk])
-                out += zip(chunk, answers, strict=True)
-            return out
+            answers = self.client.batch([("subagent.budget", {"session": s}) for s in ids])
+            return list(zip(ids, answers, strict=True))
 
         def done(got: list[tuple[str, Any]]) -> None:
             if self.model.root != root:

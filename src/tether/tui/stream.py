@@ -53,6 +53,7 @@ class Feed:
         self._stopped = threading.Event()
         self._stream: EventStream | None = None
         self.last_id: int | None = None
+        self.received = 0  # events handed over so far
         self._thread = threading.Thread(target=self._run, name="tether-tui-events", daemon=True)
 
     def start(self) -> None:
@@ -79,6 +80,7 @@ class Feed:
         with self._lock:
             was_empty = not self._queue
             self._queue.append(event)
+            self.received += 1
         if was_empty:
             self._wake()
 
