@@ -350,9 +350,11 @@ def test_pause_resume_subtree_stop_and_a_refusal_on_one_line(server: LiveServer)
                 await off_loop(server.wait_state, sid, "parked", "idle")
                 assert _last_turn(server, sid)["outcome"] == "aborted"
             await until(lambda: app.model.rows[gk].state in ("parked", "idle"), "the tree")
-            # Nothing runs now: z says so on one line.
+            # Where nothing runs (the writer, idle: the lead may be running a turn for its
+            # children's notices now), z says so on one line.
+            await _select(pilot, app, ids["writer"])
             await pilot.press("z")
-            await until(lambda: app.said == "nothing to pause: lead has no running turn", "z")
+            await until(lambda: app.said == "nothing to pause: writer has no running turn", "z")
 
         # A refused action is one line, never a traceback: a name the server refuses.
         bad = _app(server, lead, name="al\x1bice")
@@ -508,7 +510,8 @@ class _Tmux:
             "display-message", "-p", "-t", self.session, "#{pane_dead} #{pane_dead_status}"
         )
         dead, _, status = shown.strip().partition(" ")
-        return int(status) if dead == "1" else None
+        # (tmux may say the pane is dead a moment before it has its status)
+        return int(status) if dead == "1" and status else None
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
@@ -577,7 +580,10 @@ def test_every_key_in_a_real_terminal(server: LiveServer) -> None:
         tui.shows("grandkid  parked")
         # q quits, with status 0.
         tui.keys("q")
-        assert wait_until(lambda: tui.exit_status() is not None, what="tether tui to exit")
+        try:
+            wait_until(lambda: tui.exit_status() is not None, timeout=30, what="the exit")
+        except AssertionError:
+            raise AssertionError(f"tether tui did not exit on q:\n{tui.screen()}") from None
         assert tui.exit_status() == 0
     finally:
         tui.close()

@@ -89,7 +89,7 @@ class TetherTui(App[None]):
     CSS = """
     #link { height: 1; background: $panel; padding: 0 1; }
     #main { height: 1fr; }
-    #tree { width: 50%; border-right: solid $panel-lighten-2; }
+    #tree { width: 50%; border-right: solid $panel-lighten-2; overflow-x: hidden; }
     #session { width: 1fr; }
     #facts { height: auto; padding: 0 1; border-bottom: solid $panel-lighten-2; }
     #panes { height: 1fr; }
@@ -293,9 +293,10 @@ class TetherTui(App[None]):
             if self.model.root != root:
                 return
             first = not self.model.order and got[1]
-            new = self.model.set_tree(got[0], got[1])
+            new, changed = self.model.set_tree(got[0], got[1])
             self.tree_view.grow(new)
-            self.tree_view.redraw_all()
+            for sid in changed:  # a tree of a thousand: only the rows that changed
+                self.tree_view.redraw(sid)
             self.pane.show_facts()
             self._show_link()
             if new or first:
@@ -413,13 +414,13 @@ class TetherTui(App[None]):
         def done(got: list[tuple[str, Any]]) -> None:
             if self.model.root != root:
                 return
+            changed = False
             for sid, answer in got:
                 if isinstance(answer, dict):  # a refusal: keep what was known
-                    row = self.model.row(sid)
-                    row.budget = answer.get("budget")
-                    row.budget_read = True
-            self.tree_view.redraw_all()
-            self.pane.show_facts()
+                    changed = self.model.set_budget(sid, answer.get("budget")) or changed
+            if changed:  # a bar may be an ancestor's: every row is drawn again
+                self.tree_view.redraw_all()
+                self.pane.show_facts()
 
         in_background(self, work, done, lambda exc: None)
 

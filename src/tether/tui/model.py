@@ -74,6 +74,10 @@ class Row:
         """A turn runs (paused included): what a stop or a pause acts on."""
         return self.turn is not None and self.state != "settled"
 
+    def shown(self) -> tuple[Any, ...]:
+        """What a row draws from a listing: a change here is a row to draw again."""
+        return (self.slug, self.state, self.pending, self.stopping, self.turn, self.dispatched)
+
     @property
     def own_budget(self) -> bool:
         return self.budget is not None and self.budget.get("budget") is not None
@@ -156,17 +160,31 @@ class Model:
             row.turn = info.get("turn")
         return row
 
-    def set_tree(self, root: dict[str, Any], agents: list[dict[str, Any]]) -> list[str]:
+    def set_tree(
+        self, root: dict[str, Any], agents: list[dict[str, Any]]
+    ) -> tuple[list[str], list[str]]:
         """A fresh listing of the root (``subagent.status``) and its descendants
-        (``subagent.list``): the ids new to the tree, in pre-order."""
-        self.apply_info(root)
-        for info in agents:
-            self.apply_info(info)
+        (``subagent.list``): the ids new to the tree, in pre-order, and the ids of the
+        sessions whose row it changed."""
+        changed: list[str] = []
+        for info in [root, *agents]:
+            row = self.rows.get(str(info["id"]))
+            before = None if row is None else row.shown()
+            if self.apply_info(info).shown() != before:
+                changed.append(str(info["id"]))
         order = [str(a["id"]) for a in agents]
         new = [sid for sid in order if sid not in self._in_tree]
         self.order = order
         self._in_tree = {str(root["id"]), *order}
-        return new
+        return new, changed
+
+    def set_budget(self, sid: str, status: dict[str, Any] | None) -> bool:
+        """A budget read for ``sid``: whether it changed what the screen shows."""
+        row = self.row(sid)
+        changed = not row.budget_read or row.budget != status
+        row.budget = status
+        row.budget_read = True
+        return changed
 
     def apply(self, ev: dict[str, Any]) -> Effect:
         """One event from ``/events`` (its JSON payload: ``event``, ``session``,

@@ -39,13 +39,22 @@ class SessionPane(Vertical):
         self.turns: list[dict[str, Any]] = []
         self.inbox: list[dict[str, Any]] = []
         self.stops: list[StopMarker] = []  # the stop markers shown: `r` reads their reports
+        # Held, not queried: an answer may arrive while the pane is being taken down.
+        self._facts = Static(Text("Select a session in the tree."), id="facts")
+        self._switcher = ContentSwitcher(initial="transcript", id="panes")
+        # Lines wrap at the pane's width (min_width: no wider, so no sideways scroll).
+        self._logs = {
+            "transcript": RichLog(
+                id="transcript", wrap=True, min_width=20, max_lines=_KEEP, auto_scroll=True
+            ),
+            "turns": RichLog(id="turns", wrap=True, min_width=20),
+            "inbox": RichLog(id="inbox", wrap=True, min_width=20),
+        }
 
     def compose(self) -> ComposeResult:
-        yield Static(Text("Select a session in the tree."), id="facts")
-        with ContentSwitcher(initial="transcript", id="panes"):
-            yield RichLog(id="transcript", wrap=True, max_lines=_KEEP, auto_scroll=True)
-            yield RichLog(id="turns", wrap=True)
-            yield RichLog(id="inbox", wrap=True)
+        yield self._facts
+        with self._switcher:
+            yield from self._logs.values()
 
     def open(self, sid: str) -> None:
         """Show ``sid`` from the start (its transcript is read again)."""
@@ -55,24 +64,24 @@ class SessionPane(Vertical):
         self.turns = []
         self.inbox = []
         self.stops = []
-        for name in PANES:
-            self.query_one(f"#{name}", RichLog).clear()
+        for log in self._logs.values():
+            log.clear()
         self.show_facts()
 
     def switch(self, name: str) -> str:
         """Show pane ``name``; the pane already shown gives way to the transcript."""
         self.pane = "transcript" if name == self.pane else name
-        self.query_one(ContentSwitcher).current = self.pane
+        self._switcher.current = self.pane
         return self.pane
 
     def show_facts(self) -> None:
         if self.session is None:
             return
         row: Row = self._model.row(self.session)
-        self.query_one("#facts", Static).update(facts_text(row, self._model))
+        self._facts.update(facts_text(row, self._model))
 
     def append(self, entries: list[dict[str, Any]]) -> None:
-        log = self.query_one("#transcript", RichLog)
+        log = self._logs["transcript"]
         for entry in entries:
             seq = int(entry.get("seq") or 0)
             if seq <= self.last_seq:
@@ -88,7 +97,7 @@ class SessionPane(Vertical):
         if turns == self.turns:
             return
         self.turns = turns
-        log = self.query_one("#turns", RichLog)
+        log = self._logs["turns"]
         log.clear()
         if not turns:
             log.write(Text("No turn yet.", style="dim"))
@@ -99,7 +108,7 @@ class SessionPane(Vertical):
         if messages == self.inbox and messages:
             return
         self.inbox = messages
-        log = self.query_one("#inbox", RichLog)
+        log = self._logs["inbox"]
         log.clear()
         if not messages:
             log.write(Text("No pending message.", style="dim"))

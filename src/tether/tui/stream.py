@@ -52,7 +52,9 @@ class Feed:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._stream: EventStream | None = None
-        self.last_id: int | None = None
+        # 0: the server replays what it still holds (its last 4096 events) before the live
+        # ones, so the tree shows the last markers of the recent past, as the console does.
+        self.last_id: int | None = 0
         self.received = 0  # events handed over so far
         self._thread = threading.Thread(target=self._run, name="tether-tui-events", daemon=True)
 
@@ -103,8 +105,10 @@ class Feed:
                 return
             self._status("live")
             backoff = _FIRST_BACKOFF
-            if connected_before and self.last_id is None:
-                self._resync()  # nothing to resume from: what happened meanwhile is unknown
+            if connected_before and not self.last_id:
+                # No event to resume from (a replay from 0 reports no gap): what happened
+                # meanwhile is not known, so the state is read again.
+                self._resync()
             connected_before = True
             reason = self._read(stream)
             with self._lock:

@@ -91,9 +91,10 @@ def state_text(row: Row) -> str:
     return row.state
 
 
-def bar(g: Gauge, model: Model, *, width: int = _BAR) -> Text:
-    """``▕████░░░░░░▏ 1,200 of 2,000 tokens``: amber at soft, red once exhausted; a bar
-    of an ancestor's budget says whose."""
+def bar(g: Gauge, model: Model, *, width: int = _BAR, whose: bool = True) -> Text:
+    """A budget bar and its words (``1,200 of 2,000 tokens``): amber at soft, red once
+    exhausted; with ``whose``, a bar of an ancestor's budget says whose (the session
+    pane's does; a tree row's ancestor is drawn above it)."""
     filled = min(width, round(min(1.0, g.fraction) * width))
     style = {"soft": "yellow", "exhausted": "bold red"}.get(g.state, "green")
     out = Text("▕", style="dim")
@@ -101,7 +102,7 @@ def bar(g: Gauge, model: Model, *, width: int = _BAR) -> Text:
     out.append("░" * (width - filled), style="dim")
     out.append("▏ ", style="dim")
     words = spent_text(g.key, g.spent, g.limit)
-    if not g.own:
+    if whose and not g.own:
         owner = model.rows.get(g.owner)
         words += f" ({shown(owner.label if owner else g.owner)}'s tree)"
     if g.state != "ok":
@@ -120,16 +121,15 @@ def row_text(row: Row, model: Model) -> Text:
         out.append(f"  stopping: {row.stopping}", style="bold red")
     if row.pending:
         out.append(f"  {row.pending} pending", style="yellow")
-    gauge = model.gauge(row.id)
-    if gauge is not None:
-        out.append("  ")
-        out.append_text(bar(gauge, model))
     if row.marker is not None:
         action = str(row.marker.get("action") or "")
         out.append("  ")
-        out.append(
-            one_line(marker_line(row.marker, short=True), 60), _MARKER_STYLE.get(action, "red")
-        )
+        style = _MARKER_STYLE.get(action, "red")
+        out.append(one_line(marker_line(row.marker, short=True), 48), style)
+    gauge = model.gauge(row.id)
+    if gauge is not None:
+        out.append("  ")
+        out.append_text(bar(gauge, model, whose=False))
     return out
 
 
@@ -197,8 +197,8 @@ def facts_text(row: Row, model: Model) -> Text:
     out.append(state_text(row), style=STATE_STYLE.get(row.state, ""))
     if row.stopping:
         out.append(f"  stopping: {row.stopping}", style="bold red")
-    out.append(f"  ·  {row.pending} pending  ·  turn {row.turn or '—'}")
-    out.append("  ·  " + ("a root" if row.parent is None else f"parent {row.parent}"), "dim")
+    out.append(f"  ·  {row.pending} pending\nturn {row.turn or '—'}")
+    out.append("\n" + ("a root" if row.parent is None else f"parent {row.parent}"), "dim")
     gauge = model.gauge(row.id)
     if gauge is not None:
         out.append("\nbudget ")
