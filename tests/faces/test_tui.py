@@ -28,6 +28,7 @@ from tether.tui import TetherTui
 from tether.tui.menus import KeyMenu, Prompt
 from tether.tui.report import Reports
 from tether.tui.roots import RootPicker
+from tether.tui.stream import Feed
 from tether_server import TETHER, LiveServer, running_server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -367,6 +368,49 @@ def test_pause_resume_subtree_stop_and_a_refusal_on_one_line(server: LiveServer)
             assert "\n" not in bad.said
 
     run(scenario)
+
+
+def test_the_event_stream_resumes_after_a_dropped_connection_without_a_gap(
+    server: LiveServer,
+) -> None:
+    """The UI's reader (``stream.Feed``) alone: its connection cut, it reconnects with
+    ``Last-Event-ID`` and gets what happened meanwhile, in order, with nothing to re-read."""
+    lead = server.call("session.open", {"driver": "tether:Scripted", "slug": "lead"})["session"]
+    kid = server.call("subagent.spawn", {"parent": lead, "driver": "tether:Scripted"})["session"]
+    address = {"session": kid, "parent": lead}
+    links: list[str] = []
+    resyncs: list[bool] = []
+    feed = Feed(
+        Client(server.url, token=server.token),
+        lead,
+        wake=lambda: None,
+        status=links.append,
+        resync=lambda: resyncs.append(True),
+    )
+    got: list[dict[str, Any]] = []
+
+    def pending_seen(n: int) -> bool:
+        got.extend(feed.take())
+        return any(e["event"] == "state" and e["data"]["pending"] == n for e in got)
+
+    feed.start()
+    try:
+        wait_until(lambda: links[-1:] == ["live"], what="the stream open")
+        server.call("subagent.send", {"address": address, "content": "1", "wake": False})
+        wait_until(lambda: pending_seen(1), what="the first event")
+        resumed_from = feed.last_id
+        # Cut the connection (as a network drop would), and send while it is down.
+        stream = feed._stream
+        assert stream is not None and resumed_from
+        stream.close()
+        server.call("subagent.send", {"address": address, "content": "2", "wake": False})
+        wait_until(lambda: links[-1:] == ["live"] and len(links) >= 3, what="back live")
+        wait_until(lambda: pending_seen(2), what="the event sent while it was down")
+        assert "reconnecting" in links and not resyncs  # resumed: no gap, nothing re-read
+        ids = [e["id"] for e in got]
+        assert ids == sorted(set(ids))  # in order, none twice
+    finally:
+        feed.stop()
 
 
 def _free_port() -> int:
