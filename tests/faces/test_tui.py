@@ -8,6 +8,7 @@ presses the keys a person would; child turns are held open by the Scripted drive
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from tether.tui.menus import KeyMenu, Prompt
 from tether.tui.report import Reports
 from tether.tui.roots import RootPicker
 from tether.tui.stream import Feed
+from tether.tui.text import row_text
 from tether_server import TETHER, LiveServer, running_server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -146,6 +148,24 @@ def test_the_tree_the_transcript_and_send_follow_the_server_live(server: LiveSer
             # ↓ moves to the researcher: its transcript shows, following live.
             await _select(pilot, app, ids["researcher"])
             await until(lambda: any("reading the logs" in x for x in app.pane.lines), "its say")
+            # Text stays text: markup is not read, a control character shows escaped.
+            hostile = "[bold]now[/bold] \x1b[2J"
+            server.call(
+                "subagent.interrupt",
+                {
+                    "address": {"session": ids["researcher"], "parent": ids["lead"]},
+                    "kind": "steer",
+                    "reason": hostile,
+                    "name": ME,
+                },
+            )
+            escaped = "↪ Steered by user alice: [bold]now[/bold] \\x1b[2J"
+            await until(lambda: any(escaped in x for x in app.pane.lines), "the steer as text")
+            in_row = "↪ Steered by user alice: [bold]now[/bold] \\x1"  # cut at 48 characters
+            await until(
+                lambda: in_row in row_text(app.model.rows[ids["researcher"]], app.model).plain,
+                "the row's marker as text",
+            )
             # A spawn elsewhere is an event for a session the tree does not hold: listed.
             late = server.call(
                 "subagent.spawn",
@@ -558,7 +578,23 @@ class _Tmux:
         return int(status) if dead == "1" and status else None
 
     def close(self) -> None:
+        """Stop the tmux server; the program in the pane (not a child of the tests: tmux
+        runs it) must be gone too, as the leak check would have it for a child."""
+        panes = subprocess.run(
+            ["tmux", "-L", self.socket, "list-panes", "-a", "-F", "#{pane_pid}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+        procs = []
+        for pid in panes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.append(psutil.Process(int(pid)))
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            p.kill()
+        assert not alive, f"left running after its tmux server stopped: {alive}"
 
 
 def _env_args(env: dict[str, str]) -> list[str]:

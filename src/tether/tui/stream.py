@@ -62,14 +62,14 @@ class Feed:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the reader (its blocked read returns at once) and wait for it."""
+        """End the reader: its blocked read returns at once, and it tells nothing more.
+        Not waited for (a connection under way ends by its own timeout): the screen's loop
+        never blocks on it."""
         self._stopped.set()
         with self._lock:
             stream = self._stream
         if stream is not None:
             stream.close()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5.0)
 
     def take(self) -> list[dict[str, Any]]:
         """Every event received since the last take, in order."""
@@ -78,12 +78,20 @@ class Feed:
             self._queue.clear()
         return out
 
+    def _tell(self, text: str) -> None:
+        if not self._stopped.is_set():  # a stopped reader speaks for no screen
+            self._status(text)
+
+    def _again(self) -> None:
+        if not self._stopped.is_set():
+            self._resync()
+
     def _put(self, event: dict[str, Any]) -> None:
         with self._lock:
             was_empty = not self._queue
             self._queue.append(event)
             self.received += 1
-        if was_empty:
+        if was_empty and not self._stopped.is_set():
             self._wake()
 
     def _run(self) -> None:
@@ -93,7 +101,7 @@ class Feed:
             try:
                 stream = self._client.stream(self._session, self.last_id)
             except RpcError as exc:
-                self._status(f"reconnecting: {exc.code}")
+                self._tell(f"reconnecting: {exc.code}")
                 if self._stopped.wait(backoff):
                     return
                 backoff = min(backoff * 2, _MAX_BACKOFF)
@@ -103,12 +111,12 @@ class Feed:
             if self._stopped.is_set():
                 stream.close()
                 return
-            self._status("live")
+            self._tell("live")
             backoff = _FIRST_BACKOFF
             if connected_before and not self.last_id:
                 # No event to resume from (a replay from 0 reports no gap): what happened
                 # meanwhile is not known, so the state is read again.
-                self._resync()
+                self._again()
             connected_before = True
             reason = self._read(stream)
             with self._lock:
@@ -116,9 +124,9 @@ class Feed:
             if self._stopped.is_set():
                 return
             if reason == "slow-consumer":
-                self._status("reconnecting: fell behind")
+                self._tell("reconnecting: fell behind")
                 continue
-            self._status("server stopped: reconnecting" if reason == "shutdown" else "reconnecting")
+            self._tell("server stopped: reconnecting" if reason == "shutdown" else "reconnecting")
             if self._stopped.wait(backoff):
                 return
             backoff = min(backoff * 2, _MAX_BACKOFF)
@@ -135,7 +143,7 @@ class Feed:
                         self.last_id = data["last_id"]
                     return str(data.get("reason") or "closed")
                 if ev.event == "gap":
-                    self._resync()
+                    self._again()
                 elif isinstance(ev.data, dict):
                     self._put(ev.data)
         except RpcError:

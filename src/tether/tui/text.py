@@ -164,7 +164,7 @@ def turn_text(t: dict[str, Any]) -> Text:
     out.append(f"  {outcome}", style=style)
     bits = []
     if t.get("cause"):
-        bits.append(f"by {who(str(t['cause']), t.get('by'))}")
+        bits.append(f"by {shown(who(str(t['cause']), t.get('by')))}")
     if t.get("forced"):
         bits.append("forced")
     if t.get("escalated"):
