@@ -526,17 +526,21 @@ def test_tether_tui_says_how_to_install_the_extra_when_textual_is_missing(
 class _Tmux:
     """``tether tui`` in a pane of a tmux server of its own (its own socket, no config)."""
 
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], workdir: Path) -> None:
         self.socket = f"tether-tui-{os.getpid()}"
         self.session = "tui"
+        self.status_file = workdir / "exit-status"
         # COLUMNS and LINES, where the environment has them (80 and 24 under pytest), would
         # win over the pane's own size.
         argv = ["env", "-u", "COLUMNS", "-u", "LINES", *_env_args(env), *command]
+        # The pane's shell waits for the program and writes how it ended to a file (tmux's
+        # own account of a dead pane waits for it to reap the shell, which it may do late).
         line = " ".join(shlex.quote(part) for part in argv)
+        line += f"; echo $? > {shlex.quote(str(self.status_file))}"
         # One tmux command, so the options hold before the program starts: the window's
         # size (a server with no client sizes windows by default-size), an Esc that is a
         # key at once (tmux waits half a second for a sequence by default), and a pane that
-        # stays once its program exits, so its exit status can be read.
+        # stays once its program exits (what it showed last can be read).
         self._tmux(
             "-f", "/dev/null", "start-server", ";",
             "set-option", "-g", "default-size", "150x42", ";",
@@ -570,12 +574,8 @@ class _Tmux:
         )
 
     def exit_status(self) -> int | None:
-        shown = self._tmux(
-            "display-message", "-p", "-t", self.session, "#{pane_dead} #{pane_dead_status}"
-        )
-        dead, _, status = shown.strip().partition(" ")
-        # (tmux may say the pane is dead a moment before it has its status)
-        return int(status) if dead == "1" and status else None
+        text = self.status_file.read_text() if self.status_file.exists() else ""
+        return int(text) if text.endswith("\n") else None
 
     def close(self) -> None:
         """Stop the tmux server; the program in the pane (not a child of the tests: tmux
@@ -590,18 +590,39 @@ class _Tmux:
         for pid in panes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(int(pid)))
+        procs += [c for p in procs for c in _children(p)]
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            p.kill()
-        assert not alive, f"left running after its tmux server stopped: {alive}"
+
+        def running() -> list[psutil.Process]:
+            out = []
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                        out.append(p)
+            return out
+
+        try:
+            wait_until(lambda: not running(), timeout=10, what="the pane's processes gone")
+        except AssertionError:
+            left = running()
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            raise AssertionError(f"left running after its tmux server stopped: {left}") from None
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _env_args(env: dict[str, str]) -> list[str]:
     return [f"{key}={value}" for key, value in env.items()]
 
 
-def test_every_key_in_a_real_terminal(server: LiveServer) -> None:
+def test_every_key_in_a_real_terminal(server: LiveServer, tmp_path: Path) -> None:
     if shutil.which("tmux") is None:
         if os.environ.get("REQUIRE_TMUX") == "1":
             pytest.fail("tmux is missing (make tmux installs it)")
@@ -609,7 +630,7 @@ def test_every_key_in_a_real_terminal(server: LiveServer) -> None:
     ids = _tree(server)
     kid = ids["researcher"]
     env = {"TETHER_TOKEN": server.token or "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    tui = _Tmux([TETHER, "tui", ids["lead"], "--url", server.url, "--as", ME], env)
+    tui = _Tmux([TETHER, "tui", ids["lead"], "--url", server.url, "--as", ME], env, tmp_path)
     try:
         tui.shows("grandkid  running", "the tree drawn")
         tui.shows("⏎ message  esc stop  z pause/resume  S subtree stop", "the footer's keys")

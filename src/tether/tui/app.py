@@ -25,7 +25,7 @@ from textual.widgets import Footer, Input, Static, Tree
 
 from tether.cli.client import Client, RpcError
 from tether.tui import actions
-from tether.tui.background import in_background
+from tether.tui.background import Answer, in_background
 from tether.tui.menus import KeyMenu, Prompt
 from tether.tui.model import Model, Row
 from tether.tui.report import Reports
@@ -249,6 +249,10 @@ class TetherTui(App[None]):
             self.schedule_tree()
         if budgets:
             self.schedule_budgets()
+
+    @on(Answer)
+    def _answer(self, message: Answer) -> None:
+        message.deliver()
 
     @on(_Link)
     def _link(self, message: _Link) -> None:
