@@ -591,7 +591,15 @@ class _Tmux:
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(int(pid)))
         procs += [c for p in procs for c in _children(p)]
+        socket_path = subprocess.run(
+            ["tmux", "-L", self.socket, "display-message", "-p", "#{socket_path}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+        if socket_path:  # tmux leaves its socket file behind
+            Path(socket_path).unlink(missing_ok=True)
 
         def running() -> list[psutil.Process]:
             out = []
