@@ -11,7 +11,7 @@ RAY_STAMP := $(VENV)/.installed-ray
 TEST_WORKERS ?= 2
 XDIST  = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-.PHONY: demo demo-agent demo-adapters test test-unit test-install test-walk test-ray lint browser bench bench-full bench-instructions bench-ray soak soak-ray clean
+.PHONY: demo demo-agent demo-adapters test test-unit test-install test-walk test-ray lint browser tmux bench bench-full bench-instructions bench-ray soak soak-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -81,6 +81,16 @@ browser:
 	  $(SUDO) apt-get update && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y --no-install-recommends chromium-headless-shell; \
+	fi
+
+# tmux, for the terminal UI's test in a real terminal (tests/faces/test_tui.py: keys sent
+# with send-keys, the screen read with capture-pane). Idempotent, as `make browser`.
+tmux:
+	@if command -v tmux >/dev/null 2>&1; then \
+	  echo "tmux: installed"; \
+	else \
+	  $(SUDO) apt-get update && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends tmux; \
 	fi
 
 bench: $(STAMP)

@@ -119,6 +119,15 @@ CASES: dict[str, Case] = {
             (120, 600),
             optional=True,
         ),
+        # Issue 46: the terminal UI, an event → its row drawn, 100 events/s over 1,000
+        # sessions (tether-runtime[tui]; skipped with a note without Textual).
+        _c(
+            "tether.tui_event_to_screen",
+            "tui_cases:tui_event_to_screen",
+            (3, 5),
+            (240, 600),
+            optional=True,
+        ),
         # Issue 18: the MCP client's cancel reaching a real stdio server (tether-runtime[agents]).
         _c("tether.mcp_cancel", "mcp_cases:mcp_cancel", (3, 7), (120, 600), optional=True),
         # Issue 18: the agent kit against the model server (needs tether-runtime[agents]).
@@ -473,6 +482,16 @@ FIGURES: list[Figure] = [
         "p99",
         "ms",
         baseline="baseline.killpg_reap_p99_ms",
+    ),
+    # Issue 46: an event (its server-side ts) → the terminal UI's row of that session drawn,
+    # under 100 events a second over a tree of 1,000 sessions.
+    Figure(
+        "tui_event_to_screen_p50_ms",
+        "tether.tui_event_to_screen",
+        "event_to_screen_ms",
+        "p50",
+        "ms",
+        Target(_LE, 100),
     ),
     # Issue 18: cancel of an MCP call → the stdio server received notifications/cancelled
     # for it; paired, for context, with a whole echo call's round trip on the same pipe.

@@ -677,8 +677,12 @@ def test_layering_every_room_imports_only_the_rooms_below_it() -> None:
         # the server's logging setup is the runtime's (the worker's and host's too); the
         # public API has no logging switch
         "serve": ("tether.serve", *front, "tether.runtime._log"),
-        # the command starts the server; its demo runs the test services
-        "cli": ("tether.cli", "tether.serve", "tether.testing", *front),
+        # the command starts the server; its demo runs the test services; `tether tui`
+        # starts the terminal UI (imported only then: Textual is an extra)
+        "cli": ("tether.cli", "tether.serve", "tether.testing", "tether.tui", *front),
+        # the terminal UI is a client like the command: the command's client and texts, and
+        # the wire's types and texts; never the engine, the server or the front door
+        "tui": ("tether.tui", "tether.cli", "tether.wire"),
         # the agent kit stands on the engine (the kill walk, the errors); the test
         # services stand on nothing of ours
         "agents": ("tether.agents", *engine, "tether"),

@@ -272,6 +272,41 @@ def test_transcript_pages_with_after(server: LiveServer) -> None:
     assert seen == everything
 
 
+def test_session_list_pages_the_roots_newest_first(server: LiveServer) -> None:
+    opened = [
+        server.call("session.open", {"driver": "tether:Scripted", "slug": f"r{i}"})["session"]
+        for i in range(3)
+    ]
+    child = server.call("subagent.spawn", {"parent": opened[0], "driver": "tether:Scripted"})
+    first = server.call("session.list", {"limit": 2})
+    assert [r["id"] for r in first["roots"]] == opened[:0:-1] and first["more"] is True
+    assert first["roots"][0]["slug"] == "r2" and first["roots"][0]["state"] == "idle"
+    assert first["roots"][0]["depth"] == 0 and first["roots"][0]["parent"] is None
+    # The next page starts after the last id seen: no root twice, none skipped, and a
+    # subagent is never listed.
+    seen: list[str] = [r["id"] for r in first["roots"]]
+    before = seen[-1]
+    while True:
+        page = server.call("session.list", {"before": before, "limit": 2})
+        seen += [r["id"] for r in page["roots"]]
+        if not page["more"]:
+            break
+        before = seen[-1]
+    assert seen[:3] == opened[::-1] and len(seen) == len(set(seen))
+    assert child["session"] not in seen
+    everything = server.call("session.list", {"limit": 1000})
+    assert [r["id"] for r in everything["roots"]] == seen and everything["more"] is False
+    # A root opened later comes first; the default page is the newest 100.
+    newest = server.call("session.open", {"driver": "tether:Scripted"})["session"]
+    assert server.call("session.list")["roots"][0]["id"] == newest
+    # A cursor that is no root is refused, as a limit out of range is.
+    refused = server.rpc("session.list", {"before": child["session"]})
+    assert rpc_error(refused) == (-32602, "invalid-params")
+    assert rpc_error(server.rpc("session.list", {"before": "s_nobody"})) == (-32000, "not-found")
+    assert rpc_error(server.rpc("session.list", {"limit": 0}))[1] == "invalid-params"
+    assert rpc_error(server.rpc("session.list", {"limit": 1001}))[1] == "invalid-params"
+
+
 def test_protocol_errors(server: LiveServer) -> None:
     unknown = server.rpc("subagent.explode", {})
     assert rpc_error(unknown) == (-32601, "not-found")

@@ -53,12 +53,14 @@ class Catalog:
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self.roots: list[str] = []
+        self._root_at: dict[str, int] = {}  # a root's index in ``roots``
 
     def add(self, header: SessionHeader) -> Node:
         parent = self.nodes.get(header.parent) if header.parent is not None else None
         node = Node(header, 0 if parent is None else parent.depth + 1, header.settled)
         self.nodes[header.id] = node
         if parent is None:
+            self._root_at[header.id] = len(self.roots)
             self.roots.append(header.id)
         else:
             if parent.children is None:
@@ -86,6 +88,19 @@ class Catalog:
             out.append(parent)
             parent = self.nodes[parent].header.parent
         return tuple(reversed(out))
+
+    def roots_before(self, before: str | None, limit: int) -> list[str]:
+        """At most ``limit`` roots, newest first: the newest of all, or (``before``, a
+        root's id) those created before that one."""
+        if before is None:
+            end = len(self.roots)
+        else:
+            end_at = self._root_at.get(before)
+            if end_at is None:
+                self.get(before)  # NotFound for an unknown id
+                raise InvalidParams(f"session {before} is not a root")
+            end = end_at
+        return self.roots[max(0, end - limit) : end][::-1]
 
     def children(self, session: str) -> list[str]:
         return list(self.nodes[session].children or ())

@@ -35,6 +35,7 @@ __all__ = [
     "ListReq",
     "Recover",
     "Resolve",
+    "RootsReq",
     "SupervisorActor",
     "Walk",
     "crash_notice",
@@ -97,6 +98,14 @@ class Create:
 class ListReq:
     root: str
     scope: str
+
+
+@dataclass(frozen=True, slots=True)
+class RootsReq:
+    """A page of the roots, newest first (``before``: those created before that root)."""
+
+    before: str | None
+    limit: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +174,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._create(message)
             case ListReq(root=root, scope=scope):
                 return self._list(root, scope)
+            case RootsReq(before=before, limit=limit):
+                return [self._info(sid, 0) for sid in self._catalog.roots_before(before, limit)]
             case Resolve():
                 return self._resolve(message)
             case DisposeReq():

@@ -554,6 +554,24 @@ def _watch(args: argparse.Namespace, client: Client) -> int:
     return watch(client, args.id, as_json=args.json)
 
 
+TUI_EXTRA: Final = "pip install 'tether-runtime[tui]'"
+
+
+def _tui(args: argparse.Namespace, client: Client) -> int:
+    """The terminal UI (SPEC §17.3), imported only now: Textual is an extra."""
+    if args.json:
+        print("tether tui: usage error: --json does not apply to a screen", file=sys.stderr)
+        return 2
+    try:
+        from tether.tui import run
+    except ImportError as exc:
+        if exc.name is not None and exc.name.split(".")[0] == "textual":
+            print(f"tether tui: needs the extra tether-runtime[tui]: {TUI_EXTRA}", file=sys.stderr)
+            return 1
+        raise
+    return run(client, root=args.id, name=args.name)
+
+
 def _console(args: argparse.Namespace, _client: Client) -> int:
     token = find_token(args.url, args.token)
     if token is None:
@@ -946,6 +964,27 @@ def build_parser() -> argparse.ArgumentParser:
         _watch,
     )
     p.add_argument("id", help="root of the tree")
+
+    p = command(
+        "tui",
+        "the terminal UI: a root's live tree, a session's transcript, and every verb on a"
+        " key (needs the extra tether-runtime[tui])",
+        "tether tui s_01H… --as alice\n\n"
+        "Without ROOT it lists the server's roots, newest first. Keys (also in its footer):\n"
+        "  up/down, j/k   move in the tree (the session under the cursor is shown)\n"
+        "  enter          write to the selected session; enter sends, esc goes back\n"
+        "  esc            stop menu of the turn on screen: s steer, c cancel, a abort,\n"
+        "                 p preempt, each asking a reason (enter confirms, esc backs out)\n"
+        "  z              pause the running turn (asking a reason), or resume a paused one\n"
+        "  S              stop the subtree: c cancel or a abort, then a reason\n"
+        "  t, i           the session's turns, its pending inbox (again: the transcript)\n"
+        "  r              the stop report under a stop marker\n"
+        "  o              open another root\n"
+        "  q              quit",
+        _tui,
+    )
+    p.add_argument("id", nargs="?", metavar="ROOT", help="the root to open (default: choose)")
+    _add_as(p)
 
     p = command(
         "dispose",

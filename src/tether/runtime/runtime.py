@@ -30,7 +30,7 @@ from tether.actors.host import (
     StatusOp,
     SuspendOp,
 )
-from tether.actors.supervisor import Create, DisposeReq, ListReq
+from tether.actors.supervisor import Create, DisposeReq, ListReq, RootsReq
 from tether.contain.prctl import set_subreaper
 from tether.runtime import _at_exit
 from tether.runtime._checks import (
@@ -539,6 +539,19 @@ class Runtime(Engine):
         self._check_open()
         self._dispatcher.sync()
         result: list[AgentInfo] = self._ask(ListReq(root, scope))
+        return result
+
+    def list_roots(self, *, before: str | None = None, limit: int = 100) -> list[AgentInfo]:
+        """The root sessions, newest first, at most ``limit`` of them; ``before`` (a root's
+        id, the last of the previous page) pages on to those created before it. Settled
+        roots are listed too (their state says so). Exact as ``list_agents`` is."""
+        if before is not None:
+            check_id(before)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidParams(f"limit must be a positive integer, not {limit!r}")
+        self._check_open()
+        self._dispatcher.sync()
+        result: list[AgentInfo] = self._ask(RootsReq(before, limit))
         return result
 
     def status(self, session_id: str) -> AgentInfo:

@@ -43,6 +43,8 @@ from tether.wire.rpc import (
     PromptParams,
     ReleaseParams,
     ResumeParams,
+    RootList,
+    RootsParams,
     SendParams,
     SessionResult,
     SetBudgetParams,
@@ -168,6 +170,11 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
     def list_(p: ListParams) -> AgentList:
         return AgentList(rt.list_agents(p.root, scope=p.scope))
 
+    def roots(p: RootsParams) -> RootList:
+        # One root past the page says whether there is more, as a transcript's page does.
+        found = rt.list_roots(before=p.before, limit=p.limit + 1)
+        return RootList(found[: p.limit], more=len(found) > p.limit)
+
     def status(p: StatusParams) -> msgspec.Struct:
         return rt.status(p.session)
 
@@ -205,6 +212,7 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         "session.open": open_,
         "session.prompt": prompt,
         "session.release": release,
+        "session.list": roots,
         "subagent.spawn": spawn,
         "subagent.send": send,
         "subagent.interrupt": interrupt,

@@ -59,6 +59,8 @@ __all__ = [
     "ReleaseParams",
     "Response",
     "ResumeParams",
+    "RootList",
+    "RootsParams",
     "SendParams",
     "SessionResult",
     "SetBudgetParams",
@@ -222,6 +224,14 @@ class ListParams(_Params):
     scope: ListScope = "children"
 
 
+class RootsParams(_Params):
+    """``session.list``: the roots, newest first; ``before`` (the last id of the page
+    before) pages on to older ones."""
+
+    before: SessionId | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
+
+
 class StatusParams(_Params):
     session: SessionId
 
@@ -326,6 +336,14 @@ class AgentList(msgspec.Struct, frozen=True):
     agents: list[AgentInfo]
 
 
+class RootList(msgspec.Struct, frozen=True):
+    """A page of roots, newest first; ``more``: older ones follow (pass the last id as
+    ``before``)."""
+
+    roots: list[AgentInfo]
+    more: bool = False
+
+
 class Transcript(msgspec.Struct, frozen=True):
     entries: list[Entry]
     more: bool = False
@@ -380,6 +398,7 @@ METHODS: Final[dict[str, type[_Params]]] = {
     "session.open": OpenParams,
     "session.prompt": PromptParams,
     "session.release": ReleaseParams,
+    "session.list": RootsParams,
     "subagent.spawn": SpawnParams,
     "subagent.send": SendParams,
     "subagent.interrupt": InterruptParams,
