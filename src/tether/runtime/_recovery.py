@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from tether.actors.ports import Keep, KeptTurn, ParentNotice
-from tether.wire.records import Message
+from tether.wire.records import Message, UnknownCall
 
-__all__ = ["close_open_turns", "finish_disposals"]
+__all__ = ["close_open_turns", "finish_disposals", "unknown_calls"]
 
 
 def finish_disposals(db: sqlite3.Connection) -> list[str]:
@@ -103,6 +103,26 @@ def close_open_turns(
             " (SELECT id FROM sessions WHERE settled=1)"
         )
     return out, kept
+
+
+def unknown_calls(db: sqlite3.Connection, session: str, turn: str) -> list[UnknownCall]:
+    """The calls of ``turn`` whose start is durable and whose result (a ``tool`` entry
+    naming its key) is not."""
+    calls = db.execute(
+        "SELECT key, name, arguments, tool_call_id FROM calls WHERE turn=? ORDER BY rowid",
+        (turn,),
+    ).fetchall()
+    if not calls:
+        return []
+    rows = db.execute(
+        "SELECT data FROM entries WHERE session=? AND turn=? AND kind='tool'", (session, turn)
+    ).fetchall()
+    ended = {(msgspec.json.decode(r[0]) if r[0] else {}).get("call") for r in rows}
+    return [
+        UnknownCall(key=r[0], name=r[1], arguments=r[2], tool_call_id=r[3])
+        for r in calls
+        if r[0] not in ended
+    ]
 
 
 def _kept(

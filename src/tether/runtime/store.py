@@ -752,22 +752,9 @@ class Store:
     def unknown_calls(self, session: str, turn: str) -> list[UnknownCall]:
         """The calls of ``turn`` whose start is durable and whose result (a ``tool`` entry
         naming its key) is not: each may or may not have run."""
-        calls = self._read(
-            "SELECT key, name, arguments, tool_call_id FROM calls WHERE turn=? ORDER BY rowid",
-            (turn,),
-        )
-        if not calls:
-            return []
-        rows = self._read(
-            "SELECT data FROM entries WHERE session=? AND turn=? AND kind='tool'",
-            (session, turn),
-        )
-        ended = {(_load(r[0]) or {}).get("call") for r in rows}
-        return [
-            UnknownCall(key=r[0], name=r[1], arguments=r[2], tool_call_id=r[3])
-            for r in calls
-            if r[0] not in ended
-        ]
+        self.flush()  # its tools' results queued before it count
+        with self._lock, _readable():
+            return _recovery.unknown_calls(self._db, session, turn)
 
     def last_assistant_text(self, session: str, turn: str) -> str | None:
         # newest first through (session, seq): a turn's entries are its session's latest
