@@ -25,7 +25,7 @@ running turn therefore converges before the next step. A step whose effect the m
 cannot predict exactly is not taken: it is simulated first on a copy of the model and
 skipped when it would start a second hang turn.
 
-Runs ~30 s on an idle 2-core box (40 examples); ``TETHER_MODEL_EXAMPLES`` / ``TETHER_MODEL_STEPS``
+Runs 40 examples of 30 steps by default; ``TETHER_MODEL_EXAMPLES`` / ``TETHER_MODEL_STEPS``
 scale it (e.g. for a long local hunt), ``TETHER_MODEL_EXPLORE=1`` lets Hypothesis pick
 fresh random examples instead of the fixed derandomized set CI runs.
 
