@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 
 import tether
-from drivers import ROOT, Recorder, entries, eventually
+from drivers import ROOT, SCRIPTED, Recorder, entries, eventually
 from tether import User
 from tether.testing import ModelServer
 from tether.testing.mcp_server import LOG_ENV
@@ -107,20 +107,37 @@ def last_notice(rt: tether.Runtime, root: str) -> dict[str, Any]:
     return found
 
 
-def assert_cut_reply_counted(
-    rt: tether.Runtime, sid: str, request: Any, cut: str
-) -> dict[str, Any]:
-    """``sid``'s last turn, cut mid-reply by a stop, counted its request (semantics §15.2):
-    about the prompt tokens the server counts for the same request when it reports them
-    (four characters a token), the completion that streamed (``cut``) at the same rate,
-    ``estimated``, and its budget spent what its record says. Its usage."""
-    body = request.body
-    server_count = len(json.dumps([body.get("messages", []), "", body.get("tools") or []])) // 4
-    usage = rt.turns(sid)[-1].usage
-    assert usage is not None, "the cut reply cost nothing"
-    assert usage.get("estimated") is True, usage
-    assert abs(usage["prompt_tokens"] - server_count) <= server_count / 4, (usage, server_count)
-    assert abs(usage.get("completion_tokens", 0) - len(cut) / 4) <= 1, (usage, cut)
-    spent = rt.budget(sid).spent["tokens"]
-    assert spent == usage["prompt_tokens"] + usage.get("completion_tokens", 0), (spent, usage)
-    return usage
+def check_a_cut_reply_is_counted(server: ModelServer, driver: str, config: dict[str, Any]) -> None:
+    """A turn of ``driver`` (``config``'s model: a script of ``server``'s, which this sets)
+    whose reply is cut by a cancel mid-stream counts it (semantics §15.2): about the
+    prompt tokens the server counts for the same request when it reports them (four
+    characters a token), the completion that streamed at the same rate, ``estimated``; and
+    its budget spent what its record says. The grace is long: a turn killed at the end
+    of its grace could say nothing more, whatever it counts."""
+    script = config["model"]["name"]
+    server.script(
+        script, [{"text": "I am halfway through a long answer", "chunk": 4, "hang": True}]
+    )
+    with tether.Runtime(workers=1, grace=30.0) as rt:
+        rec = Recorder(rt)
+        root = rt.open_session(SCRIPTED)
+        sid = rt.spawn(root, driver, slug="agent", config=config, budget={"tokens": 10**6})
+        assert isinstance(sid, str)
+        me = User(parent=root)
+        rt.send(sid, "tell me everything", authority=me)
+        [request] = server.wait_requests(1, script=script, timeout=60.0)
+        server.wait_for(lambda s: s.requests_for(script)[0].hanging, what="the hang")
+        eventually(lambda: all_read(server), timeout=10.0, what="the agent to read what was sent")
+        rt.interrupt(sid, authority=me, kind="cancel", reason="enough")
+        ended = rec.turn_ended(sid, timeout=30.0)
+        assert (ended["outcome"], ended["forced"]) == ("cancelled", False), ended
+        cut = "".join(e.text for e in entries(rt, sid, "assistant"))
+        body = request.body
+        server_count = len(json.dumps([body.get("messages", []), "", body.get("tools") or []])) // 4
+        usage = rt.turns(sid)[-1].usage
+        assert usage is not None, "the cut reply cost nothing"
+        assert usage.get("estimated") is True, usage
+        assert abs(usage["prompt_tokens"] - server_count) <= server_count / 4, (usage, server_count)
+        assert abs(usage.get("completion_tokens", 0) - len(cut) / 4) <= 1, (usage, cut)
+        spent = rt.budget(sid).spent["tokens"]
+        assert spent == usage["prompt_tokens"] + usage.get("completion_tokens", 0), (spent, usage)

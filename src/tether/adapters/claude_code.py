@@ -160,7 +160,7 @@ class _Response:
     figures: dict[str, Any] = field(default_factory=dict)
     counted: tuple[int, int, int] = (0, 0, 0)
     chars: int = 0
-    stop: str | None = None  # its stop reason (its message_delta's): none if it was cut
+    stop: str | None = None  # why it stopped (its message_delta's): none if it was cut
 
 
 _COUNTS = ("prompt_tokens", "completion_tokens", "cost_microusd")
@@ -311,13 +311,14 @@ class _Turn:
             response.stop = (event.get("delta") or {}).get("stop_reason")
             self._count(response, event.get("usage") or {})
         elif kind == "message_stop":
-            # the CLI ends a stream its interrupt cut with a stop of no reason
+            # the CLI ends a stream its interrupt cut itself: with no stop reason
             del self.responses[parent]
-            self._count(response, {}, cut=not response.stop)
+            self._count(response, {}, cut=True)
 
     def _count(self, response: _Response, usage: dict[str, Any], *, cut: bool = False) -> None:
         """Report what ``response`` has cost beyond what it reported: its figures so far
-        (``usage``'s, which are cumulative, merged in); ``cut``: it will not end, so its
+        (``usage``'s, which are cumulative, merged in); ``cut``: it will not go on, so
+        unless it said why it stopped (its completion figure is then final), its
         completion is at least what streamed, estimated."""
         figures = response.figures
         figures.update({k: v for k, v in usage.items() if v is not None})
@@ -325,7 +326,7 @@ class _Turn:
         completion = int(figures.get("output_tokens") or 0)
         # a stream's completion figure before its end is no count of what streamed (its
         # start says 0 or 1): a cut one counts at least what streamed
-        estimated = cut and chat._tokens_in(response.chars) > completion
+        estimated = cut and not response.stop and chat._tokens_in(response.chars) > completion
         if estimated:
             completion = chat._tokens_in(response.chars)
         cost = 0 if self.priced else _list_cost(response.model, figures, completion)

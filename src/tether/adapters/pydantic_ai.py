@@ -432,10 +432,12 @@ def _sent(messages: list[Any], params: Any) -> str:
     """A request's messages and tool schemas about as the wire carries them (JSON), for
     the estimate of a cut reply's prompt."""
     items: list[Any] = []
+    instructions = ""  # only the latest request's go out
     for m in messages:
-        if getattr(m, "instructions", None):
-            items.append({"role": "system", "content": m.instructions})
-        items += [{"role": p.part_kind, "content": _part_text(p)} for p in m.parts]
+        instructions = getattr(m, "instructions", None) or instructions
+        items += [{"role": getattr(p, "part_kind", ""), "content": _part_text(p)} for p in m.parts]
+    if instructions:
+        items.insert(0, {"role": "system", "content": instructions})
     tools = [
         {"name": t.name, "description": t.description, "parameters": t.parameters_json_schema}
         for t in getattr(params, "function_tools", None) or ()
