@@ -230,35 +230,36 @@ def test_a_bad_crash_policy_is_refused_naming_the_field(given: dict[str, Any], e
         tether.Runtime(workers=1, **given)
 
 
-def _host_config(server: ModelServer, script: str) -> dict[str, Any]:
-    return _config(server, script)
+def _host_argv(server: ModelServer, script: str, final: str, db_path: str, ran: Path) -> list[str]:
+    """A host (tests/recovery_host.py) whose ChatAgent runs a tool that notes each run in
+    ``ran`` and hangs, then says ``final``."""
+    tool = f"import time\nopen({str(ran)!r}, 'a').write('ran\\n')\ntime.sleep(300)"
+    server.script(
+        script,
+        [
+            {"text": "Running it.", "tool_calls": [_call([sys.executable, "-c", tool])]},
+            {"text": final},
+        ],
+    )
+    config = json.dumps(_config(server, script))
+    return [sys.executable, str(TESTS / "recovery_host.py"), db_path, config, str(ran)]
 
 
 def test_a_turn_whose_host_was_sigkilled_mid_tool_recovers_at_the_next_start_without_a_send(
     server: ModelServer, db_path: str, tmp_path: Path
 ) -> None:
     ran = tmp_path / "ran"
-    tool = f"import time\nopen({str(ran)!r}, 'a').write('ran\\n')\ntime.sleep(300)"
-    server.script(
-        "host-killed",
-        [
-            {"text": "Running it.", "tool_calls": [_call([sys.executable, "-c", tool])]},
-            {"text": "Recovered, without running it again."},
-        ],
-    )
-    config = json.dumps(_host_config(server, "host-killed"))
-    argv = [sys.executable, str(TESTS / "recovery_host.py"), db_path, config, str(ran)]
+    final = "Recovered, without running it again."
+    argv = _host_argv(server, "host-killed", final, db_path, ran)
     with sigkilled_host(argv, timeout=60.0) as (ready, _tree):
         pass  # the whole old host is gone before the next start
     root, turn = ready["root"], ready["turn"]
     with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
-        rec = Recorder(rt)
         # claimed before the start returned: running (or done already), never parked
         assert rt.status(root).state in ("running", "idle")
         rt.wait(root, until="idle", timeout=30.0)
         [record] = rt.turns(root)
         log = rt.transcript(root)
-        del rec
     assert (record.id, record.outcome, record.recoveries) == (turn, "completed", 1)
     assert ran.read_text() == "ran\n"
     kinds = [e.kind if e.kind != "marker" else e.action for e in log]
@@ -276,16 +277,7 @@ def test_a_deploy_that_stops_the_host_with_sigterm_suspends_the_turn_and_the_nex
     server: ModelServer, db_path: str, tmp_path: Path
 ) -> None:
     ran = tmp_path / "ran"
-    tool = f"import time\nopen({str(ran)!r}, 'a').write('ran\\n')\ntime.sleep(300)"
-    server.script(
-        "deployed",
-        [
-            {"text": "Running it.", "tool_calls": [_call([sys.executable, "-c", tool])]},
-            {"text": "Back after the deploy."},
-        ],
-    )
-    config = json.dumps(_host_config(server, "deployed"))
-    argv = [sys.executable, str(TESTS / "recovery_host.py"), db_path, config, str(ran)]
+    argv = _host_argv(server, "deployed", "Back after the deploy.", db_path, ran)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as host:
         ready = json.loads(line_from(host, 60.0))
         host.send_signal(signal.SIGTERM)
