@@ -34,6 +34,7 @@ __all__ = [
     "DisposeReq",
     "ListReq",
     "Recover",
+    "RecoverKept",
     "Resolve",
     "RootsReq",
     "SupervisorActor",
@@ -140,10 +141,18 @@ class Walk:
 class Recover:
     """Load the catalog and materialize root sessions with their inboxes parked (the
     turns a dead host left were closed, and their parents told, by the store's
-    ``recover``: see ``crash_notice``), and each session whose turn the dead host left
-    open and that recovers (``kept``, semantics §17.1), live, its turn running on."""
+    ``recover``: see ``crash_notice``), but those of ``running``, which ``RecoverKept``
+    makes live once the budgets are restored over the catalog."""
 
     rows: list[SessionHeader]
+    running: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverKept:
+    """Make each session whose turn the dead host left open and that recovers live (not
+    dormant), its turn running on (semantics §17.1)."""
+
     kept: list[KeptTurn] = field(default_factory=list)
 
 
@@ -182,8 +191,10 @@ class SupervisorActor(pykka.ThreadingActor):
                 return self._dispose(message)
             case Walk():
                 return self._walk(message)
-            case Recover(rows=rows, kept=kept):
-                return self._recover(rows, kept)
+            case Recover(rows=rows, running=running):
+                return self._recover(rows, running)
+            case RecoverKept(kept=kept):
+                return self._recover_kept(kept)
         return None
 
     # ---- create ---------------------------------------------------------------------
@@ -261,21 +272,23 @@ class SupervisorActor(pykka.ThreadingActor):
 
     # ---- recovery -------------------------------------------------------------------
 
-    def _recover(self, rows: list[SessionHeader], kept: list[KeptTurn]) -> list[str]:
+    def _recover(self, rows: list[SessionHeader], running: frozenset[str]) -> list[str]:
         for row in rows:
             self._catalog.add(row)
         nodes = self._catalog.nodes
-        running = {k.session: k for k in kept}
         roots = [sid for sid in self._catalog.roots if not nodes[sid].settled]
         for sid in roots:
             if sid not in running:
                 inbox, horizon = self._store.pending(sid)
                 self._adopt(nodes[sid].header, inbox, parked=True, horizon=horizon)
+        return roots
+
+    def _recover_kept(self, kept: list[KeptTurn]) -> None:
+        nodes = self._catalog.nodes
         for k in kept:  # live, not dormant: its turn runs on without a waking send
             inbox, horizon = self._store.pending(k.session)
             self._adopt(nodes[k.session].header, inbox, parked=False, horizon=horizon)
             self._dispatcher.tell(k.session, RecoverTurn(k))
-        return roots
 
     # ---- discovery ------------------------------------------------------------------
 

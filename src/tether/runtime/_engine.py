@@ -22,7 +22,7 @@ from tether.actors.budget import Governor, StateStep, Step, TurnStep
 from tether.actors.directory import Directory
 from tether.actors.host import Dispatcher, RunningOp, SessionHost, SyncOp
 from tether.actors.ports import Executor, Keep, KeptTurn
-from tether.actors.supervisor import Recover, SupervisorActor, crash_notice
+from tether.actors.supervisor import Recover, RecoverKept, SupervisorActor, crash_notice
 from tether.contain.cgroup import Cgroups, CgroupUnavailable
 from tether.runtime._events import EventBus
 from tether.runtime._secrets import Secrets
@@ -202,12 +202,14 @@ class Engine:
     def _recover_tree(self, catalog: list[SessionHeader]) -> None:
         """The sessions of ``catalog`` back in the tree (every root parked), and their
         budgets in force."""
-        # The budgets, over the catalog just loaded: in force before this returns,
-        # so before any waking send can start a turn (every root is parked), and before
-        # a turn the dead host left open recovers.
+        running = frozenset(k.session for k in self._kept)
+        self._sup.ask(Recover(catalog, running))
+        # The budgets, over the catalog just loaded (a tree's spent is its sessions'):
+        # in force before this returns, so before any waking send can start a turn
+        # (every root is parked), and before a turn the dead host left open recovers.
         self._gov.restore((h.id, h.budget) for h in catalog if h.budget and not h.settled)
-        self._sup.ask(Recover(catalog, self._kept))
         if self._kept:  # each kept turn claimed (its recovery counted) before this returns
+            self._sup.ask(RecoverKept(self._kept))
             for ref in self._dispatcher.refs:
                 ref.ask(SyncOp())
             self._store.flush()
