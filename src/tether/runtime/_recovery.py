@@ -10,10 +10,9 @@ import contextlib
 import sqlite3
 from collections.abc import Callable, Iterator
 
-import msgspec
-
 from tether.actors.ports import Keep, KeptTurn, ParentNotice
-from tether.wire.records import Message, UnknownCall
+from tether.runtime._store_file import dump, load, message_of
+from tether.wire.records import UnknownCall
 
 __all__ = ["close_open_turns", "finish_disposals", "unknown_calls"]
 
@@ -82,7 +81,7 @@ def close_open_turns(
             told = None if notice is None else notice(session, turn, partial)
             if told is None:
                 continue
-            data = None if told.data is None else msgspec.json.encode(told.data)
+            data = dump(told.data)
             db.execute(
                 "INSERT INTO messages (id, session, content, data, kind, sender,"
                 " created_at) VALUES (?,?,?,?,'notice',?,?)",
@@ -117,7 +116,7 @@ def unknown_calls(db: sqlite3.Connection, session: str, turn: str) -> list[Unkno
     rows = db.execute(
         "SELECT data FROM entries WHERE session=? AND turn=? AND kind='tool'", (session, turn)
     ).fetchall()
-    ended = {(msgspec.json.decode(r[0]) if r[0] else {}).get("call") for r in rows}
+    ended = {(load(r[0]) or {}).get("call") for r in rows}
     return [
         UnknownCall(key=r[0], name=r[1], arguments=r[2], tool_call_id=r[3])
         for r in calls
@@ -133,17 +132,7 @@ def _kept(
         " WHERE id=?",
         (message_id,),
     ).fetchone()
-    message = Message(
-        id=f"m_{r[0]}",
-        session=r[1],
-        content=r[2],
-        data=None if r[3] is None else msgspec.json.decode(r[3]),
-        kind=r[4],
-        sender=r[5],
-        created_at=r[6],
-        trace=r[7],
-    )
-    return KeptTurn(session, turn, message, recoveries, row)
+    return KeptTurn(session, turn, message_of(r), recoveries, row)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""The store's file: its tables, the upgrade of a file an older version wrote, and the
-host lock that keeps one host per store (docs/design.md, section 8).
+"""The store's file: its tables, the upgrade of a file an older version wrote, how its
+JSON columns and message rows read back, and the host lock that keeps one host per store
+(docs/design.md, section 8).
 
 ``Store`` (``store.py``) opens it with these, then reads and writes its rows.
 """
@@ -11,10 +12,42 @@ import fcntl
 import os
 import sqlite3
 import time
+from typing import Any
+
+import msgspec
 
 from tether.wire.errors import StoreLocked, StoreUnavailable
+from tether.wire.records import Message
 
-__all__ = ["create_tables", "lock_host"]
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(dict[str, Any])
+
+
+def dump(value: dict[str, Any] | None) -> bytes | None:
+    """A JSON column's bytes (None stays NULL)."""
+    return None if value is None else _enc.encode(value)
+
+
+def load(blob: bytes | None) -> dict[str, Any] | None:
+    """A JSON column's value (NULL is None)."""
+    return None if blob is None else _dec.decode(blob)
+
+
+def message_of(r: tuple[Any, ...]) -> Message:
+    """A ``messages`` row (id, session, content, data, kind, sender, created_at[, trace])."""
+    return Message(
+        id=f"m_{r[0]}",
+        session=r[1],
+        content=r[2],
+        data=load(r[3]),
+        kind=r[4],
+        sender=r[5],
+        created_at=r[6],
+        trace=r[7] if len(r) > 7 else None,
+    )
+
+
+__all__ = ["create_tables", "dump", "load", "lock_host", "message_of"]
 
 # Rows are never deleted, so plain INTEGER PRIMARY KEYs only grow (AUTOINCREMENT would
 # cost an extra write per insert for a guarantee we do not need).

@@ -23,6 +23,9 @@ from tether.actors.budget import Spent
 from tether.actors.ports import EndRecord, Keep, KeptTurn, ParentNotice
 from tether.runtime import _recovery
 from tether.runtime._store_file import create_tables, lock_host
+from tether.runtime._store_file import dump as _dump
+from tether.runtime._store_file import load as _load
+from tether.runtime._store_file import message_of as _message
 from tether.runtime.group_commit import (
     WAL_LIMIT,
     GroupCommit,
@@ -57,15 +60,6 @@ _PREVIEW = 200
 _USAGE_EVERY = 0.25  # seconds a running turn's reported usage may wait for its write
 
 _enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder(dict[str, Any])
-
-
-def _dump(value: dict[str, Any] | None) -> bytes | None:
-    return None if value is None else _enc.encode(value)
-
-
-def _load(blob: bytes | None) -> dict[str, Any] | None:
-    return None if blob is None else _dec.decode(blob)
 
 
 class _UsageFlush:
@@ -777,16 +771,3 @@ def _readable() -> Iterator[None]:
 
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _message(r: tuple[Any, ...]) -> Message:
-    return Message(
-        id=f"m_{r[0]}",
-        session=r[1],
-        content=r[2],
-        data=_load(r[3]),
-        kind=r[4],
-        sender=r[5],
-        created_at=r[6],
-        trace=r[7] if len(r) > 7 else None,
-    )
