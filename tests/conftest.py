@@ -182,18 +182,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On Ray, the async driver kind runs only the tests marked ``driver_reacts``: how a
     driver takes a stop is the worker's business, the same code in a Ray slot's child as
-    in a local worker; authority, no-ops, notices and disposal are decided by the host
-    alone, whatever the driver. Every test still runs with both kinds on the local
-    backend, and with the sync kind on Ray. (Each Ray runtime costs seconds of process
-    starts: this keeps CI's Ray suite to what the backend can change.)"""
+    in a local worker. The tests marked ``host_decides`` (authority, no-ops, validation,
+    notices: decided by the host alone, whatever the backend) do not run on Ray at all.
+    Every test still runs with both kinds on the local backend. (Each Ray runtime costs
+    seconds of process starts: this keeps CI's Ray suite to what the backend can change.)"""
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if (
-            params.get("backend") == "ray"
-            and params.get("driver_kind") == "async"
-            and item.get_closest_marker("driver_reacts") is None
+        on_ray = params.get("backend") == "ray"
+        if on_ray and (
+            item.get_closest_marker("host_decides") is not None
+            or (
+                params.get("driver_kind") == "async"
+                and item.get_closest_marker("driver_reacts") is None
+            )
         ):
             dropped.append(item)
         else:

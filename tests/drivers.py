@@ -15,6 +15,8 @@ import functools
 import json
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -954,3 +956,36 @@ class HostCalls:
             except tether.TetherError as exc:
                 ctx.say(f"{exc.code}: {exc.message}")
         return "done"
+
+
+# Holds the store's write lock until told to let go (a line on stdin).
+LOCKER = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("ROLLBACK")
+"""
+
+
+@contextlib.contextmanager
+def write_locked(path: str) -> Iterator[subprocess.Popen[str]]:
+    """Another process holds the store's write lock for the length of the block."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert line_from(proc, 20.0).strip() == "locked"
+        yield proc
+    finally:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write("\n")
+            proc.stdin.close()
+        proc.wait(10.0)
+        assert proc.stdout is not None
+        proc.stdout.close()

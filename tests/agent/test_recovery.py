@@ -27,6 +27,7 @@ from drivers import (
     local_pool,
     sigkilled_host,
     worker_with_tool,
+    write_locked,
 )
 from tether import User
 from tether.testing import ModelServer
@@ -232,8 +233,13 @@ def test_a_bad_crash_policy_is_refused_naming_the_field(given: dict[str, Any], e
 
 def _host_argv(server: ModelServer, script: str, final: str, db_path: str, ran: Path) -> list[str]:
     """A host (tests/recovery_host.py) whose ChatAgent runs a tool that notes each run in
-    ``ran`` and hangs, then says ``final``."""
-    tool = f"import time\nopen({str(ran)!r}, 'a').write('ran\\n')\ntime.sleep(300)"
+    ``ran`` and hangs, then says ``final``. The host goes on once the tool's note is
+    written (the file ``<ran>.started``, made after it)."""
+    started = f"{ran}.started"
+    tool = (
+        f"import time\nopen({str(ran)!r}, 'a').write('ran\\n')\n"
+        f"open({started!r}, 'w').close()\ntime.sleep(300)"
+    )
     server.script(
         script,
         [
@@ -242,7 +248,7 @@ def _host_argv(server: ModelServer, script: str, final: str, db_path: str, ran: 
         ],
     )
     config = json.dumps(_config(server, script))
-    return [sys.executable, str(TESTS / "recovery_host.py"), db_path, config, str(ran)]
+    return [sys.executable, str(TESTS / "recovery_host.py"), db_path, config, started]
 
 
 def test_a_turn_whose_host_was_sigkilled_mid_tool_recovers_at_the_next_start_without_a_send(
@@ -293,3 +299,101 @@ def test_a_deploy_that_stops_the_host_with_sigterm_suspends_the_turn_and_the_nex
     assert ran.read_text() == "ran\n"
     assert log[2].text.startswith("↻ Recovered after the host stopped (attempt 1)")
     assert log[-1].text == "Back after the deploy."
+
+
+# ---- controls across a crash (semantics §17.1) -----------------------------------------------
+
+
+def _host_with_controls(
+    server: ModelServer, script: str, db_path: str, ran: Path, controls: list[list[str]]
+) -> tuple[str, str]:
+    """A host whose ChatAgent runs a hanging tool, given ``controls`` once the tool runs,
+    SIGKILLed once each control has returned: its root and turn."""
+    argv = _host_argv(server, script, "Went on, as steered.", db_path, ran)
+    with sigkilled_host([*argv, json.dumps(controls)], timeout=60.0) as (ready, _tree):
+        pass
+    return ready["root"], ready["turn"]
+
+
+def test_a_cancel_accepted_before_the_host_died_ends_the_recovered_turn_cancelled(
+    server: ModelServer, db_path: str, tmp_path: Path
+) -> None:
+    # The pause holds the cancel back from the driver: the turn is still open when the
+    # host dies, with only the record of the cancel to go on.
+    ran = tmp_path / "ran"
+    controls = [["pause", "hold it"], ["cancel", "not needed any more"]]
+    root, turn = _host_with_controls(server, "cancelled-then-killed", db_path, ran, controls)
+    with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
+        info = rt.wait(root, until="parked", timeout=30.0)
+        assert info.turn is None
+        [record] = rt.turns(root)
+        report = rt.stop_report(turn)
+        log = rt.transcript(root)
+    assert (record.id, record.outcome, record.cause, record.reason) == (
+        turn,
+        "cancelled",
+        "user",
+        "not needed any more",
+    )
+    assert report is not None and (report.kind, report.outcome, report.via) == (
+        "cancel",
+        "cancelled",
+        "recovery",
+    )
+    assert ran.read_text() == "ran\n"  # nothing of the turn ran again
+    assert len(server.requests_for("cancelled-then-killed")) == 1
+    actions = [e.action for e in log if e.kind == "marker"]
+    assert actions == ["paused", "cancelled"], actions
+
+
+def test_a_turn_paused_before_the_host_died_recovers_paused_and_its_steer_reaches_it_on_resume(
+    server: ModelServer, db_path: str, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    controls = [["steer", "use the cached build"], ["pause", "hold it"]]
+    root, turn = _host_with_controls(server, "paused-then-killed", db_path, ran, controls)
+    with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
+        # recovered paused: running, its turn the same, and no worker takes it
+        info = rt.status(root)
+        assert (info.state, info.turn, info.dispatched) == ("paused", turn, False), info
+        assert len(server.requests_for("paused-then-killed")) == 1
+        rt.resume(root, authority=User(parent=root))
+        rt.wait(root, until="idle", timeout=30.0)
+        [record] = rt.turns(root)
+        log = rt.transcript(root)
+    assert (record.id, record.outcome, record.recoveries) == (turn, "completed", 1)
+    assert ran.read_text() == "ran\n"
+    actions = [e.action for e in log if e.kind == "marker"]
+    assert actions == ["paused", "recovered", "resumed", "steered"], actions
+    last = server.requests_for("paused-then-killed")[-1].body["messages"]
+    assert "use the cached build" in json.dumps(last)
+
+
+def test_a_control_of_a_recoverable_turn_answers_only_once_its_record_is_durable(
+    server: ModelServer, db_path: str, tmp_path: Path
+) -> None:
+    """With the store's write lock held by another process, the cancel stands (the
+    turn stops) but its call says the record may not survive a crash, instead of
+    returning as if it would."""
+    ran = tmp_path / "ran"
+    tool = f"import time\nopen({str(ran)!r}, 'a').write('ran\\n')\ntime.sleep(300)"
+    replies: list[dict[str, Any]] = [{"tool_calls": [_call([sys.executable, "-c", tool])]}]
+    with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
+        rec = Recorder(rt)
+        _, child, me = _agent(rt, server, "control-under-lock", replies)
+        rt.send(child, "go", authority=me)
+        eventually(lambda: ran.exists(), timeout=30.0, what="the tool running")
+        with write_locked(db_path):
+            with pytest.raises(tether.StoreUnavailable, match="took effect, but its record"):
+                rt.interrupt(child, authority=me, kind="abort", reason="stop now")
+            assert rec.turn_ended(child, timeout=10.0)["outcome"] == "aborted"
+        # the lock gone, the queued records commit: the abort is there after all
+
+        def turns() -> list[tether.TurnRecord] | None:
+            try:
+                return rt.turns(child)
+            except tether.StoreUnavailable:
+                return None  # the writer's retry has not come round yet
+
+        records = eventually(turns, timeout=20.0, what="the store back")
+        assert [r.outcome for r in records] == ["aborted"]

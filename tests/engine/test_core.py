@@ -95,6 +95,7 @@ def test_completed_turn_auto_drains_the_next_message(rt: tether.Runtime) -> None
     assert texts(rt, root, "assistant") == ["done A", "ok: B", "ok: C"]
 
 
+@pytest.mark.host_decides
 def test_send_with_wake_false_leaves_the_session_parked(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     child = rt.spawn(root, SCRIPTED)
@@ -253,6 +254,7 @@ def test_history_longer_than_a_page_reaches_the_driver_whole_and_in_order(
 # ---- discovery ----------------------------------------------------------------------------
 
 
+@pytest.mark.host_decides
 def test_list_agents_walks_a_three_level_tree_in_pre_order(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     # Creation order interleaves the subtrees and slugs are not sorted, so only a true
@@ -488,6 +490,7 @@ def test_a_script_that_forgets_close_still_exits_and_closes_the_runtime(db_path:
         assert reasons == {"the runtime is closing"}
 
 
+@pytest.mark.host_decides
 def test_discovery_counts_non_waking_sends_before_the_agent_does(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     child = rt.spawn(root, SCRIPTED)
@@ -552,6 +555,7 @@ def test_unknown_driver_is_driver_not_found_and_records_nothing(rt: tether.Runti
     rt.spawn(child, SCRIPTED, slug="kid")  # the slug is free again: no error
 
 
+@pytest.mark.host_decides
 def test_oversized_content_is_invalid_params_and_changes_nothing(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     child = rt.spawn(root, SCRIPTED)
@@ -576,6 +580,7 @@ def test_oversized_content_is_invalid_params_and_changes_nothing(rt: tether.Runt
     assert rt.status(child).pending == 1
 
 
+@pytest.mark.host_decides
 def test_unknown_session_id_is_not_found(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     ghost = "s_00000000000000000000000000"
@@ -599,6 +604,7 @@ def test_unknown_session_id_is_not_found(rt: tether.Runtime) -> None:
     assert rt.list_agents(root) == []
 
 
+@pytest.mark.host_decides
 def test_send_without_authority_is_unauthorized_and_changes_nothing(rt: tether.Runtime) -> None:
     root = rt.open_session(SCRIPTED)
     a = rt.spawn(root, SCRIPTED, slug="a")

@@ -342,6 +342,7 @@ def test_steer_is_delivered_as_an_escaped_frame_and_the_turn_keeps_running(
     assert rec.turn_ended(child)["outcome"] == "cancelled"
 
 
+@pytest.mark.host_decides
 def test_a_steers_marker_reads_as_guidance_and_a_cancels_as_a_stop(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -360,6 +361,7 @@ def test_a_steers_marker_reads_as_guidance_and_a_cancels_as_a_stop(
     ]
 
 
+@pytest.mark.host_decides
 def test_steer_reason_with_markup_never_reaches_the_driver_unescaped(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -451,6 +453,7 @@ def test_a_stop_discards_pending_and_later_steers(rt: tether.Runtime, scripted: 
     assert note.text == "⊘ Discarded steer by user (the cancel came first): pending advice"
 
 
+@pytest.mark.host_decides
 def test_a_steer_the_turn_ended_before_taking_says_it_was_never_delivered(
     rt: tether.Runtime,
 ) -> None:
@@ -470,6 +473,7 @@ def test_a_steer_the_turn_ended_before_taking_says_it_was_never_delivered(
 # ---- one pending stop per turn ----------------------------------------------------------------
 
 
+@pytest.mark.host_decides
 def test_a_second_cancel_is_an_idempotent_no_op(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
     root, child, _me = family(rt, scripted, slug="child")
@@ -516,6 +520,7 @@ def test_abort_overrides_a_pending_cancel_with_its_own_cause_and_reason(
 # ---- authority ----------------------------------------------------------------------------------
 
 
+@pytest.mark.host_decides
 def test_grandparent_ancestor_may_interrupt_with_cause_parent(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -534,6 +539,7 @@ def test_grandparent_ancestor_may_interrupt_with_cause_parent(
     assert me.parent == root
 
 
+@pytest.mark.host_decides
 def test_sibling_self_stranger_descendant_and_wrong_user_parent_are_refused(
     rt: tether.Runtime,
     scripted: str,
@@ -568,6 +574,7 @@ def test_sibling_self_stranger_descendant_and_wrong_user_parent_are_refused(
     rt.wait(target, until="parked")
 
 
+@pytest.mark.host_decides
 def test_stale_ref_is_refused_even_for_an_absent_target(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
     _root, mid, me = family(rt, scripted, slug="child")
@@ -597,6 +604,7 @@ def test_stale_ref_is_refused_even_for_an_absent_target(rt: tether.Runtime, scri
     assert (ended["outcome"], ended["cause"], ended["by"]) == ("cancelled", "parent", mid)
 
 
+@pytest.mark.host_decides
 def test_user_may_interrupt_while_the_parent_is_released_but_send_is_parent_offline(
     rt: tether.Runtime,
     scripted: str,
@@ -646,6 +654,7 @@ def test_interrupt_leaves_the_targets_running_descendant_untouched(
 # ---- targets where an interrupt is an accepted no-op -------------------------------------------
 
 
+@pytest.mark.host_decides
 def test_absent_one_shot_settled_and_dormant_targets_are_accepted_no_ops(
     rt: tether.Runtime,
     scripted: str,
@@ -675,6 +684,7 @@ def test_absent_one_shot_settled_and_dormant_targets_are_accepted_no_ops(
     refilled(rt)
 
 
+@pytest.mark.host_decides
 def test_idle_and_parked_targets_are_accepted_no_ops_and_a_steer_is_dropped(
     rt: tether.Runtime,
     scripted: str,
@@ -698,6 +708,7 @@ def test_idle_and_parked_targets_are_accepted_no_ops_and_a_steer_is_dropped(
     assert texts(rt, idle, "assistant") == ["ok: now"]
 
 
+@pytest.mark.host_decides
 def test_preempt_without_a_running_tool_is_an_accepted_no_op(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -714,6 +725,7 @@ def test_preempt_without_a_running_tool_is_an_accepted_no_op(
     assert rec.turn_ended(child)["outcome"] == "cancelled"
 
 
+@pytest.mark.host_decides
 def test_bad_interrupt_input_is_invalid_params(rt: tether.Runtime, scripted: str) -> None:
     _root, child, me = family(rt, scripted, slug="child")
     rt.send(child, "A", authority=me, data=HANG)
@@ -732,6 +744,7 @@ def test_bad_interrupt_input_is_invalid_params(rt: tether.Runtime, scripted: str
     assert entries(rt, child, "marker") == []
 
 
+@pytest.mark.host_decides
 def test_a_long_reason_is_capped_with_a_truncation_mark(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
     _root, child, me = family(rt, scripted, slug="child")
@@ -777,6 +790,7 @@ def test_interrupt_agent_tool_reaches_a_grandchild_by_slug(
     wait_entry(rt, root, "tool", "cancel issued to grand")
 
 
+@pytest.mark.host_decides
 def test_interrupt_agent_tool_is_refused_outside_the_callers_subtree(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -806,6 +820,7 @@ def test_interrupt_agent_tool_is_refused_outside_the_callers_subtree(
     assert entries(rt, b, "marker") == []
 
 
+@pytest.mark.host_decides
 def test_interrupt_permission_deny_refuses_the_tool(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
     root, _child_id, me = family(rt, scripted, slug="child")
@@ -831,6 +846,7 @@ def test_interrupt_permission_deny_refuses_the_tool(rt: tether.Runtime, scripted
 # ---- notices ------------------------------------------------------------------------------------
 
 
+@pytest.mark.host_decides
 def test_child_notice_wakes_an_idle_parent(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
     root = rt.open_session(scripted)
@@ -842,6 +858,7 @@ def test_child_notice_wakes_an_idle_parent(rt: tether.Runtime, scripted: str) ->
     assert notice.data is not None and notice.data["notice"]["child"] == kid
 
 
+@pytest.mark.host_decides
 def test_child_notice_never_wakes_a_parked_or_dormant_parent(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -915,6 +932,7 @@ def test_dispose_of_a_subtree_with_a_tool_running_leaves_no_process_and_settles_
     refilled(rt)
 
 
+@pytest.mark.host_decides
 def test_dispose_of_idle_subtrees_returns_with_every_session_settled(
     rt: tether.Runtime, scripted: str
 ) -> None:

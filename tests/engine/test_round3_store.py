@@ -25,46 +25,15 @@ import psutil
 import pytest
 
 import tether
-from drivers import HANG, TESTS, line_from
+from drivers import HANG, TESTS, line_from, write_locked
 from tether import User
-from tether.actors.host import StatusOp, _Call, _Reply
+from tether.actors._reply import Call, Reply
+from tether.actors.host import StatusOp
 from tether.wire.errors import StoreLocked, StoreUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 
 BUSY = 5.0  # the store's SQLite busy timeout: what one commit may wait for a lock
-
-# Holds the store's write lock until told to let go (a line on stdin).
-_LOCKER = """
-import sqlite3, sys
-db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
-db.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-sys.stdin.readline()
-db.execute("ROLLBACK")
-"""
-
-
-@contextlib.contextmanager
-def write_locked(path: str) -> Iterator[subprocess.Popen[str]]:
-    """Another process holds the store's write lock for the length of the block."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _LOCKER, path],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert line_from(proc, 20.0).strip() == "locked"
-        yield proc
-    finally:
-        assert proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write("\n")
-            proc.stdin.close()
-        proc.wait(10.0)
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 @contextlib.contextmanager
@@ -315,8 +284,8 @@ def test_an_abort_lands_at_once_while_a_dormant_sessions_status_waits_for_the_st
             _until(lambda: rt._store._commits._queue, 5.0, "a write waits for the lock")
             # status() of the dormant session, put in the host's mailbox first (as
             # rt.status does), answered on a thread of its own.
-            reply = _Reply()
-            host.tell(_Call(StatusOp(dormant), reply))
+            reply = Reply()
+            host.tell(Call(StatusOp(dormant), reply))
             answer: list[Any] = []
 
             def look() -> None:

@@ -172,6 +172,7 @@ def test_tether_serve_on_the_cluster_runs_turns_there_and_keeps_its_stdout_clean
         assert node in ray_cluster["nodes"]
     # Ray's own output went to stderr: stdout has the one line a script reads
     assert server.out_path.read_text().splitlines() == [
-        f"tether: serving {server.url} (store {tmp_path / 'state.db'})"
+        f"tether: serving {server.url} (store {tmp_path / 'state.db'},"
+        f" token in {tmp_path / 'token'})"
     ]
     eventually(lambda: not leftovers(ray_cluster), timeout=5.0, what="the server's actors")

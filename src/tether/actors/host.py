@@ -30,6 +30,7 @@ import msgspec
 import pykka
 import structlog
 
+from tether.actors._reply import Call, Reply, durable_reply
 from tether.actors._timers import TimerHandle, TimerQueue
 from tether.actors.agent import Session, Wake, make_info
 from tether.actors.authority import Authority, Host
@@ -224,40 +225,6 @@ class _Timer:
     gen: int
 
 
-class _Reply:
-    """A one-shot answer slot: the asker blocks on a held lock that the host releases.
-
-    A lock hand-off is the cheapest cross-thread wake CPython has; pykka's ``ask``
-    builds a queue-backed future per call, which the hot paths (interrupt, status)
-    would pay on every call.
-    """
-
-    __slots__ = ("_error", "_lock", "_value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def set(self, value: Any, error: BaseException | None = None) -> None:
-        self._value = value
-        self._error = error
-        self._lock.release()
-
-    def get(self) -> Any:
-        self._lock.acquire()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    message: Any
-    reply: _Reply
-
-
 def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
     """Tell from a pool or timer thread; an actor already stopped (at close) is fine.
     (A try, not ``contextlib.suppress``: this is on every turn's path several times.)"""
@@ -344,8 +311,8 @@ class Dispatcher:
 
     def ask(self, session: str, message: Any) -> Any:
         """Ask the session's host; an answer handed over with one lock, not a future."""
-        reply = _Reply()
-        self.route(session).tell(_Call(message, reply))
+        reply = Reply()
+        self.route(session).tell(Call(message, reply))
         return reply.get()
 
     def tell(self, session: str, message: Any) -> None:
@@ -355,8 +322,8 @@ class Dispatcher:
         """A barrier: every host has handled what was told to it before this call."""
         replies = []
         for ref in self.refs:
-            reply = _Reply()
-            ref.tell(_Call(SyncOp(), reply))
+            reply = Reply()
+            ref.tell(Call(SyncOp(), reply))
             replies.append(reply)
         for reply in replies:
             reply.get()
@@ -441,7 +408,7 @@ class SessionHost(pykka.ThreadingActor):
                 self._store.commit_own()
 
     def _receive(self, message: Any) -> Any:
-        if isinstance(message, _Call):
+        if isinstance(message, Call):
             op = message.message
             if isinstance(op, StatusOp) and op.session not in self._live:
                 self._status_offline(op.session, message.reply)
@@ -451,9 +418,23 @@ class SessionHost(pykka.ThreadingActor):
             except BaseException as exc:  # the asker re-raises it
                 message.reply.set(None, exc)
             else:
-                message.reply.set(value)
+                if value is not None and self._recovers(op):
+                    durable_reply(self._store.barrier(), message.reply, value)
+                else:
+                    message.reply.set(value)
             return None
         return self._answer(message)
+
+    def _recovers(self, op: Any) -> bool:
+        """``op`` is a control of a session whose turns recover from a crash: it is
+        answered once its record is durable, so that the recovered turn keeps it
+        (semantics §17.1). Any other turn ends at a crash, and its control is answered
+        at once."""
+        match op:
+            case InterruptOp(target=sid) | PauseOp(session=sid):
+                s = self._live.get(sid)
+                return s is not None and s.header.recoverable and s.header.on_crash == "recover"
+        return False
 
     def _answer(self, message: Any) -> Any:
         match message:
@@ -720,7 +701,7 @@ class SessionHost(pykka.ThreadingActor):
             return _with_dispatched(info)
         return info
 
-    def _status_offline(self, sid: str, reply: _Reply) -> None:
+    def _status_offline(self, sid: str, reply: Reply) -> None:
         """A dormant session's status: decided here, in order (dormant or settled), but
         its pending count is read off this thread, so that a slow store never holds up
         this host's other sessions (an abort queued behind it, say)."""
@@ -784,7 +765,7 @@ class SessionHost(pykka.ThreadingActor):
         # Calls that will never be handled must not leave their askers blocked.
         while not self.actor_inbox.empty():
             envelope = self.actor_inbox.get()
-            if isinstance(envelope.message, _Call):
+            if isinstance(envelope.message, Call):
                 envelope.message.reply.set(None, pykka.ActorDeadError(f"{self} stopped"))
 
 

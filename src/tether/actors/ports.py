@@ -20,6 +20,7 @@ from tether.wire.frames import (
     HostFrame,
     Progress,
     Say,
+    Steer,
     ToolCall,
     ToolKilled,
     ToolReply,
@@ -175,13 +176,19 @@ Keep = Literal["recover", "end", "exhausted"]
 @dataclass(frozen=True, slots=True)
 class KeptTurn:
     """A turn a dead host left open that recovers on this one: its session, id, the
-    message it claimed, how often it recovered before, its row in the store."""
+    message it claimed, how often it recovered before, its row in the store; and the
+    controls that dead host had accepted for it (semantics §17.1): the cancel or abort
+    that stands (its report, not yet completed), the pause in force (origin, by,
+    reason), the steers no boundary took yet, in order."""
 
     session: str
     turn: str
     message: Message
     recoveries: int
     row: int
+    stop: StopReport | None = None
+    paused: tuple[StopOrigin, str, str] | None = None
+    steers: tuple[Steer, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +282,13 @@ class AgentStore(Protocol):
 
     def put_stop_report(self, report: StopReport) -> None:
         """Queue a turn's stop report (semantics §15.6), replacing the turn's earlier one."""
+
+    def put_steer(self, turn: str, steer: Steer) -> None:
+        """Queue a steer accepted for ``turn`` (delivered after a crash, §17.1)."""
+
+    def barrier(self) -> Durable:
+        """Done once every write queued before it is durable (or refused, if its commit
+        fails): a control is answered then (semantics §17.1)."""
 
 
 class EventSink(Protocol):

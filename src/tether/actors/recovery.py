@@ -16,18 +16,20 @@ helpers are (``actors.stops``, ``actors.watchdog``):
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 
-from tether.actors import watchdog
+from tether.actors import stops, watchdog
 from tether.actors._ids import new_id
 from tether.actors.ports import KeptTurn, TurnOver
+from tether.actors.stops import PendingStop
 from tether.actors.turn import Turn
 from tether.wire.errors import TetherError
 from tether.wire.frames import SteerFrame, ToolCall, ToolReply
-from tether.wire.records import Recovered, RecoveryCause
+from tether.wire.records import Recovered, RecoveryCause, Stop
 from tether.wire.text import recovery_reason
 
 if TYPE_CHECKING:
@@ -68,12 +70,13 @@ def begin_call(s: Session, frame: ToolCall, answer: Callable[[ToolReply], None])
 
 def crashed(s: Session, t: Turn, over: TurnOver) -> TurnOver | None:
     """A crash ended ``t``'s worker: None once the turn recovers, else how it ends (as
-    before; past ``max_recoveries``, saying so). A turn with a stop or a pause in force,
-    or of a session being disposed, ends as it would have: that was someone's decision."""
+    before; past ``max_recoveries``, saying so). A turn with a stop in force, or of a
+    session being disposed, ends as it would have: that was someone's decision. A paused
+    one recovers paused."""
     h = s.header
     if not h.recoverable or h.on_crash != "recover" or s.disposing:
         return over
-    if t.stop is not None or t.paused:
+    if t.stop is not None:
         return over
     if t.recoveries >= h.max_recoveries:
         why = f"crashed {t.recoveries + 1} times; not recovered again"
@@ -115,6 +118,9 @@ def recover(s: Session, t: Turn, cause: RecoveryCause) -> None:
     except TetherError as exc:  # closed under us: it ends as a crash would
         s.ended(TurnOver(t.id, None, exc.message))
         return
+    if t.paused:  # it recovers paused: no worker takes it until resumed (its claim is
+        host.executor.freeze(t.id)  # still on its way: the freeze comes first)
+        watchdog.pause(t)
     for steer in t.steers or ():
         host.executor.signal(t.id, SteerFrame(t.id, steer))
 
@@ -122,7 +128,9 @@ def recover(s: Session, t: Turn, cause: RecoveryCause) -> None:
 def recover_kept(s: Session, kept: KeptTurn) -> None:
     """The turn a dead host left open (``kept``) runs on here: back under its tree's
     budgets (timed from now: the time the host was down counts toward none), traced,
-    then recovered as after a worker's crash."""
+    then recovered as after a worker's crash, under the controls the dead host had
+    accepted: a cancel or abort ends it as that stop would have (its report's ``via``:
+    ``recovery``), a pause holds it paused, the steers no boundary took reach its first."""
     host, h = s.services, s.header
     s.turn = t = Turn(kept.turn, kept.message)
     t.recoveries = kept.recoveries
@@ -131,14 +139,26 @@ def recover_kept(s: Session, kept: KeptTurn) -> None:
         host.budget.rejoin(h.id, s.lineage, t.id)
     host.listener.turn_started(t, h, s.lineage)
     s.started_one()
+    if kept.stop is not None:
+        r = kept.stop
+        kind: Literal["cancel", "abort"] = "abort" if r.kind == "abort" else "cancel"
+        stop = Stop(kind, r.origin, r.by, r.reason)
+        t.stop = PendingStop(stop, 0.0, r.requested_at, kind)
+        log.info("turn.stopped_at_recovery", session=h.id, turn=t.id, kind=kind, by=r.by)
+        s.ended(TurnOver(t.id, None, "the host stopped", via="recovery"))
+        return
+    if kept.steers:
+        t.steers = deque(kept.steers, maxlen=stops.STEERS_KEPT)
+    t.paused = kept.paused is not None
     recover(s, t, "host")
 
 
 def suspend(s: Session) -> bool:
     """Its host closes and its turn stays open, to recover at the next start: True for
-    a recoverable turn with no stop or pause in force (those end as before)."""
+    a recoverable turn with no stop in force (those end as before); a paused one
+    recovers paused."""
     t, h = s.turn, s.header
-    if t is None or t.stop is not None or t.paused or s.disposing:
+    if t is None or t.stop is not None or s.disposing:
         return False
     if not h.recoverable or h.on_crash != "recover":
         return False

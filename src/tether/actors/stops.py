@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ESCALATE_WAIT",
+    "STEERS_KEPT",
     "Interrupt",
     "PendingStop",
     "decide",
@@ -67,7 +68,7 @@ __all__ = [
 log = structlog.get_logger("tether.agent")
 
 ESCALATE_WAIT = 1.0  # seconds to wait for a worker's answer to Escalate before killing
-_STEERS_KEPT = 16  # undelivered steers remembered per turn, to note those never delivered
+STEERS_KEPT = 16  # undelivered steers remembered per turn, to note those never delivered
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +143,10 @@ def _steer(s: Session, t: Turn, i: Interrupt) -> Steer | None:
     s.services.executor.signal(t.id, SteerFrame(t.id, steer))
     if i.origin in ("user", "parent"):  # the system's own steers have their own trace
         if t.steers is None:
-            t.steers = deque(maxlen=_STEERS_KEPT)
+            t.steers = deque(maxlen=STEERS_KEPT)
         t.steers.append(steer)
+        if s.header.recoverable:  # a crash before a boundary took it delivers it after
+            s.services.store.put_steer(t.id, steer)
     return steer
 
 

@@ -10,11 +10,16 @@ import contextlib
 import sqlite3
 from collections.abc import Callable, Iterator
 
+import msgspec
+
 from tether.actors.ports import Keep, KeptTurn, ParentNotice
 from tether.runtime._store_file import dump, load, message_of
-from tether.wire.records import UnknownCall
+from tether.wire.frames import Steer
+from tether.wire.records import StopOrigin, StopReport, UnknownCall
 
 __all__ = ["close_open_turns", "finish_disposals", "unknown_calls"]
+
+_report = msgspec.json.Decoder(StopReport)
 
 
 def finish_disposals(db: sqlite3.Connection) -> list[str]:
@@ -132,7 +137,42 @@ def _kept(
         " WHERE id=?",
         (message_id,),
     ).fetchone()
-    return KeptTurn(session, turn, message_of(r), recoveries, row)
+    stop, paused, steers = _controls(db, session, turn)
+    return KeptTurn(session, turn, message_of(r), recoveries, row, stop, paused, steers)
+
+
+def _controls(
+    db: sqlite3.Connection, session: str, turn: str
+) -> tuple[StopReport | None, tuple[StopOrigin, str, str] | None, tuple[Steer, ...]]:
+    """The controls the dead host accepted for ``turn`` (semantics §17.1): the cancel or
+    abort that stands (its report, written at acceptance, not completed), the pause in
+    force (the last of the turn's pause and resume markers), the steers accepted and
+    not delivered (a ``steered`` marker is written for each steer a boundary took, in
+    the order they were accepted)."""
+    stop = None
+    r = db.execute("SELECT report FROM stop_reports WHERE turn=?", (turn,)).fetchone()
+    if r is not None:
+        report = _report.decode(r[0])
+        if report.kind in ("cancel", "abort") and report.outcome is None:
+            stop = report
+    paused = None
+    r = db.execute(
+        "SELECT action, origin, by, reason FROM entries WHERE session=? AND turn=?"
+        " AND kind='marker' AND action IN ('paused', 'resumed') ORDER BY seq DESC LIMIT 1",
+        (session, turn),
+    ).fetchone()
+    if r is not None and r[0] == "paused":
+        paused = (r[1], str(r[2]), str(r[3] or ""))
+    taken = db.execute(
+        "SELECT COUNT(*) FROM entries WHERE session=? AND turn=? AND kind='marker'"
+        " AND action='steered' AND origin IN ('user', 'parent')",
+        (session, turn),
+    ).fetchone()[0]
+    rows = db.execute(
+        "SELECT origin, by, text FROM steers WHERE turn=? ORDER BY seq", (turn,)
+    ).fetchall()
+    steers = tuple(Steer(text, origin, by) for origin, by, text in rows[int(taken) :])
+    return stop, paused, steers
 
 
 @contextlib.contextmanager

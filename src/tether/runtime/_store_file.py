@@ -132,6 +132,14 @@ CREATE TABLE IF NOT EXISTS calls (   -- each tool call's start, before it runs (
     started_at   REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS calls_turn ON calls (turn);
+CREATE TABLE IF NOT EXISTS steers (  -- a user's or parent's steer, as accepted (§17.1)
+    seq         INTEGER PRIMARY KEY,
+    turn        TEXT NOT NULL,
+    origin      TEXT NOT NULL,
+    by          TEXT NOT NULL,
+    text        TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS steers_turn ON steers (turn);
 CREATE TABLE IF NOT EXISTS stop_reports (
     turn        TEXT PRIMARY KEY,
     session     TEXT NOT NULL,

@@ -36,6 +36,7 @@ from tether.runtime.group_commit import (
 )
 from tether.wire.budget import Budget
 from tether.wire.errors import StoreUnavailable
+from tether.wire.frames import Steer
 from tether.wire.records import (
     Entry,
     EntryKind,
@@ -76,6 +77,10 @@ class _UsageFlush:
         if self._rows is None:
             self._rows = self._store._usage_rows()
         return db.executemany("UPDATE turns SET usage=? WHERE seq=?", self._rows)
+
+
+def _nothing(db: sqlite3.Connection) -> None:
+    """``barrier``'s write: its place in the queue is all it is for."""
 
 
 def _probe(db: sqlite3.Connection) -> None:
@@ -622,6 +627,17 @@ class Store:
             )
 
         self._queue_op(op)
+
+    def put_steer(self, turn: str, steer: Steer) -> None:
+        """Queue a steer accepted for ``turn``: delivered after a crash if no boundary
+        took it before (semantics §17.1)."""
+        sql = "INSERT INTO steers (turn, origin, by, text) VALUES (?,?,?,?)"
+        self._queue_op(Statement(sql, (turn, steer.origin, steer.by, steer.text)))
+
+    def barrier(self) -> Ticket:
+        """A ticket done once every write queued before it is committed; refused, as a
+        send is, when its commit fails: a control's answer waits for it."""
+        return self._commits.submit(_nothing, refusable=True)
 
     def stop_report(self, turn: str) -> StopReport | None:
         rows = self._read("SELECT report FROM stop_reports WHERE turn=?", (turn,))

@@ -69,8 +69,10 @@ MarkerAction = Literal[
 ]
 # How a stop took effect: the driver took it at a boundary, or at an await it was in;
 # or its tree was killed, whole by its cgroup or by the walk.
-Via = Literal["boundary", "cancel-at-await", "cgroup", "walk"]
-KillVia = Literal["cgroup", "walk"]  # the kill's share of Via
+Via = Literal["boundary", "cancel-at-await", "cgroup", "walk", "recovery"]
+# the kill's share of Via; "recovery": the host died, and a new one ended the turn as the
+# stop accepted before said (semantics §17.1)
+KillVia = Literal["cgroup", "walk", "recovery"]
 # What a session's turn does when a crash interrupts it (semantics §17.1).
 OnCrash = Literal["recover", "park"]
 # What interrupted a recovered turn: its host stopped (a crash or a suspending close),
