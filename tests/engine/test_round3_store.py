@@ -27,7 +27,8 @@ import pytest
 import tether
 from drivers import HANG, TESTS, line_from
 from tether import User
-from tether.actors.host import StatusOp, _Call, _Reply
+from tether.actors._reply import Reply
+from tether.actors.host import StatusOp, _Call
 from tether.wire.errors import StoreLocked, StoreUnavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -315,7 +316,7 @@ def test_an_abort_lands_at_once_while_a_dormant_sessions_status_waits_for_the_st
             _until(lambda: rt._store._commits._queue, 5.0, "a write waits for the lock")
             # status() of the dormant session, put in the host's mailbox first (as
             # rt.status does), answered on a thread of its own.
-            reply = _Reply()
+            reply = Reply()
             host.tell(_Call(StatusOp(dormant), reply))
             answer: list[Any] = []
 

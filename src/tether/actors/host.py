@@ -30,17 +30,20 @@ import msgspec
 import pykka
 import structlog
 
+from tether.actors._reply import Reply
 from tether.actors._timers import TimerHandle, TimerQueue
 from tether.actors.agent import Session, Wake, make_info
+from tether.actors.approvals import Decide
 from tether.actors.authority import Authority, Host
 from tether.actors.budget import Governor, TurnStep
 from tether.actors.directory import Directory
-from tether.actors.ports import AgentStore, EventSink, Executor, KeptTurn, TurnOver
+from tether.actors.ports import AgentStore, Durable, EventSink, Executor, KeptTurn, TurnOver
 from tether.actors.services import SessionServices, TimerKind
 from tether.actors.states import AgentState
 from tether.actors.stops import Interrupt
 from tether.telemetry.hooks import NOOP, Telemetry
-from tether.wire.errors import InvalidParams, NotFound, TetherError
+from tether.wire.approval import Approval
+from tether.wire.errors import AlreadyDecided, InvalidParams, NotFound, TetherError
 from tether.wire.frames import (
     Delivered,
     Escalating,
@@ -224,38 +227,10 @@ class _Timer:
     gen: int
 
 
-class _Reply:
-    """A one-shot answer slot: the asker blocks on a held lock that the host releases.
-
-    A lock hand-off is the cheapest cross-thread wake CPython has; pykka's ``ask``
-    builds a queue-backed future per call, which the hot paths (interrupt, status)
-    would pay on every call.
-    """
-
-    __slots__ = ("_error", "_lock", "_value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def set(self, value: Any, error: BaseException | None = None) -> None:
-        self._value = value
-        self._error = error
-        self._lock.release()
-
-    def get(self) -> Any:
-        self._lock.acquire()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 @dataclass(frozen=True, slots=True)
 class _Call:
     message: Any
-    reply: _Reply
+    reply: Reply
 
 
 def _tell(ref: pykka.ActorRef[Any], message: Any) -> None:
@@ -344,7 +319,7 @@ class Dispatcher:
 
     def ask(self, session: str, message: Any) -> Any:
         """Ask the session's host; an answer handed over with one lock, not a future."""
-        reply = _Reply()
+        reply = Reply()
         self.route(session).tell(_Call(message, reply))
         return reply.get()
 
@@ -355,7 +330,7 @@ class Dispatcher:
         """A barrier: every host has handled what was told to it before this call."""
         replies = []
         for ref in self.refs:
-            reply = _Reply()
+            reply = Reply()
             ref.tell(_Call(SyncOp(), reply))
             replies.append(reply)
         for reply in replies:
@@ -461,6 +436,8 @@ class SessionHost(pykka.ThreadingActor):
                 return self._interrupt(message)
             case PauseOp():
                 return self._pause(message)
+            case Decide():
+                return self._decide(message)
             case StatusOp(session=sid):
                 return self._status(sid)
             case RefOp(session=sid):
@@ -527,7 +504,10 @@ class SessionHost(pykka.ThreadingActor):
         if s is None:  # its turn is over: nobody runs the tool
             answer(ToolReply(frame.turn, frame.call, code="not-found", message="no such turn"))
             return
-        s.begin_call(frame, answer)
+        try:
+            s.begin_call(frame, answer)
+        finally:
+            self._after(s)  # an approval it asked for shows in its status
 
     def _quietly(self, sid: str, action: Callable[[Session], None]) -> None:
         s = self._live.get(sid)
@@ -704,6 +684,18 @@ class SessionHost(pykka.ThreadingActor):
         finally:
             self._after(s)
 
+    def _decide(self, d: Decide) -> tuple[Approval, Durable]:
+        """A decision on an approval of ``d.session``'s turn, with the authority of an
+        interrupt of the session (semantics §17.2): the approval as decided, and the
+        ticket its caller waits on."""
+        s = self._dir.authorize_interrupt(d.session, d.authority, one_shot=True)
+        if s is None:  # not live: nothing of it waits
+            raise AlreadyDecided(f"approval {d.approval} is no longer pending")
+        try:
+            return s.decide(d)
+        finally:
+            self._after(s)
+
     # ---- status -------------------------------------------------------------------
 
     def _status(self, sid: str) -> AgentInfo:
@@ -720,7 +712,7 @@ class SessionHost(pykka.ThreadingActor):
             return _with_dispatched(info)
         return info
 
-    def _status_offline(self, sid: str, reply: _Reply) -> None:
+    def _status_offline(self, sid: str, reply: Reply) -> None:
         """A dormant session's status: decided here, in order (dormant or settled), but
         its pending count is read off this thread, so that a slow store never holds up
         this host's other sessions (an abort queued behind it, say)."""

@@ -22,6 +22,7 @@ from tether.driver._command import exit_waits, pidfd, read_some
 from tether.driver._turn import WorkerPort, _TurnState, end_of
 from tether.driver.context import BaseContext, CommandResult, _interrupt_args, _interrupted
 from tether.telemetry import spans
+from tether.wire.approval import Decided
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -258,6 +259,24 @@ class AsyncTurnContext(BaseContext):
         key (semantics §17.1). A crash before its result is recorded makes it unknown."""
         args = self._begin_args(name, arguments, tool_call_id)
         return str(await self._host_call_sent("begin_call", args))
+
+    async def ask_approval(
+        self,
+        name: str,
+        arguments: str = "",
+        tool_call_id: str | None = None,
+        *,
+        schema: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        approver: str = "any",
+    ) -> Decided:
+        """Ask for this tool call to be approved, and wait for the decision (semantics
+        §17.2), holding no worker slot meanwhile. Approved: its start is durable, as
+        ``begin_call``'s, and the answer carries its key and the arguments to run it with
+        (edited ones checked against ``schema``); else the text the model reads."""
+        args = self._begin_args(name, arguments, tool_call_id)
+        args["approval"] = {"timeout": timeout, "approver": approver, "schema": schema}
+        return msgspec.convert(await self._host_call_sent("begin_call", args), Decided)
 
     async def spawn_agent(
         self,

@@ -11,6 +11,7 @@ import sqlite3
 from collections.abc import Callable, Iterator
 
 from tether.actors.ports import Keep, KeptTurn, ParentNotice
+from tether.runtime._approval_rows import cancel_left_pending
 from tether.runtime._store_file import dump, load, message_of
 from tether.wire.records import UnknownCall
 
@@ -54,6 +55,7 @@ def close_open_turns(
     Returns (session, turn, last assistant text) for each turn closed, and those kept.
     """
     with _transaction(db):
+        cancel_left_pending(db)  # its turns end or recover here: none waits any more
         rows = db.execute(
             "SELECT id, session, recoveries, seq, message_id FROM turns"
             " WHERE outcome IS NULL ORDER BY seq"
