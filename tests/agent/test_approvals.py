@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -340,3 +341,58 @@ def test_a_bad_approval_policy_is_refused_at_spawn_naming_the_field(
         ):
             with pytest.raises(tether.InvalidParams, match=message):
                 rt.spawn(root, CHAT, config=_config(server, "never-used", policy))
+
+
+def test_with_one_worker_a_parent_agent_runs_beside_its_waiting_child_and_approves_its_call(
+    server: ModelServer, db_path: str, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    server.script("one-worker", [{"tool_calls": [_call(_touch(ran))]}, {"text": "Done."}])
+    with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
+        rec = Recorder(rt)
+        root = rt.open_session("drivers:Approver")
+        child = rt.spawn(root, CHAT, slug="agent", config=_config(server, "one-worker"))
+        assert isinstance(child, str)
+        rt.send(child, "go", authority=User(parent=root))
+        # the child's turn waits on the one worker; the parent's notice starts a turn
+        # of the parent beside it, which decides the call as the child's ancestor
+        assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+        assert rec.turn_ended(root, timeout=30.0)["outcome"] == "completed"
+        assert ran.read_text() == "ran\n"
+        [marker] = [e for e in entries(rt, child, "marker") if e.action == "approved"]
+        assert marker.text.startswith(f"✓ Approved by parent ({root})")
+        assert marker.text.endswith(": fine by me")
+        # and the pool gives the worker it lent back: one active again
+        pool = local_pool(rt)
+        eventually(lambda: len(pool._active) == 1, timeout=10.0, what="one active worker")
+
+
+def test_a_turn_waiting_on_approval_is_never_stepped_by_the_watchdog_nor_charged_turn_seconds(
+    server: ModelServer, db_path: str, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    server.script("watched", [{"tool_calls": [_call(_touch(ran))]}, {"text": "Done."}])
+    server.script("warm", [{"text": "Ready."}])
+    stall = {"after": 1.0, "steps": ["cancel"]}
+    with tether.Runtime(db_path, workers=1, grace=1.0) as rt:
+        rec = Recorder(rt)
+        root = rt.open_session(SCRIPTED)
+        child = rt.spawn(root, CHAT, slug="agent", config=_config(server, "watched"), stall=stall)
+        assert isinstance(child, str)
+        me = User(parent=root)
+        # a first turn of another agent: the one worker has loaded ChatAgent's modules,
+        # which the watched one's first second would otherwise spend
+        warm = rt.spawn(root, CHAT, prompt="hi", config=_config(server, "warm"))
+        assert isinstance(warm, str)
+        assert rec.turn_ended(warm, timeout=30.0)["outcome"] == "completed"
+        rt.send(child, "go", authority=me)
+        [a] = _pending(rt, child)
+        before = rt.budget(root).spent["turn_seconds"]
+        # Time passing is what this test is about: twice the watchdog's ``after``.
+        time.sleep(2.0)
+        assert rt.budget(root).spent["turn_seconds"] < before + 0.5  # the wait is not charged
+        assert not [e for e in rec.events if e.name == "watchdog.step"]
+        assert rt.status(child).state == "running"
+        rt.decide(a.id, authority=me)
+        assert rec.turn_ended(child, timeout=30.0)["outcome"] == "completed"
+        assert ran.exists()
