@@ -239,6 +239,18 @@ class Spender:
         return f"spent {n} steps"
 
 
+class Approver:
+    """A parent agent that decides what its children ask (semantics §17.2): a notice of an
+    approval is approved, with the reason ``fine by me``; any other message is ``ok``."""
+
+    def run(self, ctx: Any) -> str:
+        asked = (ctx.message.data or {}).get("approval")
+        if asked is None:
+            return "ok"
+        decided = ctx.decide_approval(asked["id"], "approve", reason="fine by me")
+        return f"{decided.id} {decided.state}"
+
+
 def _try_command(ctx: Any, name: str) -> str:
     try:
         ctx.run_command(["touch", (ctx.message.data or {})["path"]])

@@ -10,8 +10,10 @@ from tether.actors.authority import Ancestor, User
 from tether.driver import AsyncScripted, AsyncTurnContext, CommandResult, Scripted, TurnContext
 from tether.driver.calls import current_call_id
 from tether.runtime.runtime import OneShot, Runtime
+from tether.wire.approval import Approval
 from tether.wire.budget import Budget, BudgetStatus
 from tether.wire.errors import (
+    AlreadyDecided,
     BudgetExhausted,
     DriverNotFound,
     InvalidParams,
@@ -44,7 +46,9 @@ from tether.wire.records import (
 __all__ = [
     "AgentInfo",
     "AgentRef",
+    "AlreadyDecided",
     "Ancestor",
+    "Approval",
     "AsyncScripted",
     "AsyncTurnContext",
     "Budget",

@@ -19,6 +19,8 @@ NAMES = [
     "pause_agent",
     "resume_agent",
     "stop_report",
+    "list_approvals",
+    "decide_approval",
     "run_command",
     "budget",
 ]

@@ -393,6 +393,10 @@ class FakeExecutor:
     def disposed(self, sessions: list[str]) -> None:
         """Part of ``Executor``; only the host calls it (a session settled), never a session."""
 
+    def waiting(self, turn: str, on: bool) -> None:
+        """Part of ``Executor``; only a turn that asks for approvals waits (none here)."""
+        raise Violation(f"{turn}: waiting({on}) with no approval asked")
+
 
 class Events:
     def __init__(self) -> None:

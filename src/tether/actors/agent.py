@@ -23,8 +23,9 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from tether.actors import recovery, reports, stops, watchdog
+from tether.actors import approvals, recovery, reports, stops, watchdog
 from tether.actors._ids import new_id
+from tether.actors.approvals import Decide
 from tether.actors.budget import StepKind
 from tether.actors.outcomes import TurnOutcome
 from tether.actors.ports import Durable, EndRecord, KeptTurn, ParentNotice, TurnOver, TurnSpec
@@ -32,6 +33,7 @@ from tether.actors.services import SessionServices, TimerKind
 from tether.actors.states import AgentState, check_transition
 from tether.actors.stops import Interrupt
 from tether.actors.turn import Turn
+from tether.wire.approval import Approval
 from tether.wire.errors import InvalidParams, TetherError
 from tether.wire.frames import (
     Delivered,
@@ -75,6 +77,7 @@ def make_info(
     pending: int = 0,
     stopping: Literal["cancel", "abort"] | None = None,
     turn: str | None = None,
+    waiting: tuple[str, ...] = (),
 ) -> AgentInfo:
     return AgentInfo(
         id=header.id,
@@ -86,6 +89,7 @@ def make_info(
         pending=pending,
         stopping=stopping,
         turn=turn,
+        approvals=waiting,
     )
 
 
@@ -273,7 +277,12 @@ class Session:
             return None
         listener = self.services.listener
         ctl = listener.control(sid, t, i.kind, i.origin, i.by, i.turn, i.trace)
+        if i.kind == "preempt" and approvals.preempt(self, t, i.origin, i.by, i.reason):
+            listener.unchanged(t, ctl)  # its calls wait for approval: denied, none was running
+            return t.id
         issued = stops.issue(self, t, i)
+        if issued is not None and i.kind in ("cancel", "abort"):
+            approvals.stopped(self, t, i.kind, i.origin, i.by)
         if issued is None:
             listener.unchanged(t, ctl)
         else:
@@ -302,8 +311,16 @@ class Session:
                 self.progress(frame)
 
     def begin_call(self, frame: ToolCall, answer: Callable[[ToolReply], None]) -> None:
-        """A tool call's start, made durable before its tool runs (``actors.recovery``)."""
-        recovery.begin_call(self, frame, answer)
+        """A tool call's start, made durable before its tool runs (``actors.recovery``);
+        one under an approval policy waits for its decision first (``actors.approvals``)."""
+        if frame.args.get("approval") is not None:
+            approvals.request(self, frame, answer)
+        else:
+            recovery.begin_call(self, frame, answer)
+
+    def decide(self, op: Decide) -> tuple[Approval, Durable]:
+        """A decision on one of its turn's approvals, authorized (``actors.approvals``)."""
+        return approvals.decide(self, op)
 
     def said(self, frame: Say) -> None:
         """The driver's entry, written here, in the order of its worker's reports: after
@@ -359,6 +376,8 @@ class Session:
             return
         if which == "watchdog":
             watchdog.fired(self, t)
+        elif which == "approval":
+            approvals.fired(self, t, gen)
         else:
             stops.fired(self, t, which, gen)
 
@@ -469,6 +488,8 @@ class Session:
         t = self.turn
         if t is None or t.id != over.turn or self.suspended:
             return  # suspended: the turn stays open in the store, to recover
+        if t.approvals:
+            approvals.ended(self, t, "its worker died" if over.crashed else "the turn ended")
         if over.crashed:
             crashed = recovery.crashed(self, t, over)
             if crashed is None:
@@ -582,6 +603,7 @@ class Session:
             self.settled = True
             return
         stops.dispose(self, t, origin, by, grace)
+        approvals.stopped(self, t, "cancel", origin, by)
         self.disposing = True  # after the cancel: interrupts to a disposing session are no-ops
 
     def check_release(self) -> None:
@@ -609,6 +631,7 @@ class Session:
         t = self.turn
         stopping = t.stop.kind if t is not None and t.stop is not None else None
         turn = t.id if t is not None else None
+        waiting = tuple(t.approvals) if t is not None and t.approvals else ()
         pending = self.pending
         old = self.info
         if (
@@ -616,10 +639,11 @@ class Session:
             and old.pending == pending
             and old.stopping == stopping
             and old.turn == turn
+            and old.approvals == waiting
         ):
             return
         check_transition(AgentState(old.state), state)
-        self.info = make_info(self.header, self.depth, state, pending, stopping, turn)
+        self.info = make_info(self.header, self.depth, state, pending, stopping, turn, waiting)
         if self.services.events.wants("state"):
             self.emit(
                 "state",

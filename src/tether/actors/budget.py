@@ -102,6 +102,12 @@ class _Run:
     gen: int = -1
     stopped: bool = False  # a budget's hard step reached it: never twice
     paused: bool = False  # a budget's soft pause reached it
+    # Since when it waits on approvals alone (semantics §17.2): its seconds stop there.
+    held_at: float | None = None
+
+    def seconds(self, now: float) -> float:
+        """Its running time: up to ``now``, or to when it began to wait on approvals."""
+        return max((now if self.held_at is None else self.held_at) - self.started, 0.0)
 
 
 @dataclass(slots=True)
@@ -254,6 +260,22 @@ class Governor:
             if self._timed:
                 self._reschedule_locked()
 
+    def hold(self, turn: str, on: bool) -> None:
+        """``turn`` waits on approvals alone (``on``), or goes on: the wait counts toward
+        no ``turn_seconds`` (semantics §17.2)."""
+        with self._lock:
+            run = self._runs.get(turn)
+            if run is None:
+                return
+            now = self._clock.monotonic()
+            if on and run.held_at is None:
+                run.held_at = now
+            elif not on and run.held_at is not None:
+                run.started += now - run.held_at  # the wait is cut out of its time
+                run.held_at = None
+            if self._timed:
+                self._reschedule_locked()
+
     def usage(self, session: str, turn: str, delta: dict[str, int]) -> None:
         """One response's usage (a worker's frame), on the backend's thread. ``delta``'s
         values are ints (the frame's typed decode checked them) and it is not changed
@@ -320,7 +342,7 @@ class Governor:
             run = self._runs.pop(turn, None)
             if run is None:
                 return usage
-            seconds = max(self._clock.monotonic() - run.started, 0.0)
+            seconds = run.seconds(self._clock.monotonic())
             run.own.seconds += seconds
             if run.gen != self._gen:
                 run.chain, run.gen = self._chain(run.session, run.lineage), self._gen
@@ -550,7 +572,7 @@ class Governor:
                     )
 
     def _running_seconds(self, inside: Callable[[_Run], bool], now: float) -> float:
-        return sum(max(now - r.started, 0.0) for r in self._runs.values() if inside(r))
+        return sum(r.seconds(now) for r in self._runs.values() if inside(r))
 
     def _in_tree(self, b: str) -> Callable[[_Run], bool]:
         return lambda r: r.session == b or b in r.lineage

@@ -198,9 +198,12 @@ class Directory:
                 raise ParentOffline(f"the parent {h.parent} of {target} is not live")
         return node
 
-    def authorize_interrupt(self, target: str, auth: Authority | Host) -> Session | None:
+    def authorize_interrupt(
+        self, target: str, auth: Authority | Host, *, one_shot: bool = False
+    ) -> Session | None:
         """The live session to signal, or None for an accepted no-op; Unauthorized if
-        refused. Called on the thread of the actor hosting ``target``."""
+        refused. Called on the thread of the actor hosting ``target``. ``one_shot``: a
+        one-shot session is not absent (an approval's decision: its ancestors decide)."""
         if isinstance(auth, Ancestor):
             self.check_ref(auth)  # stale refs are refused even for an absent target
         live = self.registry.get(target)
@@ -209,7 +212,7 @@ class Directory:
         if isinstance(auth, Host):
             return live
         header = live.header
-        if header.mode == "one-shot":
+        if header.mode == "one-shot" and not one_shot:
             return None  # the continuable path treats a one-shot as absent
         if isinstance(auth, User):
             if owner_address(header) != auth.parent:

@@ -33,15 +33,17 @@ import structlog
 from tether.actors._reply import Call, Reply, durable_reply
 from tether.actors._timers import TimerHandle, TimerQueue
 from tether.actors.agent import Session, Wake, make_info
+from tether.actors.approvals import Decide
 from tether.actors.authority import Authority, Host
 from tether.actors.budget import Governor, TurnStep
 from tether.actors.directory import Directory
-from tether.actors.ports import AgentStore, EventSink, Executor, KeptTurn, TurnOver
+from tether.actors.ports import AgentStore, Durable, EventSink, Executor, KeptTurn, TurnOver
 from tether.actors.services import SessionServices, TimerKind
 from tether.actors.states import AgentState
 from tether.actors.stops import Interrupt
 from tether.telemetry.hooks import NOOP, Telemetry
-from tether.wire.errors import InvalidParams, NotFound, TetherError
+from tether.wire.approval import Approval
+from tether.wire.errors import AlreadyDecided, InvalidParams, NotFound, TetherError
 from tether.wire.frames import (
     Delivered,
     Escalating,
@@ -442,6 +444,8 @@ class SessionHost(pykka.ThreadingActor):
                 return self._interrupt(message)
             case PauseOp():
                 return self._pause(message)
+            case Decide():
+                return self._decide(message)
             case StatusOp(session=sid):
                 return self._status(sid)
             case RefOp(session=sid):
@@ -508,7 +512,10 @@ class SessionHost(pykka.ThreadingActor):
         if s is None:  # its turn is over: nobody runs the tool
             answer(ToolReply(frame.turn, frame.call, code="not-found", message="no such turn"))
             return
-        s.begin_call(frame, answer)
+        try:
+            s.begin_call(frame, answer)
+        finally:
+            self._after(s)  # an approval it asked for shows in its status
 
     def _quietly(self, sid: str, action: Callable[[Session], None]) -> None:
         s = self._live.get(sid)
@@ -682,6 +689,18 @@ class SessionHost(pykka.ThreadingActor):
             if op.resume:
                 return s.resume(auth.origin, auth.by, op.trace)
             return s.pause(auth.origin, auth.by, op.reason, op.trace)
+        finally:
+            self._after(s)
+
+    def _decide(self, d: Decide) -> tuple[Approval, Durable]:
+        """A decision on an approval of ``d.session``'s turn, with the authority of an
+        interrupt of the session (semantics §17.2): the approval as decided, and the
+        ticket its caller waits on."""
+        s = self._dir.authorize_interrupt(d.session, d.authority, one_shot=True)
+        if s is None:  # not live: nothing of it waits
+            raise AlreadyDecided(f"approval {d.approval} is no longer pending")
+        try:
+            return s.decide(d)
         finally:
             self._after(s)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from tether.actors.outcomes import TurnOutcome
+from tether.wire.approval import Approval
 from tether.wire.frames import (
     Delivered,
     Escalating,
@@ -157,6 +158,10 @@ class Executor(Protocol):
     def dispatched(self, turn: str) -> bool:
         """True once a worker has taken ``turn`` (False while it waits for one)."""
 
+    def waiting(self, turn: str, on: bool) -> None:
+        """``turn`` waits on approvals alone (``on``), or no more: while it does, it
+        counts against no worker slot, and other turns start beside it (§17.2)."""
+
     def disposed(self, sessions: list[str]) -> None:
         """``sessions`` are settled for good: tell the workers that may keep something
         of theirs across turns (a kit's tool servers), so that it goes. Best effort, and
@@ -279,6 +284,10 @@ class AgentStore(Protocol):
     def dispose_accepted(self, sessions: list[str]) -> Durable:
         """Record that a disposal of ``sessions`` was accepted (finished at recovery if
         a host kill cuts it short)."""
+
+    def put_approval(self, a: Approval) -> Durable:
+        """Queue an approval's record (semantics §17.2): new, or decided over its pending
+        one; done once durable."""
 
     def put_stop_report(self, report: StopReport) -> None:
         """Queue a turn's stop report (semantics §15.6), replacing the turn's earlier one."""

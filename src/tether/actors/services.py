@@ -19,8 +19,9 @@ from tether.wire.records import Message
 
 __all__ = ["SessionServices", "TimerKind"]
 
-# The stop's clocks (``actors.stops``) and the watchdog's (``actors.watchdog``).
-TimerKind = Literal["grace", "deadline", "escalate", "watchdog"]
+# The stop's clocks (``actors.stops``), the watchdog's (``actors.watchdog``) and each
+# approval's timeout (``actors.approvals``).
+TimerKind = Literal["grace", "deadline", "escalate", "watchdog", "approval"]
 
 
 class SessionServices:

@@ -16,6 +16,7 @@ from tether.wire.frames import Steer
 from tether.wire.records import Message, Recovered
 
 if TYPE_CHECKING:
+    from tether.actors.approvals import Pending
     from tether.actors.listener import Controls
     from tether.actors.reports import Book
     from tether.actors.stops import PendingStop
@@ -53,3 +54,7 @@ class Turn:
     # yet (actors.listener).
     span: TurnSpan | None = None
     controls: Controls | None = None
+    # Its calls that wait for a decision, by approval id, and the last one's number (its
+    # timer's generation) (semantics §17.2, actors.approvals).
+    approvals: dict[str, Pending] | None = None
+    approval_gen: int = 0

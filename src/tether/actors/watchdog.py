@@ -131,8 +131,8 @@ def fired(s: Session, t: Turn) -> None:
     if w is None:
         return
     w.timer = None
-    if t.paused or s.disposing:
-        return
+    if t.paused or s.disposing or t.approvals:
+        return  # paused, or waiting for decisions: the clock starts afresh after
     stall = w.policy
     now = s.services.clock.monotonic()
     after = stall.after

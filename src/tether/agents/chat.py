@@ -21,6 +21,7 @@ import structlog
 
 from tether.agents.drain import drained
 from tether.agents.mcp import McpTimeout, McpTools
+from tether.agents.mcp._config import resolve_policy
 from tether.driver.async_context import AsyncTurnContext
 from tether.driver.calls import calling
 from tether.driver.disposal import on_disposed
@@ -243,6 +244,8 @@ class ChatAgent:
 
     # A turn a crash interrupted runs on from its last durable step (semantics §17.1).
     recoverable = True
+    # The offered tools' argument schemas, by name: set by each turn (never changed in place).
+    _schemas: dict[str, dict[str, Any]] = {}  # noqa: RUF012
 
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
@@ -267,12 +270,14 @@ class ChatAgent:
     async def _loop(self, ctx: AsyncTurnContext, cfg: _Config, client: Any) -> str | None:
         mcp = await _mcp_tools(ctx, cfg)
         tools = [t for t in _host_schemas() if t["function"]["name"] in cfg.tools]
+        self._schemas = _schemas_of(tools)
         missing: dict[str, str] = {}
         if mcp is not None:
             offered, missing = await mcp.offered()
             if len(missing) == len(mcp.servers):  # nothing of the config works: a mistake
                 raise ModelError(_one_line("config.mcp: " + "; ".join(missing.values())))
             tools.extend(offered)
+            self._schemas = _schemas_of(tools)
             for server, why in missing.items():
                 # in the transcript, never in the model's history (no tool_call_id)
                 ctx.record_tool(why, data={"mcp_unavailable": server})
@@ -406,15 +411,37 @@ class ChatAgent:
         start is durable first (write-ahead): a crash while it runs makes it unknown,
         never silently run twice. ``key``: an idempotent call run again, by its key."""
         name = call["function"]["name"]
-        arguments = call["function"]["arguments"]
+        arguments = used = call["function"]["arguments"]
+        data: dict[str, Any] = {"tool_call_id": call["id"], "name": name, "arguments": arguments}
         if key is None:
-            key = await ctx.begin_call(name, arguments, call["id"])
-        data = {"tool_call_id": call["id"], "name": name, "arguments": arguments, "call": key}
+            policy = resolve_policy(cfg.tool_policy, name)
+            if policy.approval == "required":
+                decided = await ctx.ask_approval(
+                    name,
+                    arguments,
+                    call["id"],
+                    schema=self._schemas.get(name),
+                    timeout=policy.approval_timeout,
+                    approver=policy.approver,
+                )
+                data["approval"] = decided.approval
+                if decided.key is None:  # denied, expired or cancelled: it never runs
+                    data["approval_state"] = decided.state
+                    ctx.record_tool(decided.text, data=data)
+                    return decided.text
+                key, used = decided.key, decided.arguments or arguments
+                if used != arguments:  # the tool entry records both
+                    data["arguments_used"] = used
+            else:
+                key = await ctx.begin_call(name, arguments, call["id"])
+        data["call"] = key
         started = time.monotonic()
         try:
             with spans.tool(name, call_id=call["id"]) as span, calling(key):
-                span.content("gen_ai.tool.call.arguments", arguments)
-                text = await self._run_tool(ctx, cfg, mcp, name, arguments)
+                span.content("gen_ai.tool.call.arguments", used)
+                text = await self._run_tool(ctx, cfg, mcp, name, used)
+                if used != arguments:  # the model is told what ran (docs/semantics.md)
+                    text = f"(run with arguments edited at its approval: {used})\n{text}"
                 span.content("gen_ai.tool.call.result", text)
         except Preempted as exc:
             text = _preempted_text(exc)
@@ -763,6 +790,12 @@ def _paired(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(m)
     close()
     return out
+
+
+def _schemas_of(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each offered tool's argument schema, by the name the model calls it by (an edit
+    made at an approval is checked against it)."""
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
 
 
 def _result_text(result: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from tether.driver._command import exit_waits, pidfd, read_some
 from tether.driver._turn import WorkerPort, _TurnState, end_of
 from tether.driver.context import BaseContext, CommandResult, _interrupt_args, _interrupted
 from tether.telemetry import spans
+from tether.wire.approval import Approval, Decided
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
     Cancel,
@@ -259,6 +260,24 @@ class AsyncTurnContext(BaseContext):
         args = self._begin_args(name, arguments, tool_call_id)
         return str(await self._host_call_sent("begin_call", args))
 
+    async def ask_approval(
+        self,
+        name: str,
+        arguments: str = "",
+        tool_call_id: str | None = None,
+        *,
+        schema: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        approver: str = "any",
+    ) -> Decided:
+        """Ask for this tool call to be approved, and wait for the decision (semantics
+        §17.2), holding no worker slot meanwhile. Approved: its start is durable, as
+        ``begin_call``'s, and the answer carries its key and the arguments to run it with
+        (edited ones checked against ``schema``); else the text the model reads."""
+        args = self._begin_args(name, arguments, tool_call_id)
+        args["approval"] = {"timeout": timeout, "approver": approver, "schema": schema}
+        return msgspec.convert(await self._host_call_sent("begin_call", args), Decided)
+
     async def spawn_agent(
         self,
         *,
@@ -336,6 +355,29 @@ class AsyncTurnContext(BaseContext):
     async def resume_agent(self, agent_id: str, *, scope: str = "session") -> list[str]:
         args = {"agent_id": agent_id, "scope": scope}
         return [str(t) for t in await self._host_call("resume_agent", args)]
+
+    async def list_approvals(self) -> list[Approval]:
+        """The pending approvals of the sessions below this one, oldest first (semantics
+        §17.2)."""
+        raw = await self._host_call("list_approvals", {})
+        return msgspec.convert(raw, list[Approval])
+
+    async def decide_approval(
+        self,
+        approval: str,
+        decision: str = "approve",
+        *,
+        reason: str = "",
+        arguments: dict[str, Any] | None = None,
+    ) -> Approval:
+        """Decide a pending approval of a session below this one, as its ancestor."""
+        args = {
+            "approval": approval,
+            "decision": decision,
+            "reason": reason,
+            "arguments": arguments,
+        }
+        return msgspec.convert(await self._host_call("decide_approval", args), Approval)
 
     # ---- tools ------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import msgspec
 from tether.driver._command import check_command, drain, wait_exit
 from tether.driver._turn import WorkerPort, _TurnState
 from tether.telemetry import spans
+from tether.wire.approval import Approval
 from tether.wire.budget import cost_microusd, merge_usage
 from tether.wire.errors import Preempted, error_from_code
 from tether.wire.frames import (
@@ -385,6 +386,29 @@ class TurnContext(BaseContext):
         """Thaw what ``pause_agent`` froze; the turns resumed."""
         args = {"agent_id": agent_id, "scope": scope}
         return [str(t) for t in self._host_call("resume_agent", args)]
+
+    def list_approvals(self) -> list[Approval]:
+        """The pending approvals of the sessions below this one, oldest first (semantics
+        §17.2)."""
+        raw = self._host_call("list_approvals", {})
+        return msgspec.convert(raw, list[Approval])
+
+    def decide_approval(
+        self,
+        approval: str,
+        decision: str = "approve",
+        *,
+        reason: str = "",
+        arguments: dict[str, Any] | None = None,
+    ) -> Approval:
+        """Decide a pending approval of a session below this one, as its ancestor."""
+        args = {
+            "approval": approval,
+            "decision": decision,
+            "reason": reason,
+            "arguments": arguments,
+        }
+        return msgspec.convert(self._host_call("decide_approval", args), Approval)
 
     def run_command(
         self, argv: list[str], *, timeout: float | None = None, cwd: str | None = None

@@ -26,8 +26,10 @@ from tether.wire.vocab import MAX_SECONDS
 __all__ = [
     "TOOLS",
     "BudgetArgs",
+    "DecideApprovalArgs",
     "InterruptAgentArgs",
     "ListAgentsArgs",
+    "ListApprovalsArgs",
     "PauseAgentArgs",
     "ResumeAgentArgs",
     "RunCommandArgs",
@@ -95,6 +97,17 @@ class ToolHost(Protocol):
     ) -> Sequence[str]: ...
 
     def resume_agent(self, agent_id: str, *, scope: str = ...) -> Sequence[str]: ...
+
+    def list_approvals(self) -> Sequence[Any]: ...
+
+    def decide_approval(
+        self,
+        approval: str,
+        decision: str = ...,
+        *,
+        reason: str = ...,
+        arguments: dict[str, Any] | None = ...,
+    ) -> Any: ...
 
     def run_command(
         self, argv: list[str], *, timeout: float | None = ..., cwd: str | None = ...
@@ -252,6 +265,30 @@ class StopReportArgs(_Args):
     turn: Annotated[str, Meta(min_length=1, description="The turn's id (t_…).")]
 
 
+class ListApprovalsArgs(_Args):
+    """List the tool calls of the agents below you that wait for a decision (approval):
+    each one's id, agent, tool and arguments. Decide one with decide_approval."""
+
+
+class DecideApprovalArgs(_Args):
+    """Decide a tool call of an agent below you that waits for approval: approve it (it
+    runs, with your edited arguments if you give them) or deny it (the agent is told why
+    and goes on)."""
+
+    approval: Annotated[str, Meta(min_length=1, description="The approval's id (a_…).")]
+    decision: Annotated[
+        Literal["approve", "deny"], Meta(description="approve (default) or deny.")
+    ] = "approve"
+    reason: Annotated[str, Meta(max_length=2000, description="Why (the agent is told).")] = ""
+    arguments: (
+        Annotated[
+            dict[str, Any],
+            Meta(description="To approve with other arguments than the call's own."),
+        ]
+        | UnsetType
+    ) = UNSET
+
+
 class RunCommandArgs(_Args):
     """Run a command (no shell) and return its exit code, stdout and stderr."""
 
@@ -324,6 +361,11 @@ def _resume(host: Any, a: ResumeAgentArgs) -> Any:
     return host.resume_agent(a.agent, scope=a.scope)
 
 
+def _decide(host: Any, a: DecideApprovalArgs) -> Any:
+    extra = {} if a.arguments is UNSET else {"arguments": a.arguments}
+    return host.decide_approval(a.approval, a.decision, reason=a.reason, **extra)
+
+
 def _run(host: Any, a: RunCommandArgs) -> Any:
     return host.run_command(list(a.argv), timeout=_given(a.timeout), cwd=_given(a.cwd))
 
@@ -348,6 +390,16 @@ _CALLS: dict[str, tuple[type[_Args], _Invoke, _Shape]] = {
     "pause_agent": (PauseAgentArgs, _pause, lambda ts: {"accepted": True, "turns": list(ts)}),
     "resume_agent": (ResumeAgentArgs, _resume, lambda ts: {"accepted": True, "turns": list(ts)}),
     "stop_report": (StopReportArgs, _stop_report, _shape_report),
+    "list_approvals": (
+        ListApprovalsArgs,
+        lambda host, a: host.list_approvals(),
+        lambda found: {"approvals": msgspec.to_builtins(list(found))},
+    ),
+    "decide_approval": (
+        DecideApprovalArgs,
+        _decide,
+        lambda a: {"approval": msgspec.to_builtins(a)},
+    ),
     "run_command": (RunCommandArgs, _run, _shape_run),
     "budget": (BudgetArgs, lambda host, a: host.budget(), lambda left: {"budget": left}),
 }

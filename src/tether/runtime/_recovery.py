@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from tether.actors.ports import Keep, KeptTurn, ParentNotice
+from tether.runtime._approval_rows import cancel_left_pending
 from tether.runtime._store_file import dump, load, message_of
 from tether.wire.frames import Steer
 from tether.wire.records import StopOrigin, StopReport, UnknownCall
@@ -59,6 +60,7 @@ def close_open_turns(
     Returns (session, turn, last assistant text) for each turn closed, and those kept.
     """
     with _transaction(db):
+        cancel_left_pending(db)  # its turns end or recover here: none waits any more
         rows = db.execute(
             "SELECT id, session, recoveries, seq, message_id FROM turns"
             " WHERE outcome IS NULL ORDER BY seq"

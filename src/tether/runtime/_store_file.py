@@ -140,6 +140,14 @@ CREATE TABLE IF NOT EXISTS steers (  -- a user's or parent's steer, as accepted 
     text        TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS steers_turn ON steers (turn);
+CREATE TABLE IF NOT EXISTS approvals (   -- tool calls that wait for a decision (§17.2)
+    id          TEXT PRIMARY KEY,      -- a_…
+    session     TEXT NOT NULL,
+    turn        TEXT NOT NULL,
+    state       TEXT NOT NULL,         -- pending | approved | denied | cancelled | expired
+    record      BLOB NOT NULL          -- the Approval, JSON
+);
+CREATE INDEX IF NOT EXISTS approvals_pending ON approvals (session) WHERE state='pending';
 CREATE TABLE IF NOT EXISTS stop_reports (
     turn        TEXT PRIMARY KEY,
     session     TEXT NOT NULL,

@@ -17,6 +17,7 @@ from tether.actors.ports import TurnSpec
 from tether.actors.supervisor import Resolve
 from tether.runtime._secrets import Secrets
 from tether.runtime.backend import WorkerHost
+from tether.wire.approval import Approval
 from tether.wire.codec import MAX_FRAME
 from tether.wire.errors import InvalidParams, NotFound, TetherError, Unauthorized
 from tether.wire.frames import ToolCall, ToolReply
@@ -24,8 +25,10 @@ from tether.wire.records import Entry
 from tether.wire.text import cap, neutralize
 from tether.wire.tool_calls import (
     BudgetCall,
+    DecideCall,
     HistoryCall,
     InterruptCall,
+    ListApprovalsCall,
     ListCall,
     PauseCall,
     ResumeCall,
@@ -132,6 +135,17 @@ class HostTools(WorkerHost):
             case ResumeCall(agent_id=agent_id, scope=scope):
                 auth = self._gate(spec, "interrupt")
                 return rt.resume(self._resolve(caller, agent_id), authority=auth, scope=scope)
+            # Deciding a call is controlling the agent that made it: as an interrupt.
+            case ListApprovalsCall():
+                self._gate(spec, "interrupt")
+                below = rt.approvals(caller, scope="subtree")
+                return [_for_agent(a) for a in below if a.session != caller]
+            case DecideCall(approval=approval, decision=decision, reason=reason):
+                auth = self._gate(spec, "interrupt")
+                decided = rt.decide(
+                    approval, decision, authority=auth, reason=reason, arguments=call.arguments
+                )
+                return _for_agent(decided)
 
     def _gate(self, spec: TurnSpec, key: str) -> Ancestor:
         if (spec.permissions or {}).get(key, "allow") == "deny":
@@ -196,6 +210,12 @@ class HostTools(WorkerHost):
                 after = entry.seq
             if len(chunk) < _HISTORY_CHUNK:
                 return {"entries": page, "more": False}
+
+
+def _for_agent(a: Approval) -> Any:
+    """An approval as an agent's tool gets it: without the tool's schema (its tools have
+    it already)."""
+    return msgspec.to_builtins(msgspec.structs.replace(a, schema=None))
 
 
 def _history_item(entry: Entry) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from tether.actors.host import (
 from tether.actors.supervisor import Create, DisposeReq, ListReq, RootsReq
 from tether.contain.prctl import set_subreaper
 from tether.runtime import _at_exit
+from tether.runtime._approvals import Approvals
 from tether.runtime._checks import (
     CONTAINMENTS,
     KINDS,
@@ -57,7 +58,6 @@ from tether.runtime._checks import (
     check_turn,
     convert,
 )
-from tether.runtime._engine import Engine
 from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
 from tether.runtime._oneshot import OneShot
@@ -108,7 +108,7 @@ _SCOPES = ("children", "descendants")
 _CLOSE_TURNS = ("cancel", "suspend")
 
 
-class Runtime(Engine):
+class Runtime(Approvals):
     """One embedded Tether host. Use it as a context manager, or call ``close()``; one
     left open is closed, as ``close()`` would, when the program's main thread ends."""
 

@@ -22,6 +22,7 @@ import structlog
 from tether.actors.budget import Spent
 from tether.actors.ports import EndRecord, Keep, KeptTurn, ParentNotice
 from tether.runtime import _recovery
+from tether.runtime._approval_rows import ApprovalRows
 from tether.runtime._store_file import create_tables, lock_host
 from tether.runtime._store_file import dump as _dump
 from tether.runtime._store_file import load as _load
@@ -88,8 +89,8 @@ def _probe(db: sqlite3.Connection) -> None:
     db.execute("UPDATE meta SET value = value WHERE key = 'boots'")
 
 
-class Store:
-    """Catalog, inboxes with claim state, turn records and transcripts."""
+class Store(ApprovalRows):
+    """Catalog, inboxes with claim state, turn records, transcripts and approvals."""
 
     def __init__(
         self,

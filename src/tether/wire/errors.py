@@ -7,6 +7,7 @@ changes once published; the message is for people.
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyDecided",
     "BudgetExhausted",
     "DriverNotFound",
     "FrameError",
@@ -117,6 +118,13 @@ class StoreUnavailable(TetherError):
     code = "store-unavailable"
 
 
+class AlreadyDecided(TetherError):
+    """The approval was decided already (semantics §17.2): the first decision stands; the
+    message says how it was decided."""
+
+    code = "already-decided"
+
+
 class StoreLocked(TetherError):
     """Another live host holds the store; the message names its path and that host's pid."""
 
@@ -137,6 +145,7 @@ _BY_CODE: dict[str, type[TetherError]] = {
         Preempted,
         StoreUnavailable,
         StoreLocked,
+        AlreadyDecided,
     )
 }
 

@@ -66,6 +66,12 @@ MarkerAction = Literal[
     "escalated",
     "discarded",  # a steer no boundary took: a stop discarded it, or the turn ended first
     "recovered",  # a turn a crash interrupted runs on from its last step (semantics §17.1)
+    # A tool call waits for a decision, and how it was decided (semantics §17.2).
+    "approval",
+    "approved",
+    "denied",
+    "approval-expired",
+    "approval-cancelled",
 ]
 # How a stop took effect: the driver took it at a boundary, or at an await it was in;
 # or its tree was killed, whole by its cgroup or by the walk.
@@ -229,6 +235,7 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     stopping: Literal["cancel", "abort"] | None = None
     turn: str | None = None
     dispatched: bool = False  # a running turn has a worker (False: it waits for one)
+    approvals: tuple[str, ...] = ()  # its turn's pending approvals' ids (semantics §17.2)
 
 
 class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,9 +21,11 @@ from tether.wire.vocab import Kind, ListScope, PauseScope
 
 __all__ = [
     "BudgetCall",
+    "DecideCall",
     "HistoryCall",
     "HostCall",
     "InterruptCall",
+    "ListApprovalsCall",
     "ListCall",
     "PauseCall",
     "ResumeCall",
@@ -82,6 +84,17 @@ class StopReportCall(_Call, frozen=True, tag="stop_report"):
     turn: str = ""
 
 
+class ListApprovalsCall(_Call, frozen=True, tag="list_approvals"):
+    pass
+
+
+class DecideCall(_Call, frozen=True, tag="decide_approval"):
+    approval: str = ""
+    decision: str = "approve"
+    reason: str = ""
+    arguments: dict[str, Any] | None = None
+
+
 class PauseCall(_Call, frozen=True, tag="pause_agent"):
     agent_id: str = ""
     scope: PauseScope = "session"
@@ -103,6 +116,8 @@ HostCall = (
     | StopReportCall
     | PauseCall
     | ResumeCall
+    | ListApprovalsCall
+    | DecideCall
 )
 
 _TAGS: Final = frozenset(
@@ -117,6 +132,8 @@ _TAGS: Final = frozenset(
         StopReportCall,
         PauseCall,
         ResumeCall,
+        ListApprovalsCall,
+        DecideCall,
     )
 )
 

@@ -4,13 +4,11 @@ call carried to its server (docs/design.md, section 12.2)."""
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import json
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import mcp_types
-import msgspec
 import structlog
 from mcp import Client
 from mcp.shared.exceptions import MCPError
@@ -23,8 +21,7 @@ from tether.agents.mcp._config import (
     ToolPolicy,
     parse_policy,
     parse_server,
-    policy_key,
-    specificity,
+    resolve_policy,
 )
 from tether.agents.mcp._results import McpResult, McpTimeout, McpUnavailable
 from tether.agents.mcp._transport import (
@@ -116,15 +113,7 @@ class McpTools:
         """The policy of ``tool`` (``mcp__<server>__<tool>`` or ``run_command``): every
         matching entry applies, a more specific one's fields over a less specific one's
         (an exact name over any glob, then the glob with more literal characters)."""
-        name = policy_key(tool)
-        matches = sorted(
-            (k for k in self._policies if k == name or fnmatch.fnmatchcase(name, k)),
-            key=lambda k: specificity(k, name),
-        )
-        fields: dict[str, Any] = {"grace": self._grace}
-        for key in matches:
-            fields.update(self._policies[key])
-        return msgspec.convert(fields, ToolPolicy)
+        return resolve_policy(self._policies, tool, self._grace)
 
     # -- connections
 

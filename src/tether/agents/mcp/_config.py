@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -13,6 +14,8 @@ from tether.wire.errors import InvalidParams
 __all__ = [
     "PREFIX",
     "SEP",
+    "Approval",
+    "Approver",
     "Http",
     "Preempt",
     "Spec",
@@ -21,15 +24,21 @@ __all__ = [
     "parse_policy",
     "parse_server",
     "policy_key",
+    "resolve_policy",
     "specificity",
 ]
 
 Preempt = Literal["cooperative", "kill", "never"]
+Approval = Literal["required", "never"]
+Approver = Literal["any", "user"]
 
 PREFIX = "mcp__"
 SEP = "__"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _POLICY_KEY = re.compile(r"^mcp:[^/]+/.+$")
+# A tool of the agent's own (``run_command``, ``spawn_agent``, a framework's ``Bash``) by
+# its name or a glob of names: no ``/`` or ``:``, which only an MCP tool's key has.
+_TOOL_KEY = re.compile(r"^[A-Za-z0-9_*?\[\]!.-]+$")
 _CONNECT_TIMEOUT = 30.0  # start (or reach) a server and finish the handshake
 
 
@@ -42,6 +51,12 @@ class ToolPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     preempt: Preempt = "cooperative"
     # A call a crash left unknown may run again with the same call key (semantics §17.1).
     idempotent: bool = False
+    # Each call waits for a decision before it starts (semantics §17.2): "required"; a
+    # more specific entry's "never" lifts a glob's. Undecided after ``approval_timeout``
+    # seconds, it expires; ``approver``: "any" (a person or a live ancestor) or "user".
+    approval: Approval | None = None
+    approval_timeout: float | None = None
+    approver: Approver = "any"
 
 
 # ---- configuration -------------------------------------------------------------------
@@ -125,10 +140,10 @@ def _parse_http(name: str, conf: dict[str, Any]) -> Http:
 
 
 def parse_policy(key: object, value: object) -> tuple[str, dict[str, Any]]:
-    if not isinstance(key, str) or not (key == "run_command" or _POLICY_KEY.match(key)):
+    if not isinstance(key, str) or not (_TOOL_KEY.match(key) or _POLICY_KEY.match(key)):
         raise InvalidParams(
-            f"tool policy {key!r}: the key must be 'run_command' or 'mcp:<server>/<tool>' "
-            "(either part may be a glob)"
+            f"tool policy {key!r}: the key must be a tool's name (e.g. 'run_command') or "
+            "'mcp:<server>/<tool>' (any part may be a glob)"
         )
     if not isinstance(value, dict):
         raise InvalidParams(f"tool policy {key!r}: must be an object")
@@ -136,7 +151,7 @@ def parse_policy(key: object, value: object) -> tuple[str, dict[str, Any]]:
         msgspec.convert(value, ToolPolicy)
     except msgspec.ValidationError as exc:
         raise InvalidParams(f"tool policy {key!r}: {exc}") from None
-    for name in ("max_duration", "idle_timeout", "grace"):
+    for name in ("max_duration", "idle_timeout", "grace", "approval_timeout"):
         v = value.get(name)
         if v is not None and (v < 0 or (v == 0 and name != "grace")):
             raise InvalidParams(f"tool policy {key!r}: {name!r} must be positive")
@@ -150,6 +165,23 @@ def policy_key(tool: str) -> str:
         if sep:
             return f"mcp:{server}/{name}"
     return tool
+
+
+def resolve_policy(
+    policies: dict[str, dict[str, Any]], tool: str, grace: float | None = None
+) -> ToolPolicy:
+    """The policy of ``tool`` (``mcp__<server>__<tool>`` or an agent's own tool's name):
+    every matching entry applies, a more specific one's fields over a less specific one's
+    (an exact name over any glob, then the glob with more literal characters)."""
+    name = policy_key(tool)
+    matches = sorted(
+        (k for k in policies if k == name or fnmatch.fnmatchcase(name, k)),
+        key=lambda k: specificity(k, name),
+    )
+    fields: dict[str, Any] = {} if grace is None else {"grace": grace}
+    for key in matches:
+        fields.update(policies[key])
+    return msgspec.convert(fields, ToolPolicy)
 
 
 def specificity(pattern: str, name: str) -> tuple[int, int]:

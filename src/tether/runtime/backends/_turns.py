@@ -542,6 +542,10 @@ class TableBackend(Generic[W]):
     def thaw(self, turn: str) -> None:
         self.turns.thaw(turn)
 
+    def waiting(self, turn: str, on: bool) -> None:
+        """A turn waiting on approvals keeps its slot here (a backend that gives it up
+        overrides this: the pool)."""
+
 
 class WorkerGone(Exception):
     """The worker asked to check a driver died meanwhile: ask another."""

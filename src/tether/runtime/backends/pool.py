@@ -27,6 +27,7 @@ from tether.contain.cgroup import Cgroups, Leaf
 from tether.contain.limits import LimitWatch
 from tether.contain.procs import alive, exiting, freeze_tree, reap, reap_pass, thaw_tree
 from tether.runtime._launcher import Launcher
+from tether.runtime.backends import _slots
 from tether.runtime.backends._held import HELD_BYTES, held_over
 from tether.runtime.backends._io import Conn, IOLoop
 from tether.runtime.backends._turns import (
@@ -203,6 +204,7 @@ class _Worker:
             # ends it.
             log.info("worker.stopped_at_end", pid=self.pid, turn=spec.turn)
             self.pool._doom_locked(self)
+        _slots.fit_locked(self.pool)  # one waited on approvals: the surplus may go
         return resources
 
     def freeze(self, turn: str) -> None:
@@ -280,6 +282,7 @@ class Pool(TableBackend["_Worker"]):
         self._active: list[_Worker] = []
         self._spare: _Worker | None = None
         self._starting = 0  # spawned, not yet Ready
+        self.waiting_turns: set[str] = set()  # turns that wait on approvals alone (_slots)
         self._all: set[_Worker] = set()  # every worker not yet finished
         self._doomed: dict[_Worker, float] = {}  # worker -> when the reaper tries next
         self._stopping = False  # close() is done with the workers: the threads may end
@@ -376,6 +379,12 @@ class Pool(TableBackend["_Worker"]):
                     w.post(frame)
                 except FrameError as exc:  # more ids than a frame holds: not worth a fault
                     log.warning("worker.disposed_dropped", pid=w.pid, error=exc.message)
+
+    def waiting(self, turn: str, on: bool) -> None:
+        """``turn`` waits on approvals alone (``on``), or no more (``_slots``)."""
+        with self._lock:
+            (self.waiting_turns.add if on else self.waiting_turns.discard)(turn)
+            _slots.fit_locked(self)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -487,7 +496,7 @@ class Pool(TableBackend["_Worker"]):
             self._failures = 0
             if self.turns.closed:
                 surplus = True
-            elif len(self._active) < self.size:
+            elif len(self._active) < _slots.target_locked(self):
                 self._active.append(w)
                 surplus = False
             elif self._spare is None:
@@ -503,7 +512,8 @@ class Pool(TableBackend["_Worker"]):
     # ---- internals: the spawner ------------------------------------------------------
 
     def _missing_locked(self) -> int:
-        return self.size + 1 - len(self._active) - (self._spare is not None) - self._starting
+        missing = _slots.target_locked(self) + 1 - len(self._active) - (self._spare is not None)
+        return missing - self._starting
 
     def _spawn_loop(self) -> None:
         """Keep ``size`` workers and a spare; a failed start is retried with backoff."""
