@@ -45,7 +45,6 @@ from tether.wire.approval import (
 )
 from tether.wire.errors import AlreadyDecided, InvalidParams, Unauthorized
 from tether.wire.frames import ToolCall, ToolReply
-from tether.wire.json_schema import schema_errors
 from tether.wire.records import MarkerAction, StopOrigin
 from tether.wire.text import cap, neutralize
 
@@ -200,10 +199,30 @@ def _checked_edit(a: Approval, arguments: Any) -> Any:
     if not isinstance(arguments, dict):
         raise InvalidParams("arguments must be a JSON object (the call's arguments, edited)")
     if a.schema is not None:
-        errors = schema_errors(arguments, a.schema)
+        errors = _schema_errors(arguments, a.schema)
         if errors:
             raise InvalidParams(f"the edited arguments do not fit {a.tool}'s schema: {errors[0]}")
     return arguments
+
+
+def _schema_errors(value: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """What is wrong with ``value`` under the tool's JSON Schema, each error with where.
+    ``jsonschema`` comes with every extra that runs a tool with a schema (through the
+    ``mcp`` SDK), so a host that has such a tool has it."""
+    try:
+        import jsonschema
+    except ImportError:
+        why = "checking edited arguments needs jsonschema (pip install 'tether-runtime[agents]')"
+        raise InvalidParams(why) from None
+    try:
+        check = jsonschema.validators.validator_for(schema)(schema)
+        errors = sorted(check.iter_errors(value), key=lambda e: list(e.absolute_path))
+    except jsonschema.exceptions.SchemaError as exc:  # the tool's own schema is broken
+        raise InvalidParams(f"the tool's schema cannot be checked: {exc.message}") from None
+    return [
+        ".".join(["arguments", *(str(p) for p in e.absolute_path)]) + f": {e.message}"
+        for e in errors
+    ]
 
 
 def _settle(
