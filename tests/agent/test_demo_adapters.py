@@ -12,6 +12,7 @@ from drivers import escapee_procs
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_the_adapters_demo_steers_cancels_and_aborts_each_framework_leaving_no_process(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

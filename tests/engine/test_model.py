@@ -1058,6 +1058,7 @@ def _settings() -> settings:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_the_runtime_follows_the_model() -> None:
     started = time.monotonic()
     run_state_machine_as_test(TetherModel, settings=_settings())
