@@ -30,6 +30,8 @@ PREFIX = "mcp__"
 SEP = "__"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _POLICY_KEY = re.compile(r"^mcp:[^/]+/.+$")
+# A framework's own tool, by its own name, under an adapter (semantics §17.1-§17.2)
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")
 _CONNECT_TIMEOUT = 30.0  # start (or reach) a server and finish the handshake
 
 
@@ -125,10 +127,10 @@ def _parse_http(name: str, conf: dict[str, Any]) -> Http:
 
 
 def parse_policy(key: object, value: object) -> tuple[str, dict[str, Any]]:
-    if not isinstance(key, str) or not (key == "run_command" or _POLICY_KEY.match(key)):
+    if not isinstance(key, str) or not (_POLICY_KEY.match(key) or _TOOL_NAME.match(key)):
         raise InvalidParams(
-            f"tool policy {key!r}: the key must be 'run_command' or 'mcp:<server>/<tool>' "
-            "(either part may be a glob)"
+            f"tool policy {key!r}: the key must be a tool's name ('run_command', a "
+            "framework's tool) or 'mcp:<server>/<tool>' (either part may be a glob)"
         )
     if not isinstance(value, dict):
         raise InvalidParams(f"tool policy {key!r}: must be an object")
