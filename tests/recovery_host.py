@@ -1,10 +1,11 @@
-"""A Tether host running a ChatAgent turn, for the durable-turn tests (run as a script).
+"""A Tether host running a recoverable turn, for the durable-turn tests (run as a script).
 
-Usage: ``python recovery_host.py DB_PATH CONFIG_JSON MARK``. It opens a root ChatAgent
-session with the config, sends it one message, waits until the file ``MARK`` exists (the
-turn's tool wrote it: the tool runs), prints one JSON line ``{"root": ..., "turn": ...}``,
-and then waits to be killed (SIGKILL) or stopped (SIGTERM: the runtime is closed with
-``turns="suspend"``, as ``tether serve`` does on a deploy).
+Usage: ``python recovery_host.py DB_PATH CONFIG_JSON MARK [DRIVER]``. It opens a root
+session of DRIVER (by default ChatAgent) with the config, sends it one message, waits
+until the file ``MARK`` exists (the turn's tool wrote it: the tool runs), prints one
+JSON line ``{"root": ..., "turn": ...}``, and then waits to be killed (SIGKILL) or
+stopped (SIGTERM: the runtime is closed with ``turns="suspend"``, as ``tether serve``
+does on a deploy).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import tether
 
 def main() -> None:
     path, config, mark = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    driver = sys.argv[4] if len(sys.argv) > 4 else "tether.agents:ChatAgent"
     rt = tether.Runtime(path, workers=1, grace=1.0)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    root = rt.open_session("tether.agents:ChatAgent", config=config)
+    root = rt.open_session(driver, config=config)
     rt.prompt(root, "run it")
     turn = rt.wait(root, until="running", timeout=30.0).turn
     deadline = time.monotonic() + 30.0
