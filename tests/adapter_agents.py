@@ -35,6 +35,11 @@ def pydantic_ai_agent(config: dict[str, Any]) -> Any:
         return f"found {query}"
 
     @agent.tool_plain
+    async def ledger_step(step: str, ledger: str) -> str:
+        """A step of the durable-turn tests: see ``ledger_step``."""
+        return await _ledger_step(step, ledger)
+
+    @agent.tool_plain
     async def wait_for_file(path: str, started: str) -> str:
         """Return once ``path`` exists; ``started``: a file to write the worker's pid to
         once the call runs."""
@@ -44,6 +49,23 @@ def pydantic_ai_agent(config: dict[str, Any]) -> Any:
         return f"{path} appeared"
 
     return agent
+
+
+async def ledger_step(step: str, ledger: str) -> str:
+    """A tool of the durable-turn tests (semantics §17.1): it appends ``<step> <call key>
+    <worker pid>`` to the file ``ledger`` as it starts, so a test counts its runs and kills
+    its worker; a step named ``hang…`` then waits until ``<ledger>.go`` exists."""
+    import tether
+
+    with open(ledger, "a") as f:
+        f.write(f"{step} {tether.current_call_id()} {os.getpid()}\n")
+    go = Path(ledger + ".go")
+    while step.startswith("hang") and not go.exists():
+        await asyncio.sleep(0.01)
+    return f"{step} done"
+
+
+_ledger_step = ledger_step
 
 
 class LoopHoldingClaudeCode:

@@ -10,6 +10,8 @@ from typing import Any
 
 from agents import Agent, function_tool
 
+from adapter_agents import ledger_step as _ledger_step
+
 
 @function_tool
 async def lookup(topic: str) -> str:
@@ -20,6 +22,17 @@ async def lookup(topic: str) -> str:
 def helper(config: dict[str, Any]) -> Agent[Any]:
     """A plain agent with a tool of its own; its model is the config's."""
     return Agent(name="helper", instructions="You are a test agent.", tools=[lookup])
+
+
+@function_tool
+async def ledger_step(step: str, ledger: str) -> str:
+    """A step of the durable-turn tests (adapter_agents.ledger_step)."""
+    return await _ledger_step(step, ledger)
+
+
+def ledgered(config: dict[str, Any]) -> Agent[Any]:
+    """An agent whose tool ``ledger_step`` notes each of its runs in a file."""
+    return Agent(name="ledgered", instructions="You are a test agent.", tools=[ledger_step])
 
 
 def prober(config: dict[str, Any]) -> Agent[Any]:

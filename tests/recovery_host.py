@@ -1,10 +1,11 @@
-"""A Tether host running a ChatAgent turn, for the durable-turn tests (run as a script).
+"""A Tether host running a recoverable turn, for the durable-turn tests (run as a script).
 
-Usage: ``python recovery_host.py DB_PATH CONFIG_JSON MARK [CONTROLS_JSON]``. It opens a
-root ChatAgent session with the config, sends it one message, waits until the file
-``MARK`` exists (the turn's tool wrote it: the tool runs), issues the controls (a list of
-``[kind, reason]``: an interrupt's kind, or ``pause``), prints one JSON line ``{"root":
-..., "turn": ...}`` once each has returned, and then waits to be killed (SIGKILL) or
+Usage: ``python recovery_host.py DB_PATH CONFIG_JSON MARK [DRIVER [CONTROLS_JSON]]``. It
+opens a root session of DRIVER (by default ChatAgent) with the config, sends it one
+message, waits until the file ``MARK`` exists (the turn's tool wrote it: the tool runs),
+issues the controls (a list of ``[kind, reason]``: an interrupt's kind, or ``pause``),
+prints one JSON line ``{"root": ..., "turn": ...}`` once each has returned, and then
+waits to be killed (SIGKILL) or
 stopped (SIGTERM: the runtime is closed with ``turns="suspend"``, as ``tether serve``
 does on a deploy).
 """
@@ -23,11 +24,12 @@ import tether
 
 def main() -> None:
     path, config, mark = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    controls = json.loads(sys.argv[4]) if len(sys.argv) > 4 else []
+    driver = sys.argv[4] if len(sys.argv) > 4 else "tether.agents:ChatAgent"
+    controls = json.loads(sys.argv[5]) if len(sys.argv) > 5 else []
     rt = tether.Runtime(path, workers=1, grace=1.0)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    root = rt.open_session("tether.agents:ChatAgent", config=config)
+    root = rt.open_session(driver, config=config)
     rt.prompt(root, "run it")
     turn = rt.wait(root, until="running", timeout=30.0).turn
     deadline = time.monotonic() + 30.0

@@ -310,7 +310,8 @@ def _host_with_controls(
     """A host whose ChatAgent runs a hanging tool, given ``controls`` once the tool runs,
     SIGKILLed once each control has returned: its root and turn."""
     argv = _host_argv(server, script, "Went on, as steered.", db_path, ran)
-    with sigkilled_host([*argv, json.dumps(controls)], timeout=60.0) as (ready, _tree):
+    controls_argv = [*argv, "tether.agents:ChatAgent", json.dumps(controls)]
+    with sigkilled_host(controls_argv, timeout=60.0) as (ready, _tree):
         pass
     return ready["root"], ready["turn"]
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,13 +33,14 @@ from tether.agents.chat import _mcp_call, _mcp_tools, _one_line, _preempted_text
 from tether.agents.mcp import McpTools
 from tether.contain.procs import alive, all_dead, child_pids, kill_tree
 from tether.driver.async_context import AsyncTurnContext
+from tether.driver.calls import calling
 from tether.driver.toolenv import model_key, tool_user
 from tether.driver.tools import TOOLS, parameters
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
-from tether.wire.records import Entry
-from tether.wire.text import render_frame
+from tether.wire.records import Entry, Recovered
+from tether.wire.text import render_frame, unknown_call_text
 
 __all__ = ["ClaudeCodeAgent", "ClaudeCodeError"]
 
@@ -47,7 +48,13 @@ log = structlog.get_logger("tether.adapters.claude_code")
 
 # The CLI's own conversation id for a Tether session: stable, so resume finds it.
 _NAMESPACE = uuid.UUID("5b0c7e2a-8f57-4a40-9d0e-2f1d3c6a9b11")
-_SESSION_KEY = "claude_session"  # the entry data key holding the saved session
+_SESSION_KEY = "claude_session"  # an older version's whole saved session (read only)
+# The CLI's session, kept as the turn goes (appended, semantics §17.1): each entry the
+# turn writes carries the session's lines written since the last (``_LINES_KEY``), and
+# the turn's last one says the session is whole to there (``_END_KEY``).
+_LINES_KEY = "claude_lines"
+_END_KEY = "claude_end"
+_MIRRORED = 5.0  # seconds a tool's start waits for its reply's line in the session
 _WRAP_UP = 30.0  # seconds to wait for the CLI's result after an interrupt (grace bounds it)
 _CATCH_UP = 1.0  # seconds a cut CLI gets to show what the forwarder passed on, before its interrupt
 _RESULT_CAP = 20_000
@@ -172,6 +179,54 @@ def _kind(obj: Any) -> str:
     return type(obj).__name__
 
 
+def _mirror_class() -> type[Any]:
+    from claude_agent_sdk.types import SessionStore
+
+    class Mirror(SessionStore):
+        """The CLI's session as it writes it, line by line (the SDK's transcript mirror,
+        flushed after each frame): the lines of this turn's session not yet kept in an
+        entry, and a wait for a tool call's line."""
+
+        def __init__(self, session: str) -> None:
+            self.session = session
+            self.lines: list[str] = []  # not yet in an entry
+            self.tool_uses: set[str] = set()  # the tool calls of its replies so far
+            self.changed = asyncio.Event()
+
+        async def append(self, key: Any, entries: list[Any]) -> None:
+            if key.get("subpath") or key.get("session_id") != self.session:
+                return  # a subagent's transcript: not needed to resume the session
+            for e in entries:
+                self.lines.append(json.dumps(e, ensure_ascii=False))
+                content = (e.get("message") or {}).get("content") if e.get("type") else None
+                if e.get("type") == "assistant" and isinstance(content, list):
+                    self.tool_uses.update(
+                        str(b.get("id")) for b in content if b.get("type") == "tool_use"
+                    )
+            self.changed.set()
+
+        async def load(self, key: Any) -> list[Any] | None:
+            return None  # Tether writes the session back itself before the CLI starts
+
+        def take(self) -> list[str]:
+            lines, self.lines = self.lines, []
+            return lines
+
+        async def seen(self, tool_use_id: str) -> bool:
+            """Wait (``_MIRRORED`` at most) until the line of the reply asking for
+            ``tool_use_id`` is in the session."""
+            try:
+                async with asyncio.timeout(_MIRRORED):
+                    while tool_use_id not in self.tool_uses:
+                        self.changed.clear()
+                        await self.changed.wait()
+            except TimeoutError:
+                return False
+            return True
+
+    return Mirror
+
+
 class _Bash:
     """One running Bash call: preemptable while it runs (its task awaits its end)."""
 
@@ -221,6 +276,12 @@ class _Turn:
         self.missed: list[str] = []  # earlier turns' user texts the saved session lacks
         self.held: list[Any] = []  # tool results of the reply still streaming
         self.prompted = False  # the turn's message was handed to the CLI
+        self.mirror = _mirror_class()(session)  # the CLI's session lines, as it writes them
+        self.whole = True  # every line of the session is kept (none was over the cap)
+        self.keys: dict[str, str] = {}  # tool_use_id -> its call key (its durable start)
+        self.waiting: dict[str, list[tuple[Any, str]]] = {}  # an MCP call's input and key
+        self.took = asyncio.Event()  # set as each of the CLI's messages is taken
+        self.note: str | None = None  # a recovered turn's message: Tether's, naming calls
 
     # ---- steers --------------------------------------------------------------------
 
@@ -244,6 +305,7 @@ class _Turn:
         """Record one message; the ResultMessage when it is one."""
         ctx = self.ctx
         ctx.progress()  # every message from the CLI is progress for the stall watchdog
+        self.took.set()
         name = _kind(msg)
         if name == "StreamEvent":
             self._response_usage(msg.parent_tool_use_id, msg.event)
@@ -371,7 +433,9 @@ class _Turn:
         elif kind == "message_stop" and self.reply is not None and not self.interrupted:
             self.reply.done = True
             if self.reply.tool_calls():
-                self._flush()
+                # its entry is written as its first call starts (``pre_tool``), once the
+                # session has its line, or with the next message: never after a result
+                pass
             else:  # maybe the turn's last reply: said with the saved session at the end
                 self.pending, self.reply = self.reply, None
 
@@ -448,20 +512,38 @@ class _Turn:
             text = told
         elif block.is_error:
             data["error"] = True
-        self.ctx.record_tool(text[:_RESULT_CAP], data=data)
+        key = self.keys.get(block.tool_use_id)
+        if key is not None:
+            data["call"] = key
+        self.ctx.record_tool(text[:_RESULT_CAP], data=self._with_lines(data))
 
     def say(self, text: str, data: dict[str, Any] | None = None) -> None:
-        self.ctx.say(text, data=data)
+        self.ctx.say(text, data=self._with_lines(data))
         if text:
             self.said = text
 
-    def finish(self, saved: dict[str, Any] | None) -> str | None:
-        """The turn's end: its last reply (cut, or held back), with the saved session;
-        the turn's final text when that is not the last entry's."""
+    def _with_lines(self, data: dict[str, Any] | None) -> dict[str, Any] | None:
+        """An entry's data with the session's lines the CLI wrote since the last entry:
+        the session is kept as the turn goes, appended (semantics §17.1)."""
+        lines = self.mirror.take()
+        if not lines:
+            return data
+        packed = base64.b64encode(zlib.compress(("\n".join(lines) + "\n").encode(), 6)).decode()
+        if len(packed) > _SESSION_CAP:
+            # over what one entry may carry: the next turn starts a new conversation
+            log.warning("claude.session_too_large", turn=self.ctx.turn, size=len(packed))
+            self.whole = False
+            return data
+        return {**(data or {}), _LINES_KEY: {"id": self.session, "jsonl": packed}}
+
+    def finish(self, keep: bool) -> str | None:
+        """The turn's end: its last reply (cut, or held back), saying the session is kept
+        whole to there (``keep``: it took this turn's message); the turn's final text
+        when that is not the last entry's."""
         self.end_chat()
         data: dict[str, Any] = {}
-        if saved is not None:
-            data[_SESSION_KEY] = saved
+        if keep and self.whole:
+            data[_END_KEY] = True
         # The turn's last entry carries the saved session: the reply cut by an interrupt
         # (its stream never ended), else the finished reply held back at its end.
         last: _Reply | None = None
@@ -480,22 +562,66 @@ class _Turn:
             self._release()
             return None
         self._release()
-        if saved is not None:
+        if data:
             # nothing left to say (stopped while a tool ran): a silent entry keeps it, and
             # the turn's final text stays the last reply said
-            self.ctx.say("", data=data)
+            self.ctx.say("", data=self._with_lines(data))
             return self.said or None
         return None
 
     # ---- Bash calls: preemptable while they run ------------------------------------
 
     async def pre_tool(self, data: Any, tool_use_id: str | None, _: Any) -> dict[str, Any]:
-        if data.get("tool_name") == "Bash" and tool_use_id:
-            self._flush()  # the reply that asked for it, before its result
+        """Every tool call's start: the reply that asked for it is an entry (with its
+        session lines), then the call's start is durable (the write-ahead, semantics
+        §17.1), then it runs; a Bash call is preemptable while it runs."""
+        if not tool_use_id:
+            return {}
+        name = str(data.get("tool_name") or "")
+        tool_input = data.get("tool_input") or {}
+        if not await self.mirror.seen(tool_use_id):  # the reply's line, in the session
+            log.warning("claude.session_line_late", turn=self.ctx.turn, call=tool_use_id)
+        await self._asked(tool_use_id)
+        self._flush()  # the reply that asked for it, before its start and its result
+        key = await self.ctx.begin_call(name, json.dumps(tool_input), tool_use_id)
+        self.keys[tool_use_id] = key
+        if name.startswith("mcp__"):  # its handler runs as this call (``keyed``)
+            self.waiting.setdefault(name, []).append((tool_input, key))
+        if name == "Bash":
             bash = _Bash(tool_use_id, _children(self.client))
             self.bash[tool_use_id] = bash
             bash.task = asyncio.ensure_future(self._watch(bash))
         return {}
+
+    async def _asked(self, tool_use_id: str) -> None:
+        """Wait (``_MIRRORED`` at most) until the reply asking for ``tool_use_id`` has
+        been taken whole from the CLI's messages (the hook may run first)."""
+
+        def taken() -> bool:
+            reply = self.reply
+            if tool_use_id in self.calls:
+                return True
+            return (
+                reply is not None
+                and reply.done
+                and any(c["id"] == tool_use_id for c in reply.tool_calls())
+            )
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_MIRRORED):
+                while not taken():
+                    self.took.clear()
+                    await self.took.wait()
+
+    def keyed(self, name: str, arguments: Any) -> str | None:
+        """The call key of the MCP call ``name`` with ``arguments`` whose start is
+        durable (its handler runs as that call: ``tether.current_call_id()``)."""
+        waiting = self.waiting.get(name) or []
+        for i, (given, key) in enumerate(waiting):
+            if given == arguments:
+                del waiting[i]
+                return key
+        return None
 
     async def _watch(self, bash: _Bash) -> None:
         """Await the Bash call's end as the turn's innermost preemptable call: a preempt
@@ -561,6 +687,9 @@ class ClaudeCodeAgent:
     ``ANTHROPIC_API_KEY``)}, ``tools`` (Tether's agent tools, offered as MCP tools).
     """
 
+    # A turn a crash interrupted resumes the CLI's session, kept as it went (§17.1).
+    recoverable = True
+
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
         """At open and spawn, in a worker: the config the turn will read (its _config)."""
@@ -579,6 +708,10 @@ class ClaudeCodeAgent:
                     f"the environment variable {cfg.api_key_env} (api_key_env) is not set"
                 )
         history = await ctx.load_history()
+        if ctx.recovered is not None and any(
+            e.turn == ctx.turn and (e.data or {}).get(_END_KEY) for e in history
+        ):
+            return None  # its final reply was durable: it is the turn's final text
         home = _home()
         client: Any = None
         turn: _Turn | None = None
@@ -628,7 +761,9 @@ async def _start(
 
     cwd = os.path.abspath(cfg.cwd or os.getcwd())
     session = str(uuid.uuid5(_NAMESPACE, ctx.session))
-    saved, missed = _saved(history, ctx.turn)
+    base, own, missed = _session(history, ctx.turn)
+    recovering = ctx.recovered is not None and bool(own)
+    lines = [*(base or []), *own] if recovering else base
     env = {
         "CLAUDE_CONFIG_DIR": home,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -645,7 +780,7 @@ async def _start(
     # puts the real one in its place, or drops it for a server that wants none.
     env["ANTHROPIC_API_KEY"] = KEY_STAND_IN
     kwargs: dict[str, Any] = {}
-    if saved is not None and saved.get("id") == session and _restore(home, saved):
+    if lines and _restore(home, cwd, session, lines):
         kwargs["resume"] = session
     else:
         kwargs["session_id"] = session
@@ -654,20 +789,26 @@ async def _start(
     async def pre(data: Any, tool_use_id: str | None, hook_ctx: Any) -> Any:
         return await turn_box[0].pre_tool(data, tool_use_id, hook_ctx)
 
+    def keyed(name: str, arguments: Any) -> str | None:
+        return turn_box[0].keyed(name, arguments)
+
     async def post(data: Any, tool_use_id: str | None, hook_ctx: Any) -> Any:
         return await turn_box[0].post_tool(data, tool_use_id, hook_ctx)
 
     allowed = list(cfg.allowed_tools)
     mcp: dict[str, Any] = {}
     if cfg.tools:
-        mcp[_HOST_SERVER] = _host_tools(ctx, cfg.tools)
+        mcp[_HOST_SERVER] = _host_tools(ctx, cfg.tools, keyed)
         allowed += [f"mcp__{_HOST_SERVER}__{t}" for t in cfg.tools]
     told: set[str] = set()  # the preempted texts the MCP calls gave: their entries say so
-    servers, names = await _mcp_servers(ctx, cfg, told)  # opened before the CLI: not its
+    servers, names = await _mcp_servers(ctx, cfg, told, keyed)  # opened before the CLI
     mcp.update(servers)
     allowed += names
     user = tool_user()
+    mirror = _mirror_class()(session)  # the session, kept in Tether's store as it goes
     options = ClaudeAgentOptions(
+        session_store=mirror,
+        session_store_flush="eager",
         user=None if user is None else user.name,  # semantics §17.4
         model=cfg.model,
         system_prompt=cfg.system_prompt,
@@ -678,7 +819,7 @@ async def _start(
         include_partial_messages=True,
         mcp_servers=mcp,
         hooks={
-            "PreToolUse": [HookMatcher(matcher="Bash", hooks=[pre])],
+            "PreToolUse": [HookMatcher(matcher=None, hooks=[pre])],  # every tool's start
             "PostToolUse": [HookMatcher(matcher="Bash", hooks=[post])],
             "PostToolUseFailure": [HookMatcher(matcher="Bash", hooks=[post])],
         },
@@ -686,7 +827,11 @@ async def _start(
     )
     client = ClaudeSDKClient(options)
     turn = _Turn(ctx, client, session, cfg.model, forwarder)
+    turn.mirror = mirror
     turn.missed = missed
+    if recovering:
+        assert ctx.recovered is not None
+        turn.missed, turn.note = [], _recovery_note(ctx.recovered)
     turn.mcp_preempted = told
     turn.before = set(child_pids(os.getpid()))  # the worker's children that are not ours
     turn_box.append(turn)
@@ -712,7 +857,17 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
     steering = asyncio.ensure_future(turn.relay())
     result: Any = None
     try:
-        if turn.missed:
+        if turn.note is not None:
+            # recovered: the CLI's session resumed writes its own "interrupted" result
+            # for each call that was running; the model is told which, and each gets its
+            # tool entry saying it is unknown (no idempotent run again here)
+            assert ctx.recovered is not None
+            for c in ctx.recovered.unknown_calls:
+                data = {"tool_call_id": c.tool_call_id, "name": c.name}
+                extra = {"arguments": c.arguments, "call": c.key, "unknown": True}
+                ctx.record_tool(unknown_call_text(ctx.recovered.cause), data={**data, **extra})
+            await client.query(turn.note)
+        elif turn.missed:
             # what the user said in turns whose session was lost, ahead of this message,
             # as one user message: the model reads them in order, as it would have
             await client.query(_user_message([*turn.missed, ctx.message.content]))
@@ -735,10 +890,10 @@ async def _converse(ctx: AsyncTurnContext, client: Any, turn: _Turn, home: str) 
         turn.cut_usage()  # with no result from the CLI, its cut response counts still
         # a session that never took this turn's message is not this turn's to keep: the
         # next turn resumes the one before and tells the CLI this message again
-        return turn.finish(_save(home, turn) if turn.prompted else None)
+        return turn.finish(turn.prompted)
     finally:
         steering.cancel()
-    turn.finish(_save(home, turn))
+    turn.finish(True)
     if result is None:
         raise ClaudeCodeError("the Claude Code CLI ended without a result")
     if result.is_error:
@@ -912,25 +1067,44 @@ def _kill_commands(client: Any, before: set[int]) -> None:
 # ---- the CLI's session, kept in Tether's store -------------------------------------
 
 
-def _saved(history: list[Entry], turn: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """The CLI's session saved last (None: none was), and what the user said in the
-    earlier turns after it, which that session never took (a turn aborted, or stopped or
-    failed before the CLI kept a session, saves none): their messages and the steers
-    taken in them, in order."""
-    saved: dict[str, Any] | None = None
-    since, covered = 0, None  # the entries after the saved one; the turn that saved it
-    for i in range(len(history) - 1, -1, -1):
-        e = history[i]
+def _session(history: list[Entry], turn: str) -> tuple[list[str] | None, list[str], list[str]]:
+    """The CLI's session as kept in the store: its lines as the last turn that kept it
+    whole left them (None: none did), this turn's own lines kept so far (a recovered
+    turn's), and what the user said in the earlier turns after the last kept one, which
+    that session never took (a turn aborted, crashed, or stopped or failed before the
+    CLI took its message keeps none): their messages and the steers taken in them."""
+    ended = {e.turn for e in history if (e.data or {}).get(_END_KEY)}
+    base: list[str] | None = None
+    own: list[str] = []
+    since, covered = 0, None  # the entries after the kept session; the turn that kept it
+    for i, e in enumerate(history):
         data = e.data or {}
-        if e.kind == "assistant" and isinstance(data.get(_SESSION_KEY), dict):
-            saved, since, covered = dict(data[_SESSION_KEY]), i + 1, e.turn
-            break
+        old = data.get(_SESSION_KEY)  # an older version's whole session
+        if e.kind == "assistant" and isinstance(old, dict) and e.turn != turn:
+            whole = _unpacked(old)
+            if whole is not None:
+                base, since, covered = whole, i + 1, e.turn
+        chunk = data.get(_LINES_KEY)
+        lines = _unpacked(chunk) if isinstance(chunk, dict) else None
+        if e.turn == turn:
+            own.extend(lines or ())
+        elif e.turn in ended:
+            base, since, covered = [*(base or ()), *(lines or ())], i + 1, e.turn
     missed = [
         text
         for e in history[since:]
         if e.turn not in (covered, turn) and (text := _user_text(e)) is not None
     ]
-    return saved, missed
+    return base, own, missed
+
+
+def _unpacked(saved: dict[str, Any]) -> list[str] | None:
+    """The session lines an entry carries (None: unreadable)."""
+    try:
+        body = zlib.decompress(base64.b64decode(saved["jsonl"]))
+    except (KeyError, ValueError, TypeError, zlib.error):
+        return None
+    return body.decode(errors="replace").splitlines()
 
 
 def _user_text(e: Entry) -> str | None:
@@ -942,54 +1116,52 @@ def _user_text(e: Entry) -> str | None:
     return None
 
 
-def _restore(home: str, saved: dict[str, Any]) -> bool:
-    """Write the saved session file back under a fresh config dir; whether it could."""
-    try:
-        rel = str(saved["path"])
-        body = zlib.decompress(base64.b64decode(saved["jsonl"]))
-    except (KeyError, ValueError, zlib.error):
-        return False
-    path = os.path.normpath(os.path.join(home, rel))
-    if not path.startswith(home + os.sep):
+def _restore(home: str, cwd: str, session: str, lines: list[str]) -> bool:
+    """Write the session's lines back under a fresh config dir, where the CLI resuming
+    it from ``cwd`` reads it; whether it could."""
+    from claude_agent_sdk import project_key_for_directory
+
+    path = os.path.join(home, "projects", project_key_for_directory(cwd), f"{session}.jsonl")
+    if not os.path.normpath(path).startswith(home + os.sep):
         return False
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(body)
+    with open(path, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
     return True
 
 
-def _save(home: str, turn: _Turn) -> dict[str, Any] | None:
-    """The session's JSONL (compressed), as the CLI left it under its config dir."""
-    session = turn.session
-    projects = os.path.join(home, "projects")
-    for root, _dirs, files in os.walk(projects):
-        if f"{session}.jsonl" in files:
-            path = os.path.join(root, f"{session}.jsonl")
-            with open(path, "rb") as f:
-                body = f.read()
-            packed = base64.b64encode(zlib.compress(body, 6)).decode()
-            if len(packed) > _SESSION_CAP:
-                # over what one entry may carry: the next turn starts a new conversation
-                log.warning("claude.session_too_large", turn=turn.ctx.turn, size=len(packed))
-                return None
-            return {
-                "id": session,
-                "path": os.path.relpath(path, home),
-                "jsonl": packed,
-            }
-    return None
+def _recovery_note(recovered: Recovered) -> str:
+    """A recovered turn's message to the CLI: Tether's, naming each call that was
+    running (the CLI's own result for each says only that it was interrupted)."""
+    after = "the host stopped" if recovered.cause == "host" else "its worker died"
+    text = f"[Tether] This turn was interrupted ({after}) and goes on from its last step."
+    for c in recovered.unknown_calls:
+        what = f"{c.name} {c.arguments}"
+        if c.name == "Bash":
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                what = f"the command `{json.loads(c.arguments)['command']}`"
+        text += (
+            f" {what} was running when it stopped: it may or may not have taken effect;"
+            " check before relying on it or running it again."
+        )
+    return text
 
 
 # ---- Tether's agent tools, as an in-process MCP server of the SDK ---------------------
 
 
-def _host_tools(ctx: AsyncTurnContext, names: list[str]) -> Any:
+# An MCP call's key (``_Turn.keyed``): its start was made durable by the PreToolUse hook
+Keyed = Callable[[str, Any], "str | None"]
+
+
+def _host_tools(ctx: AsyncTurnContext, names: list[str], keyed: Keyed) -> Any:
     from claude_agent_sdk import SdkMcpTool, create_sdk_mcp_server
 
     def handler(name: str) -> Any:
         async def call(args: dict[str, Any]) -> dict[str, Any]:
             try:
-                result = await ctx.call_tool(name, args)
+                with calling(keyed(f"mcp__{_HOST_SERVER}__{name}", args)):
+                    result = await ctx.call_tool(name, args)
             except Preempted as exc:
                 text = _preempted_text(exc)
             else:
@@ -1013,7 +1185,7 @@ def _host_tools(ctx: AsyncTurnContext, names: list[str]) -> Any:
 
 
 async def _mcp_servers(
-    ctx: AsyncTurnContext, cfg: _Config, told: set[str]
+    ctx: AsyncTurnContext, cfg: _Config, told: set[str], keyed: Keyed
 ) -> tuple[dict[str, Any], list[str]]:
     """One in-process SDK server per configured MCP server that answered, whose tools
     call through Tether's MCP client (semantics §15.3): the CLI names them
@@ -1046,7 +1218,7 @@ async def _mcp_servers(
                 name=tool,
                 description=str(fn.get("description") or ""),
                 input_schema=fn.get("parameters") or {"type": "object", "properties": {}},
-                handler=_mcp_handler(ctx, tools, full, told),
+                handler=_mcp_handler(ctx, tools, full, told, keyed),
             )
         )
         names.append(full)
@@ -1054,10 +1226,13 @@ async def _mcp_servers(
     return servers, names
 
 
-def _mcp_handler(ctx: AsyncTurnContext, tools: McpTools, name: str, told: set[str]) -> Any:
+def _mcp_handler(
+    ctx: AsyncTurnContext, tools: McpTools, name: str, told: set[str], keyed: Keyed
+) -> Any:
     async def call(args: dict[str, Any]) -> dict[str, Any]:
         try:
-            text = await _mcp_call(ctx, tools, name, json.dumps(args))
+            with calling(keyed(name, args)):
+                text = await _mcp_call(ctx, tools, name, json.dumps(args))
         except Preempted as exc:
             text = _preempted_text(exc)
             told.add(text)

@@ -29,6 +29,7 @@ from tether.agents.chat import (
     _cut_usage,
     _describe,
     _host_schemas,
+    _idempotent,
     _max_duration,
     _mcp_call,
     _mcp_tools,
@@ -42,10 +43,12 @@ from tether.agents.chat import (
 from tether.agents.chat import _config as _chat_config
 from tether.agents.drain import settle
 from tether.driver.async_context import AsyncTurnContext
+from tether.driver.calls import calling
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
-from tether.wire.records import Entry
+from tether.wire.records import Entry, Recovered
+from tether.wire.text import unknown_call_text
 
 __all__ = ["OpenAIAgentsAgent"]
 
@@ -57,6 +60,9 @@ class OpenAIAgentsAgent:
     """An ``agents.Agent`` run as a Tether turn: ``rt.open_session(
     "tether.adapters.openai_agents:OpenAIAgentsAgent", config={"agent": "pkg.mod:factory",
     "model": {...}, "tools": [...]})``."""
+
+    # A turn a crash interrupted runs on from its input list (semantics §17.1).
+    recoverable = True
 
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
@@ -76,7 +82,14 @@ class OpenAIAgentsAgent:
             raise ModelError(_one_line(exc.message)) from None
         turn = _Run(ctx, cfg)
         agent = await turn.prepare(agent, model="model" in ctx.config)
-        items = _input_items(await ctx.load_history(), ctx)
+        history = await ctx.load_history()
+        if ctx.recovered is None:
+            items = _input_items(history, ctx)
+        else:
+            recovered = await turn.recovered(agent, history, ctx.recovered)
+            if recovered is None:
+                return None  # its final reply was durable: it is the turn's final text
+            items = recovered
         result = agents.Runner.run_streamed(
             agent,
             items,
@@ -122,6 +135,78 @@ class _Run:
     sending: dict[str, Any] | None = None
     open: dict[str, Any] | None = None
     streamed: int = 0
+    mcp: Any = None  # the config's MCP tools (McpTools), if any
+    rerun: dict[str, str] = field(default_factory=dict)  # an idempotent unknown call: its key
+
+    async def recovered(
+        self, agent: Any, history: list[Entry], recovered: Recovered
+    ) -> list[Any] | None:
+        """A recovered turn's input list, from its last durable step (semantics §17.1):
+        this turn's durable items after its message, and an output for each call of its
+        last reply with none (the SDK's saved state holds no running call): a call that
+        never started runs now; one that started is unknown (the model is told so, as
+        its output), unless its policy says it is idempotent: then it runs again with
+        the same call key. None if its final reply was durable."""
+        ctx = self.ctx
+        items = _replayed(history, ctx, _said, own=True)
+        mine = [e for e in history if e.turn == ctx.turn]
+        last = next(
+            (
+                i
+                for i in range(len(mine) - 1, -1, -1)
+                if mine[i].kind == "assistant" and (mine[i].data or {}).get("input_items")
+            ),
+            None,
+        )
+        if last is None:
+            return _paired(items)  # the request in flight is sent again
+        calls = (mine[last].data or {}).get("tool_calls") or []
+        if not calls:
+            return None
+        self.asked = calls
+        answered = {
+            (e.data or {}).get("tool_call_id") for e in mine[last + 1 :] if e.kind == "tool"
+        }
+        for call in calls:
+            call_id, fn = call["id"], call["function"]
+            if call_id in answered:
+                continue
+            unknown = next((c for c in recovered.unknown_calls if c.tool_call_id == call_id), None)
+            if unknown is not None and not _idempotent(self.cfg, self.mcp, fn["name"]):
+                text = unknown_call_text(recovered.cause)
+                item = {"type": "function_call_output", "call_id": call_id, "output": text}
+                data = {"tool_call_id": call_id, "name": fn["name"], "arguments": fn["arguments"]}
+                extra = {"call": unknown.key, "unknown": True, "input_items": [item]}
+                ctx.record_tool(text, data={**data, **extra})
+            else:  # it never started, or it may run again: it runs now
+                if unknown is not None:
+                    self.rerun[call_id] = unknown.key
+                text = await self._run_now(agent, fn["name"], call_id, fn["arguments"])
+            items.append({"type": "function_call_output", "call_id": call_id, "output": text})
+        return _paired(items)
+
+    async def _run_now(self, agent: Any, name: str, call_id: str, arguments: str) -> str:
+        """Run one of the agent's function tools outside the SDK's loop, as the loop would
+        (its entry written by the tool's wrapper); a tool it lacks (a handoff) is not run."""
+        from agents.tool_context import ToolContext
+
+        tool = next(
+            (t for t in agent.tools if isinstance(t, FunctionTool) and t.name == name), None
+        )
+        if tool is None:
+            item = {"type": "function_call_output", "call_id": call_id, "output": _NO_RESULT}
+            data = {"tool_call_id": call_id, "name": name, "arguments": arguments}
+            self.ctx.record_tool(_NO_RESULT, data={**data, "input_items": [item]})
+            return _NO_RESULT
+        tc = ToolContext(
+            context=None,
+            tool_name=name,
+            tool_call_id=call_id,
+            tool_arguments=arguments,
+            agent=agent,
+        )
+        out = await tool.on_invoke_tool(tc, arguments)
+        return out if isinstance(out, str) else json.dumps(out, default=str)
 
     async def prepare(self, agent: Any, *, model: bool) -> Any:
         """The factory's agent with this session's model, usage asked for in streams,
@@ -317,7 +402,7 @@ class _Run:
         )
 
     async def _mcp_tools(self) -> list[Any]:
-        mcp = await _mcp_tools(self.ctx, self.cfg)
+        mcp = self.mcp = await _mcp_tools(self.ctx, self.cfg)
         if mcp is None:
             return []
         offered, missing = await mcp.offered()
@@ -349,15 +434,25 @@ class _Run:
     def _recorded(
         self, name: str, run: Callable[[Any, str], Awaitable[Any]]
     ) -> Callable[[Any, str], Awaitable[Any]]:
-        """A tool call as ChatAgent runs one: a ``max_duration`` policy, the honest
-        preempted result, one ``tool`` entry (with its SDK input item) per call."""
+        """A tool call as ChatAgent runs one: its start durable before it runs (the
+        write-ahead, semantics §17.1) and its key given to it, a ``max_duration`` policy,
+        the honest preempted result, one ``tool`` entry (with its SDK input item and its
+        key) per call."""
 
         async def invoke(tc: Any, arguments: str) -> Any:
             call_id = str(getattr(tc, "tool_call_id", "") or "")
-            data: dict[str, Any] = {"tool_call_id": call_id, "name": name, "arguments": arguments}
+            key = self.rerun.pop(call_id, None)
+            if key is None:
+                key = await self.ctx.begin_call(name, arguments, call_id or None)
+            data: dict[str, Any] = {
+                "tool_call_id": call_id,
+                "name": name,
+                "arguments": arguments,
+                "call": key,
+            }
             timer = _max_duration(self.ctx, self.cfg, name)
             try:
-                with spans.tool(name, call_id=call_id or None) as span:
+                with spans.tool(name, call_id=call_id or None) as span, calling(key):
                     span.content("gen_ai.tool.call.arguments", arguments)
                     out = await run(tc, arguments)
             except Preempted as exc:

@@ -30,6 +30,7 @@ from tether.agents.chat import (
     ModelError,
     _describe,
     _host_schemas,
+    _idempotent,
     _max_duration,
     _mcp_call,
     _mcp_tools,
@@ -40,11 +41,12 @@ from tether.agents.chat import (
 from tether.agents.drain import drained
 from tether.agents.mcp import McpTools
 from tether.driver.async_context import AsyncTurnContext
+from tether.driver.calls import calling
 from tether.telemetry import spans
 from tether.wire.errors import InvalidParams, Preempted, TetherError
 from tether.wire.frames import Steer
-from tether.wire.records import Entry
-from tether.wire.text import render_frame
+from tether.wire.records import Entry, Recovered
+from tether.wire.text import render_frame, unknown_call_text
 
 __all__ = ["PydanticAIAgent"]
 
@@ -102,6 +104,9 @@ def _model_of(model: _Model) -> Any:
 class PydanticAIAgent:
     """A Pydantic AI agent: ``rt.open_session("tether.adapters.pydantic_ai:PydanticAIAgent",
     config={"agent": "pkg.mod:factory", "model": {...}, "tools": [...]})``."""
+
+    # A turn a crash interrupted runs on from its message history (semantics §17.1).
+    recoverable = True
 
     @staticmethod
     def check_config(config: dict[str, Any]) -> None:
@@ -193,11 +198,16 @@ class _Turn:
         self.enqueued: dict[str, Steer] = {}  # the framework's enqueue id -> its steer
         # The request whose reply is not said yet: what it sent, and its stream (opened)
         self.open: tuple[list[Any], Any] | None = None
+        self.mcp: McpTools | None = None
+        self.keys: dict[str, str] = {}  # tool call id -> its call key (its durable start)
+        self.rerun: dict[str, str] = {}  # an idempotent unknown call run again: its old key
+        # A recovered run's last request, sent as the run's first: stored with its reply
+        self.resent: Any = None
 
     async def _mcp(self) -> McpTools | None:
         """The config's MCP servers, opened by Tether (kept across the worker's turns)."""
         assert self.cfg.chat is not None
-        mcp = await _mcp_tools(self.ctx, self.cfg.chat)
+        mcp = self.mcp = await _mcp_tools(self.ctx, self.cfg.chat)
         if mcp is None:
             return None
         self.offered, missing = await mcp.offered()
@@ -212,13 +222,24 @@ class _Turn:
         from pydantic_ai.messages import EnqueuedMessagesEvent, FunctionToolResultEvent
 
         ctx = self.ctx
-        history = _history(await ctx.load_history(), ctx.turn)
         mcp = await self._mcp()
+        entries = await ctx.load_history()
+        prompt: str | None = ctx.message.content
+        deferred: Any = None
+        if ctx.recovered is None:
+            history = _history(entries, ctx.turn)
+        else:
+            recovered = self._recovered(entries, ctx.recovered)
+            if recovered is None:
+                return None  # its final reply was durable: it is the turn's final text
+            history, deferred = recovered
+            prompt = None  # the history ends where the turn was: it goes on from there
         tools = _host_tools(self, self.cfg.tools) + _mcp_as_tools(self, mcp, self.offered)
         toolsets = [_toolset(tools)] if tools else None
         async with agent.iter(
-            ctx.message.content,
+            prompt,
             message_history=history or None,
+            deferred_tool_results=deferred,
             model=model,
             toolsets=toolsets,
             capabilities=[_Stops(self)],
@@ -236,7 +257,9 @@ class _Turn:
                         with spans.chat("openai", _model_name(model, agent)) as span:
                             await self._stream(node, run, span)
                     elif Agent.is_call_tools_node(node):
-                        self._reply(node.model_response)
+                        if deferred is None:
+                            self._reply(node.model_response)
+                        deferred = None  # a recovered run's first: its reply is durable
                         async with node.stream(run.ctx) as events:
                             async for event in events:
                                 ctx.progress()
@@ -247,6 +270,57 @@ class _Turn:
             finally:
                 relay.cancel()
         return None  # the last reply, said already, is the turn's final text
+
+    def _recovered(
+        self, entries: list[Entry], recovered: Recovered
+    ) -> tuple[list[Any], Any] | None:
+        """A recovered turn's history, from its last durable step (semantics §17.1), and
+        the deferred results that run the calls still to run; None if its final reply
+        was durable. The last reply's calls with no durable result: never started, they
+        run now; started, each is unknown (the model is told so, as its result), unless
+        its policy says it is idempotent: then it runs again with the same call key."""
+        from pydantic_ai import DeferredToolResults
+        from pydantic_ai.messages import ModelRequest, ModelResponse, ToolReturnPart
+
+        messages, results = _gathered(entries, None)
+        mine = [e for e in entries if e.turn == self.ctx.turn]
+        last = next(
+            (i for i in range(len(messages) - 1, -1, -1) if isinstance(messages[i], ModelResponse)),
+            None,
+        )
+        replied = any(e.kind == "assistant" and _KEY in (e.data or {}) for e in mine)
+        run_now: dict[str, bool] = {}
+        if replied and last is not None:
+            calls = _calls(messages[last])
+            if not calls and last == len(messages) - 1:
+                return None
+            assert self.cfg.chat is not None
+            for call_id, call in calls.items():
+                if call_id in results:
+                    continue
+                unknown = next(
+                    (c for c in recovered.unknown_calls if c.tool_call_id == call_id), None
+                )
+                if unknown is None:
+                    run_now[call_id] = True  # it never started
+                elif _idempotent(self.cfg.chat, self.mcp, call.tool_name):
+                    self.rerun[call_id] = unknown.key
+                    run_now[call_id] = True
+                else:
+                    text = unknown_call_text(recovered.cause)
+                    part = ToolReturnPart(
+                        call.tool_name, text, tool_call_id=call_id, outcome="interrupted"
+                    )
+                    results[call_id] = part
+                    self.keys[call_id] = unknown.key
+                    self.calls[call_id] = call
+                    self.returned(part, unknown=True)
+            self.calls.update(calls)
+        history = _answered(messages, results, keep_open=set(run_now))
+        if history and isinstance(history[-1], ModelRequest):
+            self.resent = history[-1]
+        deferred = DeferredToolResults(approvals=dict(run_now)) if run_now else None
+        return history, deferred
 
     async def _offer(self, steer: Steer) -> None:
         """Enqueue a steer ``asap``: the framework delivers it into its next request (or
@@ -325,6 +399,12 @@ class _Turn:
         if not chunk or chunk[-1] is not response:
             chunk.append(response)  # the run adds it to its history only after this node
         self.saved += len(chunk)
+        if self.resent is not None:
+            # a recovered run's first request is its history's, not among its new
+            # messages: kept with its reply, as a request of the turn's own
+            if not any(m is self.resent for m in chunk):
+                chunk.insert(0, self.resent)
+            self.resent = None
         text = "".join(p.content for p in response.parts if isinstance(p, TextPart))
         data: dict[str, Any] = {_KEY: _dump(chunk)}
         calls = self.calls = _calls(response)
@@ -351,10 +431,11 @@ class _Turn:
         part = ToolReturnPart(call.tool_name, value, tool_call_id=call.tool_call_id, metadata=meta)
         self.returned(part)
 
-    def returned(self, part: Any) -> None:
+    def returned(self, part: Any, *, unknown: bool = False) -> None:
         """A tool call's result as the model gets it: its one ``tool`` entry, carrying the
         framework's part, so that every later turn reads it as it came back (a turn
-        stopped before the next reply stores no messages of its own)."""
+        stopped before the next reply stores no messages of its own), and its call key.
+        ``unknown``: a recovered turn's call that may or may not have run."""
         from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
         if not isinstance(part, ToolReturnPart) or part.tool_call_id in self.recorded:
@@ -367,6 +448,11 @@ class _Turn:
             "arguments": call.args_as_json_str() if call is not None else "",
             _KEY: _dump([ModelRequest(parts=[part])]),
         }
+        key = self.keys.get(part.tool_call_id)
+        if key is not None:
+            data["call"] = key
+        if unknown:
+            data["unknown"] = True
         if part.tool_call_id in self.preempted:
             data["preempted"] = True
         self.ctx.record_tool(part.model_response_str(), data=data)
@@ -463,6 +549,13 @@ def _history(entries: list[Entry], turn: str) -> list[Any]:
     no stored reply covers (a turn stopped or failed before a reply: its user message,
     the steers taken since its last reply); every tool call answered, by its ``tool``
     entry where its result came back, else by a result saying it was stopped."""
+    messages, results = _gathered(entries, turn)
+    return _answered(messages, results)
+
+
+def _gathered(entries: list[Entry], turn: str | None) -> tuple[list[Any], dict[str, Any]]:
+    """``_history``'s messages, their calls not yet answered, and the results of the
+    calls by id; every turn's but ``turn``'s (None: all of them)."""
     from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest
 
     turns: dict[str, list[Entry]] = {}
@@ -485,7 +578,7 @@ def _history(entries: list[Entry], turn: str) -> list[Any]:
             part = _result_part(e)
             if part is not None:
                 results[part.tool_call_id] = part
-    return _answered(messages, results)
+    return messages, results
 
 
 def _user_part(e: Entry) -> Any | None:
@@ -515,9 +608,12 @@ def _result_part(e: Entry) -> Any | None:
     return ToolReturnPart(str(data.get("name") or ""), e.text, tool_call_id=call_id)
 
 
-def _answered(messages: list[Any], results: dict[str, Any]) -> list[Any]:
+def _answered(
+    messages: list[Any], results: dict[str, Any], keep_open: set[str] | None = None
+) -> list[Any]:
     """``messages`` with every tool call answered in the request after its reply: by its
-    result where one came back, else by a result saying it was stopped."""
+    result where one came back, else by a result saying it was stopped; the calls of
+    ``keep_open`` (of the last reply: a recovered turn runs them) are left unanswered."""
     from pydantic_ai.messages import ModelRequest, ModelResponse, ToolReturnPart
 
     out: list[Any] = []
@@ -527,6 +623,7 @@ def _answered(messages: list[Any], results: dict[str, Any]) -> list[Any]:
         parts = [
             results.get(i) or ToolReturnPart(name, _NO_RESULT, tool_call_id=i)
             for i, name in open_calls.items()
+            if i not in (keep_open or ())
         ]
         open_calls.clear()
         if not parts:
@@ -625,7 +722,17 @@ def _make_stops() -> type[Any]:
         async def wrap_tool_execute(
             self, ctx: Any, *, call: Any, tool_def: Any, args: Any, handler: Any
         ) -> Any:
-            with spans.tool(call.tool_name, call_id=call.tool_call_id) as span:
+            # its start is durable before it runs (write-ahead, semantics §17.1): a crash
+            # while it runs makes it unknown, never silently run twice; the tool gets its
+            # key (``tether.current_call_id()``, an MCP request's, a spawn's)
+            turn = self.turn
+            key = turn.rerun.pop(call.tool_call_id, None)
+            if key is None:
+                key = await turn.ctx.begin_call(
+                    call.tool_name, call.args_as_json_str(), call.tool_call_id
+                )
+            turn.keys[call.tool_call_id] = key
+            with spans.tool(call.tool_name, call_id=call.tool_call_id) as span, calling(key):
                 return await self._execute(call, args, handler, span)
 
         async def _execute(self, call: Any, args: Any, handler: Any, span: spans.Span) -> Any:

@@ -298,6 +298,7 @@ class AsyncTurnContext(BaseContext):
             "permissions": permissions,
             "budget": budget,
             "on_crash": on_crash,
+            "call": self._spawn_call(),
         }
         return str(await self._host_call("spawn_agent", args))
 

@@ -18,6 +18,7 @@ import msgspec
 
 from tether.driver._command import check_command, drain, wait_exit
 from tether.driver._turn import WorkerPort, _TurnState
+from tether.driver.calls import current_call_id
 from tether.telemetry import spans
 from tether.wire.approval import Approval
 from tether.wire.budget import cost_microusd, merge_usage
@@ -87,6 +88,7 @@ class BaseContext:
         self._state = state
         self._history: list[Entry] | None = None
         self._next_call = 0
+        self._spawns: dict[str, int] = {}  # call key -> spawns made under it so far
         self.session = run.session
         self.turn = run.turn
         self.message: Message = run.message
@@ -267,6 +269,16 @@ class BaseContext:
             self._history = self._fetch_history()
         return self._history
 
+    def _spawn_call(self) -> str | None:
+        """The spawn's key inside a tool call (``<call key>/<n>``: its n-th spawn; None
+        outside one): the call re-issued after a crash with the same key, in the same
+        order, gets the children it made instead of new ones (semantics §17.1)."""
+        key = current_call_id()
+        if key is None:
+            return None
+        n = self._spawns[key] = self._spawns.get(key, 0) + 1
+        return f"{key}/{n}"
+
     @staticmethod
     def _begin_args(name: str, arguments: str, tool_call_id: str | None) -> dict[str, Any]:
         args: dict[str, Any] = {"name": name, "arguments": arguments}
@@ -326,6 +338,7 @@ class TurnContext(BaseContext):
             "permissions": permissions,
             "budget": budget,
             "on_crash": on_crash,
+            "call": self._spawn_call(),
         }
         return str(self._host_call("spawn_agent", args))
 

@@ -73,7 +73,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     budget      BLOB,                        -- the session's own budget (semantics §16.2)
     on_crash    TEXT,                        -- recover | park (semantics §17.1)
     max_recoveries INTEGER,
-    recoverable INTEGER NOT NULL DEFAULT 0   -- its driver continues a crashed turn
+    recoverable INTEGER NOT NULL DEFAULT 0,  -- its driver continues a crashed turn
+    spawned_by  TEXT                         -- the spawn_agent call that made it (§17.1)
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -173,6 +174,8 @@ def create_tables(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE sessions ADD COLUMN on_crash TEXT")
         db.execute("ALTER TABLE sessions ADD COLUMN max_recoveries INTEGER")
         db.execute("ALTER TABLE sessions ADD COLUMN recoverable INTEGER NOT NULL DEFAULT 0")
+    if "spawned_by" not in columns:  # a store written before idempotent spawns
+        db.execute("ALTER TABLE sessions ADD COLUMN spawned_by TEXT")
     columns = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
     if "trace" not in columns:  # a store written before telemetry
         db.execute("ALTER TABLE messages ADD COLUMN trace TEXT")

@@ -6,6 +6,8 @@ session's permissions; the answer goes back as the call's ``ToolReply``.
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
@@ -41,7 +43,7 @@ from tether.wire.tool_calls import (
 if TYPE_CHECKING:
     from tether.runtime.runtime import Runtime
 
-__all__ = ["HostTools"]
+__all__ = ["HostTools", "spawning"]
 
 log = structlog.get_logger("tether.runtime")  # the runtime's logger, shared by its modules
 
@@ -53,6 +55,12 @@ _HISTORY_BYTES: Final = MAX_FRAME // 2
 _HISTORY_CHUNK: Final = 16  # entries read from the store at a time while filling a page
 _encoder: Final = msgspec.msgpack.Encoder()
 
+# The spawn_agent call a spawn made on this thread comes from (``SpawnCall.call``), for
+# the child's header (``SessionHeader.spawned_by``): set only around that spawn.
+spawning: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "tether_spawning", default=None
+)
+
 
 class HostTools(WorkerHost):
     """The tool calls of every worker of one runtime (the backend's ``WorkerHost``)."""
@@ -61,6 +69,8 @@ class HostTools(WorkerHost):
         self._rt = runtime
         self._secrets = secrets
         self.tool_user = tool_user
+        # A spawn by a call key looks for the child it made, then makes one: one at a time
+        self._spawn_lock = threading.Lock()
 
     def turn_secrets(self, spec: TurnSpec) -> tuple[dict[str, str] | None, list[str]]:
         return self._secrets.for_turn(spec.config)
@@ -163,6 +173,30 @@ class HostTools(WorkerHost):
         for key, value in (("driver", call.driver), ("config", call.config)):
             if value is not None:
                 raise InvalidParams(f"a tool call cannot choose the child's {key}")
+        if call.call is None:
+            return self._spawn_new(spec, call)
+        # Idempotent by the call's key (semantics §17.1): re-issued after a crash, the
+        # call gets the child it made then (the key is in the child's durable header)
+        with self._spawn_lock:
+            made = self._spawned(spec.session, call.call)
+            if made is not None:
+                return made
+            token = spawning.set(call.call)
+            try:
+                return self._spawn_new(spec, call)
+            finally:
+                spawning.reset(token)
+
+    def _spawned(self, parent: str, call: str) -> str | None:
+        """The child of ``parent`` that the spawn ``call`` made, if it made one."""
+        catalog = self._rt._dir.catalog
+        for child in catalog.get(parent).children or ():
+            node = catalog.nodes.get(child)
+            if node is not None and node.header.spawned_by == call:
+                return child
+        return None
+
+    def _spawn_new(self, spec: TurnSpec, call: SpawnCall) -> str:
         result = self._rt.spawn(
             spec.session,
             spec.driver,

@@ -62,7 +62,7 @@ from tether.runtime._events import EventBus
 from tether.runtime._log import configure_logging
 from tether.runtime._oneshot import OneShot
 from tether.runtime._secrets import Secrets
-from tether.runtime._tools import HostTools
+from tether.runtime._tools import HostTools, spawning
 from tether.runtime._walks import pause_subtree, stop_subtree
 from tether.runtime.backend import BackendFactory, check_backend
 from tether.telemetry import Telemetry
@@ -795,4 +795,5 @@ class Runtime(Approvals):
             on_crash=crash,
             max_recoveries=most,
             recoverable=recoverable,
+            spawned_by=spawning.get(),  # set by a spawn_agent tool call (HostTools)
         )

@@ -265,12 +265,13 @@ class Store(ApprovalRows):
             row.on_crash,
             row.max_recoveries,
             row.recoverable,
+            row.spawned_by,
         )
         return self.submit(
             Statement(
                 "INSERT INTO sessions (id, parent, mode, slug, driver, config, permissions,"
-                " created_at, stall, limits, budget, on_crash, max_recoveries, recoverable)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " created_at, stall, limits, budget, on_crash, max_recoveries, recoverable,"
+                " spawned_by) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 params,
             ),
             waited=True,
@@ -280,7 +281,7 @@ class Store(ApprovalRows):
         """Every session, in creation order."""
         rows = self._read(
             "SELECT id, parent, mode, slug, driver, config, permissions, created_at, settled,"
-            " stall, limits, budget, on_crash, max_recoveries, recoverable"
+            " stall, limits, budget, on_crash, max_recoveries, recoverable, spawned_by"
             " FROM sessions ORDER BY seq"
         )
         return [
@@ -300,6 +301,7 @@ class Store(ApprovalRows):
                 on_crash=r[12] or "recover",
                 max_recoveries=3 if r[13] is None else r[13],
                 recoverable=bool(r[14]),
+                spawned_by=r[15],
             )
             for r in rows
         ]

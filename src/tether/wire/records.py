@@ -265,6 +265,9 @@ class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     on_crash: OnCrash = "recover"
     max_recoveries: int = 3
     recoverable: bool = False
+    # The spawn_agent call that made it: its parent's call key and which spawn of that
+    # call (``<key>/<n>``), so that the call re-issued after a crash finds it (§17.1)
+    spawned_by: str | None = None
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

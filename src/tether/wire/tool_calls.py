@@ -52,6 +52,9 @@ class SpawnCall(_Call, frozen=True, tag="spawn_agent"):
     permissions: dict[str, str] | None = None
     budget: dict[str, Any] | None = None
     on_crash: str | None = None
+    # The calling tool call's key and which spawn of it (``<key>/<n>``): a spawn re-issued
+    # with it after a crash returns the child it made (semantics §17.1). Set by the context.
+    call: str | None = None
     # Never the caller's to choose (the host sets what loads code): present only so the
     # refusal can name them.
     driver: Any = None
