@@ -842,7 +842,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="tether",
         description="Drive a Tether runtime: start it with `tether serve`, then open "
-        "sessions, spawn subagents and steer, cancel, abort or preempt them.",
+        "sessions, spawn subagents and steer, cancel, abort or preempt them, and approve or"
+        " deny the tool calls they wait on.",
         epilog="Exit codes: 0 done, 1 refused (error code on stderr), 2 usage.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
