@@ -1,6 +1,7 @@
 """Approvals (semantics §17.2) through the faces of a real ``tether serve``: RPC
 ``subagent.approvals`` / ``subagent.decide``, the CLI's ``approvals`` / ``approve`` /
-``deny`` and the MCP face's ``list_approvals`` / ``decide_approval``, with ChatAgent
+``deny``, the MCP face's ``list_approvals`` / ``decide_approval`` and A2A's
+``input-required`` decided by a message, with ChatAgent
 against the local model server. Each face: a pending call is listed, approving it runs
 the tool, denying it tells the model who denied it and why, and a decision made already,
 an unknown approval and the wrong authority are refused."""
@@ -15,8 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import httpx2
 import pytest
+from a2a.client import Client as A2AClient
+from a2a.client import ClientConfig, create_client
+from a2a.types.a2a_pb2 import (
+    GetTaskRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+    Task,
+    TaskState,
+)
+from a2a.utils.errors import InvalidRequestError, TaskNotFoundError
+from google.protobuf.json_format import MessageToDict, ParseDict
+from google.protobuf.struct_pb2 import Value
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
@@ -315,3 +331,74 @@ async def _ended_mcp(mcp: ClientSession, root: str) -> bool:
     [info] = (await ok(mcp, "list_agents"))["agents"]
     assert info["id"] == root
     return bool(info["state"] == "idle")
+
+
+def _a2a_message(text: str, *, task: str = "", context: str = "", **tether: Any) -> Message:
+    parts = [Part(text=text)]
+    if tether:
+        parts.append(Part(data=ParseDict({"tether": tether}, Value())))
+    return Message(
+        message_id=f"m-{text}-{tether.get('approval', '')}",
+        role=Role.ROLE_USER,
+        parts=parts,
+        context_id=context,
+        task_id=task,
+    )
+
+
+async def _a2a_send(client: A2AClient, msg: Message) -> Task:
+    [answer] = [r async for r in client.send_message(SendMessageRequest(message=msg))]
+    return answer.task
+
+
+def _asked(task: Task) -> list[dict[str, Any]]:
+    """The pending calls an input-required task names in its status's data part."""
+    assert task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED, task.status
+    text, data = task.status.message.parts
+    assert "waiting for approval: run_command" in text.text
+    found: list[dict[str, Any]] = MessageToDict(data.data)["tether"]["approvals"]
+    return found
+
+
+def test_an_a2a_task_waiting_on_an_approval_is_input_required_and_a_message_decides_it(
+    server: LiveServer, model: ModelServer, tmp_path: Path
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    model.script(MCP_SCRIPT, _two_calls(first, second))
+
+    async def body() -> None:
+        headers = {"Authorization": f"Bearer {server.token}"} if server.token else {}
+        async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+            config = ClientConfig(httpx_client=http, streaming=False)
+            client = await create_client(server.url, client_config=config)
+            try:
+                task = await _a2a_send(client, _a2a_message("go"))  # returns once it asks
+                [a] = _asked(task)
+                assert (a["tool"], a["arguments"]) == ("run_command", {"argv": _touch(first)})
+                assert not first.exists()
+                t, ctx = task.id, task.context_id
+                get = await client.get_task(GetTaskRequest(id=t))
+                assert get.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+
+                unknown = _a2a_message("x", task=t, approval="a_nosuch", decision="approve")
+                with pytest.raises(TaskNotFoundError):
+                    await _a2a_send(client, unknown)
+                approve = _a2a_message(
+                    "ok", task=t, context=ctx, approval=a["id"], decision="approve"
+                )
+                task = await _a2a_send(client, approve)  # returns at the next call's approval
+                [b] = _asked(task)
+                assert b["id"] != a["id"] and first.read_text() == "ran\n"
+                with pytest.raises(InvalidRequestError, match="approved already"):
+                    await _a2a_send(
+                        client, _a2a_message("no", task=t, approval=a["id"], decision="deny")
+                    )
+                deny = _a2a_message("enough", task=t, approval=b["id"], decision="deny")
+                task = await _a2a_send(client, deny)  # the model is told, and ends the task
+                assert task.status.state == TaskState.TASK_STATE_COMPLETED
+            finally:
+                await client.close()
+
+    anyio.run(body)
+    assert not second.exists()
+    assert _tool_results(model, MCP_SCRIPT)[-1] == "denied by user: enough"
