@@ -24,6 +24,7 @@ import msgspec
 from tether.cli._terminal import json_line, shown
 from tether.cli.client import DEFAULT_URL, Client, RpcError, in_background
 from tether.serve.token import blank_is_none, find_token
+from tether.wire.approval import call_text
 from tether.wire.budget import LIMITS, check_budget, limit_text, parse_budget, spent_text
 from tether.wire.errors import TetherError
 from tether.wire.text import who
@@ -489,6 +490,55 @@ def _inbox(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def approval_line(a: dict[str, Any]) -> str:
+    """One pending approval as a person reads it: its id, its session, the call (one
+    line), and who may decide when only a person may."""
+    # The call as the model wrote it (capped), on one line: a person decides on it.
+    call = call_text(str(a.get("tool", "?")), a.get("arguments"))
+    call = call.replace("\r", "\\r").replace("\n", "\\n")
+    only = "  (a person decides)" if a.get("approver") == "user" else ""
+    return f"{a['id']}  {a['session']}  {call}{only}"
+
+
+def _approvals(args: argparse.Namespace, client: Client) -> int:
+    scope = "subtree" if args.subtree else "session"
+    found = client.call("subagent.approvals", {"session": args.id, "scope": scope})["approvals"]
+    lines = [approval_line(a) for a in found]
+    _out(args, {"approvals": found}, "\n".join(lines) if lines else None)
+    return 0
+
+
+def _approval_parent(args: argparse.Namespace, client: Client) -> str:
+    """The parent of the approval's session: --parent, else looked up (the approval's
+    session, then its durable parent; a root's is its own id)."""
+    if args.parent:
+        return str(args.parent)
+    session = client.call("subagent.approval", {"approval": args.approval})["approval"]["session"]
+    info = client.call("subagent.status", {"session": session})
+    return str(info["parent"] if info.get("parent") is not None else session)
+
+
+def _decide(decision: str) -> Command:
+    def run(args: argparse.Namespace, client: Client) -> int:
+        params: dict[str, Any] = {
+            "approval": args.approval,
+            "parent": _approval_parent(args, client),
+            "decision": decision,
+            **_as(args),
+        }
+        if args.reason:
+            params["reason"] = args.reason
+        if getattr(args, "arguments", None) is not None:
+            params["arguments"] = args.arguments
+        a = client.call("subagent.decide", params)["approval"]
+        edited = " with edited arguments" if a.get("arguments_used") != a.get("arguments") else ""
+        text = f"{a['state']} {a['id']}{edited if a['state'] == 'approved' else ''}"
+        _out(args, {"approval": a}, text)
+        return 0
+
+    return run
+
+
 def _dispose(args: argparse.Namespace, client: Client) -> int:
     _out(args, client.call("subagent.dispose", {"address": _address(args, client)}))
     return 0
@@ -792,7 +842,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="tether",
         description="Drive a Tether runtime: start it with `tether serve`, then open "
-        "sessions, spawn subagents and steer, cancel, abort or preempt them.",
+        "sessions, spawn subagents and steer, cancel, abort or preempt them, and approve or"
+        " deny the tool calls they wait on.",
         epilog="Exit codes: 0 done, 1 refused (error code on stderr), 2 usage.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -985,6 +1036,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("id", nargs="?", metavar="ROOT", help="the root to open (default: choose)")
     _add_as(p)
+
+    p = command(
+        "approvals",
+        "list a session's tool calls that wait for a decision: id, session, call"
+        " (with --subtree, those of every session below it too)",
+        "tether approvals s_01H… --subtree",
+        _approvals,
+    )
+    p.add_argument("id", help="session id")
+    p.add_argument(
+        "--subtree", action="store_true", help="every session below it too (seen from the root)"
+    )
+
+    for decision, summary, example in (
+        (
+            "approve",
+            "approve a pending tool call: it runs (with --arguments, with those instead)",
+            'tether approve a_01J… --arguments \'{"argv": ["rm", "-rf", "build/tmp"]}\'',
+        ),
+        (
+            "deny",
+            "deny a pending tool call: it never runs, and the agent is told who denied it and why",
+            "tether deny a_01J… --reason 'not the build dir'",
+        ),
+    ):
+        p = command(decision, summary, example, _decide(decision))
+        p.add_argument("approval", help="approval id (a_…)")
+        if decision == "approve":
+            p.add_argument(
+                "--arguments",
+                type=_json_arg,
+                metavar="JSON",
+                help="the call's arguments, edited (a JSON object, checked against the"
+                " tool's schema)",
+            )
+            p.add_argument("--reason", help="why (shown in the marker)")
+        else:
+            p.add_argument("--reason", required=True, help="why (the agent is told)")
+        p.add_argument("--parent", help="the parent of its session (looked up when left out)")
+        _add_as(p)
 
     p = command(
         "dispose",

@@ -1,4 +1,4 @@
-"""The facade's approvals (semantics §17.2): ``decide`` and ``approvals``, the base of
+"""The facade's approvals (semantics §17.2): ``decide``, ``approvals`` and ``approval``, the base of
 ``Runtime`` above ``Engine``.
 
 A decision is checked here (its arguments), found in the store (``not-found``,
@@ -88,6 +88,17 @@ class Approvals(Engine):
         result: Approval = decided
         return result
 
+    def approval(self, approval_id: str) -> Approval:
+        """One approval as it stands, in whatever state (``NotFound`` for an unknown id):
+        how a face finds the session of the approval it is asked to decide."""
+        if not isinstance(approval_id, str):
+            raise InvalidParams("an approval id is a string")
+        self._check_open()
+        found = self._store.approval(approval_id)
+        if found is None:
+            raise NotFound(f"no approval {approval_id!r}")
+        return found
+
     def approvals(self, target: str, *, scope: str = "session") -> list[Approval]:
         """The pending approvals of ``target`` (``scope="subtree"``: and of every session
         below it), oldest first: a nested one is seen from its root."""
@@ -97,7 +108,9 @@ class Approvals(Engine):
         self._check_open()
         if target not in self._dir.catalog.nodes:
             raise NotFound(f"no session {target!r}")
-        sessions = [target] if scope == "session" else self._dir.catalog.preorder(target)
+        sessions = [target]
+        if scope == "subtree":  # the target's own, then every session below it
+            sessions += self._dir.catalog.preorder(target)
         return self._store.pending_approvals(sessions)
 
 

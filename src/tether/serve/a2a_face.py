@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
 
 import anyio
@@ -85,7 +85,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from tether import AgentInfo, Entry, Event, Runtime, TurnRecord, User
+from tether.serve.a2a_approvals import approvals_part, decide, decision_of, waiting_note
 from tether.serve.face_kit import FaceOptions, last_seq, turn_entries, turn_record
+from tether.wire.approval import Approval
 from tether.wire.errors import TetherError
 
 __all__ = ["A2aHttp", "TetherA2A", "agent_card"]
@@ -131,6 +133,7 @@ class _Snapshot:
     record: TurnRecord
     info: AgentInfo
     latest: bool  # the session's last turn
+    approvals: list[Approval] = field(default_factory=list)  # the turn's pending ones
 
 
 class _Waiter:
@@ -283,8 +286,10 @@ def _entry_message(entry: Entry, task: str) -> Message:
 
 def _state(snap: _Snapshot) -> TaskState:
     record, info = snap.record, snap.info
-    if record.outcome is None:
-        return TaskState.TASK_STATE_WORKING
+    if record.outcome is None:  # waiting for a decision: a person's input is required
+        return (
+            TaskState.TASK_STATE_INPUT_REQUIRED if snap.approvals else TaskState.TASK_STATE_WORKING
+        )
     # Parked with messages waiting (semantics §3): the stop holds queued work until a person
     # sends again. A stopped session with an empty inbox also reads parked; its task is
     # simply over.
@@ -295,6 +300,8 @@ def _state(snap: _Snapshot) -> TaskState:
 
 def _status_note(snap: _Snapshot) -> str | None:
     record, info = snap.record, snap.info
+    if record.outcome is None and snap.approvals:
+        return waiting_note(snap.approvals)
     if record.outcome is None:
         return "paused" if info.state == "paused" else None
     if _state(snap) == TaskState.TASK_STATE_INPUT_REQUIRED:
@@ -430,7 +437,10 @@ class TetherA2A(RequestHandler):
         if record is None:
             raise TaskNotFoundError(message=f"no task {task!r} on this server")
         info = self.rt.status(known.session)
-        return _Snapshot(record, info, latest=turns[-1].id == task)
+        pending: list[Approval] = []
+        if record.outcome is None and info.approvals:
+            pending = [a for a in self.rt.approvals(known.session) if a.turn == task]
+        return _Snapshot(record, info, latest=turns[-1].id == task, approvals=pending)
 
     def _entries(self, task: str, known: _Known) -> list[Entry]:
         out: list[Entry] = []
@@ -460,6 +470,8 @@ class TetherA2A(RequestHandler):
                     parts=[Part(text=note)],
                 )
             )
+            if snap.approvals:
+                status.message.parts.append(approvals_part(snap.approvals))
         history = [_entry_message(e, task) for e in entries]
         if history_length is not None:  # 0: none at all
             history = history[-history_length:] if history_length > 0 else []
@@ -485,6 +497,12 @@ class TetherA2A(RequestHandler):
         session = message.context_id
         if message.task_id:
             session = await self._open_task(message.task_id, session)
+            decision = decision_of(data, content)
+            if decision is not None:  # a decision on a call the task waits for
+                task = message.task_id
+                await self._run(lambda: decide(self.rt, session, task, decision), stop=True)
+                log.info("a2a.decided", session=session, task=task, approval=decision.approval)
+                return task
         if _steer(message):
             return await self._steer_task(message, session, content)
         session, after = await self._context(session)
@@ -579,8 +597,9 @@ class TetherA2A(RequestHandler):
     async def _until_ended(
         self, task: str, timeout: float | None = None, waiter: _Waiter | None = None
     ) -> bool:
-        """Wait for the task's turn to end (True), the timeout, or the caller to hang up
-        (False either way: the turn goes on, nobody is left to tell)."""
+        """Wait for the task's turn to end or to wait for a decision (True), the timeout,
+        or the caller to hang up (False either way: the turn goes on, nobody is left to
+        tell)."""
         known = await self._run(self._known, task)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.changes.watch(known.session, waiter or _Waiter()) as w:
@@ -589,6 +608,8 @@ class TetherA2A(RequestHandler):
                 record = await self._run(turn_record, self.rt, known.session, task)
                 if record is None or record.outcome is not None:
                     return True
+                if await self._run(self._asks, known.session, task):
+                    return True  # input-required: the caller decides
                 if w.gone:
                     self._gone(session=known.session, task=task)
                     return False
@@ -596,6 +617,11 @@ class TetherA2A(RequestHandler):
                 if deadline is not None and now > deadline:
                     return False
                 await _next_change(w, min(deadline or math.inf, now + _RECHECK))
+
+    def _asks(self, session: str, task: str) -> bool:
+        """Whether ``task``'s turn waits for a decision."""
+        info = self.rt.status(session)
+        return info.turn == task and bool(info.approvals)
 
     async def _snapshot_task(self, task: str, history_length: int | None = None) -> Task:
         out, _ = await self._run(self._task, task, history_length)
@@ -860,7 +886,7 @@ def _a2a_error(exc: TetherError) -> A2AError:
             return InvalidParamsError(message=exc.message)
         case "not-found":
             return TaskNotFoundError(message=exc.message)
-        case "subagent-unauthorized" | "parent-offline":
+        case "subagent-unauthorized" | "parent-offline" | "already-decided":
             return InvalidRequestError(message=exc.message)
     return _internal(exc)
 

@@ -12,7 +12,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import anyio
 import anyio.to_thread
@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 
 from tether import OneShot, Runtime, User
 from tether.driver.tools import (
+    DecideApprovalArgs,
     InterruptAgentArgs,
     ListAgentsArgs,
     PauseAgentArgs,
@@ -39,7 +40,7 @@ from tether.driver.tools import (
 )
 from tether.driver.tools import StopReportArgs as ToolStopReportArgs
 from tether.serve.face_kit import FaceOptions, last_seq, turn_entries, turn_of_message
-from tether.wire.errors import InvalidParams, TetherError, Unauthorized
+from tether.wire.errors import InvalidParams, NotFound, TetherError, Unauthorized
 
 __all__ = ["OWNER_HEADER", "TOOLS", "McpFace", "McpHttp", "run_stdio"]
 
@@ -205,6 +206,26 @@ class SetBudgetArgs(_Args):
     ] = False
 
 
+class ListApprovalsArgs(_Args):
+    """List the tool calls that wait for your decision (approval) before they run: each
+    one's id, agent, tool and arguments, oldest first. Without agent: those of every agent
+    you own and of the agents below them; with agent: that agent's own (scope subtree:
+    and those below it). Decide one with decide_approval."""
+
+    agent: _AgentId | UnsetType = UNSET
+    scope: Annotated[
+        Literal["session", "subtree"],
+        Meta(description="With agent: session (its own, default) or subtree (and below)."),
+    ] = "session"
+
+
+class DecideArgs(DecideApprovalArgs):
+    """Decide a tool call of an agent you own (or one below it) that waits for approval:
+    approve it (it runs, with your edited arguments if you give them, checked against the
+    tool's schema) or deny it (it never runs; the agent is told why and goes on). The
+    first decision stands: a later one is refused as already-decided."""
+
+
 TOOLS: dict[str, tuple[type[msgspec.Struct], str]] = {
     "spawn_agent": (SpawnArgs, "_spawn"),
     "send_message": (SendArgs, "_send"),
@@ -217,6 +238,8 @@ TOOLS: dict[str, tuple[type[msgspec.Struct], str]] = {
     "wait_agent": (WaitAgentArgs, "_wait_agent"),
     "read_budget": (ReadBudgetArgs, "_read_budget"),
     "set_budget": (SetBudgetArgs, "_set_budget"),
+    "list_approvals": (ListApprovalsArgs, "_list_approvals"),
+    "decide_approval": (DecideArgs, "_decide_approval"),
 }
 _STOPS: Final = frozenset({"interrupt_agent", "pause_agent", "resume_agent"})
 
@@ -586,6 +609,45 @@ class McpFace:
         # behind other calls.
         await self._run(lambda: self.rt.set_budget(a.agent, budget, authority=user), stop=True)
         return {"accepted": True}
+
+    async def _list_approvals(self, call: _Call, a: ListApprovalsArgs) -> dict[str, Any]:
+        rt = self.rt
+        if a.agent is not UNSET:
+            agent = str(a.agent)
+            await self._user(call, agent)
+            found = await self._run(lambda: rt.approvals(agent, scope=a.scope))
+            return {"approvals": msgspec.to_builtins(found)}
+
+        def held() -> list[Any]:
+            out: list[Any] = []
+            for root in sorted(call.held):
+                with contextlib.suppress(NotFound):  # a root that is gone waits for nothing
+                    out.extend(rt.approvals(root, scope="subtree"))
+            return sorted(out, key=lambda x: (x.requested_at, x.id))
+
+        return {"approvals": msgspec.to_builtins(await self._run(held))}
+
+    async def _decide_approval(self, call: _Call, a: DecideArgs) -> dict[str, Any]:
+        # Who may decide is checked before anything of the approval is told: one of
+        # another client's agents is refused naming neither its agent nor how it stands.
+        found = await self._run(self.rt.approval, a.approval)
+        try:
+            user = await self._user(call, found.session)
+        except Unauthorized:
+            raise Unauthorized(
+                "no agent this client opened, nor one below them, asked for that approval"
+            ) from None
+        decided = await self._run(
+            lambda: self.rt.decide(
+                a.approval,
+                a.decision,
+                authority=user,
+                reason=a.reason,
+                arguments=_given(a.arguments),
+            ),
+            stop=True,
+        )
+        return {"approval": msgspec.to_builtins(decided)}
 
 
 def _internal(tool: str, exc: BaseException) -> dict[str, Any]:

@@ -25,8 +25,13 @@ from tether.wire.rpc import (
     RPC_ERROR_CODES,
     Accepted,
     AgentList,
+    ApprovalList,
+    ApprovalParams,
+    ApprovalResult,
+    ApprovalsParams,
     BudgetParams,
     BudgetResult,
+    DecideParams,
     DisposeParams,
     ErrorData,
     ErrorObject,
@@ -208,6 +213,24 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         rt.dispose(p.address.session, authority=User(parent=p.address.parent), wait=False)
         return Accepted()
 
+    def approvals(p: ApprovalsParams) -> ApprovalList:
+        return ApprovalList(rt.approvals(p.session, scope=p.scope))
+
+    def approval(p: ApprovalParams) -> ApprovalResult:
+        return ApprovalResult(rt.approval(p.approval))
+
+    def decide(p: DecideParams) -> ApprovalResult:
+        # The authority of an interrupt of the approval's session: the runtime compares
+        # User(parent) with that session's durable parent, as for a stop.
+        decided = rt.decide(
+            p.approval,
+            p.decision,
+            authority=User(parent=p.parent, name=p.name),
+            reason=p.reason,
+            arguments=p.arguments,
+        )
+        return ApprovalResult(decided)
+
     return {
         "session.open": open_,
         "session.prompt": prompt,
@@ -227,6 +250,9 @@ def _handlers(rt: Runtime) -> dict[str, _Handler]:
         "subagent.stopReport": stop_report,
         "subagent.budget": budget,
         "subagent.setBudget": set_budget,
+        "subagent.approvals": approvals,
+        "subagent.approval": approval,
+        "subagent.decide": decide,
     }
 
 
@@ -256,14 +282,14 @@ def _valid_id(value: Any) -> bool:
 class _Lanes:
     """The threads the blocking runtime calls run on.
 
-    ``subagent.interrupt`` and ``subagent.pause`` have a lane of their own and
-    ``subagent.status`` another: nothing else runs there, so a stop (and the look that
-    checks it landed) never waits behind other calls, however many of those are slow or
-    stuck. Everything else shares ``work``, bounded so a flood of calls cannot grow
-    threads without limit.
+    ``subagent.interrupt``, ``subagent.pause`` and ``subagent.decide`` have a lane of
+    their own and ``subagent.status`` another: nothing else runs there, so a stop or a
+    decision (and the look that checks it landed) never waits behind other calls, however
+    many of those are slow or stuck. Everything else shares ``work``, bounded so a flood
+    of calls cannot grow threads without limit.
     """
 
-    STOP: Final = frozenset({"subagent.interrupt", "subagent.pause"})
+    STOP: Final = frozenset({"subagent.interrupt", "subagent.pause", "subagent.decide"})
     LOOK: Final = frozenset({"subagent.status"})
 
     def __init__(self, work: int = 32) -> None:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from tether.wire.approval import Approval, Decision
 from tether.wire.budget import Budget, BudgetStatus
 from tether.wire.records import AgentInfo, Entry, PendingMessage, StopReport, TurnRecord
 from tether.wire.vocab import (
@@ -39,8 +40,13 @@ __all__ = [
     "Accepted",
     "Address",
     "AgentList",
+    "ApprovalList",
+    "ApprovalParams",
+    "ApprovalResult",
+    "ApprovalsParams",
     "BudgetParams",
     "BudgetResult",
+    "DecideParams",
     "DisposeParams",
     "ErrorData",
     "ErrorObject",
@@ -91,6 +97,7 @@ RPC_ERROR_CODES: Final = (
     "budget-exhausted",
     "invalid-params",
     "store-unavailable",
+    "already-decided",
     "internal",
 )
 
@@ -103,6 +110,7 @@ RPC_ERROR_CODES: Final = (
 
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TurnId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ApprovalId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 InterruptKind = Kind
 JsonObject = dict[str, Any]
 # Who the caller is, said after "by" in the markers of their stops and as the sender of
@@ -278,6 +286,47 @@ class SetBudgetParams(_Params):
     budget: Budget | None
 
 
+class ApprovalsParams(_Params):
+    """``subagent.approvals``: the pending approvals of ``session`` (``subtree``: and of
+    every session below it), oldest first (semantics §17.2). A read: no authority."""
+
+    session: SessionId
+    scope: PauseScope = "session"
+
+
+class ApprovalParams(_Params):
+    """``subagent.approval``: one approval, in whatever state (a read: no authority)."""
+
+    approval: ApprovalId
+
+
+class DecideParams(_Params):
+    """``subagent.decide``: approve or deny a pending tool call (semantics §17.2), with the
+    authority of an interrupt of its session: ``parent`` is that session's parent as the
+    caller holds it (for a root, the root's own id), compared with its durable parent;
+    ``name`` says who decides (``by user alice``). ``arguments`` (with ``approve`` only)
+    replace the call's, checked against the tool's schema."""
+
+    approval: ApprovalId
+    parent: SessionId
+    decision: Decision = "approve"
+    reason: str = ""
+    arguments: JsonObject | None = None
+    name: Name | None = None
+
+
+class ApprovalList(msgspec.Struct, frozen=True):
+    """Pending approvals, oldest first."""
+
+    approvals: list[Approval]
+
+
+class ApprovalResult(msgspec.Struct, frozen=True):
+    """One approval: as decided (``subagent.decide``), or as it stands."""
+
+    approval: Approval
+
+
 class StopReportResult(msgspec.Struct, frozen=True):
     """What the stop that reached the turn did (semantics §15.6); None: no stop reached it."""
 
@@ -413,4 +462,7 @@ METHODS: Final[dict[str, type[_Params]]] = {
     "subagent.stopReport": StopReportParams,
     "subagent.budget": BudgetParams,
     "subagent.setBudget": SetBudgetParams,
+    "subagent.approvals": ApprovalsParams,
+    "subagent.approval": ApprovalParams,
+    "subagent.decide": DecideParams,
 }
