@@ -180,12 +180,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On Ray, the async driver kind runs only the tests marked ``driver_reacts``: how a
-    driver takes a stop is the worker's business, the same code in a Ray slot's child as
-    in a local worker. The tests marked ``host_decides`` (authority, no-ops, validation,
-    notices: decided by the host alone, whatever the backend) do not run on Ray at all.
-    Every test still runs with both kinds on the local backend. (Each Ray runtime costs
-    seconds of process starts: this keeps CI's Ray suite to what the backend can change.)"""
+    """On Ray, the tests run with the sync driver kind only: how a driver of either kind
+    takes a stop is the worker's business, the same code in a Ray slot's child as in a
+    local worker, while what Ray changes (how frames reach the child, how its tree dies)
+    is the same for both kinds. The tests marked ``host_decides`` (authority, no-ops,
+    validation, notices: decided by the host alone, whatever the backend) do not run on
+    Ray at all. Every test still runs with both kinds on the local backend. (Each Ray
+    runtime costs seconds of process starts: this keeps CI's Ray suite to what the
+    backend can change.)"""
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
@@ -193,10 +195,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         on_ray = params.get("backend") == "ray"
         if on_ray and (
             item.get_closest_marker("host_decides") is not None
-            or (
-                params.get("driver_kind") == "async"
-                and item.get_closest_marker("driver_reacts") is None
-            )
+            or params.get("driver_kind") == "async"
         ):
             dropped.append(item)
         else:

@@ -57,7 +57,6 @@ def _dead(procs: list[psutil.Process]) -> bool:
 # ---- cancel and the parked queue ------------------------------------------------------------
 
 
-@pytest.mark.driver_reacts
 def test_cancel_ends_the_turn_cancelled_with_cause_user_and_parks_queued_work(
     rt: tether.Runtime,
     scripted: str,
@@ -92,7 +91,6 @@ def test_cancel_ends_the_turn_cancelled_with_cause_user_and_parks_queued_work(
     assert len(rt.turns(child)) == 1
 
 
-@pytest.mark.driver_reacts
 def test_waking_send_after_a_cancel_runs_the_parked_message_before_the_new_one(
     rt: tether.Runtime,
     scripted: str,
@@ -113,7 +111,6 @@ def test_waking_send_after_a_cancel_runs_the_parked_message_before_the_new_one(
     assert rt.wait(child, until="idle", timeout=5.0).pending == 0
 
 
-@pytest.mark.driver_reacts
 @pytest.mark.parametrize("where", ["driver-ignores-cancel", "turn-in-a-tool"])
 def test_waking_send_during_convergence_resumes_the_queue_without_another_send(
     rt: tether.Runtime, scripted: str, where: str
@@ -151,7 +148,6 @@ def test_waking_send_during_convergence_resumes_the_queue_without_another_send(
 # ---- abort, force-break, deadline, preempt ----------------------------------------------------
 
 
-@pytest.mark.driver_reacts
 def test_abort_kills_the_whole_tool_tree_within_two_seconds(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -178,7 +174,6 @@ def test_abort_kills_the_whole_tool_tree_within_two_seconds(
     refilled(rt)
 
 
-@pytest.mark.driver_reacts
 def test_cancel_ignored_by_the_driver_is_force_broken_after_grace(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -204,7 +199,6 @@ def test_cancel_ignored_by_the_driver_is_force_broken_after_grace(
     refilled(rt)
 
 
-@pytest.mark.driver_reacts
 def test_deadline_escalates_a_cancel_stuck_in_a_tool_to_an_abort(
     rt: tether.Runtime, scripted: str
 ) -> None:
@@ -279,7 +273,6 @@ def test_a_runtimes_cancel_deadline_is_the_deadline_of_every_cancel_given_none()
         assert rt.cancel_deadline == 1.0  # never 0: at least a second
 
 
-@pytest.mark.driver_reacts
 def test_preempt_kills_only_the_tool_and_the_turn_goes_on_to_complete(
     rt: tether.Runtime,
     scripted: str,
@@ -312,7 +305,6 @@ def test_preempt_kills_only_the_tool_and_the_turn_goes_on_to_complete(
 # ---- steer ------------------------------------------------------------------------------------
 
 
-@pytest.mark.driver_reacts
 def test_steer_is_delivered_as_an_escaped_frame_and_the_turn_keeps_running(
     rt: tether.Runtime,
     scripted: str,
@@ -387,7 +379,6 @@ def test_steer_reason_with_markup_never_reaches_the_driver_unescaped(
     assert rec.turn_ended(child)["outcome"] == "cancelled"
 
 
-@pytest.mark.driver_reacts
 def test_several_steers_before_one_boundary_are_all_delivered_in_order(
     rt: tether.Runtime,
     scripted: str,
@@ -420,7 +411,6 @@ def test_several_steers_before_one_boundary_are_all_delivered_in_order(
         assert m.seq < echo.seq, (m, echo)
 
 
-@pytest.mark.driver_reacts
 def test_a_stop_discards_pending_and_later_steers(rt: tether.Runtime, scripted: str) -> None:
     rec = Recorder(rt)
     _root, child, me = family(rt, scripted, slug="child")
@@ -493,7 +483,6 @@ def test_a_second_cancel_is_an_idempotent_no_op(rt: tether.Runtime, scripted: st
     refilled(rt)
 
 
-@pytest.mark.driver_reacts
 def test_abort_overrides_a_pending_cancel_with_its_own_cause_and_reason(
     rt: tether.Runtime,
     scripted: str,
