@@ -185,7 +185,12 @@ def test_spawn_agent_re_issued_with_its_call_key_after_a_worker_crash_makes_no_s
         rec = Recorder(rt)
         root = rt.open_session(SPAWNS, config={"ledger": str(ledger)})
         rt.prompt(root, "go")
-        eventually(ledger.exists, timeout=30.0, what="the spawns")
+        # a whole line: the file exists a moment before its line is written
+        eventually(
+            lambda: ledger.exists() and ledger.read_text().endswith("\n"),
+            timeout=30.0,
+            what="the spawns",
+        )
         [[first, second, pid]] = [line.split() for line in ledger.read_text().splitlines()]
         os.kill(int(pid), signal.SIGKILL)
         assert rec.turn_ended(root, timeout=30.0)["outcome"] == "completed"

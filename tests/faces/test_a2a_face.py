@@ -33,6 +33,7 @@ from a2a.utils.errors import (
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Struct, Value
 
+from drivers import eventually
 from tether_server import LiveServer, await_until, running_server, shared_server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -217,17 +218,22 @@ def test_cancel_task_ends_a_working_task_canceled_with_its_partial_output(
 
 
 def test_cancel_task_escalates_to_an_abort_when_no_boundary_comes_by_the_deadline(
-    server: LiveServer,
+    server: LiveServer, tmp_path: Path
 ) -> None:
+    running = tmp_path / "running"
+
     async def body() -> None:
         async with a2a(server) as client:
             steps: list[dict[str, Any]] = [
                 {"op": "say", "text": "sleeping"},
-                {"op": "tool", "argv": ["sleep", "60"]},
+                {"op": "tool", "argv": ["sh", "-c", f"touch {running}; exec sleep 60"]},
             ]
             (answer,) = await send(client, message("work", steps=steps), immediately=True)
             task = answer.task.id
             await working_with(client, task, "sleeping")
+            # the tool runs: no boundary comes before the deadline (a cancel that came
+            # before the tool's start would be taken there)
+            eventually(running.exists, timeout=30.0, what="the tool running")
             ended = await client.cancel_task(CancelTaskRequest(id=task))  # --cancel-deadline 2
             assert ended.status.state == TaskState.TASK_STATE_CANCELED
             turns = server.call("subagent.turns", {"session": ended.context_id})["turns"]
