@@ -53,13 +53,14 @@ test-unit: $(STAMP)
 test-install: $(STAMP)
 	$(BIN)/python -m pytest -m install -q
 
-# The stop suites once more with the walk forced (semantics §15.5): `make test` uses cgroup
-# containment where the machine allows it (root in CI does), this covers the fallback.
+# The suites that freeze and kill process trees once more with the walk forced (semantics
+# §15.5): `make test` uses cgroup containment where the machine allows it (root in CI does),
+# this covers the fallback. (The interrupt suite's trees are the same trees, killed by the
+# same code as test_containment's and test_faults', which run both paths.)
 # The tests marked host_decides are left out: no process of a turn decides their outcome.
 test-walk: $(STAMP)
 	TETHER_CONTAINMENT=walk $(BIN)/python -m pytest $(XDIST) -m "not ray and not ray_cluster and not host_decides" \
-	  tests/engine/test_interrupts.py tests/engine/test_pause.py \
-	  tests/engine/test_faults.py tests/engine/test_containment.py
+	  tests/engine/test_pause.py tests/engine/test_faults.py tests/engine/test_containment.py
 
 $(RAY_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench,agents,pydantic-ai,openai-agents,claude,otel,ray]'

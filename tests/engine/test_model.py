@@ -25,7 +25,7 @@ running turn therefore converges before the next step. A step whose effect the m
 cannot predict exactly is not taken: it is simulated first on a copy of the model and
 skipped when it would start a second hang turn.
 
-Runs 40 examples of 30 steps by default; ``TETHER_MODEL_EXAMPLES`` / ``TETHER_MODEL_STEPS``
+Runs 25 examples of 30 steps by default; ``TETHER_MODEL_EXAMPLES`` / ``TETHER_MODEL_STEPS``
 scale it (e.g. for a long local hunt), ``TETHER_MODEL_EXPLORE=1`` lets Hypothesis pick
 fresh random examples instead of the fixed derandomized set CI runs.
 
@@ -1047,7 +1047,7 @@ class TetherModel(RuleBasedStateMachine):
 def _settings() -> settings:
     explore = os.environ.get("TETHER_MODEL_EXPLORE") == "1"
     return settings(
-        max_examples=int(os.environ.get("TETHER_MODEL_EXAMPLES", "40")),
+        max_examples=int(os.environ.get("TETHER_MODEL_EXAMPLES", "25")),
         stateful_step_count=int(os.environ.get("TETHER_MODEL_STEPS", "30")),
         deadline=None,
         derandomize=not explore,
