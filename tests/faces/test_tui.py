@@ -28,6 +28,7 @@ from drivers import HANG
 from tether.cli.client import Client
 from tether.testing import ModelServer
 from tether.tui import TetherTui
+from tether.tui.actions import UNSET
 from tether.tui.approvals import Approvals
 from tether.tui.menus import KeyMenu, Prompt
 from tether.tui.report import Reports
@@ -413,12 +414,15 @@ def _call_shown(screen: Approvals, other_than: str | None = None) -> dict[str, A
 def test_approvals_are_marked_in_the_tree_and_decided_from_the_keyboard(
     server: LiveServer, model: ModelServer, tmp_path: Path
 ) -> None:
-    first, second = tmp_path / "first", tmp_path / "second"
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+    edited = tmp_path / "edited"
     model.script(
         "tui",
         [
-            {"tool_calls": [{"name": "run_command", "arguments": {"argv": _touch(first)}}]},
-            {"tool_calls": [{"name": "run_command", "arguments": {"argv": _touch(second)}}]},
+            *[
+                {"tool_calls": [{"name": "run_command", "arguments": {"argv": _touch(path)}}]}
+                for path in (first, second, third)
+            ],
             {"text": "Done."},
         ],
     )
@@ -474,12 +478,29 @@ def test_approvals_are_marked_in_the_tree_and_decided_from_the_keyboard(
             await pilot.press("enter")
             await until(lambda: app.said.startswith("refused: the arguments are not JSON"), "no")
             assert screen.note_text == app.said and "\n" not in app.said
+            assert app.model.rows[kid].approvals == 1
+            # e again, with JSON: the call runs with the edited arguments.
+            await pilot.press("e")
+            await until(
+                lambda: isinstance(app.screen, Prompt) and isinstance(app.focused, Input), "edit"
+            )
+            box = app.focused
+            assert isinstance(box, Input)
+            box.value = json.dumps({"argv": _touch(edited)})
+            await pilot.press("enter")
+            await until(lambda: app.said == f"approved {b['id']} with edited arguments", "edited")
+            await until(edited.exists, "the edited call ran", timeout=20)
+            c = await until(lambda: _call_shown(screen, b["id"]), "the third call")
+            # A decision made already is refused on one line (as a stale list would be).
+            app.decide(a, "approve", None, UNSET)
+            await until(lambda: app.said.startswith("refused: already-decided: "), "refused")
+            assert "\n" not in app.said
             # n asks a reason and denies: the model is told who and why, and goes on.
             await pilot.press("n")
             await until(lambda: isinstance(app.screen, Prompt), "the reason prompt")
             await _type(pilot, "not that one")
             await pilot.press("enter")
-            await until(lambda: app.said == f"denied {b['id']}: not that one", "denied")
+            await until(lambda: app.said == f"denied {c['id']}: not that one", "denied")
             await until(lambda: app.model.rows[kid].approvals == 0, "the mark gone")
             await until(lambda: screen.ids == [], "the list empty")
             await until(lambda: _last_turn(server, kid)["outcome"] == "completed", "completed")
@@ -487,7 +508,8 @@ def test_approvals_are_marked_in_the_tree_and_decided_from_the_keyboard(
             await until(lambda: not isinstance(app.screen, Approvals), "the list closed")
         tools = [m for m in model.requests_for("tui")[-1].body["messages"] if m["role"] == "tool"]
         assert tools[-1]["content"] == "denied by user alice: not that one"
-        assert first.read_text() == "ran\n" and not second.exists()
+        assert first.read_text() == "ran\n" and edited.read_text() == "ran\n"
+        assert not second.exists() and not third.exists()
 
     run(scenario)
 
