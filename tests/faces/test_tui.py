@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,7 +26,10 @@ from textual.widgets import Input
 
 from drivers import HANG
 from tether.cli.client import Client
+from tether.testing import ModelServer
 from tether.tui import TetherTui
+from tether.tui.actions import UNSET
+from tether.tui.approvals import Approvals
 from tether.tui.menus import KeyMenu, Prompt
 from tether.tui.report import Reports
 from tether.tui.roots import RootPicker
@@ -390,6 +394,126 @@ def test_pause_resume_subtree_stop_and_a_refusal_on_one_line(server: LiveServer)
     run(scenario)
 
 
+@pytest.fixture(scope="module")
+def model() -> Iterator[ModelServer]:
+    with ModelServer() as server:
+        yield server
+
+
+def _touch(path: Path) -> list[str]:
+    """A command that leaves ``path`` behind: whether it ran shows on disk."""
+    return [sys.executable, "-c", f"open({str(path)!r}, 'a').write('ran\\n')"]
+
+
+def _call_shown(screen: Approvals, other_than: str | None = None) -> dict[str, Any] | None:
+    """The approval under the list's cursor, once read whole (not ``other_than``)."""
+    got = screen.current()
+    return got if got is not None and "tool" in got and got["id"] != other_than else None
+
+
+def test_approvals_are_marked_in_the_tree_and_decided_from_the_keyboard(
+    server: LiveServer, model: ModelServer, tmp_path: Path
+) -> None:
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+    edited = tmp_path / "edited"
+    model.script(
+        "tui",
+        [
+            *[
+                {"tool_calls": [{"name": "run_command", "arguments": {"argv": _touch(path)}}]}
+                for path in (first, second, third)
+            ],
+            {"text": "Done."},
+        ],
+    )
+    config = {
+        "model": {"base_url": model.url, "name": "tui", "retries": 0},
+        "tools": ["run_command"],
+        "tool_policy": {"run_command": {"approval": "required"}},
+    }
+    lead = server.call("session.open", {"driver": "tether:Scripted", "slug": "lead"})["session"]
+    kid = server.call(
+        "subagent.spawn",
+        {
+            "parent": lead,
+            "driver": "tether.agents:ChatAgent",
+            "slug": "coder",
+            "config": config,
+            "prompt": "go",
+        },
+    )["session"]
+
+    async def scenario() -> None:
+        app = _app(server, lead)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(lambda: app.model.order == [kid], "the tree")
+            # The call waiting for a decision marks its session in the tree.
+            await until(lambda: app.model.rows[kid].approvals == 1, "the mark", timeout=20)
+            assert "! approval" in row_text(app.model.rows[kid], app.model).plain
+            # A lists the tree's pending calls; y approves the one under the cursor.
+            await pilot.press("A")
+            screen = await until(
+                lambda: app.screen if isinstance(app.screen, Approvals) else None, "the list"
+            )
+            a = await until(lambda: _call_shown(screen), "the call")
+            assert (a["session"], a["arguments"]) == (kid, {"argv": _touch(first)})
+            await pilot.press("y")
+            await until(lambda: app.said == f"approved {a['id']}", "approved")
+            assert (
+                server.call("subagent.approval", {"approval": a["id"]})["approval"]["decided_by"]
+                == ME
+            )
+            await until(first.exists, "the tool ran", timeout=20)
+            # The model asks again: the next call comes into the open list live.
+            b = await until(lambda: _call_shown(screen, a["id"]), "the next call")
+            assert app.model.rows[kid].approvals == 1
+            # e: an edit that is no JSON is refused on one line, and decides nothing.
+            await pilot.press("e")
+            await until(
+                lambda: isinstance(app.screen, Prompt) and isinstance(app.focused, Input), "edit"
+            )
+            box = app.focused
+            assert isinstance(box, Input) and json.loads(box.value) == b["arguments"]
+            box.value = "{not json"
+            await pilot.press("enter")
+            await until(lambda: app.said.startswith("refused: the arguments are not JSON"), "no")
+            assert screen.note_text == app.said and "\n" not in app.said
+            assert app.model.rows[kid].approvals == 1
+            # e again, with JSON: the call runs with the edited arguments.
+            await pilot.press("e")
+            await until(
+                lambda: isinstance(app.screen, Prompt) and isinstance(app.focused, Input), "edit"
+            )
+            box = app.focused
+            assert isinstance(box, Input)
+            box.value = json.dumps({"argv": _touch(edited)})
+            await pilot.press("enter")
+            await until(lambda: app.said == f"approved {b['id']} with edited arguments", "edited")
+            await until(edited.exists, "the edited call ran", timeout=20)
+            c = await until(lambda: _call_shown(screen, b["id"]), "the third call")
+            # A decision made already is refused on one line (as a stale list would be).
+            app.decide(a, "approve", None, UNSET)
+            await until(lambda: app.said.startswith("refused: already-decided: "), "refused")
+            assert "\n" not in app.said
+            # n asks a reason and denies: the model is told who and why, and goes on.
+            await pilot.press("n")
+            await until(lambda: isinstance(app.screen, Prompt), "the reason prompt")
+            await _type(pilot, "not that one")
+            await pilot.press("enter")
+            await until(lambda: app.said == f"denied {c['id']}: not that one", "denied")
+            await until(lambda: app.model.rows[kid].approvals == 0, "the mark gone")
+            await until(lambda: screen.ids == [], "the list empty")
+            await until(lambda: _last_turn(server, kid)["outcome"] == "completed", "completed")
+            await pilot.press("escape")
+            await until(lambda: not isinstance(app.screen, Approvals), "the list closed")
+        tools = [m for m in model.requests_for("tui")[-1].body["messages"] if m["role"] == "tool"]
+        assert tools[-1]["content"] == "denied by user alice: not that one"
+        assert first.read_text() == "ran\n" and edited.read_text() == "ran\n"
+        assert not second.exists() and not third.exists()
+
+    run(scenario)
+
+
 def test_the_event_stream_resumes_after_a_dropped_connection_without_a_gap(
     server: LiveServer,
 ) -> None:
@@ -641,7 +765,14 @@ def test_every_key_in_a_real_terminal(server: LiveServer, tmp_path: Path) -> Non
     tui = _Tmux([TETHER, "tui", ids["lead"], "--url", server.url, "--as", ME], env, tmp_path)
     try:
         tui.shows("grandkid  running", "the tree drawn")
-        tui.shows("⏎ message  esc stop  z pause/resume  S subtree stop", "the footer's keys")
+        tui.shows(
+            "⏎ message  esc stop  z pause/resume  S subtree stop  A approvals", "the footer's keys"
+        )
+        # A: the tree's pending approvals (none here); Esc backs out.
+        tui.keys("A")
+        tui.shows("No tool call waits for a decision in this tree.")
+        tui.keys("Escape")
+        wait_until(lambda: "No tool call waits" not in tui.screen(), what="the list closed")
         # ↓ (j) to the researcher: its transcript follows.
         tui.keys("j")
         tui.shows("assistant: reading the logs")

@@ -14,7 +14,9 @@ from typing import Any, Final
 from tether.cli.client import Client
 from tether.tui.model import Row
 
-__all__ = ["DONE", "Target", "pause", "resume", "send", "stop", "subtree_stop"]
+__all__ = ["DONE", "UNSET", "Target", "decide", "pause", "resume", "send", "stop", "subtree_stop"]
+
+UNSET: Final[Any] = object()  # no edit: the model's own arguments
 
 # What a person reads after each kind of stop: ``cancelled``, ``steered``, ...
 DONE: Final = {
@@ -113,3 +115,40 @@ def resume(client: Client, target: Target, name: str | None) -> str:
     if turns:
         return f"resumed turn {', '.join(turns)} of {target.label}"
     return f"nothing to resume: {target.label} is not paused"
+
+
+def decide(
+    client: Client,
+    approval: str,
+    parent: str | None,
+    decision: str,
+    name: str | None,
+    *,
+    reason: str | None = None,
+    arguments: Any = UNSET,
+) -> tuple[str, dict[str, Any]]:
+    """Approve or deny a pending tool call with the authority of an interrupt of its
+    session: ``parent`` is that session's parent as the tree holds it (a root's own id;
+    None: looked up, as ``tether approve`` does). ``arguments``: approve it with these in
+    place of the model's (an edit). The line for the screen, and the approval as decided."""
+    if parent is None:
+        session = client.call("subagent.approval", {"approval": approval})["approval"]["session"]
+        info = client.call("subagent.status", {"session": session})
+        parent = str(info["parent"] if info.get("parent") is not None else session)
+    params: dict[str, Any] = {
+        "approval": approval,
+        "parent": parent,
+        "decision": decision,
+        **_name(name),
+    }
+    if reason:
+        params["reason"] = reason
+    if arguments is not UNSET:
+        params["arguments"] = arguments
+    a: dict[str, Any] = client.call("subagent.decide", params)["approval"]
+    line = f"{a.get('state')} {a.get('id')}"
+    if a.get("state") == "approved" and a.get("arguments_used") != a.get("arguments"):
+        line += " with edited arguments"
+    if a.get("state") == "denied" and reason:
+        line += f": {reason}"
+    return line, a

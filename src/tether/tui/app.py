@@ -7,7 +7,9 @@ root's event stream (``stream.Feed``) and re-listed when an event speaks of a se
 does not hold (a spawn), now and then (a spawn with no prompt emits no event), and after
 events were lost; budgets are read in batches. Every call runs off the screen's loop
 (``background``), so a tree of a thousand sessions under a hundred events a second stays
-responsive: an event costs a model update and one relabelled row.
+responsive: an event costs a model update and one relabelled row. Pending approvals mark
+their sessions (from ``approval`` events and the listings); ``A`` lists the tree's, where
+they are decided.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from textual.widgets import Footer, Input, Static, Tree
 
 from tether.cli.client import Client, RpcError
 from tether.tui import actions
+from tether.tui.approvals import Approvals
 from tether.tui.background import Answer, in_background
 from tether.tui.menus import KeyMenu, Prompt
 from tether.tui.model import Model, Row
@@ -100,6 +103,7 @@ class TetherTui(App[None]):
         Binding("escape", "stop_menu", "stop", key_display="esc"),
         Binding("z", "pause", "pause/resume"),
         Binding("S", "subtree", "subtree stop"),
+        Binding("A", "approvals", "approvals"),
         Binding("t", "pane('turns')", "turns"),
         Binding("i", "pane('inbox')", "inbox"),
         Binding("r", "report", "stop report"),
@@ -132,6 +136,7 @@ class TetherTui(App[None]):
         )
         self._link_line = Static(id="link")
         self._outcome = Static(id="outcome")
+        self._approvals: Approvals | None = None  # the list of ``A``, while it is open
 
     # ---- the screen ---------------------------------------------------------------
 
@@ -166,6 +171,8 @@ class TetherTui(App[None]):
         self.said = text
         line = Text(one_line(text, 400), style="bold red" if error else "")
         self._outcome.update(line)
+        if self._approvals is not None:
+            self._approvals.note(text, error=error)
 
     def refused(self, exc: RpcError) -> None:
         self.say(f"refused: {exc.code}: {exc.message}", error=True)
@@ -231,7 +238,7 @@ class TetherTui(App[None]):
         if self.feed is None:
             return
         changed: set[str] = set()
-        relist = budgets = view = False
+        relist = budgets = view = approvals = False
         selected = self.pane.session
         for ev in self.feed.take():
             effect = self.model.apply(ev)
@@ -240,8 +247,11 @@ class TetherTui(App[None]):
             relist = relist or effect.relist
             budgets = budgets or effect.budgets
             view = view or effect.session == selected
+            approvals = approvals or effect.approval
         for sid in changed:
             self.tree_view.redraw(sid)
+        if approvals and self._approvals is not None:
+            self._approvals.show()
         if view:
             self.pane.show_facts()
             self.schedule_view()
@@ -302,6 +312,8 @@ class TetherTui(App[None]):
             for sid in changed:  # a tree of a thousand: only the rows that changed
                 self.tree_view.redraw(sid)
             self.pane.show_facts()
+            if self._approvals is not None:
+                self._approvals.show()
             self._show_link()
             if new or first:
                 self.schedule_budgets(every=True)
@@ -574,3 +586,76 @@ class TetherTui(App[None]):
             self.say(f"no stop marker in the transcript of {row.label}: no stop report to show")
             return
         self.push_screen(Reports(self.client, row.label, self.pane.stops))
+
+    # ---- approvals -----------------------------------------------------------------
+
+    def action_approvals(self) -> None:
+        """The tree's pending approvals (read again as the list opens)."""
+        root = self.model.rows.get(self.model.root or "")
+        if root is None or self._approvals is not None:
+            return
+        screen = Approvals(
+            self.model,
+            self.decide,
+            lambda text: self.say(text, error=True),
+            title=f"Tool calls waiting for a decision in the tree of {one_line(root.label, 40)}",
+        )
+        self._approvals = screen
+
+        def closed(_: None) -> None:
+            if self._approvals is screen:
+                self._approvals = None
+
+        self.push_screen(screen, closed)
+        self.read_approvals()
+
+    def read_approvals(self) -> None:
+        """Read the tree's pending approvals whole (a listing names them only by id)."""
+        root = self.model.root
+        if root is None:
+            return
+
+        def work() -> list[dict[str, Any]]:
+            params = {"session": root, "scope": "subtree"}
+            return list(self.client.call("subagent.approvals", params)["approvals"])
+
+        def done(listed: list[dict[str, Any]]) -> None:
+            if self.model.root == root:
+                self._approvals_changed(self.model.set_approvals(listed))
+
+        in_background(self, work, done, self.refused)
+
+    def _approvals_changed(self, sessions: set[str]) -> None:
+        for sid in sessions:
+            self.tree_view.redraw(sid)
+        if self.pane.session in sessions:
+            self.pane.show_facts()
+        if self._approvals is not None:
+            self._approvals.show()
+
+    def decide(self, a: dict[str, Any], decision: str, reason: str | None, arguments: Any) -> None:
+        """Approve or deny ``a`` with the authority the stop menu uses: its session's parent
+        as the tree holds it (a root's own id) and ``--as`` NAME."""
+        sid = str(a["session"])
+        row = self.model.rows.get(sid)
+        parent = (row.parent or row.id) if row is not None and self.model.in_tree(sid) else None
+        aid = str(a["id"])
+
+        def work() -> tuple[str, dict[str, Any]]:
+            return actions.decide(
+                self.client, aid, parent, decision, self.me, reason=reason, arguments=arguments
+            )
+
+        def done(got: tuple[str, dict[str, Any]]) -> None:
+            line, decided = got
+            self.model.approval_seen(decided)
+            self._approvals_changed({sid})
+            self.say(line)
+            self.schedule_view()
+
+        def failed(exc: RpcError) -> None:
+            self.refused(exc)
+            if exc.code in ("already-decided", "not-found"):
+                self.read_approvals()  # the list on screen is behind: read it again
+
+        in_background(self, work, done, failed)

@@ -78,21 +78,35 @@ class _ReasonInput(Input):
 
 
 class Prompt(ModalScreen[str | None]):
-    """Ask for a text (a reason, a steer's guidance); ``required``: not empty."""
+    """Ask for a text (a reason, a steer's guidance, a call's arguments); ``required``:
+    not empty; ``value``: the text it starts with."""
 
     DEFAULT_CSS = _CSS
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "back", "back")]
 
-    def __init__(self, title: str, hint: str, *, required: bool = False) -> None:
+    def __init__(
+        self,
+        title: str,
+        hint: str,
+        *,
+        required: bool = False,
+        value: str = "",
+        placeholder: str | None = None,
+    ) -> None:
         super().__init__()
         self._title = title
         self._hint = hint
         self._required = required
+        self._value = value
+        self._placeholder = placeholder
 
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static(Text(self._title), classes="menu-title")
-            yield _ReasonInput(placeholder="Reason" if not self._required else "Text (required)")
+            placeholder = self._placeholder or (
+                "Reason" if not self._required else "Text (required)"
+            )
+            yield _ReasonInput(value=self._value, placeholder=placeholder)
             yield Static("", classes="menu-error", id="prompt-error")
             keys = Text(self._hint + "\n" if self._hint else "")
             keys.append(" enter ", style="bold reverse")

@@ -6,6 +6,13 @@ comes from the ``state`` events once one has been seen for it (the stream is in 
 every transition emits one, so the last event applied is the truth as of its time); a
 listing fills only the sessions the stream has not spoken of yet, and a ``gap`` on the
 stream forgets that. The web console keeps the same rules (``serve/web/state.js``).
+
+Pending approvals (semantics §17.2) are kept by id: from ``approval`` events (the whole
+``Approval``), from listings (``AgentInfo.approvals``: ids only) and from reads of
+``subagent.approvals``. A decision seen is final (a listing read before it never brings
+the approval back), and an approval asked on the stream stays until the stream says it
+was decided (a listing read before it was asked never drops it); a ``gap`` forgets the
+latter, so the next listing is the truth again.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class Row:
     budget_read: bool = False
     from_events: bool = False  # its state fields come from the event stream
     drawn_ts: float | None = None  # the newest event applied and not yet drawn (its ts)
+    approvals: int = 0  # its pending approvals, as far as the screen knows
 
     @property
     def label(self) -> str:
@@ -76,7 +84,15 @@ class Row:
 
     def shown(self) -> tuple[Any, ...]:
         """What a row draws from a listing: a change here is a row to draw again."""
-        return (self.slug, self.state, self.pending, self.stopping, self.turn, self.dispatched)
+        return (
+            self.slug,
+            self.state,
+            self.pending,
+            self.stopping,
+            self.turn,
+            self.dispatched,
+            self.approvals,
+        )
 
     @property
     def own_budget(self) -> bool:
@@ -109,6 +125,7 @@ class Effect:
     relist: bool  # the tree's shape may have changed (a new session), or a fact no event
     # carries (whether a worker took the turn) is unknown
     budgets: bool  # a budget may have moved
+    approval: bool = False  # an approval was asked or decided
 
 
 def marker_stands(marker: dict[str, Any], event: str, data: dict[str, Any]) -> bool:
@@ -128,7 +145,12 @@ class Model:
     root: str | None = None
     order: list[str] = field(default_factory=list)  # the root's descendants, pre-order
     rows: dict[str, Row] = field(default_factory=dict)
+    # The tree's pending approvals by id: an ``Approval`` as the server sent it, or only
+    # ``{"id", "session"}`` while a listing is all that named it.
+    approvals: dict[str, dict[str, Any]] = field(default_factory=dict)
     _in_tree: set[str] = field(default_factory=set)
+    _asked: set[str] = field(default_factory=set)  # pending by an event of the stream
+    _decided: set[str] = field(default_factory=set)  # decided, expired or cancelled
 
     def row(self, sid: str) -> Row:
         got = self.rows.get(sid)
@@ -141,6 +163,10 @@ class Model:
         self.root = root
         self.order = []
         self._in_tree = {root}
+        for a in self.approvals.values():
+            self.row(str(a.get("session"))).approvals = 0
+        self.approvals = {}
+        self._asked = set()
 
     def in_tree(self, sid: str) -> bool:
         return sid in self._in_tree
@@ -158,7 +184,64 @@ class Model:
             row.pending = int(info.get("pending") or 0)
             row.stopping = info.get("stopping")
             row.turn = info.get("turn")
+        ids = info.get("approvals")
+        if isinstance(ids, list | tuple):
+            self._reconcile({row.id}, [{"id": str(i), "session": row.id} for i in ids])
         return row
+
+    # ---- approvals -------------------------------------------------------------------
+
+    def _reconcile(self, sessions: set[str], listed: list[dict[str, Any]]) -> set[str]:
+        """A read of the pending approvals of ``sessions`` (``listed``): the sessions whose
+        count it changed. A listing's bare id never replaces an approval known whole."""
+        touched: set[str] = set()
+        ids = {str(a["id"]) for a in listed}
+        for a in listed:
+            aid = str(a["id"])
+            if aid in self._decided:
+                continue
+            known = self.approvals.get(aid)
+            if known is None or "tool" in a or "tool" not in known:
+                self.approvals[aid] = a
+            touched.add(str(a["session"]))
+        for aid, a in list(self.approvals.items()):
+            sid = str(a.get("session"))
+            if sid in sessions and aid not in ids and aid not in self._asked:
+                del self.approvals[aid]
+                touched.add(sid)
+        return {sid for sid in touched if self._recount(sid)}
+
+    def _recount(self, sid: str) -> bool:
+        row = self.row(sid)
+        count = sum(1 for a in self.approvals.values() if a.get("session") == sid)
+        changed = row.approvals != count
+        row.approvals = count
+        return changed
+
+    def set_approvals(self, listed: list[dict[str, Any]]) -> set[str]:
+        """A read of ``subagent.approvals`` of the root, ``scope: subtree``: the sessions
+        whose count changed."""
+        return self._reconcile(set(self.tree_ids()), listed)
+
+    def approval_seen(self, a: dict[str, Any]) -> bool:
+        """An ``Approval`` from an event or a decision's answer: whether a count changed."""
+        aid, sid = str(a.get("id")), str(a.get("session"))
+        if a.get("state") == "pending":
+            if aid in self._decided:
+                return False
+            self._asked.add(aid)
+            self.approvals[aid] = a
+        else:
+            self._decided.add(aid)
+            self._asked.discard(aid)
+            self.approvals.pop(aid, None)
+        return self._recount(sid)
+
+    def pending_approvals(self) -> list[dict[str, Any]]:
+        """The tree's pending approvals, oldest first (those known only by id last)."""
+        tree = set(self.tree_ids())
+        found = [a for a in self.approvals.values() if a.get("session") in tree]
+        return sorted(found, key=lambda a: (a.get("requested_at") is None, a.get("requested_at")))
 
     def set_tree(
         self, root: dict[str, Any], agents: list[dict[str, Any]]
@@ -207,6 +290,8 @@ class Model:
             row.marker = data.get("entry")
         elif name == "budget" and not row.own_budget:
             row.budget_read = False  # a budget set where none was: read it again
+        elif name == "approval" and isinstance(data.get("approval"), dict):
+            self.approval_seen(data["approval"])
         if row.marker is not None and not marker_stands(row.marker, name, data):
             row.marker = None
         if ev.get("ts") is not None:
@@ -221,12 +306,14 @@ class Model:
             in_tree=in_tree,
             relist=belongs and (not known or not in_tree or unsure or tool),
             budgets=belongs and name in BUDGET_EVENTS,
+            approval=name == "approval",
         )
 
     def forget_event_state(self) -> None:
         """Events were lost (a ``gap``): the next listing is the truth again."""
         for row in self.rows.values():
             row.from_events = False
+        self._asked = set()
 
     def tree_ids(self) -> list[str]:
         """The root and its descendants, pre-order."""

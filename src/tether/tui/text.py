@@ -16,12 +16,15 @@ from rich.text import Text
 
 from tether.cli._terminal import shown
 from tether.tui.model import Gauge, Model, Row
+from tether.wire.approval import call_text
 from tether.wire.budget import spent_text
 from tether.wire.text import who
 
 __all__ = [
     "STATE_STYLE",
     "STOPS",
+    "approval_mark",
+    "approval_text",
     "bar",
     "entry_text",
     "facts_text",
@@ -111,8 +114,30 @@ def bar(g: Gauge, model: Model, *, width: int = _BAR, whose: bool = True) -> Tex
     return out
 
 
+def approval_mark(count: int) -> str:
+    """The mark of a session with pending approvals: ``! approval``, ``! 2 approvals``."""
+    return "! approval" if count == 1 else f"! {count} approvals"
+
+
+def approval_text(a: dict[str, Any], model: Model) -> Text:
+    """A pending approval in the list of ``A``: the call (one line, as the model wrote
+    it), whose it is, and who may decide when only a person may."""
+    out = Text()
+    if "tool" in a:
+        out.append(one_line(call_text(str(a["tool"]), a.get("arguments")), 90), style="bold")
+    else:
+        out.append("(reading the call…)", style="dim italic")
+    row = model.rows.get(str(a.get("session")))
+    out.append(f"  {one_line(row.label if row else str(a.get('session')), 40)}")
+    if a.get("approver") == "user":
+        out.append("  (a person decides)", style="dim")
+    out.append(f"  {a.get('id')}", style="dim")
+    return out
+
+
 def row_text(row: Row, model: Model) -> Text:
-    """A tree row: name, state, stopping, pending count, budget bar, last marker."""
+    """A tree row: name, state, stopping, pending count, the mark of pending approvals,
+    last marker, budget bar."""
     out = Text(one_line(row.label, 40), style="bold")
     state = state_text(row)
     out.append("  ")
@@ -121,6 +146,8 @@ def row_text(row: Row, model: Model) -> Text:
         out.append(f"  stopping: {row.stopping}", style="bold red")
     if row.pending:
         out.append(f"  {row.pending} pending", style="yellow")
+    if row.approvals:
+        out.append(f"  {approval_mark(row.approvals)}", style="bold magenta")
     if row.marker is not None:
         action = str(row.marker.get("action") or "")
         out.append("  ")
@@ -197,7 +224,10 @@ def facts_text(row: Row, model: Model) -> Text:
     out.append(state_text(row), style=STATE_STYLE.get(row.state, ""))
     if row.stopping:
         out.append(f"  stopping: {row.stopping}", style="bold red")
-    out.append(f"  ·  {row.pending} pending\nturn {row.turn or '—'}")
+    out.append(f"  ·  {row.pending} pending")
+    if row.approvals:
+        out.append(f"  ·  {approval_mark(row.approvals)} (A)", style="bold magenta")
+    out.append(f"\nturn {row.turn or '—'}")
     out.append("\n" + ("a root" if row.parent is None else f"parent {row.parent}"), "dim")
     gauge = model.gauge(row.id)
     if gauge is not None:
