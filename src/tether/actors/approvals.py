@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from tether.actors import watchdog
+from tether.actors import recovery, watchdog
 from tether.actors._ids import new_id
 from tether.actors.authority import Authority, User
 from tether.actors.clock import Timer
@@ -269,15 +269,7 @@ def _settle(
         arguments = json.dumps(a.arguments_used, ensure_ascii=False)
         started = host.store.begin_call(key, a.session, a.turn, a.tool, arguments, a.tool_call_id)
         result = {"state": state, "approval": a.id, "key": key, "arguments": arguments}
-
-        def done(error: BaseException | None) -> None:
-            if error is None:
-                answer(ToolReply(frame.turn, frame.call, result=result))
-            else:  # never run a tool whose start could not be made durable
-                why = f"the call's start could not be recorded: {error}"
-                answer(ToolReply(frame.turn, frame.call, code="store-unavailable", message=why))
-
-        started.then(done)
+        recovery.answer_started(started, frame, answer, result)
     else:
         text = result_text(a)
         answer(

@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
 from tether.actors import stops, watchdog
 from tether.actors._ids import new_id
-from tether.actors.ports import KeptTurn, TurnOver
+from tether.actors.ports import Durable, KeptTurn, TurnOver
 from tether.actors.stops import PendingStop
 from tether.actors.turn import Turn
 from tether.wire.errors import TetherError
@@ -35,7 +35,7 @@ from tether.wire.text import recovery_reason
 if TYPE_CHECKING:
     from tether.actors.agent import Session
 
-__all__ = ["begin_call", "crashed", "recover", "recover_kept", "suspend"]
+__all__ = ["answer_started", "begin_call", "crashed", "recover", "recover_kept", "suspend"]
 
 log = structlog.get_logger("tether.agent")
 
@@ -58,9 +58,18 @@ def begin_call(s: Session, frame: ToolCall, answer: Callable[[ToolReply], None])
         args.get("tool_call_id"),
     )
 
+    answer_started(durable, frame, answer, key)
+
+
+def answer_started(
+    durable: Durable, frame: ToolCall, answer: Callable[[ToolReply], None], result: Any
+) -> None:
+    """Answer the tool call ``frame`` with ``result`` once its start (``durable``) is
+    committed; if that commit fails, with the error, and its tool never runs."""
+
     def done(error: BaseException | None) -> None:
         if error is None:
-            answer(ToolReply(frame.turn, frame.call, result=key))
+            answer(ToolReply(frame.turn, frame.call, result=result))
         else:  # never run a tool whose start could not be made durable
             why = f"the call's start could not be recorded: {error}"
             answer(ToolReply(frame.turn, frame.call, code="store-unavailable", message=why))

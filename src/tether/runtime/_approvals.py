@@ -57,12 +57,7 @@ class Approvals(Engine):
             if decision != "approve":
                 raise InvalidParams("arguments are an approval's edit: give them to approve")
             _check_json(arguments)
-        if not isinstance(approval_id, str):
-            raise InvalidParams("an approval id is a string")
-        self._check_open()
-        found = self._store.approval(approval_id)
-        if found is None:
-            raise NotFound(f"no approval {approval_id!r}")
+        found = self.approval(approval_id)
         if found.state != "pending":
             raise AlreadyDecided(_decided(found))
         op = Decide(
