@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
-import httpx2
 import pytest
 from a2a.client import Client as A2AClient
 from a2a.client import ClientConfig, create_client
@@ -34,8 +32,8 @@ from a2a.utils.errors import InvalidRequestError, TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.struct_pb2 import Value
 from mcp import ClientSession
-from mcp.client.streamable_http import streamable_http_client
 
+from mcp_clients import call, http_session, ok
 from tether.cli._terminal import shown
 from tether.testing import ModelServer
 from tether_server import (
@@ -76,37 +74,6 @@ def shared(model: ModelServer, tmp_path_factory: pytest.TempPathFactory) -> Iter
     config.write_text(json.dumps(_config(model, MCP_SCRIPT)))
     with shared_server(workdir, "--driver", CHAT, "--config", str(config)) as live:
         yield live
-
-
-@asynccontextmanager
-async def http_session(
-    server: LiveServer, owner: str | None = None
-) -> AsyncIterator[ClientSession]:
-    """An MCP client of the server's ``/mcp`` (``owner``: its Tether-Owner)."""
-    headers = {"Authorization": f"Bearer {server.token}"} if server.token else {}
-    if owner is not None:
-        headers["Tether-Owner"] = owner
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=30) as http,
-        streamable_http_client(server.url + "/mcp", http_client=http) as (read, write),
-        ClientSession(read, write) as session,
-    ):
-        await session.initialize()
-        yield session
-
-
-async def call(session: ClientSession, tool: str, **arguments: Any) -> dict[str, Any]:
-    result = await session.call_tool(tool, arguments)
-    assert result.structured_content is not None, result
-    out: dict[str, Any] = result.structured_content
-    assert result.is_error == ("error" in out), result
-    return out
-
-
-async def ok(session: ClientSession, tool: str, **arguments: Any) -> dict[str, Any]:
-    out = await call(session, tool, **arguments)
-    assert "error" not in out, (tool, out)
-    return out
 
 
 def _touch(path: Path) -> list[str]:

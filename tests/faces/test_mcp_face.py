@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx2
 import psutil
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
-from mcp.client.streamable_http import streamable_http_client
 
 from drivers import HANG, TESTS
+from mcp_clients import call, http_session, ok
 from tether_server import TETHER, LiveServer, await_until, running_server
 
 pytestmark = pytest.mark.timeout(90)
@@ -50,37 +49,6 @@ async def stdio_session(
         ):
             await session.initialize()
             yield session
-
-
-@asynccontextmanager
-async def http_session(
-    server: LiveServer, token: str | None = None, owner: str | None = None
-) -> AsyncIterator[ClientSession]:
-    token = token or server.token  # the server's own, made or given, unless another
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if owner is not None:
-        headers["Tether-Owner"] = owner
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=30) as http,
-        streamable_http_client(server.url + "/mcp", http_client=http) as (read, write),
-        ClientSession(read, write) as session,
-    ):
-        await session.initialize()
-        yield session
-
-
-async def call(session: ClientSession, tool: str, **arguments: Any) -> dict[str, Any]:
-    result = await session.call_tool(tool, arguments)
-    assert result.structured_content is not None, result
-    out: dict[str, Any] = result.structured_content
-    assert result.is_error == ("error" in out), result
-    return out
-
-
-async def ok(session: ClientSession, tool: str, **arguments: Any) -> dict[str, Any]:
-    out = await call(session, tool, **arguments)
-    assert "error" not in out, (tool, out)
-    return out
 
 
 async def running_turn(session: ClientSession, root: str, agent: str) -> str:
