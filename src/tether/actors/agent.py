@@ -159,6 +159,12 @@ class Session:
     def pending(self) -> int:
         return len(self.inbox) if self.inbox else 0
 
+    @property
+    def recovers(self) -> bool:
+        """Its turns run on after a crash (semantics §17.1): a recoverable driver, and
+        ``on_crash`` is ``recover``."""
+        return self.header.recoverable and self.header.on_crash == "recover"
+
     # ---- inbox --------------------------------------------------------------------
 
     def enqueue(self, msg: Message, wake: Wake) -> None:

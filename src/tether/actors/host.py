@@ -435,7 +435,7 @@ class SessionHost(pykka.ThreadingActor):
         match op:
             case InterruptOp(target=sid) | PauseOp(session=sid):
                 s = self._live.get(sid)
-                return s is not None and s.header.recoverable and s.header.on_crash == "recover"
+                return s is not None and s.recovers
         return False
 
     def _answer(self, message: Any) -> Any:

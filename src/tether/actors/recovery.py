@@ -83,7 +83,7 @@ def crashed(s: Session, t: Turn, over: TurnOver) -> TurnOver | None:
     session being disposed, ends as it would have: that was someone's decision. A paused
     one recovers paused."""
     h = s.header
-    if not h.recoverable or h.on_crash != "recover" or s.disposing:
+    if not s.recovers or s.disposing:
         return over
     if t.stop is not None:
         return over
@@ -169,7 +169,7 @@ def suspend(s: Session) -> bool:
     t, h = s.turn, s.header
     if t is None or t.stop is not None or s.disposing:
         return False
-    if not h.recoverable or h.on_crash != "recover":
+    if not s.recovers:
         return False
     s.suspended = True
     watchdog.stop(t)

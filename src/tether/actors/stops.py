@@ -145,7 +145,7 @@ def _steer(s: Session, t: Turn, i: Interrupt) -> Steer | None:
         if t.steers is None:
             t.steers = deque(maxlen=STEERS_KEPT)
         t.steers.append(steer)
-        if s.header.recoverable:  # a crash before a boundary took it delivers it after
+        if s.recovers:  # a crash before a boundary took it delivers it after
             s.services.store.put_steer(t.id, steer)
     return steer
 
